@@ -1,0 +1,840 @@
+#!/usr/bin/env python3
+"""Copy/compute overlap in a synthetic training loop: the seed write-up's experiment, redone.
+
+Each step takes a batch of 128 x 3 x 224 x 224 float32 images plus 128 int64 labels and runs a
+chain of bf16 8192 x 8192 matrix products that depends on the batch, so the step cannot start
+before its batch is on the GPU. The number of products (plus one partial product) is calibrated
+so that the compute takes a target time; by default about 1.2x and 8x the time of one pinned
+host-to-device copy of the batch, measured first.
+
+Two sources:
+  dataset   a per-sample in-RAM Dataset read through torch DataLoaders (8 worker processes,
+            prefetch_factor 3, persistent workers); the loader itself is slow here.
+  collated  pre-collated numpy batches (a ring of distinct batches, reused); the loader is not
+            the bottleneck, so the copy path is.
+
+Rows (ways of getting a batch onto the GPU):
+  pageable          pageable source, blocking .to(device)
+  dl_pinned         DataLoader(pin_memory=True) (its pin thread), .to(device, non_blocking=True)
+  pin_inline        pageable source, .pin_memory() in the training loop, non_blocking .to()
+  seed              the seed write-up's AsyncGPUDataLoader over the pin_memory DataLoader,
+                    reproduced as published (side stream of priority -1, wait_stream before
+                    yielding the previous batch, no record_stream)
+  apex              a correct side-stream prefetcher (wait_stream + record_stream, Apex-style)
+                    over the pin_memory DataLoader
+  pinloader         pinloader.torch.prefetch over the pageable source
+  pinloader_pinned  pinloader.torch.prefetch over batches that are numpy views of PinnedBuffers
+                    (collated source only)
+  on_gpu            the batches are already on the GPU (upper bound)
+
+Columns, per step and as the median over repeats (min-max in brackets):
+  samples/s, step time (wall clock over the measured steps, ending with the last step's compute)
+  data wait: time the compute stream spends between one step's compute and the next, from CUDA
+             events; it covers copies on that stream, waits on copy streams and starvation while
+             the host is blocked fetching the batch
+  host wait: host time blocked in next() on the feed (fetching plus any blocking copy)
+  GPU idle:  1 - compute-only time / step time, the compute-only time measured back to back with
+             the data already on the GPU
+  host CPU:  process CPU time per step (all threads of this process: pin threads and pinloader's
+             threads included, DataLoader worker processes excluded)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+torch = None  # imported by main() once the arguments are parsed
+
+IMAGE_SHAPE = (3, 224, 224)
+DIM = 8192
+
+SOURCES = ("dataset", "collated")
+SOURCE_LABELS = {
+    "dataset": "per-sample in-RAM Dataset through torch DataLoader worker processes",
+    "collated": "pre-collated numpy batches in RAM",
+}
+ROWS = ("pageable", "dl_pinned", "pin_inline", "seed", "apex",
+        "pinloader", "pinloader_pinned", "on_gpu")
+ROW_LABELS = {
+    "pageable": "pageable, blocking `.to()`",
+    "dl_pinned": "DataLoader `pin_memory=True`, `non_blocking`",
+    "pin_inline": "`.pin_memory()` inline, `non_blocking`",
+    "seed": "seed's two-stream `AsyncGPUDataLoader`",
+    "apex": "side-stream prefetcher + `record_stream` (Apex-style)",
+    "pinloader": "pinloader `torch.prefetch`",
+    "pinloader_pinned": "pinloader, PinnedBuffer source",
+    "on_gpu": "data already on the GPU (upper bound)",
+}
+NOT_APPLICABLE = {("dataset", "pinloader_pinned"):
+                  "batches are collated in worker processes, which cannot write into this "
+                  "process's PinnedBuffers"}
+
+
+# --------------------------------------------------------------------------- loaders under test
+
+class AsyncGPUDataLoader:
+    """The seed write-up's loader, as published: a priority -1 side stream, the next batch's
+    copies issued on it, and the compute stream made to wait for that stream before the
+    previous batch is yielded. It never calls record_stream."""
+
+    def __init__(self, dataloader, device):
+        self.loader = dataloader
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+
+    def __iter__(self):
+        first = True
+        for next_inputs, next_targets in self.loader:
+            with torch.cuda.stream(self.stream):
+                next_inputs = next_inputs.to(self.device, non_blocking=True)
+                next_targets = next_targets.to(self.device, non_blocking=True)
+            if not first:
+                torch.cuda.current_stream().wait_stream(self.stream)
+                yield current_inputs, current_targets  # noqa: F821
+            else:
+                first = False
+            current_inputs = next_inputs
+            current_targets = next_targets
+        torch.cuda.current_stream().wait_stream(self.stream)
+        yield current_inputs, current_targets
+
+    def __len__(self):
+        return len(self.loader)
+
+
+class SideStreamPrefetcher:
+    """A correct side-stream prefetcher in the style of NVIDIA Apex's data_prefetcher.
+
+    The copy of batch i+1 is issued after the compute stream was told to wait for batch i, so
+    compute never waits for a copy it does not need, and record_stream keeps the caching
+    allocator from reusing a batch's memory while the compute stream may still read it."""
+
+    def __init__(self, loader, device):
+        self.loader = loader
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def _preload(self, it):
+        try:
+            inputs, targets = next(it)
+        except StopIteration:
+            return None
+        with torch.cuda.stream(self.stream):
+            return (inputs.to(self.device, non_blocking=True),
+                    targets.to(self.device, non_blocking=True))
+
+    def __iter__(self):
+        it = iter(self.loader)
+        pending = self._preload(it)
+        while pending is not None:
+            current = torch.cuda.current_stream()
+            current.wait_stream(self.stream)
+            for t in pending:
+                t.record_stream(current)
+            batch, pending = pending, self._preload(it)
+            yield batch
+
+    def __len__(self):
+        return len(self.loader)
+
+
+# --------------------------------------------------------------------------- sources
+
+class InRamSamples:
+    """Map-style dataset of single samples held in RAM; index i reads sample i mod n."""
+
+    def __init__(self, images, labels, length):
+        self.images = images
+        self.labels = labels
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        j = index % len(self.images)
+        return self.images[j], self.labels[j]
+
+
+class CollatedBatches:
+    """Map-style dataset whose items are whole batches (for DataLoader(batch_size=None))."""
+
+    def __init__(self, xs, ys, length):
+        self.xs = xs
+        self.ys = ys
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        j = index % len(self.xs)
+        return self.xs[j], self.ys[j]
+
+
+def _loader_kwargs(workers, prefetch_factor, pin):
+    kw = dict(num_workers=workers, pin_memory=pin)
+    if workers > 0:
+        kw.update(persistent_workers=True, prefetch_factor=prefetch_factor,
+                  multiprocessing_context="fork")
+    return kw
+
+
+class DatasetSource:
+    """Per-sample dataset read through DataLoaders with worker processes.
+
+    One DataLoader per pin_memory setting, created on first use and kept (persistent workers)
+    for all runs. An epoch holds exactly the batches one run consumes plus a small slack, so
+    that workers go quiet soon after a run ends."""
+
+    name = "dataset"
+
+    def __init__(self, args, epoch_batches):
+        self.args = args
+        gen = torch.Generator().manual_seed(1)
+        images = torch.rand((args.dataset_samples, *IMAGE_SHAPE), generator=gen)
+        labels = torch.randint(0, 1000, (args.dataset_samples,), generator=gen)
+        self.dataset = InRamSamples(images, labels, epoch_batches * args.batch_size)
+        self._loaders = {}
+
+    def _loader(self, pin):
+        if pin not in self._loaders:
+            self._loaders[pin] = torch.utils.data.DataLoader(
+                self.dataset, batch_size=self.args.batch_size, shuffle=True, drop_last=True,
+                **_loader_kwargs(self.args.workers, self.args.prefetch_factor, pin))
+        return self._loaders[pin]
+
+    def pageable(self):
+        return self._loader(False)
+
+    def pinned(self):
+        return self._loader(True)
+
+    def pinned_buffers(self):
+        raise RuntimeError(NOT_APPLICABLE[("dataset", "pinloader_pinned")])
+
+    def describe(self):
+        a = self.args
+        return (f"{a.dataset_samples} distinct samples in RAM, batch {a.batch_size}, "
+                f"{a.workers} workers, prefetch_factor {a.prefetch_factor}, persistent workers, "
+                f"shuffle, {len(self.dataset) // a.batch_size} batches per epoch")
+
+    def close(self):
+        self._loaders.clear()
+        gc.collect()
+
+
+class CollatedSource:
+    """A ring of pre-collated batches: numpy (pageable), shared-memory tensors for a
+    DataLoader with worker processes and a pin thread, and PinnedBuffer views for pinloader."""
+
+    name = "collated"
+
+    def __init__(self, args, epoch_batches):
+        self.args = args
+        self.epoch_batches = epoch_batches
+        rng = np.random.default_rng(2)
+        shape = (args.batch_size, *IMAGE_SHAPE)
+        self.xs = [rng.random(shape, dtype=np.float32) for _ in range(args.ring)]
+        self.ys = [rng.integers(0, 1000, size=args.batch_size, dtype=np.int64)
+                   for _ in range(args.ring)]
+        self._loader = None
+        self._pool = None
+        self._buffers = []
+        self._pinned_views = None
+
+    def pageable(self):
+        xs, ys, n = self.xs, self.ys, self.epoch_batches
+
+        def batches():
+            for i in range(n):
+                yield xs[i % len(xs)], ys[i % len(ys)]
+
+        return batches()
+
+    def pinned(self):
+        if self._loader is None:
+            xs = [torch.from_numpy(x).clone().share_memory_() for x in self.xs]
+            ys = [torch.from_numpy(y).clone().share_memory_() for y in self.ys]
+            dataset = CollatedBatches(xs, ys, self.epoch_batches)
+            self._loader = torch.utils.data.DataLoader(
+                dataset, batch_size=None, shuffle=False,
+                **_loader_kwargs(self.args.collated_workers, self.args.prefetch_factor, True))
+        return self._loader
+
+    def pinned_buffers(self):
+        if self._pinned_views is None:
+            pinloader = common.require_pinloader_cuda()
+            total = sum(x.nbytes + y.nbytes for x, y in zip(self.xs, self.ys))
+            self._pool = pinloader.PinnedPool(max_bytes=2 * total + 256 * common.MiB)
+            views = []
+            for x, y in zip(self.xs, self.ys):
+                pair = []
+                for arr in (x, y):
+                    buf = self._pool.alloc(arr.nbytes)
+                    self._buffers.append(buf)
+                    view = np.frombuffer(buf, dtype=arr.dtype, count=arr.size).reshape(arr.shape)
+                    np.copyto(view, arr)
+                    pair.append(view)
+                views.append(tuple(pair))
+            self._pinned_views = views
+        views, n = self._pinned_views, self.epoch_batches
+
+        def batches():
+            for i in range(n):
+                yield views[i % len(views)]
+
+        return batches()
+
+    def describe(self):
+        a = self.args
+        return (f"ring of {a.ring} distinct batches of {a.batch_size}; the pin_memory DataLoader "
+                f"reads them from shared memory with {a.collated_workers} worker(s), "
+                f"prefetch_factor {a.prefetch_factor}, batch_size=None")
+
+    def close(self):
+        self._loader = None
+        self._pinned_views = None
+        gc.collect()
+        for buf in self._buffers:
+            try:
+                buf.release()
+            except Exception as exc:
+                common.log(f"  PinnedBuffer.release() failed: {type(exc).__name__}: {exc}")
+        self._buffers.clear()
+        self._pool = None
+        gc.collect()
+
+
+# --------------------------------------------------------------------------- feeds (rows)
+
+class Feed:
+    """An iterator of (inputs, targets) CUDA tensors usable on the current stream."""
+
+    def __init__(self, iterable, owners=(), stats=None):
+        self.owners = [iterable, *owners]
+        self.iterator = iter(iterable)
+        if self.iterator is not iterable:
+            self.owners.insert(0, self.iterator)
+        self._stats = stats
+
+    def stats(self):
+        if self._stats is not None:
+            return self._stats()
+        for obj in self.owners:
+            fn = getattr(obj, "stats", None)
+            if callable(fn):
+                return fn()
+        return None
+
+    def close(self):
+        errors = [e for e in (common.close_quietly(o) for o in self.owners) if e]
+        return errors[0] if errors else None
+
+
+def _tensor(a):
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+
+
+def make_feed(row, source, ctx):
+    dev = ctx["device"]
+    if row == "pageable":
+        def gen():
+            for x, y in source.pageable():
+                yield _tensor(x).to(dev), _tensor(y).to(dev)
+        return Feed(gen())
+    if row == "dl_pinned":
+        def gen():
+            for x, y in source.pinned():
+                yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        return Feed(gen())
+    if row == "pin_inline":
+        def gen():
+            for x, y in source.pageable():
+                yield (_tensor(x).pin_memory().to(dev, non_blocking=True),
+                       _tensor(y).pin_memory().to(dev, non_blocking=True))
+        return Feed(gen())
+    if row == "seed":
+        return Feed(AsyncGPUDataLoader(source.pinned(), torch.device(dev)))
+    if row == "apex":
+        return Feed(SideStreamPrefetcher(source.pinned(), torch.device(dev)))
+    if row in ("pinloader", "pinloader_pinned"):
+        common.require_pinloader_cuda()
+        import pinloader.torch as pt
+        batches = source.pageable() if row == "pinloader" else source.pinned_buffers()
+        return Feed(pt.prefetch(batches, device=dev, **ctx["pinloader_opts"]))
+    if row == "on_gpu":
+        ring, n = ctx["gpu_ring"], ctx["epoch_batches"]
+
+        def gen():
+            for i in range(n):
+                yield ring[i % len(ring)]
+        return Feed(gen())
+    raise ValueError(f"unknown row {row!r}")
+
+
+# --------------------------------------------------------------------------- compute
+
+class SyntheticStep:
+    """A compute step that depends on the batch: a chain of bf16 DIM x DIM matrix products.
+
+    The first DIM-wide slice of each image (as bf16) replaces the top rows of the weight to
+    form the chain's first operand; ``full`` products of DIM x DIM by DIM x DIM follow, then
+    one product of the first ``tail`` rows, which gives a finer step than a whole product."""
+
+    def __init__(self, device, dim=DIM):
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn((dim, dim), device=device, generator=gen)
+        self.w = (w / math.sqrt(dim)).to(torch.bfloat16)
+        self.dim = dim
+        self.full = 1
+        self.tail = 0
+
+    def configure(self, full, tail):
+        self.full, self.tail = int(full), int(tail)
+
+    def __call__(self, x, y):
+        b = x.shape[0]
+        h = x.view(b, -1)[:, :self.dim].to(torch.bfloat16)
+        m = torch.cat((h, self.w[b:]))
+        for _ in range(self.full):
+            m = m @ self.w
+        if self.tail:
+            m = m[:self.tail] @ self.w
+        return (m[0, :b].float() * y.to(torch.float32)).sum()
+
+
+def _time_back_to_back(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    with common.CudaTimer(torch) as timer:
+        for _ in range(iters):
+            fn()
+    return timer.elapsed_ms() / iters
+
+
+def compute_only_ms(step, gx, gy, target_ms):
+    iters = max(5, min(60, int(150 / max(target_ms, 0.1))))
+    return _time_back_to_back(lambda: step(gx, gy), iters)
+
+
+def _plan(target_ms, matmul_ms, dim, granule=256):
+    full = int(target_ms // matmul_ms)
+    rest = target_ms - full * matmul_ms
+    tail = int(round(rest / matmul_ms * dim / granule)) * granule
+    if tail >= dim:
+        full, tail = full + 1, 0
+    if full == 0 and tail == 0:
+        tail = granule
+    return full, tail
+
+
+def calibrate(step, gx, gy, target_ms, matmul_ms):
+    """Choose (full, tail) so that the step takes about target_ms; measured, not predicted."""
+    effective = target_ms
+    best = None
+    tried = []
+    for _ in range(6):
+        full, tail = _plan(effective, matmul_ms, step.dim)
+        step.configure(full, tail)
+        ms = compute_only_ms(step, gx, gy, target_ms)
+        tried.append({"full": full, "tail": tail, "ms": ms})
+        if best is None or abs(ms - target_ms) < abs(best[2] - target_ms):
+            best = (full, tail, ms)
+        if abs(ms - target_ms) <= 0.02 * target_ms:
+            break
+        effective *= target_ms / ms
+    step.configure(best[0], best[1])
+    return {"target_ms": target_ms, "full_matmuls": best[0], "tail_rows": best[1],
+            "calibrated_ms": best[2], "tried": tried}
+
+
+def measure_pinned_copy(args):
+    """Time of one pinned H2D copy of a batch (images + labels) on a side stream."""
+    x = torch.rand((args.batch_size, *IMAGE_SHAPE)).pin_memory()
+    y = torch.randint(0, 1000, (args.batch_size,)).pin_memory()
+    xd = torch.empty_like(x, device=args.device)
+    yd = torch.empty_like(y, device=args.device)
+    stream = torch.cuda.Stream(device=args.device)
+    samples = []
+    with torch.cuda.stream(stream):
+        for i in range(3 + args.copy_repeats):
+            with common.CudaTimer(torch) as timer:
+                xd.copy_(x, non_blocking=True)
+                yd.copy_(y, non_blocking=True)
+            ms = timer.elapsed_ms()
+            if i >= 3:
+                samples.append(ms)
+    nbytes = x.nbytes + y.nbytes
+    summary = common.summarize(samples)
+    return {"bytes": nbytes, "ms": summary, "samples_ms": samples,
+            "gbps": nbytes / (summary["median"] * 1e-3) / 1e9}
+
+
+# --------------------------------------------------------------------------- one run
+
+def run_steps(feed, step, steps, warmup, max_ahead, batch_size):
+    """Drive ``steps`` measured steps (after ``warmup``) and return the per-run metrics."""
+    total = warmup + steps
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    host_wait = []
+    harness_cpu = 0.0
+    it = feed.iterator
+    result = None
+    t0 = c0 = None
+    for i in range(total):
+        if i == warmup:
+            torch.cuda.synchronize()
+            harness_cpu = 0.0
+            t0, c0 = time.perf_counter(), time.process_time()
+        if i >= max_ahead:
+            h0 = time.thread_time()
+            common.wait_event(ends[i - max_ahead])
+            harness_cpu += time.thread_time() - h0
+        f0 = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            raise RuntimeError(f"the feed ended after {i} batches; {total} were needed") from None
+        waited = time.perf_counter() - f0
+        if i >= warmup:
+            host_wait.append(waited)
+        starts[i].record()
+        result = step(x, y)
+        ends[i].record()
+        del x, y
+    h0 = time.thread_time()
+    common.wait_event(ends[-1])
+    harness_cpu += time.thread_time() - h0
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0 - harness_cpu
+    torch.cuda.synchronize()
+    del result
+
+    compute = [starts[i].elapsed_time(ends[i]) for i in range(warmup, total)]
+    gaps = [ends[i - 1].elapsed_time(starts[i]) for i in range(warmup + 1, total)]
+    waits_ms = [1e3 * w for w in host_wait]
+    step_ms = 1e3 * wall / steps
+    gap = common.summarize(gaps)
+    wait = common.summarize(waits_ms)
+    return {
+        "steps": steps,
+        "warmup": warmup,
+        "step_ms": step_ms,
+        "samples_per_s": batch_size * steps / wall,
+        "data_wait_ms": gap["mean"],
+        "data_wait_ms_p90": gap["p90"],
+        "host_wait_ms": wait["mean"],
+        "host_wait_ms_p90": wait["p90"],
+        "gpu_compute_ms": common.summarize(compute)["mean"],
+        "cpu_ms_per_step": 1e3 * cpu / steps,
+        "per_step": {
+            "host_wait_ms": [round(v, 4) for v in waits_ms],
+            "gpu_gap_ms": [round(v, 4) for v in gaps],
+            "gpu_compute_ms": [round(v, 4) for v in compute],
+        },
+    }
+
+
+def run_row(row, source, ctx, steps, warmup):
+    feed = None
+    record = {}
+    try:
+        feed = make_feed(row, source, ctx)
+        record = run_steps(feed, ctx["step"], steps, warmup, ctx["max_ahead"],
+                           ctx["batch_size"])
+        try:
+            stats = feed.stats()
+        except Exception as exc:
+            stats = {"error": f"{type(exc).__name__}: {exc}"}
+        if stats is not None:
+            record["pinloader_stats"] = stats
+    except Exception as exc:
+        record = common.error_record(exc)
+    finally:
+        if feed is not None:
+            err = feed.close()
+            if err and "error" not in record:
+                record["close_error"] = err["error"]
+        try:
+            torch.cuda.synchronize()
+        except Exception as exc:
+            record.setdefault("error", f"after the run: {type(exc).__name__}: {exc}")
+    return record
+
+
+# --------------------------------------------------------------------------- driver
+
+METRICS = ("samples_per_s", "step_ms", "data_wait_ms", "host_wait_ms", "idle_pct",
+           "cpu_ms_per_step", "gpu_compute_ms")
+
+
+def summarize_results(results):
+    for res in results:
+        ok = [r for r in res["repeats"] if "error" not in r]
+        res["summary"] = {m: common.summarize(r.get(m) for r in ok) for m in METRICS}
+        errors = [r["error"] for r in res["repeats"] if "error" in r]
+        if errors:
+            res["errors"] = sorted(set(errors))
+        res["status"] = ("not applicable" if res.get("not_applicable")
+                         else "ok" if ok and not errors
+                         else "partial" if ok else "error")
+
+
+def render_markdown(payload):
+    lines = ["# Copy/compute overlap (`bench_overlap.py`)", ""]
+    lines += common.machine_summary_lines(payload["machine"])
+    cfg = payload["config"]
+    copy = payload["pinned_copy"]
+    lines += [
+        "",
+        f"Batch: {cfg['batch_size']} x {' x '.join(map(str, IMAGE_SHAPE))} float32 + "
+        f"{cfg['batch_size']} int64 labels ({copy['bytes'] / 1e6:.1f} MB). One pinned H2D copy "
+        f"of it: {common.fmt_summary(copy['ms'], 3)} ms, {copy['gbps']:.1f} GB/s.",
+        f"Loop: the host waits for step i-{cfg['max_ahead']}'s compute before fetching batch i "
+        f"(`--max-ahead`); pinloader options: `{cfg['pinloader_opts']}`.",
+        "Cells: median over repeats (min–max). Repeats: "
+        f"{cfg['repeats']}.",
+        "",
+        "## Compute levels",
+        "",
+    ]
+    level_rows = []
+    for lvl in payload["compute_levels"]:
+        only = common.summarize(lvl.get("compute_only_ms", []))
+        level_rows.append([lvl["level"], common.fmt_num(lvl["target_ms"]),
+                           f"{lvl['full_matmuls']} + {lvl['tail_rows']} rows",
+                           common.fmt_summary(only, 3)])
+    lines.append(common.md_table(["level", "target (ms)", "8192² products + partial",
+                                  "compute-only (ms)"], level_rows))
+    for source in payload["sources"]:
+        lines += ["", f"## Source: {source} — {SOURCE_LABELS[source]}", "",
+                  payload["source_descriptions"].get(source, ""), "",
+                  f"Steps per run: {payload['steps'][source]['steps']} measured after "
+                  f"{payload['steps'][source]['warmup']} warm-up.", ""]
+        table = []
+        for lvl in payload["compute_levels"]:
+            for res in payload["results"]:
+                if res["source"] != source or res["level"] != lvl["level"]:
+                    continue
+                label = ROW_LABELS[res["row"]]
+                compute = common.fmt_num(lvl["target_ms"], 1)
+                if res["status"] == "not applicable":
+                    table.append([label, compute, "n/a", "", "", "", "", ""])
+                    continue
+                if res["status"] == "error":
+                    msg = res["errors"][0].replace("|", "/")
+                    table.append([label, compute, f"error: {msg[:160]}", "", "", "", "", ""])
+                    continue
+                s = res["summary"]
+                label_cell = label + (" (some repeats failed)" if res["status"] == "partial" else "")
+                table.append([
+                    label_cell, compute,
+                    common.fmt_summary(s["samples_per_s"], 0),
+                    common.fmt_summary(s["step_ms"], 2),
+                    common.fmt_summary(s["data_wait_ms"], 2),
+                    common.fmt_summary(s["host_wait_ms"], 2),
+                    common.fmt_summary(s["idle_pct"], 1),
+                    common.fmt_summary(s["cpu_ms_per_step"], 2),
+                ])
+        lines.append(common.md_table(
+            ["row", "compute (ms)", "samples/s", "step (ms)", "data wait (ms)",
+             "host wait (ms)", "GPU idle (%)", "host CPU (ms/step)"], table))
+    lines += ["", "Data wait: mean gap on the compute stream between consecutive steps' compute "
+              "(CUDA events). Host wait: mean host time blocked in `next()`. GPU idle: "
+              "1 − compute-only / step. Host CPU: process CPU time per step, DataLoader worker "
+              "processes excluded.", ""]
+    return "\n".join(lines)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description="Copy/compute overlap in a synthetic training loop (the seed's experiment).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--sources", type=common.choice_list(SOURCES), default=list(SOURCES),
+                   help="comma-separated sources (default: all): " + ", ".join(SOURCES))
+    p.add_argument("--rows", type=common.choice_list(ROWS), default=list(ROWS),
+                   help="comma-separated rows (default: all): " + ", ".join(ROWS))
+    p.add_argument("--compute-ms", type=common.csv_list(float), default=None,
+                   help="compute levels in ms (default: --compute-factors x pinned copy time)")
+    p.add_argument("--compute-factors", type=common.csv_list(float), default=[1.2, 8.0],
+                   help="compute levels as multiples of the pinned copy time (default: 1.2,8)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every row (default: 3)")
+    p.add_argument("--steps", type=int, default=100,
+                   help="measured steps per run, collated source (default: 100)")
+    p.add_argument("--warmup", type=int, default=10,
+                   help="warm-up steps per run, collated source (default: 10)")
+    p.add_argument("--dataset-steps", type=int, default=30,
+                   help="measured steps per run, dataset source (default: 30)")
+    p.add_argument("--dataset-warmup", type=int, default=None,
+                   help="warm-up steps per run, dataset source (default: workers x "
+                        "prefetch_factor + 4, so the loader's initial backlog is consumed)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=8, help="DataLoader workers, dataset source")
+    p.add_argument("--prefetch-factor", type=int, default=3)
+    p.add_argument("--collated-workers", type=int, default=2,
+                   help="workers of the pin_memory DataLoader over the collated ring "
+                        "(0 pins in the main thread instead of a pin thread; default: 2)")
+    p.add_argument("--dataset-samples", type=int, default=512,
+                   help="distinct samples held in RAM by the dataset source (default: 512)")
+    p.add_argument("--ring", type=int, default=8, help="distinct collated batches (default: 8)")
+    p.add_argument("--depth", type=int, default=2, help="pinloader prefetch depth (default: 2)")
+    p.add_argument("--staging-threads", type=int, default=None,
+                   help="pinloader staging threads (default: pinloader's own default)")
+    p.add_argument("--max-ahead", type=int, default=2,
+                   help="before fetching batch i the loop waits for step i-N's compute, as a "
+                        "loop that reads its loss one step late does; 1 = fully synchronous "
+                        "(default: 2)")
+    p.add_argument("--copy-repeats", type=int, default=20,
+                   help="timed pinned copies for the reference copy time (default: 20)")
+    p.add_argument("--settle-s", type=float, default=0.2,
+                   help="pause after each run so background work of one row does not overlap "
+                        "the next (default: 0.2)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small run (well under a minute): 1 repeat, fewer steps, smaller ring")
+    common.add_output_args(p, "overlap")
+    return p
+
+
+def apply_quick(args):
+    if not args.quick:
+        return
+    args.repeats = 1
+    args.steps = min(args.steps, 20)
+    args.warmup = min(args.warmup, 5)
+    args.dataset_steps = min(args.dataset_steps, 10)
+    args.ring = min(args.ring, 4)
+    args.dataset_samples = min(args.dataset_samples, 256)
+    args.copy_repeats = min(args.copy_repeats, 10)
+    args.settle_s = min(args.settle_s, 0.05)
+
+
+def main(argv=None):
+    global torch
+    args = build_parser().parse_args(argv)
+    apply_quick(args)
+    for name in ("steps", "dataset_steps"):
+        if getattr(args, name) < 2:
+            common.fail(f"--{name.replace('_', '-')} must be at least 2")
+    if args.repeats < 1 or args.max_ahead < 1 or args.batch_size < 1:
+        common.fail("--repeats, --max-ahead and --batch-size must be at least 1")
+    if args.batch_size > DIM:
+        common.fail(f"--batch-size must be at most {DIM}")
+    if args.dataset_warmup is None:
+        args.dataset_warmup = args.workers * args.prefetch_factor + 4
+    torch = common.require_cuda(args.device)
+    started = time.perf_counter()
+
+    machine = common.machine_info(torch, args.device)
+    common.log(f"overlap: {machine.get('gpu', {}).get('name')} | sources {args.sources} | "
+               f"rows {args.rows} | repeats {args.repeats}")
+
+    copy = measure_pinned_copy(args)
+    copy_ms = copy["ms"]["median"]
+    common.log(f"pinned copy of one batch: {copy_ms:.3f} ms ({copy['gbps']:.1f} GB/s)")
+    targets = args.compute_ms or [f * copy_ms for f in args.compute_factors]
+
+    step = SyntheticStep(args.device)
+    gpu_ring = [(torch.rand((args.batch_size, *IMAGE_SHAPE), device=args.device),
+                 torch.randint(0, 1000, (args.batch_size,), device=args.device))
+                for _ in range(2)]
+    gx, gy = gpu_ring[0]
+    matmul_ms = _time_back_to_back(lambda: step.w @ step.w, 10)
+    levels = []
+    for i, target in enumerate(targets):
+        cal = calibrate(step, gx, gy, target, matmul_ms)
+        cal.update(level=i, matmul_ms=matmul_ms, compute_only_ms=[])
+        levels.append(cal)
+        common.log(f"level {i}: target {target:.2f} ms -> {cal['full_matmuls']} products + "
+                   f"{cal['tail_rows']} rows, {cal['calibrated_ms']:.3f} ms")
+
+    pinloader_opts = {"depth": args.depth}
+    if args.staging_threads is not None:
+        pinloader_opts["staging_threads"] = args.staging_threads
+    slack = args.depth + 4
+    steps_cfg = {"dataset": {"steps": args.dataset_steps, "warmup": args.dataset_warmup},
+                 "collated": {"steps": args.steps, "warmup": args.warmup}}
+
+    results = []
+    descriptions = {}
+    for source_name in args.sources:
+        sc = steps_cfg[source_name]
+        epoch_batches = sc["warmup"] + sc["steps"] + slack
+        common.log(f"source {source_name}: preparing")
+        source = (DatasetSource if source_name == "dataset" else CollatedSource)(args, epoch_batches)
+        descriptions[source_name] = source.describe()
+        ctx = {"device": args.device, "step": step, "max_ahead": args.max_ahead,
+               "batch_size": args.batch_size, "pinloader_opts": pinloader_opts,
+               "gpu_ring": gpu_ring, "epoch_batches": epoch_batches}
+        entries = {}
+        for lvl in levels:
+            for row in args.rows:
+                entry = {"source": source_name, "row": row, "label": ROW_LABELS[row],
+                         "level": lvl["level"], "target_ms": lvl["target_ms"], "repeats": []}
+                if (source_name, row) in NOT_APPLICABLE:
+                    entry["not_applicable"] = NOT_APPLICABLE[(source_name, row)]
+                entries[(lvl["level"], row)] = entry
+                results.append(entry)
+        try:
+            for rep in range(args.repeats):
+                for lvl in levels:
+                    step.configure(lvl["full_matmuls"], lvl["tail_rows"])
+                    only = compute_only_ms(step, gx, gy, lvl["target_ms"])
+                    lvl["compute_only_ms"].append(only)
+                    for row in args.rows:
+                        entry = entries[(lvl["level"], row)]
+                        if "not_applicable" in entry:
+                            continue
+                        rec = run_row(row, source, ctx, sc["steps"], sc["warmup"])
+                        rec["repeat"] = rep
+                        rec["compute_only_ms"] = only
+                        if "step_ms" in rec:
+                            rec["idle_pct"] = 100.0 * (1.0 - only / rec["step_ms"])
+                            common.log(f"  [{source_name} r{rep} L{lvl['level']}] {row:17s} "
+                                       f"{rec['samples_per_s']:9.0f} samples/s  step "
+                                       f"{rec['step_ms']:7.2f} ms  idle {rec['idle_pct']:5.1f}%  "
+                                       f"wait {rec['data_wait_ms']:.2f}/{rec['host_wait_ms']:.2f} ms")
+                        else:
+                            common.log(f"  [{source_name} r{rep} L{lvl['level']}] {row:17s} "
+                                       f"{rec.get('error')}")
+                        entry["repeats"].append(rec)
+                        time.sleep(args.settle_s)
+        finally:
+            source.close()
+
+    summarize_results(results)
+    payload = {
+        "benchmark": "overlap",
+        "schema": 1,
+        "machine": machine,
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "pinloader_opts": pinloader_opts, "image_shape": IMAGE_SHAPE, "dim": DIM},
+        "sources": args.sources,
+        "source_descriptions": descriptions,
+        "steps": {s: steps_cfg[s] for s in args.sources},
+        "pinned_copy": copy,
+        "matmul_ms": matmul_ms,
+        "compute_levels": levels,
+        "results": results,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    jpath = common.write_json(args.out, args.name, payload)
+    mpath = common.write_markdown(args.out, args.name, render_markdown(payload))
+    common.log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
+    print(render_markdown(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+/* The primitive layer: streams, events, pinned host memory, stream-ordered device memory and
+ * asynchronous copies, behind one table of functions with two implementations.
+ *
+ *   backend_cuda.c  the CUDA runtime, loaded with dlopen at first use, so that importing
+ *                   pinloader works on a machine without a GPU, a driver or a toolkit.
+ *   backend_host.c  a real emulation on the host: a stream is an ordered worker thread, an
+ *                   event completes when its stream reaches it, "device" memory is host memory.
+ *
+ * Everything above this layer (the pinned pool, device blocks, the prefetcher) is written once
+ * against it. Nothing here includes Python.h or touches Python objects; every function may be
+ * called from any thread without the GIL.
+ *
+ * Return codes: 0 on success, otherwise the backend's error code. Both backends use the CUDA
+ * runtime's numbering for the errors they share (so that one helper can name them), plus the
+ * pinloader-only codes below (negative, never produced by CUDA). */
+#ifndef PL_BACKEND_H
+#define PL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    PL_OK = 0,
+    PL_ERR_INVALID_VALUE = 1,      /* cudaErrorInvalidValue */
+    PL_ERR_NO_MEMORY = 2,          /* cudaErrorMemoryAllocation */
+    PL_ERR_UNLOADING = 4,          /* cudaErrorCudartUnloading */
+    PL_ERR_INVALID_DEVICE = 101,   /* cudaErrorInvalidDevice */
+    PL_ERR_NOT_READY = 600,        /* cudaErrorNotReady */
+    PL_ERR_UNKNOWN = 999,          /* cudaErrorUnknown */
+    PL_ERR_NO_RUNTIME = -1,        /* no usable CUDA runtime library could be loaded */
+    PL_ERR_TIMEOUT = -2,           /* a bounded wait ran out */
+    PL_ERR_STOPPED = -3,           /* a wait was abandoned because its owner is stopping */
+    PL_ERR_FORKED = -4,            /* used in a child process after fork() */
+};
+
+typedef struct pl_stream pl_stream; /* cudaStream_t for CUDA; a worker thread for the host */
+typedef struct pl_event pl_event;   /* cudaEvent_t for CUDA */
+
+typedef enum { PL_BACKEND_HOST = 0, PL_BACKEND_CUDA = 1 } pl_backend_kind;
+
+typedef struct pl_backend {
+    const char *name;
+    pl_backend_kind kind;
+
+    /* Make `device` current for the calling thread (CUDA's per-thread current device). */
+    int (*set_device)(int device);
+    int (*get_device)(int *device);
+
+    /* Streams are created on the calling thread's current device. high_priority selects the
+     * greatest priority the device offers. */
+    int (*stream_create)(int high_priority, pl_stream **out);
+    int (*stream_destroy)(pl_stream *s);
+    int (*stream_synchronize)(pl_stream *s);
+    /* Work queued on s after this call starts only once e (as last recorded) has completed. */
+    int (*stream_wait_event)(pl_stream *s, pl_event *e);
+
+    int (*event_create)(pl_event **out);
+    int (*event_destroy)(pl_event *e);
+    int (*event_record)(pl_event *e, pl_stream *s);
+    /* PL_OK if complete (or never recorded), PL_ERR_NOT_READY if not yet, else an error. */
+    int (*event_query)(pl_event *e);
+    int (*event_synchronize)(pl_event *e);
+    /* Wait at most timeout_ns for e: PL_OK, PL_ERR_TIMEOUT, or an error. */
+    int (*event_wait)(pl_event *e, int64_t timeout_ns);
+
+    /* Page-locked host memory of at least n bytes, page aligned, prefaulted. */
+    int (*host_alloc)(size_t n, void **out);
+    int (*host_free)(void *p, size_t n);
+    /* *pinned = 1 if p lies in page-locked memory known to the runtime. */
+    int (*host_is_pinned)(const void *p, int *pinned);
+
+    /* Stream-ordered device memory from pinloader's own pool on `device`; memory freed on one
+     * stream is reused on another only once the free has completed, so reuse never makes the
+     * allocating stream wait on another stream. */
+    int (*device_alloc)(int device, size_t n, pl_stream *s, void **out);
+    int (*device_free)(int device, void *p, pl_stream *s);
+
+    int (*memcpy_h2d_async)(void *dst, const void *src, size_t n, pl_stream *s);
+    /* Synchronous device-to-host copy (tests and debugging; never on a hot path). */
+    int (*memcpy_d2h)(void *dst, const void *src, size_t n);
+
+    /* Hold stream s (work queued after this call) until *gate becomes non-zero. A test facility
+     * (cudaLaunchHostFunc on CUDA); never used on a data path. */
+    int (*stream_hold)(pl_stream *s, volatile int *gate);
+
+    const char *(*error_name)(int code);
+    const char *(*error_string)(int code);
+} pl_backend;
+
+/* The host backend: always available. */
+const pl_backend *pl_backend_host(void);
+
+/* The CUDA backend. The first call loads the runtime (thread-safe, once); later calls return
+ * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or
+ * process-lifetime string) to say why. */
+const pl_backend *pl_backend_cuda(int *err, const char **detail);
+/* Candidate library paths tried after the ones found by the dynamic loader; call before the
+ * first pl_backend_cuda(). The strings are copied. */
+void pl_cuda_set_library_candidates(const char *const *paths, int n);
+int pl_cuda_device_count(int *count);
+/* Versions as CUDA encodes them (1000 * major + 10 * minor); 0 when unknown. */
+void pl_cuda_versions(int *driver, int *runtime);
+const char *pl_cuda_library_path(void);
+
+/* Names for pinloader's own codes and the shared ones, for either backend. */
+const char *pl_error_name(const pl_backend *b, int code);
+const char *pl_error_string(const pl_backend *b, int code);
+
+/* Process-lifetime state shared by the backends. */
+int pl_cpu_count(void);
+int64_t pl_now_ns(void);
+void pl_sleep_ns(int64_t ns);
+/* Set in the child after fork(): every backend call from pinloader's objects then fails with
+ * PL_ERR_FORKED instead of touching resources that belong to the parent. */
+extern volatile int pl_forked_child;
+
+#endif

@@ -1,0 +1,454 @@
+/* The CUDA backend: the CUDA runtime, loaded with dlopen at first use.
+ *
+ * Loading at run time keeps `import pinloader` working on machines with no GPU, no driver and no
+ * toolkit, and lets pinloader share the runtime that torch, CuPy or JAX already brought into the
+ * process: a libcudart that is already loaded is preferred over any other (see
+ * Note [finding libcudart]). The headers give us the types and signatures, so every function
+ * pointer below has the exact type of the runtime function it stands for.
+ *
+ * The function table is the one piece of process-wide mutable state; it is written once under
+ * pthread_once and read-only afterwards. */
+#include "backend.h"
+#include "util.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PL_CUDA_FUNCS(X)                  \
+    X(cudaGetErrorName)                   \
+    X(cudaGetErrorString)                 \
+    X(cudaGetLastError)                   \
+    X(cudaGetDeviceCount)                 \
+    X(cudaDriverGetVersion)               \
+    X(cudaRuntimeGetVersion)              \
+    X(cudaSetDevice)                      \
+    X(cudaGetDevice)                      \
+    X(cudaDeviceGetStreamPriorityRange)   \
+    X(cudaStreamCreateWithPriority)       \
+    X(cudaStreamDestroy)                  \
+    X(cudaStreamSynchronize)              \
+    X(cudaStreamWaitEvent)                \
+    X(cudaEventCreateWithFlags)           \
+    X(cudaEventDestroy)                   \
+    X(cudaEventRecord)                    \
+    X(cudaEventQuery)                     \
+    X(cudaEventSynchronize)               \
+    X(cudaHostRegister)                   \
+    X(cudaHostUnregister)                 \
+    X(cudaHostAlloc)                      \
+    X(cudaFreeHost)                       \
+    X(cudaPointerGetAttributes)           \
+    X(cudaMemcpyAsync)                    \
+    X(cudaMemcpy)                         \
+    X(cudaMemPoolCreate)                  \
+    X(cudaMemPoolSetAttribute)            \
+    X(cudaMallocFromPoolAsync)            \
+    X(cudaFreeAsync)                      \
+    X(cudaLaunchHostFunc)
+
+static struct {
+#define X(name) __typeof__(name) *name;
+    PL_CUDA_FUNCS(X)
+#undef X
+} cu;
+
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static int load_error = PL_ERR_NO_RUNTIME; /* written once in load_runtime */
+static char load_detail[768];
+static char load_path[512];
+static int n_devices;
+static int driver_version, runtime_version;
+
+static pthread_mutex_t candidates_mu = PTHREAD_MUTEX_INITIALIZER;
+static char **candidates; /* guarded by candidates_mu */
+static int n_candidates;  /* guarded by candidates_mu */
+
+void pl_cuda_set_library_candidates(const char *const *paths, int n)
+{
+    pthread_mutex_lock(&candidates_mu);
+    for (int i = 0; i < n_candidates; i++)
+        free(candidates[i]);
+    free(candidates);
+    candidates = NULL;
+    n_candidates = 0;
+    if (n > 0 && (candidates = calloc((size_t)n, sizeof(char *)))) {
+        for (int i = 0; i < n; i++)
+            if ((candidates[n_candidates] = strdup(paths[i])))
+                n_candidates++;
+    }
+    pthread_mutex_unlock(&candidates_mu);
+}
+
+/* Note [finding libcudart]
+ * 1. A libcudart already in the process (torch, CuPy, JAX loaded it): RTLD_NOLOAD by soname.
+ *    Sharing it means one runtime, one set of primary contexts, streams that mean the same.
+ * 2. PINLOADER_CUDART, an explicit path.
+ * 3. The dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache).
+ * 4. Candidates from the Python package: the nvidia-cuda-runtime wheels' lib folders, torch's
+ *    lib folder, CUDA_HOME/lib64, /usr/local/cuda/lib64. */
+static const char *const sonames[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
+
+static void *try_open(const char *path, int flags)
+{
+    void *h = dlopen(path, flags);
+    if (h)
+        snprintf(load_path, sizeof load_path, "%s", path);
+    return h;
+}
+
+static void *open_runtime(void)
+{
+    void *h = NULL;
+    for (size_t i = 0; !h && i < sizeof sonames / sizeof *sonames; i++)
+        h = try_open(sonames[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    const char *env = getenv("PINLOADER_CUDART");
+    if (!h && env && *env)
+        h = try_open(env, RTLD_NOW | RTLD_LOCAL);
+    for (size_t i = 0; !h && i < sizeof sonames / sizeof *sonames; i++)
+        h = try_open(sonames[i], RTLD_NOW | RTLD_LOCAL);
+    pthread_mutex_lock(&candidates_mu);
+    for (int i = 0; !h && i < n_candidates; i++)
+        h = try_open(candidates[i], RTLD_NOW | RTLD_LOCAL);
+    pthread_mutex_unlock(&candidates_mu);
+    return h;
+}
+
+static void load_runtime(void)
+{
+    void *h = open_runtime();
+    if (!h) {
+        snprintf(load_detail, sizeof load_detail,
+                 "no CUDA runtime library found (tried an already loaded libcudart, "
+                 "PINLOADER_CUDART, the loader's search path and the nvidia-cuda-runtime wheels)");
+        load_error = PL_ERR_NO_RUNTIME;
+        return;
+    }
+#define X(name)                                                                             \
+    if (!(*(void **)&cu.name = dlsym(h, #name))) {                                          \
+        snprintf(load_detail, sizeof load_detail, "%s lacks the symbol %s (CUDA 11.2 or newer " \
+                 "is needed)", load_path, #name);                                           \
+        load_error = PL_ERR_NO_RUNTIME;                                                     \
+        return;                                                                             \
+    }
+    PL_CUDA_FUNCS(X)
+#undef X
+    cu.cudaRuntimeGetVersion(&runtime_version);
+    cu.cudaDriverGetVersion(&driver_version);
+    cudaError_t rc = cu.cudaGetDeviceCount(&n_devices);
+    if (rc != cudaSuccess) {
+        cu.cudaGetLastError();
+        n_devices = 0;
+        snprintf(load_detail, sizeof load_detail, "%s: %s (%s); driver version %d, runtime %d",
+                 cu.cudaGetErrorName(rc), cu.cudaGetErrorString(rc), load_path, driver_version,
+                 runtime_version);
+        load_error = (int)rc;
+        return;
+    }
+    if (n_devices == 0) {
+        snprintf(load_detail, sizeof load_detail, "cudaErrorNoDevice: no CUDA device is visible");
+        load_error = (int)cudaErrorNoDevice;
+        return;
+    }
+    load_error = PL_OK;
+}
+
+void pl_cuda_versions(int *driver, int *runtime)
+{
+    pthread_once(&load_once, load_runtime);
+    *driver = driver_version;
+    *runtime = runtime_version;
+}
+
+const char *pl_cuda_library_path(void)
+{
+    pthread_once(&load_once, load_runtime);
+    return load_path[0] ? load_path : NULL;
+}
+
+int pl_cuda_device_count(int *count)
+{
+    pthread_once(&load_once, load_runtime);
+    *count = load_error == PL_OK ? n_devices : 0;
+    return load_error;
+}
+
+/* ---- primitives ---- */
+
+static int cuda_set_device(int device)
+{
+    int cur = -1;
+    if (cu.cudaGetDevice(&cur) == cudaSuccess && cur == device)
+        return PL_OK;
+    return (int)cu.cudaSetDevice(device);
+}
+
+static int cuda_get_device(int *device)
+{
+    return (int)cu.cudaGetDevice(device);
+}
+
+static int cuda_stream_create(int high_priority, pl_stream **out)
+{
+    int least = 0, greatest = 0;
+    cudaError_t rc = cu.cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (rc != cudaSuccess)
+        return (int)rc;
+    cudaStream_t s;
+    rc = cu.cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high_priority ? greatest : least);
+    if (rc == cudaSuccess)
+        *out = (pl_stream *)s;
+    return (int)rc;
+}
+
+static int cuda_stream_destroy(pl_stream *s)
+{
+    return s ? (int)cu.cudaStreamDestroy((cudaStream_t)s) : PL_OK;
+}
+
+static int cuda_stream_synchronize(pl_stream *s)
+{
+    return (int)cu.cudaStreamSynchronize((cudaStream_t)s);
+}
+
+static int cuda_stream_wait_event(pl_stream *s, pl_event *e)
+{
+    return (int)cu.cudaStreamWaitEvent((cudaStream_t)s, (cudaEvent_t)e, 0);
+}
+
+static int cuda_event_create(pl_event **out)
+{
+    cudaEvent_t e;
+    cudaError_t rc = cu.cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (rc == cudaSuccess)
+        *out = (pl_event *)e;
+    return (int)rc;
+}
+
+static int cuda_event_destroy(pl_event *e)
+{
+    return e ? (int)cu.cudaEventDestroy((cudaEvent_t)e) : PL_OK;
+}
+
+static int cuda_event_record(pl_event *e, pl_stream *s)
+{
+    return (int)cu.cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s);
+}
+
+static int cuda_event_query(pl_event *e)
+{
+    cudaError_t rc = cu.cudaEventQuery((cudaEvent_t)e);
+    return rc == cudaErrorNotReady ? PL_ERR_NOT_READY : (int)rc;
+}
+
+static int cuda_event_synchronize(pl_event *e)
+{
+    return (int)cu.cudaEventSynchronize((cudaEvent_t)e);
+}
+
+/* CUDA has no timed event wait: poll with a short, growing sleep. The sleep is capped low so a
+ * producer waiting for a pinned region notices a finished copy within ~0.2 ms. */
+static int cuda_event_wait(pl_event *e, int64_t timeout_ns)
+{
+    if (timeout_ns < 0)
+        return cuda_event_synchronize(e);
+    int64_t deadline = pl_now_ns() + timeout_ns;
+    int64_t nap = 10000;
+    for (;;) {
+        int rc = cuda_event_query(e);
+        if (rc != PL_ERR_NOT_READY)
+            return rc;
+        int64_t left = deadline - pl_now_ns();
+        if (left <= 0)
+            return PL_ERR_TIMEOUT;
+        pl_sleep_ns(PL_MIN(nap, left));
+        nap = PL_MIN(nap * 2, 200000);
+    }
+}
+
+/* Note [pinned slabs]
+ * malloc-like anonymous memory, prefaulted by several threads, then cudaHostRegister: measured
+ * ~4x faster than cudaHostAlloc for 1 GiB on the H200 (BASELINES.md). cudaHostAlloc is the
+ * fallback when registration is refused (RLIMIT_MEMLOCK, some virtualised hosts). Both are
+ * portable (usable from every device's context). host_free tells the two apart by trying
+ * cudaHostUnregister first. */
+static int cuda_host_alloc(size_t n, void **out)
+{
+    void *p = NULL;
+    int rc = pl_os_alloc(n, &p);
+    if (rc == PL_OK) {
+        cudaError_t crc = cu.cudaHostRegister(p, PL_ALIGN_UP(n, pl_page_size()), cudaHostRegisterPortable);
+        if (crc == cudaSuccess) {
+            *out = p;
+            return PL_OK;
+        }
+        cu.cudaGetLastError();
+        pl_os_free(p, n);
+    }
+    cudaError_t crc = cu.cudaHostAlloc(&p, n, cudaHostAllocPortable);
+    if (crc == cudaSuccess)
+        *out = p;
+    return (int)crc;
+}
+
+static int cuda_host_free(void *p, size_t n)
+{
+    if (!p)
+        return PL_OK;
+    cudaError_t rc = cu.cudaHostUnregister(p);
+    if (rc == cudaSuccess) {
+        pl_os_free(p, n);
+        return PL_OK;
+    }
+    if (rc == cudaErrorCudartUnloading)
+        return (int)rc; /* leak: the process is exiting */
+    cu.cudaGetLastError();
+    return (int)cu.cudaFreeHost(p);
+}
+
+static int cuda_host_is_pinned(const void *p, int *pinned)
+{
+    struct cudaPointerAttributes attr;
+    cudaError_t rc = cu.cudaPointerGetAttributes(&attr, p);
+    if (rc != cudaSuccess) {
+        cu.cudaGetLastError();
+        *pinned = 0;
+        return PL_OK;
+    }
+    *pinned = attr.type == cudaMemoryTypeHost;
+    return PL_OK;
+}
+
+/* Note [device pool]
+ * One pool per device, owned by pinloader and never destroyed (device blocks may be freed by
+ * DLPack deleters until the process exits). Its release threshold is "never", so steady-state
+ * allocation does not go back to the driver; internal dependencies are disabled so that
+ * cudaMallocFromPoolAsync on the copy stream never reuses memory whose free is still pending on
+ * a consumer's stream by inserting a wait on that stream: the copy stream must never wait on the
+ * consumer's compute. Opportunistic reuse (the free already completed) stays on. */
+enum { MAX_DEVICES = 64 };
+static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
+static cudaMemPool_t pools[MAX_DEVICES]; /* guarded by pools_mu; written once per device */
+
+static int device_pool(int device, cudaMemPool_t *out)
+{
+    if (device < 0 || device >= MAX_DEVICES)
+        return PL_ERR_INVALID_DEVICE;
+    pthread_mutex_lock(&pools_mu);
+    cudaMemPool_t pool = pools[device];
+    pthread_mutex_unlock(&pools_mu);
+    if (pool) {
+        *out = pool;
+        return PL_OK;
+    }
+    struct cudaMemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaError_t rc = cu.cudaMemPoolCreate(&pool, &props);
+    if (rc != cudaSuccess)
+        return (int)rc;
+    uint64_t threshold = UINT64_MAX;
+    int off = 0, on = 1;
+    if ((rc = cu.cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold)) != cudaSuccess ||
+        (rc = cu.cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &off)) != cudaSuccess ||
+        (rc = cu.cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowOpportunistic, &on)) != cudaSuccess)
+        return (int)rc;
+    pthread_mutex_lock(&pools_mu);
+    if (!pools[device])
+        pools[device] = pool;
+    *out = pools[device]; /* a racing creator's pool leaks once, harmlessly */
+    pthread_mutex_unlock(&pools_mu);
+    return PL_OK;
+}
+
+static int cuda_device_alloc(int device, size_t n, pl_stream *s, void **out)
+{
+    cudaMemPool_t pool;
+    int rc = device_pool(device, &pool);
+    if (rc != PL_OK)
+        return rc;
+    return (int)cu.cudaMallocFromPoolAsync(out, n ? n : 1, pool, (cudaStream_t)s);
+}
+
+static int cuda_device_free(int device, void *p, pl_stream *s)
+{
+    (void)device;
+    return (int)cu.cudaFreeAsync(p, (cudaStream_t)s);
+}
+
+static int cuda_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream *s)
+{
+    return (int)cu.cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)s);
+}
+
+static int cuda_memcpy_d2h(void *dst, const void *src, size_t n)
+{
+    return (int)cu.cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost);
+}
+
+static void CUDART_CB hold_fn(void *gate)
+{
+    while (!*(volatile int *)gate)
+        pl_sleep_ns(100000);
+}
+
+static int cuda_stream_hold(pl_stream *s, volatile int *gate)
+{
+    return (int)cu.cudaLaunchHostFunc((cudaStream_t)s, hold_fn, (void *)gate);
+}
+
+static const char *cuda_error_name(int code)
+{
+    return cu.cudaGetErrorName ? cu.cudaGetErrorName((cudaError_t)code) : "cudaErrorUnknown";
+}
+
+static const char *cuda_error_string(int code)
+{
+    return cu.cudaGetErrorString ? cu.cudaGetErrorString((cudaError_t)code) : "unknown error";
+}
+
+static const pl_backend cuda_backend = {
+    .name = "cuda",
+    .kind = PL_BACKEND_CUDA,
+    .set_device = cuda_set_device,
+    .get_device = cuda_get_device,
+    .stream_create = cuda_stream_create,
+    .stream_destroy = cuda_stream_destroy,
+    .stream_synchronize = cuda_stream_synchronize,
+    .stream_wait_event = cuda_stream_wait_event,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .event_query = cuda_event_query,
+    .event_synchronize = cuda_event_synchronize,
+    .event_wait = cuda_event_wait,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .host_is_pinned = cuda_host_is_pinned,
+    .device_alloc = cuda_device_alloc,
+    .device_free = cuda_device_free,
+    .memcpy_h2d_async = cuda_memcpy_h2d_async,
+    .memcpy_d2h = cuda_memcpy_d2h,
+    .stream_hold = cuda_stream_hold,
+    .error_name = cuda_error_name,
+    .error_string = cuda_error_string,
+};
+
+const pl_backend *pl_backend_cuda(int *err, const char **detail)
+{
+    pthread_once(&load_once, load_runtime);
+    if (load_error != PL_OK) {
+        if (err)
+            *err = load_error;
+        if (detail)
+            *detail = load_detail;
+        return NULL;
+    }
+    return &cuda_backend;
+}

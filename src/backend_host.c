@@ -1,0 +1,420 @@
+/* The host backend: the CUDA stream and event model, emulated on the host.
+ *
+ * A stream is a worker thread that runs its queued operations strictly in order. An event
+ * carries two counters: `recorded` (bumped by event_record, which queues a RECORD operation)
+ * and `done` (set by the stream's worker when it reaches that operation). An event is complete
+ * when done >= recorded, so an event never recorded is complete, as in CUDA.
+ * stream_wait_event snapshots `recorded` and queues a WAIT that holds the worker until `done`
+ * reaches the snapshot: later work on the waiting stream is held back, as in CUDA.
+ *
+ * "Device" memory is ordinary host memory; device_free on a stream frees it when the worker
+ * reaches the free, so frees are stream ordered too. Nothing here is a mock: CPU-only users get a
+ * real background pipeline from it, and the test suite runs all pool and prefetcher logic
+ * through it with real concurrency. */
+#include "backend.h"
+#include "util.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct pl_event {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint64_t recorded; /* guarded by mu */
+    uint64_t done;     /* guarded by mu */
+};
+
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_STOP } op_kind;
+
+typedef struct op {
+    struct op *next;
+    op_kind kind;
+    void *dst;
+    const void *src;
+    size_t n;
+    pl_event *event;
+    uint64_t gen;
+} op;
+
+struct pl_stream {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;  /* signalled when an op is queued (worker) or completed (sync) */
+    op *head, *tail;    /* guarded by mu */
+    uint64_t queued;    /* guarded by mu: operations queued so far */
+    uint64_t completed; /* guarded by mu: operations finished so far */
+};
+
+/* ---- events ---- */
+
+static int host_event_create(pl_event **out)
+{
+    pl_event *e = calloc(1, sizeof(*e));
+    if (!e)
+        return PL_ERR_NO_MEMORY;
+    if (pthread_mutex_init(&e->mu, NULL) != 0 || pl_cond_init(&e->cv) != 0) {
+        free(e);
+        return PL_ERR_NO_MEMORY;
+    }
+    *out = e;
+    return PL_OK;
+}
+
+static int host_event_destroy(pl_event *e)
+{
+    if (!e)
+        return PL_OK;
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+    return PL_OK;
+}
+
+static void event_mark_done(pl_event *e, uint64_t gen)
+{
+    pthread_mutex_lock(&e->mu);
+    if (gen > e->done)
+        e->done = gen;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Wait until e->done >= gen, at most timeout_ns (negative: forever). */
+static int event_wait_gen(pl_event *e, uint64_t gen, int64_t timeout_ns)
+{
+    int rc = PL_OK;
+    struct timespec deadline;
+    if (timeout_ns >= 0)
+        pl_deadline(&deadline, timeout_ns);
+    pthread_mutex_lock(&e->mu);
+    while (e->done < gen) {
+        if (timeout_ns < 0) {
+            pthread_cond_wait(&e->cv, &e->mu);
+        } else if (pthread_cond_timedwait(&e->cv, &e->mu, &deadline) == ETIMEDOUT) {
+            if (e->done < gen)
+                rc = PL_ERR_TIMEOUT;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+static int host_event_query(pl_event *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int ready = e->done >= e->recorded;
+    pthread_mutex_unlock(&e->mu);
+    return ready ? PL_OK : PL_ERR_NOT_READY;
+}
+
+static uint64_t event_target(pl_event *e)
+{
+    pthread_mutex_lock(&e->mu);
+    uint64_t gen = e->recorded;
+    pthread_mutex_unlock(&e->mu);
+    return gen;
+}
+
+static int host_event_synchronize(pl_event *e)
+{
+    return event_wait_gen(e, event_target(e), -1);
+}
+
+static int host_event_wait(pl_event *e, int64_t timeout_ns)
+{
+    return event_wait_gen(e, event_target(e), timeout_ns);
+}
+
+/* ---- streams ---- */
+
+static void *stream_main(void *arg)
+{
+    pl_stream *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        while (!s->head)
+            pthread_cond_wait(&s->cv, &s->mu);
+        op *o = s->head;
+        pthread_mutex_unlock(&s->mu);
+
+        /* The op stays at the head while it runs: stream_synchronize counts completions. */
+        switch (o->kind) {
+        case OP_COPY:
+            memcpy(o->dst, o->src, o->n);
+            break;
+        case OP_RECORD:
+            event_mark_done(o->event, o->gen);
+            break;
+        case OP_WAIT:
+            event_wait_gen(o->event, o->gen, -1);
+            break;
+        case OP_FREE:
+            free(o->dst);
+            break;
+        case OP_HOLD:
+            while (!*(volatile int *)o->dst)
+                pl_sleep_ns(100000);
+            break;
+        case OP_STOP:
+            break;
+        }
+        op_kind kind = o->kind;
+
+        pthread_mutex_lock(&s->mu);
+        s->head = o->next;
+        if (!s->head)
+            s->tail = NULL;
+        s->completed++;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        free(o);
+        if (kind == OP_STOP)
+            return NULL;
+    }
+}
+
+static int enqueue(pl_stream *s, op_kind kind, void *dst, const void *src, size_t n, pl_event *e,
+                   uint64_t gen)
+{
+    op *o = malloc(sizeof(*o));
+    if (!o)
+        return PL_ERR_NO_MEMORY;
+    *o = (op){NULL, kind, dst, src, n, e, gen};
+    pthread_mutex_lock(&s->mu);
+    if (s->tail)
+        s->tail->next = o;
+    else
+        s->head = o;
+    s->tail = o;
+    s->queued++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return PL_OK;
+}
+
+static int host_stream_create(int high_priority, pl_stream **out)
+{
+    (void)high_priority; /* one worker per stream: nothing to prioritise against */
+    pl_stream *s = calloc(1, sizeof(*s));
+    if (!s)
+        return PL_ERR_NO_MEMORY;
+    if (pthread_mutex_init(&s->mu, NULL) != 0 || pthread_cond_init(&s->cv, NULL) != 0) {
+        free(s);
+        return PL_ERR_NO_MEMORY;
+    }
+    if (pthread_create(&s->thread, NULL, stream_main, s) != 0) {
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->cv);
+        free(s);
+        return PL_ERR_NO_MEMORY;
+    }
+    *out = s;
+    return PL_OK;
+}
+
+static int host_stream_synchronize(pl_stream *s)
+{
+    if (!s)
+        return PL_OK;
+    pthread_mutex_lock(&s->mu);
+    uint64_t target = s->queued;
+    while (s->completed < target)
+        pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    return PL_OK;
+}
+
+static int host_stream_destroy(pl_stream *s)
+{
+    if (!s)
+        return PL_OK;
+    /* Like cudaStreamDestroy, queued work still runs; the worker exits after it. */
+    int rc = enqueue(s, OP_STOP, NULL, NULL, 0, NULL, 0);
+    if (rc != PL_OK)
+        return rc;
+    pthread_join(s->thread, NULL);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+    return PL_OK;
+}
+
+static int host_event_record(pl_event *e, pl_stream *s)
+{
+    pthread_mutex_lock(&e->mu);
+    uint64_t gen = ++e->recorded;
+    pthread_mutex_unlock(&e->mu);
+    if (!s) { /* the "default stream" runs synchronously on the caller */
+        event_mark_done(e, gen);
+        return PL_OK;
+    }
+    int rc = enqueue(s, OP_RECORD, NULL, NULL, 0, e, gen);
+    if (rc != PL_OK)
+        event_mark_done(e, gen);
+    return rc;
+}
+
+static int host_stream_wait_event(pl_stream *s, pl_event *e)
+{
+    uint64_t gen = event_target(e);
+    if (!s)
+        return event_wait_gen(e, gen, -1);
+    return enqueue(s, OP_WAIT, NULL, NULL, 0, e, gen);
+}
+
+/* ---- memory ---- */
+
+static int host_host_alloc(size_t n, void **out)
+{
+    return pl_os_alloc(n, out);
+}
+
+static int host_host_free(void *p, size_t n)
+{
+    pl_os_free(p, n);
+    return PL_OK;
+}
+
+static int host_host_is_pinned(const void *p, int *pinned)
+{
+    (void)p;
+    *pinned = 0;
+    return PL_OK;
+}
+
+static int host_device_alloc(int device, size_t n, pl_stream *s, void **out)
+{
+    (void)device;
+    (void)s;
+    void *p = NULL;
+    if (posix_memalign(&p, PL_ALIGN, n ? n : PL_ALIGN) != 0)
+        return PL_ERR_NO_MEMORY;
+    *out = p;
+    return PL_OK;
+}
+
+static int host_device_free(int device, void *p, pl_stream *s)
+{
+    (void)device;
+    if (!s) {
+        free(p);
+        return PL_OK;
+    }
+    return enqueue(s, OP_FREE, p, NULL, 0, NULL, 0);
+}
+
+static int host_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream *s)
+{
+    if (!s) {
+        memcpy(dst, src, n);
+        return PL_OK;
+    }
+    return enqueue(s, OP_COPY, dst, src, n, NULL, 0);
+}
+
+static int host_memcpy_d2h(void *dst, const void *src, size_t n)
+{
+    memcpy(dst, src, n);
+    return PL_OK;
+}
+
+static int host_stream_hold(pl_stream *s, volatile int *gate)
+{
+    if (!s)
+        return PL_ERR_INVALID_VALUE;
+    return enqueue(s, OP_HOLD, (void *)gate, NULL, 0, NULL, 0);
+}
+
+/* ---- misc ---- */
+
+static int host_set_device(int device)
+{
+    return device == 0 ? PL_OK : PL_ERR_INVALID_DEVICE;
+}
+
+static int host_get_device(int *device)
+{
+    *device = 0;
+    return PL_OK;
+}
+
+static const char *host_error_name(int code)
+{
+    switch (code) {
+    case PL_OK: return "success";
+    case PL_ERR_INVALID_VALUE: return "invalidValue";
+    case PL_ERR_NO_MEMORY: return "memoryAllocation";
+    case PL_ERR_INVALID_DEVICE: return "invalidDevice";
+    case PL_ERR_NOT_READY: return "notReady";
+    default: return "unknown";
+    }
+}
+
+static const char *host_error_string(int code)
+{
+    switch (code) {
+    case PL_OK: return "no error";
+    case PL_ERR_INVALID_VALUE: return "invalid argument";
+    case PL_ERR_NO_MEMORY: return "out of host memory";
+    case PL_ERR_INVALID_DEVICE: return "the host backend has only device 0";
+    case PL_ERR_NOT_READY: return "work not complete yet";
+    default: return "unknown error";
+    }
+}
+
+static const pl_backend host_backend = {
+    .name = "host",
+    .kind = PL_BACKEND_HOST,
+    .set_device = host_set_device,
+    .get_device = host_get_device,
+    .stream_create = host_stream_create,
+    .stream_destroy = host_stream_destroy,
+    .stream_synchronize = host_stream_synchronize,
+    .stream_wait_event = host_stream_wait_event,
+    .event_create = host_event_create,
+    .event_destroy = host_event_destroy,
+    .event_record = host_event_record,
+    .event_query = host_event_query,
+    .event_synchronize = host_event_synchronize,
+    .event_wait = host_event_wait,
+    .host_alloc = host_host_alloc,
+    .host_free = host_host_free,
+    .host_is_pinned = host_host_is_pinned,
+    .device_alloc = host_device_alloc,
+    .device_free = host_device_free,
+    .memcpy_h2d_async = host_memcpy_h2d_async,
+    .memcpy_d2h = host_memcpy_d2h,
+    .stream_hold = host_stream_hold,
+    .error_name = host_error_name,
+    .error_string = host_error_string,
+};
+
+const pl_backend *pl_backend_host(void)
+{
+    return &host_backend;
+}
+
+const char *pl_error_name(const pl_backend *b, int code)
+{
+    switch (code) {
+    case PL_ERR_NO_RUNTIME: return "pinloaderErrorNoCudaRuntime";
+    case PL_ERR_TIMEOUT: return "pinloaderErrorTimeout";
+    case PL_ERR_STOPPED: return "pinloaderErrorStopped";
+    case PL_ERR_FORKED: return "pinloaderErrorForked";
+    default: return b ? b->error_name(code) : host_error_name(code);
+    }
+}
+
+const char *pl_error_string(const pl_backend *b, int code)
+{
+    switch (code) {
+    case PL_ERR_NO_RUNTIME: return "no usable CUDA runtime library (libcudart) could be loaded";
+    case PL_ERR_TIMEOUT: return "timed out";
+    case PL_ERR_STOPPED: return "the operation was abandoned because its owner is closing";
+    case PL_ERR_FORKED: return "pinloader objects created before fork() cannot be used in the child";
+    default: return b ? b->error_string(code) : host_error_string(code);
+    }
+}

@@ -1,0 +1,243 @@
+/* Device blocks and their stream-ordered release.
+ *
+ * Note [device lifetime]
+ * A batch's device memory is read by consumer kernels on streams pinloader does not own, at
+ * times it cannot see. The DLPack deleter tells it when a consumer has finished *enqueuing*
+ * such work (the framework dropped its tensor); at that moment an event is recorded on the
+ * stream the consumer named in __dlpack__(stream=...). When the last reference goes, pinloader's
+ * own release stream waits on the ready event and on every use event, and the memory is freed
+ * there with cudaFreeAsync. The release stream is created once per device and never destroyed,
+ * so frees never depend on a consumer stream still existing at free time, and the copy stream
+ * never waits on anything but its own work (see Note [device pool] in backend_cuda.c).
+ * Deleters may run on any thread, without the GIL, after the runtime began unloading: every
+ * call here tolerates failure by leaking rather than crashing. */
+#include "block.h"
+#include "util.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+
+enum { MAX_DEVICES = 64, EVENT_CACHE = 256 };
+
+typedef struct {
+    pthread_mutex_t mu;
+    int init;                   /* guarded by mu */
+    pl_stream *release;         /* written once under mu; never destroyed */
+    pl_event *events[EVENT_CACHE]; /* guarded by mu */
+    int n_events;
+} devctx;
+
+static devctx ctx[2][MAX_DEVICES] = {
+    [0 ... 1][0 ... MAX_DEVICES - 1] = {.mu = PTHREAD_MUTEX_INITIALIZER},
+};
+static atomic_size_t live_bytes[2];
+static atomic_long live_count[2];
+
+static devctx *get_ctx(const pl_backend *b, int device)
+{
+    if (device < 0 || device >= MAX_DEVICES)
+        return NULL;
+    return &ctx[b->kind][device];
+}
+
+static void spin_lock(atomic_flag *f)
+{
+    while (atomic_flag_test_and_set_explicit(f, memory_order_acquire)) {
+    }
+}
+
+static void spin_unlock(atomic_flag *f)
+{
+    atomic_flag_clear_explicit(f, memory_order_release);
+}
+
+/* The release stream of a device, created on first use (the caller has made device current). */
+static int release_stream(const pl_backend *b, int device, pl_stream **out)
+{
+    devctx *c = get_ctx(b, device);
+    if (!c)
+        return PL_ERR_INVALID_DEVICE;
+    pthread_mutex_lock(&c->mu);
+    pl_stream *s = c->release;
+    pthread_mutex_unlock(&c->mu);
+    if (!s) {
+        int rc = b->stream_create(0, &s);
+        if (rc != PL_OK)
+            return rc;
+        pthread_mutex_lock(&c->mu);
+        if (!c->release) {
+            c->release = s;
+            s = NULL;
+        }
+        pl_stream *mine = c->release;
+        pthread_mutex_unlock(&c->mu);
+        if (s)
+            b->stream_destroy(s); /* lost the race */
+        s = mine;
+    }
+    *out = s;
+    return PL_OK;
+}
+
+int pl_device_event_take(const pl_backend *b, int device, pl_event **out)
+{
+    devctx *c = get_ctx(b, device);
+    if (!c)
+        return PL_ERR_INVALID_DEVICE;
+    pthread_mutex_lock(&c->mu);
+    pl_event *e = c->n_events ? c->events[--c->n_events] : NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (e) {
+        *out = e;
+        return PL_OK;
+    }
+    return b->event_create(out);
+}
+
+void pl_device_event_give(const pl_backend *b, int device, pl_event *e)
+{
+    devctx *c = get_ctx(b, device);
+    if (!e || !c)
+        return;
+    pthread_mutex_lock(&c->mu);
+    if (c->n_events < EVENT_CACHE) {
+        c->events[c->n_events++] = e;
+        e = NULL;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (e)
+        b->event_destroy(e);
+}
+
+int pl_block_create(const pl_backend *b, int device, pl_block **out)
+{
+    pl_block *blk = calloc(1, sizeof(*blk));
+    if (!blk)
+        return PL_ERR_NO_MEMORY;
+    atomic_init(&blk->refcount, 1);
+    atomic_flag_clear(&blk->mu);
+    blk->b = b;
+    blk->device = device;
+    int rc = pl_device_event_take(b, device, &blk->ready);
+    if (rc != PL_OK) {
+        free(blk);
+        return rc;
+    }
+    atomic_fetch_add(&live_count[b->kind], 1);
+    *out = blk;
+    return PL_OK;
+}
+
+int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s)
+{
+    if (size == 0)
+        return PL_OK;
+    int rc = blk->b->device_alloc(blk->device, size, s, &blk->ptr);
+    if (rc == PL_OK) {
+        blk->size = size;
+        atomic_fetch_add(&live_bytes[blk->b->kind], size);
+    }
+    return rc;
+}
+
+void pl_block_incref(pl_block *blk)
+{
+    atomic_fetch_add_explicit(&blk->refcount, 1, memory_order_relaxed);
+}
+
+int pl_block_note_use(pl_block *blk, pl_stream *s)
+{
+    spin_lock(&blk->mu);
+    for (int i = 0; i < blk->n_uses; i++)
+        if (blk->uses[i].stream == s) {
+            /* Re-recording covers everything the earlier record did, and more. */
+            pl_event *e = blk->uses[i].event;
+            spin_unlock(&blk->mu);
+            return blk->b->event_record(e, s);
+        }
+    spin_unlock(&blk->mu);
+
+    pl_event *e;
+    int rc = pl_device_event_take(blk->b, blk->device, &e);
+    if (rc == PL_OK && (rc = blk->b->event_record(e, s)) != PL_OK) {
+        pl_device_event_give(blk->b, blk->device, e);
+        return rc;
+    }
+    if (rc != PL_OK)
+        return rc;
+    spin_lock(&blk->mu);
+    if (blk->n_uses == blk->cap_uses) {
+        int cap = blk->cap_uses ? blk->cap_uses * 2 : 2;
+        pl_block_use *u = realloc(blk->uses, (size_t)cap * sizeof(*u));
+        if (!u) {
+            spin_unlock(&blk->mu);
+            /* Cannot remember the use: wait for it here instead (rare, out of memory). */
+            blk->b->event_synchronize(e);
+            pl_device_event_give(blk->b, blk->device, e);
+            return PL_OK;
+        }
+        blk->uses = u;
+        blk->cap_uses = cap;
+    }
+    blk->uses[blk->n_uses++] = (pl_block_use){s, e};
+    spin_unlock(&blk->mu);
+    return PL_OK;
+}
+
+int pl_block_wait_ready(pl_block *blk, pl_stream *s)
+{
+    return blk->b->stream_wait_event(s, blk->ready);
+}
+
+int pl_block_sync_ready(pl_block *blk)
+{
+    return blk->b->event_synchronize(blk->ready);
+}
+
+static void block_free(pl_block *blk)
+{
+    const pl_backend *b = blk->b;
+    if (pl_forked_child)
+        return; /* the parent's memory and events: leak */
+    int prev = -1;
+    int have_prev = b->get_device(&prev) == PL_OK;
+    b->set_device(blk->device);
+    if (blk->ptr) {
+        pl_stream *rs = NULL;
+        int rc = release_stream(b, blk->device, &rs);
+        if (rc == PL_OK)
+            rc = b->stream_wait_event(rs, blk->ready);
+        for (int i = 0; rc == PL_OK && i < blk->n_uses; i++)
+            rc = b->stream_wait_event(rs, blk->uses[i].event);
+        if (rc == PL_OK)
+            rc = b->device_free(blk->device, blk->ptr, rs);
+        /* On failure (the runtime is unloading at exit) the memory is leaked, not freed early. */
+        atomic_fetch_sub(&live_bytes[b->kind], blk->size);
+    }
+    /* Events may be recycled once the waits above are queued: a wait captures the event's
+     * state at the time of the call. */
+    for (int i = 0; i < blk->n_uses; i++)
+        pl_device_event_give(b, blk->device, blk->uses[i].event);
+    pl_device_event_give(b, blk->device, blk->ready);
+    if (have_prev && prev != blk->device)
+        b->set_device(prev);
+    atomic_fetch_sub(&live_count[b->kind], 1);
+    free(blk->uses);
+    free(blk);
+}
+
+void pl_block_decref(pl_block *blk)
+{
+    if (blk && atomic_fetch_sub_explicit(&blk->refcount, 1, memory_order_acq_rel) == 1)
+        block_free(blk);
+}
+
+size_t pl_block_live_bytes(const pl_backend *b)
+{
+    return atomic_load(&live_bytes[b->kind]);
+}
+
+long pl_block_live_count(const pl_backend *b)
+{
+    return atomic_load(&live_count[b->kind]);
+}

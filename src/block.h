@@ -1,0 +1,56 @@
+/* Device blocks: one device allocation per batch, shared by the batch's device arrays and the
+ * DLPack capsules exported from them, freed in stream order after the last use.
+ * No Python: deleters call in from any thread, with or without the GIL, even at exit. */
+#ifndef PL_BLOCK_H
+#define PL_BLOCK_H
+
+#include "backend.h"
+
+#include <stdatomic.h>
+#include <stddef.h>
+
+typedef struct pl_block_use {
+    pl_stream *stream;
+    pl_event *event;
+} pl_block_use;
+
+typedef struct pl_block {
+    atomic_long refcount;
+    const pl_backend *b;
+    int device;
+    void *ptr;        /* device memory (NULL while size is 0 or not yet allocated) */
+    size_t size;
+    pl_event *ready;  /* recorded on the copy stream once the batch's copies are queued */
+    int ready_recorded;
+    /* Consumer streams that used the block, each with an event recorded when its last user on
+     * that stream let go (see Note [device lifetime]); guarded by mu. */
+    atomic_flag mu;
+    pl_block_use *uses;
+    int n_uses, cap_uses;
+} pl_block;
+
+/* A block with a ready event, no memory yet; refcount 1. */
+int pl_block_create(const pl_backend *b, int device, pl_block **out);
+/* Allocate `size` bytes of device memory, ordered on stream s (the copy stream). */
+int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s);
+void pl_block_incref(pl_block *blk);
+/* The last reference frees the memory on pinloader's release stream, behind the ready event
+ * and every use event. */
+void pl_block_decref(pl_block *blk);
+/* A consumer on stream s is done enqueuing work that reads the block (called from DLPack
+ * deleters). s may be the legacy (1) or per-thread (2) default stream handle. */
+int pl_block_note_use(pl_block *blk, pl_stream *s);
+/* Make stream s wait until the block's data is ready. */
+int pl_block_wait_ready(pl_block *blk, pl_stream *s);
+/* Block the calling thread until the data is ready (host backend consumers). */
+int pl_block_sync_ready(pl_block *blk);
+
+/* Per-device event cache shared by blocks; events are created once and reused. */
+int pl_device_event_take(const pl_backend *b, int device, pl_event **out);
+void pl_device_event_give(const pl_backend *b, int device, pl_event *e);
+
+/* Live device bytes held by blocks, per backend, for stats and leak tests. */
+size_t pl_block_live_bytes(const pl_backend *b);
+long pl_block_live_count(const pl_backend *b);
+
+#endif

@@ -1,0 +1,449 @@
+/* pinloader._C: module initialisation, state, exceptions and backend selection. */
+#include "module.h"
+
+#include "block.h"
+#include "pool.h"
+
+#define PL_NP_IMPORT
+#include "np.h"
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+pl_state *pl_state_of_module(PyObject *m)
+{
+    return (pl_state *)PyModule_GetState(m);
+}
+
+pl_state *pl_state_of_type(PyTypeObject *tp)
+{
+    PyObject *m = PyType_GetModuleByDef(tp, &pl_module_def);
+    return m ? pl_state_of_module(m) : NULL;
+}
+
+/* ---- errors ---- */
+
+/* Raise CudaError(msg) with .code and .name; steals msg and name. */
+static void set_cuda_error(pl_state *st, PyObject *msg, int code, PyObject *name)
+{
+    PyObject *exc = msg ? PyObject_CallOneArg(st->CudaError, msg) : NULL;
+    PyObject *c = PyLong_FromLong(code);
+    if (exc && c && name && PyObject_SetAttrString(exc, "code", c) == 0 &&
+        PyObject_SetAttrString(exc, "name", name) == 0)
+        PyErr_SetObject(st->CudaError, exc);
+    Py_XDECREF(exc);
+    Py_XDECREF(c);
+    Py_XDECREF(msg);
+    Py_XDECREF(name);
+}
+
+
+PyObject *pl_raise_backend(pl_state *st, const pl_backend *b, int code, const char *what)
+{
+    const char *name = pl_error_name(b, code);
+    const char *msg = pl_error_string(b, code);
+    if (code == PL_ERR_NO_MEMORY && (!b || b->kind == PL_BACKEND_HOST))
+        return PyErr_Format(PyExc_MemoryError, "%s: %s", what, msg);
+    set_cuda_error(st, PyUnicode_FromFormat("%s: %s (%s, error %d)", what, msg, name, code),
+                   code, PyUnicode_FromString(name));
+    return NULL;
+}
+
+static int force_host(void)
+{
+    const char *v = getenv("PINLOADER_BACKEND");
+    return v && strcmp(v, "host") == 0;
+}
+
+/* The CUDA backend, or NULL with CudaError set saying why it is unusable. */
+static const pl_backend *require_cuda(pl_state *st, const char *asked)
+{
+    if (force_host()) {
+        PyErr_Format(PyExc_ValueError, "device %s was asked for, but PINLOADER_BACKEND=host "
+                     "forces the host backend", asked);
+        return NULL;
+    }
+    int err = 0;
+    const char *detail = NULL;
+    const pl_backend *b = pl_backend_cuda(&err, &detail);
+    if (!b) {
+        /* detail starts with the CUDA error name ("cudaErrorNoDevice: ...") when CUDA gave one */
+        const char *colon = strchr(detail, ':');
+        PyObject *name = err == PL_ERR_NO_RUNTIME || !colon
+                             ? PyUnicode_FromString(pl_error_name(NULL, err))
+                             : PyUnicode_FromStringAndSize(detail, colon - detail);
+        PyObject *msg = PyUnicode_FromFormat("device %s was asked for, but CUDA is not usable: %s",
+                                             asked, detail);
+        set_cuda_error(st, msg, err, name);
+        return NULL;
+    }
+    return b;
+}
+
+static int cuda_usable(void)
+{
+    if (force_host())
+        return 0;
+    return pl_backend_cuda(NULL, NULL) != NULL;
+}
+
+static int parse_index(const char *s, int *out)
+{
+    char *end = NULL;
+    long v = strtol(s, &end, 10);
+    if (!*s || *end || v < 0 || v > 1 << 20)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int *dev)
+{
+    int index = -1;
+    const char *kind = NULL;
+    char asked[64];
+    if (device == NULL || device == Py_None) {
+        if (!cuda_usable()) {
+            *b = pl_backend_host();
+            *dev = 0;
+            return 0;
+        }
+        kind = "cuda";
+    } else if (PyLong_Check(device)) {
+        long v = PyLong_AsLong(device);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (v < 0) {
+            PyErr_Format(PyExc_ValueError, "device index must be >= 0, got %ld", v);
+            return -1;
+        }
+        kind = "cuda";
+        index = (int)v;
+    } else if (PyUnicode_Check(device)) {
+        const char *s = PyUnicode_AsUTF8(device);
+        if (!s)
+            return -1;
+        if (strcmp(s, "cpu") == 0 || strcmp(s, "host") == 0) {
+            kind = "cpu";
+        } else if (strcmp(s, "cuda") == 0) {
+            kind = "cuda";
+        } else if (strncmp(s, "cuda:", 5) == 0 && parse_index(s + 5, &index) == 0) {
+            kind = "cuda";
+        } else {
+            PyErr_Format(PyExc_ValueError, "device must be 'cpu', 'cuda', 'cuda:N', an int or "
+                         "None, got %R", device);
+            return -1;
+        }
+    } else if (PyObject_HasAttrString(device, "type")) {
+        /* torch.device and the like */
+        PyObject *t = PyObject_GetAttrString(device, "type");
+        PyObject *i = t ? PyObject_GetAttrString(device, "index") : NULL;
+        if (!i) {
+            Py_XDECREF(t);
+            return -1;
+        }
+        const char *ts = PyUnicode_Check(t) ? PyUnicode_AsUTF8(t) : NULL;
+        if (ts && strcmp(ts, "cpu") == 0)
+            kind = "cpu";
+        else if (ts && strcmp(ts, "cuda") == 0)
+            kind = "cuda";
+        if (i != Py_None)
+            index = (int)PyLong_AsLong(i);
+        Py_DECREF(t);
+        Py_DECREF(i);
+        if (!kind || PyErr_Occurred()) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "unsupported device %R", device);
+            return -1;
+        }
+    } else {
+        PyErr_Format(PyExc_TypeError, "device must be a str, an int or None, not %.100s",
+                     Py_TYPE(device)->tp_name);
+        return -1;
+    }
+
+    if (strcmp(kind, "cpu") == 0) {
+        *b = pl_backend_host();
+        *dev = 0;
+        return 0;
+    }
+    if (index >= 0)
+        snprintf(asked, sizeof asked, "'cuda:%d'", index);
+    else
+        snprintf(asked, sizeof asked, "'cuda'");
+    const pl_backend *cb = require_cuda(st, asked);
+    if (!cb)
+        return -1;
+    if (index < 0) {
+        int cur = 0;
+        int rc = cb->get_device(&cur);
+        if (rc != PL_OK) {
+            pl_raise_backend(st, cb, rc, "cudaGetDevice");
+            return -1;
+        }
+        index = cur;
+    }
+    int count = 0;
+    pl_cuda_device_count(&count);
+    if (index >= count) {
+        set_cuda_error(st, PyUnicode_FromFormat("device %s was asked for, but only %d CUDA "
+                       "device(s) are visible", asked, count), PL_ERR_INVALID_DEVICE,
+                       PyUnicode_FromString("cudaErrorInvalidDevice"));
+        return -1;
+    }
+    *b = cb;
+    *dev = index;
+    return 0;
+}
+
+/* ---- module functions ---- */
+
+static PyObject *mod_backend(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    return PyUnicode_FromString(cuda_usable() ? "cuda" : "host");
+}
+
+static PyObject *mod_cuda_available(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    return PyBool_FromLong(cuda_usable());
+}
+
+static PyObject *mod_device_count(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    if (force_host())
+        return PyLong_FromLong(0);
+    int n = 0;
+    pl_cuda_device_count(&n);
+    return PyLong_FromLong(n);
+}
+
+static PyObject *mod_cuda_info(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    int err = 0, drv = 0, rt = 0, n = 0;
+    const char *detail = NULL;
+    const pl_backend *b = pl_backend_cuda(&err, &detail);
+    pl_cuda_versions(&drv, &rt);
+    pl_cuda_device_count(&n);
+    const char *path = pl_cuda_library_path();
+    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:i,s:s,s:i}", "usable", b ? Py_True : Py_False,
+                         "library", path ? path : "", "driver_version", drv, "runtime_version", rt,
+                         "device_count", n, "error", b ? "" : detail, "error_code", b ? 0 : err);
+}
+
+static PyObject *mod_set_cudart_candidates(PyObject *m, PyObject *seq)
+{
+    (void)m;
+    PyObject *fast = PySequence_Fast(seq, "candidates must be a sequence of str");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    const char **paths = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    if (!paths) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
+        if (!(paths[i] = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "candidates must be str");
+            PyMem_Free(paths);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    pl_cuda_set_library_candidates(paths, (int)n);
+    PyMem_Free(paths);
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_shutdown(PyObject *m, PyObject *noargs)
+{
+    (void)noargs;
+    pl_prefetcher_shutdown_all(pl_state_of_module(m));
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_debug_violation(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    const char *v = pl_debug_first_violation();
+    if (!v)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(v);
+}
+
+static PyObject *mod_live_device_blocks(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    const pl_backend *b = strcmp(name, "cuda") == 0 ? pl_backend_cuda(NULL, NULL) : pl_backend_host();
+    if (!b)
+        return Py_BuildValue("(in)", 0, (Py_ssize_t)0);
+    return Py_BuildValue("(ln)", pl_block_live_count(b), (Py_ssize_t)pl_block_live_bytes(b));
+}
+
+static PyObject *mod_default_pinned_cap(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    return PyLong_FromSize_t(pl_pool_default_cap());
+}
+
+static PyMethodDef module_methods[] = {
+    {"backend", mod_backend, METH_NOARGS,
+     "backend()\n--\n\n\"cuda\" when a CUDA device is usable (and PINLOADER_BACKEND is not 'host'), else \"host\"."},
+    {"cuda_available", mod_cuda_available, METH_NOARGS,
+     "cuda_available()\n--\n\nWhether the CUDA runtime loaded and at least one device is visible."},
+    {"device_count", mod_device_count, METH_NOARGS,
+     "device_count()\n--\n\nNumber of visible CUDA devices (0 without CUDA)."},
+    {"cuda_info", mod_cuda_info, METH_NOARGS,
+     "cuda_info()\n--\n\nWhat was found: library path, driver and runtime versions, device count, and why CUDA is unusable if it is."},
+    {"default_pinned_cap", mod_default_pinned_cap, METH_NOARGS,
+     "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes."},
+    {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
+    {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
+    {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},
+    {"_live_device_blocks", mod_live_device_blocks, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- fork ---- */
+
+static void at_fork_child(void)
+{
+    pl_forked_child = 1;
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void install_fork_handler(void)
+{
+    pthread_atfork(NULL, NULL, at_fork_child);
+}
+
+/* ---- init ---- */
+
+static int module_exec(PyObject *m)
+{
+    pl_state *st = pl_state_of_module(m);
+    if (_import_array() < 0)
+        return -1;
+    pthread_once(&fork_once, install_fork_handler);
+
+    PyObject *np = PyImport_ImportModule("numpy");
+    if (!np)
+        return -1;
+    st->numpy_dtype_fn = PyObject_GetAttrString(np, "dtype");
+    Py_DECREF(np);
+    if (!st->numpy_dtype_fn)
+        return -1;
+
+    st->CudaError = PyErr_NewExceptionWithDoc(
+        "pinloader.CudaError",
+        "A CUDA runtime call failed, or CUDA was asked for and is not usable.\n\n"
+        "Attributes: code (the CUDA error number, or a negative pinloader code) and name\n"
+        "(the CUDA error name, e.g. 'cudaErrorNoDevice').",
+        PyExc_RuntimeError, NULL);
+    if (!st->CudaError || PyModule_AddObjectRef(m, "CudaError", st->CudaError) < 0)
+        return -1;
+    st->PoolExhausted = PyErr_NewExceptionWithDoc(
+        "pinloader.PoolExhausted",
+        "A pinned-memory request cannot be met under the pool's cap (it can never fit, or the "
+        "timeout passed while waiting for regions to come back).",
+        PyExc_MemoryError, NULL);
+    if (!st->PoolExhausted || PyModule_AddObjectRef(m, "PoolExhausted", st->PoolExhausted) < 0)
+        return -1;
+
+    if (pl_pinned_init(m, st) < 0 || pl_device_array_init(m, st) < 0 ||
+        pl_prefetcher_init(m, st) < 0 || pl_prim_init(m, st) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", DLPACK_MAJOR_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "DLPACK_MINOR", DLPACK_MINOR_VERSION) < 0)
+        return -1;
+#ifdef PL_SANITIZE
+    if (PyModule_AddIntConstant(m, "SANITIZED", 1) < 0)
+        return -1;
+#else
+    if (PyModule_AddIntConstant(m, "SANITIZED", 0) < 0)
+        return -1;
+#endif
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    pl_state *st = pl_state_of_module(m);
+    Py_VISIT(st->PinnedPool_Type);
+    Py_VISIT(st->PinnedBuffer_Type);
+    Py_VISIT(st->DeviceArray_Type);
+    Py_VISIT(st->AsyncPrefetcher_Type);
+    Py_VISIT(st->Prim_Type);
+    Py_VISIT(st->CudaError);
+    Py_VISIT(st->PoolExhausted);
+    Py_VISIT(st->numpy_dtype_fn);
+    return 0;
+}
+
+static int module_clear(PyObject *m)
+{
+    pl_state *st = pl_state_of_module(m);
+    Py_CLEAR(st->PinnedPool_Type);
+    Py_CLEAR(st->PinnedBuffer_Type);
+    Py_CLEAR(st->DeviceArray_Type);
+    Py_CLEAR(st->AsyncPrefetcher_Type);
+    Py_CLEAR(st->Prim_Type);
+    Py_CLEAR(st->CudaError);
+    Py_CLEAR(st->PoolExhausted);
+    Py_CLEAR(st->numpy_dtype_fn);
+    return 0;
+}
+
+static void module_free(void *m)
+{
+    module_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#ifdef Py_mod_multiple_interpreters
+    /* One process-wide CUDA function table and native threads that take the GIL through
+     * PyGILState: a single interpreter only. */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    /* Native threads hand results to Python through mutex-protected queues, but the module's
+     * Python-facing objects assume the GIL serialises their methods. */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
+PyModuleDef pl_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "pinloader._C",
+    .m_doc = "pinloader's native core: backends, the pinned slab pool, device arrays and the "
+             "asynchronous prefetcher.",
+    .m_size = sizeof(pl_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&pl_module_def);
+}

@@ -1,0 +1,597 @@
+/* PinnedPool and PinnedBuffer: the Python face of pool.c. */
+#include "module.h"
+
+#include "pool.h"
+#include "util.h"
+
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    pl_pool *pool;
+    const pl_backend *b;
+    int device;
+    int closed;
+} PinnedPoolObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *pool_obj; /* the PinnedPool: keeps the pool alive while the region is out */
+    pl_region *region;  /* NULL once released */
+    Py_ssize_t buffer_exports;
+    Py_ssize_t dlpack_exports; /* decremented by capsule deleters, with the GIL */
+} PinnedBufferObject;
+
+#define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
+
+/* ---- PinnedPool ---- */
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"max_bytes", "device", NULL};
+    PyObject *max_obj = Py_None, *device = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OO:PinnedPool", kwlist, &max_obj, &device))
+        return NULL;
+    pl_state *st = pl_state_of_type(type);
+    if (!st)
+        return NULL;
+    size_t max_bytes = 0;
+    if (max_obj != Py_None) {
+        long long v = PyLong_AsLongLong(max_obj);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        if (v <= 0) {
+            PyErr_Format(PyExc_ValueError, "max_bytes must be > 0, got %lld", v);
+            return NULL;
+        }
+        max_bytes = (size_t)v;
+    }
+    const pl_backend *b;
+    int dev;
+    if (pl_resolve_device(st, device, &b, &dev) < 0)
+        return NULL;
+    PinnedPoolObject *self = (PinnedPoolObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    int rc = pl_pool_create(b, dev, max_bytes, &self->pool);
+    if (rc != PL_OK) {
+        Py_DECREF(self);
+        return pl_raise_backend(st, b, rc, "PinnedPool");
+    }
+    self->b = b;
+    self->device = dev;
+    return (PyObject *)self;
+}
+
+static void pool_dealloc(PyObject *op)
+{
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    if (self->pool) {
+        Py_BEGIN_ALLOW_THREADS
+        pl_pool_decref(self->pool);
+        Py_END_ALLOW_THREADS
+    }
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static int pool_check_open(PinnedPoolObject *self)
+{
+    if (self->closed) {
+        PyErr_SetString(PyExc_ValueError, "PinnedPool is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *pool_exhausted(pl_state *st, pl_pool *p, size_t n, const char *why)
+{
+    pl_pool_stats s;
+    pl_pool_get_stats(p, &s);
+    PyErr_Format(st->PoolExhausted,
+                 "pinned request of %zu bytes %s (cap %zu bytes, %zu bytes in use in %zu "
+                 "regions, %zu pending)", n, why, s.max_bytes, s.in_use_bytes, s.regions, s.pending);
+    return NULL;
+}
+
+static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    static char *kwlist[] = {"nbytes", "timeout", NULL};
+    Py_ssize_t n;
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:alloc", kwlist, &n, &timeout_obj))
+        return NULL;
+    pl_state *st = pl_state_of_type(Py_TYPE(op));
+    if (!st || pool_check_open(self) < 0)
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
+        return NULL;
+    }
+    int64_t deadline = -1;
+    if (timeout_obj != Py_None) {
+        double t = PyFloat_AsDouble(timeout_obj);
+        if (t == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (t < 0) {
+            PyErr_SetString(PyExc_ValueError, "timeout must be >= 0 or None");
+            return NULL;
+        }
+        deadline = pl_now_ns() + (int64_t)(t * 1e9);
+    }
+    pl_region *r = NULL;
+    for (;;) {
+        int64_t slice = WAIT_SLICE_NS;
+        if (deadline >= 0)
+            slice = PL_MAX((int64_t)0, PL_MIN(slice, deadline - pl_now_ns()));
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = pl_pool_reserve(self->pool, (size_t)n, slice, NULL, &r);
+        Py_END_ALLOW_THREADS
+        if (rc == PL_OK)
+            break;
+        if (rc == PL_ERR_TIMEOUT) {
+            if (PyErr_CheckSignals() < 0)
+                return NULL;
+            if (deadline >= 0 && pl_now_ns() >= deadline)
+                return pool_exhausted(st, self->pool, (size_t)n, "timed out waiting for regions to come back");
+            continue;
+        }
+        if (rc == PL_ERR_NO_MEMORY && (size_t)n > pl_pool_cap(self->pool))
+            return pool_exhausted(st, self->pool, (size_t)n, "can never fit under the cap");
+        if (rc == PL_ERR_INVALID_VALUE)
+            return PyErr_Format(PyExc_ValueError, "PinnedPool is closed");
+        return pl_raise_backend(st, self->b, rc, "PinnedPool.alloc: making a pinned slab");
+    }
+    PinnedBufferObject *buf = PyObject_New(PinnedBufferObject, st->PinnedBuffer_Type);
+    if (!buf) {
+        pl_pool_release(self->pool, r);
+        return NULL;
+    }
+    buf->pool_obj = Py_NewRef(op);
+    buf->region = r;
+    buf->buffer_exports = 0;
+    buf->dlpack_exports = 0;
+    return (PyObject *)buf;
+}
+
+static PyObject *pool_stats(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    pl_pool_stats s;
+    pl_pool_get_stats(self->pool, &s);
+    return Py_BuildValue(
+        "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:d}",
+        "reserved_bytes", (Py_ssize_t)s.reserved_bytes, "in_use_bytes", (Py_ssize_t)s.in_use_bytes,
+        "peak_in_use_bytes", (Py_ssize_t)s.peak_in_use_bytes,
+        "peak_reserved_bytes", (Py_ssize_t)s.peak_reserved_bytes, "max_bytes", (Py_ssize_t)s.max_bytes,
+        "slabs", (Py_ssize_t)s.slabs, "regions", (Py_ssize_t)s.regions, "pending", (Py_ssize_t)s.pending,
+        "allocs_cached", (unsigned long long)s.allocs_cached,
+        "allocs_new", (unsigned long long)s.allocs_new,
+        "slabs_created", (unsigned long long)s.slabs_created,
+        "slabs_freed", (unsigned long long)s.slabs_freed, "waits", (unsigned long long)s.waits,
+        "wait_s", (double)s.wait_ns / 1e9);
+}
+
+static PyObject *pool_trim(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    size_t freed;
+    Py_BEGIN_ALLOW_THREADS
+    freed = pl_pool_trim(self->pool);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSize_t(freed);
+}
+
+static PyObject *pool_close(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    if (!self->closed) {
+        self->closed = 1;
+        Py_BEGIN_ALLOW_THREADS
+        pl_pool_close(self->pool);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_enter(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    return Py_NewRef(op);
+}
+
+static PyObject *pool_exit(PyObject *op, PyObject *args)
+{
+    (void)args;
+    return pool_close(op, NULL);
+}
+
+static PyObject *pool_repr(PyObject *op)
+{
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    pl_pool_stats s;
+    pl_pool_get_stats(self->pool, &s);
+    return PyUnicode_FromFormat("<pinloader.PinnedPool backend=%s max_bytes=%zu reserved=%zu "
+                                "in_use=%zu slabs=%zu%s>", self->b->name, s.max_bytes,
+                                s.reserved_bytes, s.in_use_bytes, s.slabs,
+                                self->closed ? " closed" : "");
+}
+
+static PyObject *pool_get_max_bytes(PyObject *op, void *c)
+{
+    (void)c;
+    return PyLong_FromSize_t(pl_pool_cap(((PinnedPoolObject *)op)->pool));
+}
+
+static PyObject *pool_get_backend(PyObject *op, void *c)
+{
+    (void)c;
+    return PyUnicode_FromString(((PinnedPoolObject *)op)->b->name);
+}
+
+struct pl_pool *pl_pinned_pool_get(pl_state *st, PyObject *o)
+{
+    if (!PyObject_TypeCheck(o, st->PinnedPool_Type))
+        return NULL;
+    return ((PinnedPoolObject *)o)->pool;
+}
+
+static PyMethodDef pool_methods[] = {
+    {"alloc", (PyCFunction)(void (*)(void))pool_alloc, METH_VARARGS | METH_KEYWORDS,
+     "alloc(nbytes, timeout=None)\n--\n\n"
+     "Reserve a pinned region of nbytes and return it as a PinnedBuffer.\n\n"
+     "When the pool is at its cap, waits (GIL released, Ctrl-C works) for regions to come\n"
+     "back. Raises PoolExhausted if nbytes can never fit under the cap or timeout seconds pass."},
+    {"stats", pool_stats, METH_NOARGS,
+     "stats()\n--\n\nBytes reserved in slabs, in use, peak, the cap, slab and region counts, "
+     "allocations served from existing slabs vs new ones, waits and wait time."},
+    {"trim", pool_trim, METH_NOARGS, "trim()\n--\n\nGive slabs with no live region back to the OS; returns bytes freed."},
+    {"close", pool_close, METH_NOARGS, "close()\n--\n\nWait for pending releases, free idle slabs, refuse new allocations. Idempotent."},
+    {"__enter__", pool_enter, METH_NOARGS, NULL},
+    {"__exit__", pool_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pool_getset[] = {
+    {"max_bytes", pool_get_max_bytes, NULL, "The cap on pinned bytes held.", NULL},
+    {"backend", pool_get_backend, NULL, "\"cuda\" or \"host\".", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot pool_slots[] = {
+    {Py_tp_new, pool_new},
+    {Py_tp_dealloc, pool_dealloc},
+    {Py_tp_methods, pool_methods},
+    {Py_tp_getset, pool_getset},
+    {Py_tp_repr, pool_repr},
+    {Py_tp_doc, "PinnedPool(max_bytes=None, device=None)\n--\n\n"
+                "Reused page-locked host slabs carved into 256-byte aligned regions.\n\n"
+                "max_bytes caps the pinned bytes held (default: a quarter of physical memory,\n"
+                "and at most half of RLIMIT_MEMLOCK where that binds). device selects the\n"
+                "backend as for AsyncPrefetcher ('cpu' for plain page-aligned host memory)."},
+    {0, NULL},
+};
+
+static PyType_Spec pool_spec = {
+    .name = "pinloader.PinnedPool",
+    .basicsize = sizeof(PinnedPoolObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = pool_slots,
+};
+
+/* ---- PinnedBuffer ---- */
+
+static pl_pool *buffer_pool(PinnedBufferObject *self)
+{
+    return ((PinnedPoolObject *)self->pool_obj)->pool;
+}
+
+static int buffer_check_live(PinnedBufferObject *self)
+{
+    if (!self->region) {
+        PyErr_SetString(PyExc_ValueError, "PinnedBuffer has been released");
+        return -1;
+    }
+    return 0;
+}
+
+static void buffer_dealloc(PyObject *op)
+{
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    if (self->region)
+        pl_pool_release(buffer_pool(self), self->region);
+    Py_XDECREF(self->pool_obj);
+    PyObject_Free(op);
+    Py_DECREF(tp);
+}
+
+static int buffer_getbuffer(PyObject *op, Py_buffer *view, int flags)
+{
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    if (buffer_check_live(self) < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_BufferError, "PinnedBuffer has been released");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, op, self->region->ptr, (Py_ssize_t)self->region->requested, 0, flags) < 0)
+        return -1;
+    self->buffer_exports++;
+    return 0;
+}
+
+static void buffer_releasebuffer(PyObject *op, Py_buffer *view)
+{
+    (void)view;
+    ((PinnedBufferObject *)op)->buffer_exports--;
+}
+
+static PyObject *buffer_release(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    if (!self->region)
+        Py_RETURN_NONE; /* idempotent */
+    if (self->buffer_exports || self->dlpack_exports) {
+        PyErr_Format(PyExc_BufferError, "cannot release a PinnedBuffer that is still exported "
+                     "(%zd buffer views, %zd DLPack tensors alive)", self->buffer_exports,
+                     self->dlpack_exports);
+        return NULL;
+    }
+    pl_pool_release(buffer_pool(self), self->region);
+    self->region = NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *buffer_enter(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    if (buffer_check_live((PinnedBufferObject *)op) < 0)
+        return NULL;
+    return Py_NewRef(op);
+}
+
+static PyObject *buffer_exit(PyObject *op, PyObject *args)
+{
+    (void)args;
+    return buffer_release(op, NULL);
+}
+
+/* DLPack export of the raw bytes: a 1-D uint8 tensor on the CPU. */
+typedef struct {
+    union {
+        DLManagedTensor legacy;
+        DLManagedTensorVersioned versioned;
+    } t;
+    int64_t shape[1];
+    int64_t strides[1];
+    PyObject *owner;
+} buffer_ctx;
+
+static void buffer_ctx_free(buffer_ctx *ctx)
+{
+    if (!Py_IsInitialized() || pl_py_finalizing()) {
+        return; /* leak rather than touch a dying interpreter */
+    }
+    PyGILState_STATE g = PyGILState_Ensure();
+    ((PinnedBufferObject *)ctx->owner)->dlpack_exports--;
+    Py_DECREF(ctx->owner);
+    PyGILState_Release(g);
+    PyMem_RawFree(ctx);
+}
+
+static void buffer_deleter_legacy(DLManagedTensor *t)
+{
+    buffer_ctx_free((buffer_ctx *)t->manager_ctx);
+}
+
+static void buffer_deleter_versioned(DLManagedTensorVersioned *t)
+{
+    buffer_ctx_free((buffer_ctx *)t->manager_ctx);
+}
+
+static void buffer_capsule_destructor(PyObject *cap)
+{
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *t = PyCapsule_GetPointer(cap, "dltensor");
+        t->deleter(t);
+    } else if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        DLManagedTensorVersioned *t = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        t->deleter(t);
+    }
+}
+
+/* Parse the standard __dlpack__ keywords; returns the wanted major version (0: legacy). */
+static int parse_max_version(PyObject *max_version, int *major)
+{
+    *major = 0;
+    if (max_version == NULL || max_version == Py_None)
+        return 0;
+    if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) != 2) {
+        PyErr_SetString(PyExc_TypeError, "max_version must be a (major, minor) tuple or None");
+        return -1;
+    }
+    long m = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
+    if (m == -1 && PyErr_Occurred())
+        return -1;
+    *major = (int)m;
+    return 0;
+}
+
+static PyObject *buffer_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOO:__dlpack__", kwlist, &stream,
+                                     &max_version, &dl_device, &copy))
+        return NULL;
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    if (buffer_check_live(self) < 0)
+        return NULL;
+    if (stream != Py_None) {
+        PyErr_SetString(PyExc_BufferError, "PinnedBuffer is host memory: stream must be None");
+        return NULL;
+    }
+    if (copy == Py_True) {
+        PyErr_SetString(PyExc_BufferError, "PinnedBuffer.__dlpack__ does not copy (copy=True)");
+        return NULL;
+    }
+    if (dl_device != Py_None) {
+        int dt = -1, di = -1;
+        if (!PyArg_ParseTuple(dl_device, "ii", &dt, &di))
+            return NULL;
+        if (!((dt == kDLCPU || dt == kDLCUDAHost) && di == 0)) {
+            PyErr_Format(PyExc_BufferError, "PinnedBuffer cannot be exported to device (%d, %d)", dt, di);
+            return NULL;
+        }
+    }
+    int major;
+    if (parse_max_version(max_version, &major) < 0)
+        return NULL;
+    buffer_ctx *ctx = PyMem_RawCalloc(1, sizeof(*ctx));
+    if (!ctx)
+        return PyErr_NoMemory();
+    ctx->shape[0] = (int64_t)self->region->requested;
+    ctx->strides[0] = 1;
+    ctx->owner = Py_NewRef(op);
+    DLTensor *t = major >= 1 ? &ctx->t.versioned.dl_tensor : &ctx->t.legacy.dl_tensor;
+    t->data = self->region->ptr;
+    t->device = (DLDevice){kDLCPU, 0}; /* see DLPACK.md: (3, 0) outside, kDLCPU inside */
+    t->ndim = 1;
+    t->dtype = (DLDataType){kDLUInt, 8, 1};
+    t->shape = ctx->shape;
+    t->strides = ctx->strides;
+    t->byte_offset = 0;
+    PyObject *cap;
+    if (major >= 1) {
+        ctx->t.versioned.version = (DLPackVersion){DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
+        ctx->t.versioned.manager_ctx = ctx;
+        ctx->t.versioned.deleter = buffer_deleter_versioned;
+        cap = PyCapsule_New(&ctx->t.versioned, "dltensor_versioned", buffer_capsule_destructor);
+    } else {
+        ctx->t.legacy.manager_ctx = ctx;
+        ctx->t.legacy.deleter = buffer_deleter_legacy;
+        cap = PyCapsule_New(&ctx->t.legacy, "dltensor", buffer_capsule_destructor);
+    }
+    if (!cap) {
+        Py_DECREF(ctx->owner);
+        PyMem_RawFree(ctx);
+        return NULL;
+    }
+    self->dlpack_exports++;
+    return cap;
+}
+
+static PyObject *buffer_dlpack_device(PyObject *op, PyObject *noargs)
+{
+    (void)op;
+    (void)noargs;
+    return Py_BuildValue("(ii)", kDLCUDAHost, 0);
+}
+
+static PyObject *buffer_get_nbytes(PyObject *op, void *c)
+{
+    (void)c;
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    return PyLong_FromSize_t(self->region ? self->region->requested : 0);
+}
+
+static PyObject *buffer_get_ptr(PyObject *op, void *c)
+{
+    (void)c;
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    if (buffer_check_live(self) < 0)
+        return NULL;
+    return PyLong_FromVoidPtr(self->region->ptr);
+}
+
+static PyObject *buffer_get_released(PyObject *op, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(((PinnedBufferObject *)op)->region == NULL);
+}
+
+static PyObject *buffer_get_pool(PyObject *op, void *c)
+{
+    (void)c;
+    return Py_NewRef(((PinnedBufferObject *)op)->pool_obj);
+}
+
+static Py_ssize_t buffer_len(PyObject *op)
+{
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    return self->region ? (Py_ssize_t)self->region->requested : 0;
+}
+
+static PyObject *buffer_repr(PyObject *op)
+{
+    PinnedBufferObject *self = (PinnedBufferObject *)op;
+    if (!self->region)
+        return PyUnicode_FromString("<pinloader.PinnedBuffer released>");
+    return PyUnicode_FromFormat("<pinloader.PinnedBuffer nbytes=%zu ptr=%p>", self->region->requested,
+                                self->region->ptr);
+}
+
+int pl_pinned_buffer_check(pl_state *st, PyObject *o)
+{
+    return PyObject_TypeCheck(o, st->PinnedBuffer_Type);
+}
+
+static PyMethodDef buffer_methods[] = {
+    {"release", buffer_release, METH_NOARGS,
+     "release()\n--\n\nReturn the region to its pool now. Refused while buffer views or DLPack tensors of it are alive. Idempotent."},
+    {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "Export the bytes as a 1-D uint8 DLPack tensor (kDLCPU in the capsule)."},
+    {"__dlpack_device__", buffer_dlpack_device, METH_NOARGS, "__dlpack_device__()\n--\n\n(kDLCUDAHost, 0): page-locked host memory."},
+    {"__enter__", buffer_enter, METH_NOARGS, NULL},
+    {"__exit__", buffer_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef buffer_getset[] = {
+    {"nbytes", buffer_get_nbytes, NULL, "Bytes requested (0 once released).", NULL},
+    {"ptr", buffer_get_ptr, NULL, "Address of the first byte.", NULL},
+    {"released", buffer_get_released, NULL, "Whether release() ran.", NULL},
+    {"pool", buffer_get_pool, NULL, "The PinnedPool the region came from.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_methods, buffer_methods},
+    {Py_tp_getset, buffer_getset},
+    {Py_tp_repr, buffer_repr},
+    {Py_bf_getbuffer, buffer_getbuffer},
+    {Py_bf_releasebuffer, buffer_releasebuffer},
+    {Py_sq_length, buffer_len},
+    {Py_tp_doc, "A region of page-locked memory from a PinnedPool (made by PinnedPool.alloc).\n\n"
+                "Writable through the buffer protocol (numpy.frombuffer, memoryview) and\n"
+                "DLPack (torch.from_dlpack gives a CPU tensor over the pinned bytes)."},
+    {0, NULL},
+};
+
+static PyType_Spec buffer_spec = {
+    .name = "pinloader.PinnedBuffer",
+    .basicsize = sizeof(PinnedBufferObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = buffer_slots,
+};
+
+int pl_pinned_init(PyObject *m, pl_state *st)
+{
+    st->PinnedPool_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pool_spec, NULL);
+    if (!st->PinnedPool_Type || PyModule_AddType(m, st->PinnedPool_Type) < 0)
+        return -1;
+    st->PinnedBuffer_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &buffer_spec, NULL);
+    if (!st->PinnedBuffer_Type || PyModule_AddType(m, st->PinnedBuffer_Type) < 0)
+        return -1;
+    return 0;
+}

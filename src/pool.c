@@ -1,0 +1,637 @@
+/* The pinned slab pool.
+ *
+ * Note [region sizes]
+ * A request of n bytes is rounded up to a multiple of max(256, 2^floor(log2 n) / 8): regions
+ * stay 256-byte aligned, waste is at most 1/8 of the request (not the up-to-1/2 of
+ * power-of-two buckets), and a steady stream of same-sized batches asks for identical sizes, so
+ * best-fit hands back the very extents the previous batches used: no new slab after the first
+ * few batches.
+ *
+ * Note [slab reuse]
+ * A region released "after stream s" gets an event recorded on s and joins the pending list.
+ * Pending regions are polled out of order (every event is queried, not only the oldest), so one
+ * slow copy never holds back the others. A region returns to its slab's free extents only once
+ * its event has completed: pinned memory is never overwritten while a copy still reads it.
+ *
+ * Note [pool locking]
+ * One mutex, `mu`, guards every mutable field of the pool, its slabs and their extents. It is
+ * held only for list and counter updates: no backend (CUDA) call and no OS allocation happens
+ * under it. Slab creation reserves its bytes under mu (so the cap holds while the slab is being
+ * made), then allocates and registers outside, then inserts under mu. Polling detaches the
+ * pending list under mu, queries the events outside, and re-attaches what is not ready. */
+#include "pool.h"
+#include "util.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define REGION_MAGIC 0x9e6b1a11u
+#define REGION_DEAD 0xdeadbeefu
+#define CANARY_BYTES 64u
+#define CANARY_BYTE 0xa5
+#define DEFAULT_SLAB_BYTES ((size_t)64 << 20)
+#define WAIT_SLICE_NS ((int64_t)1000000)
+
+typedef struct extent {
+    struct extent *next;
+    size_t off, size;
+} extent;
+
+typedef struct pl_slab {
+    struct pl_slab *next;
+    char *base;
+    size_t size;
+    extent *free; /* address-ordered, coalesced; guarded by the pool's mu */
+    size_t live;  /* regions carved from it and not yet back; guarded by mu */
+} pl_slab;
+
+struct pl_pool {
+    atomic_long refcount;
+    const pl_backend *b;
+    int device;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;      /* broadcast when regions or slab bytes come back */
+    size_t max_bytes;       /* guarded by mu */
+    pl_slab *slabs;         /* guarded by mu */
+    pl_region *pending;     /* guarded by mu */
+    pl_event **events;      /* guarded by mu: free list of reusable events */
+    size_t n_events, cap_events;
+    size_t creating;        /* guarded by mu: slab bytes being made outside the lock */
+    int closed;             /* guarded by mu */
+    pl_pool_stats st;       /* guarded by mu */
+};
+
+/* ---- debug reporting ---- */
+
+static pthread_mutex_t debug_mu = PTHREAD_MUTEX_INITIALIZER;
+static char debug_first[512]; /* guarded by debug_mu */
+
+void pl_debug_report(const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "pinloader debug: %s\n", msg);
+    pthread_mutex_lock(&debug_mu);
+    if (!debug_first[0])
+        snprintf(debug_first, sizeof debug_first, "%s", msg);
+    pthread_mutex_unlock(&debug_mu);
+}
+
+const char *pl_debug_first_violation(void)
+{
+    pthread_mutex_lock(&debug_mu);
+    const char *r = debug_first[0] ? debug_first : NULL;
+    pthread_mutex_unlock(&debug_mu);
+    return r;
+}
+
+/* ---- sizes ---- */
+
+static size_t round_request(size_t n)
+{
+    if (n <= PL_ALIGN)
+        return PL_ALIGN;
+    size_t top = (size_t)1 << (63 - __builtin_clzll((unsigned long long)n));
+    size_t g = PL_MAX((size_t)PL_ALIGN, top / 8);
+    return (n + g - 1) / g * g;
+}
+
+size_t pl_pool_default_cap(void)
+{
+    /* A quarter of physical memory, and no more than half of RLIMIT_MEMLOCK where that binds
+     * (root and CUDA's own pinning are not limited by it, but an ordinary user's
+     * cudaHostRegister is). */
+    size_t cap = pl_physical_memory() / 4;
+    size_t lim = pl_memlock_limit();
+    if (lim != SIZE_MAX && lim / 2 < cap && lim >= ((size_t)64 << 20))
+        cap = lim / 2;
+    return cap;
+}
+
+/* ---- lifecycle ---- */
+
+int pl_pool_create(const pl_backend *b, int device, size_t max_bytes, pl_pool **out)
+{
+    pl_pool *p = calloc(1, sizeof(*p));
+    if (!p)
+        return PL_ERR_NO_MEMORY;
+    if (pthread_mutex_init(&p->mu, NULL) != 0 || pl_cond_init(&p->cv) != 0) {
+        free(p);
+        return PL_ERR_NO_MEMORY;
+    }
+    atomic_init(&p->refcount, 1);
+    p->b = b;
+    p->device = device;
+    p->max_bytes = max_bytes ? max_bytes : pl_pool_default_cap();
+    p->st.max_bytes = p->max_bytes;
+    *out = p;
+    return PL_OK;
+}
+
+void pl_pool_incref(pl_pool *p)
+{
+    atomic_fetch_add(&p->refcount, 1);
+}
+
+size_t pl_pool_cap(const pl_pool *p)
+{
+    return p->max_bytes;
+}
+
+const pl_backend *pl_pool_backend(const pl_pool *p)
+{
+    return p->b;
+}
+
+void pl_pool_raise_cap(pl_pool *p, size_t max_bytes)
+{
+    pthread_mutex_lock(&p->mu);
+    if (max_bytes > p->max_bytes) {
+        p->max_bytes = max_bytes;
+        p->st.max_bytes = max_bytes;
+        pthread_cond_broadcast(&p->cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void free_extents(extent *e)
+{
+    while (e) {
+        extent *n = e->next;
+        free(e);
+        e = n;
+    }
+}
+
+static void free_slab(const pl_backend *b, pl_slab *s)
+{
+    b->host_free(s->base, s->size);
+    free_extents(s->free);
+    free(s);
+}
+
+static int slab_is_free(const pl_slab *s)
+{
+    return s->live == 0;
+}
+
+/* Detach (under mu) every slab with no live region; the caller frees them outside the lock. */
+static pl_slab *detach_free_slabs(pl_pool *p)
+{
+    pl_slab *out = NULL, **link = &p->slabs;
+    while (*link) {
+        pl_slab *s = *link;
+        if (slab_is_free(s)) {
+            *link = s->next;
+            s->next = out;
+            out = s;
+            p->st.reserved_bytes -= s->size;
+            p->st.slabs--;
+            p->st.slabs_freed++;
+        } else {
+            link = &s->next;
+        }
+    }
+    return out;
+}
+
+static size_t free_slab_list(const pl_backend *b, pl_slab *s)
+{
+    size_t n = 0;
+    while (s) {
+        pl_slab *next = s->next;
+        n += s->size;
+        free_slab(b, s);
+        s = next;
+    }
+    return n;
+}
+
+/* ---- extents (under mu) ---- */
+
+static int carve(pl_pool *p, size_t size, pl_slab **slab_out, size_t *off_out)
+{
+    extent **best = NULL;
+    pl_slab *best_slab = NULL;
+    for (pl_slab *s = p->slabs; s; s = s->next)
+        for (extent **e = &s->free; *e; e = &(*e)->next)
+            if ((*e)->size >= size && (!best || (*e)->size < (*best)->size)) {
+                best = e;
+                best_slab = s;
+            }
+    if (!best)
+        return 0;
+    extent *e = *best;
+    *off_out = e->off;
+    *slab_out = best_slab;
+    if (e->size == size) {
+        *best = e->next;
+        free(e);
+    } else {
+        e->off += size;
+        e->size -= size;
+    }
+    best_slab->live++;
+    return 1;
+}
+
+/* Returns 0 on success, -1 if the extent node could not be allocated (the bytes are then lost
+ * to this slab until it is freed whole, which trim still does). */
+static int give_back(pl_slab *s, size_t off, size_t size)
+{
+    s->live--;
+    extent **link = &s->free;
+    while (*link && (*link)->off < off)
+        link = &(*link)->next;
+    extent *next = *link;
+    extent *prev = link == &s->free ? NULL : (extent *)((char *)link - offsetof(extent, next));
+    if (prev && prev->off + prev->size == off) {
+        prev->size += size;
+        if (next && prev->off + prev->size == next->off) {
+            prev->size += next->size;
+            prev->next = next->next;
+            free(next);
+        }
+        return 0;
+    }
+    if (next && off + size == next->off) {
+        next->off = off;
+        next->size += size;
+        return 0;
+    }
+    extent *e = malloc(sizeof(*e));
+    if (!e)
+        return -1;
+    *e = (extent){next, off, size};
+    *link = e;
+    return 0;
+}
+
+static void canary_fill(pl_region *r)
+{
+    if (r->size - r->requested >= 1)
+        memset((char *)r->ptr + r->requested, CANARY_BYTE, PL_MIN(CANARY_BYTES, r->size - r->requested));
+}
+
+static void canary_check(pl_region *r)
+{
+    size_t n = PL_MIN(CANARY_BYTES, r->size - r->requested);
+    const unsigned char *c = (const unsigned char *)r->ptr + r->requested;
+    for (size_t i = 0; i < n; i++)
+        if (c[i] != CANARY_BYTE) {
+            pl_debug_report("pinned region %p (%zu bytes requested) was written past its end at "
+                            "byte %zu", r->ptr, r->requested, r->requested + i);
+            return;
+        }
+}
+
+/* Return a region to its slab (under mu). */
+static void region_free_locked(pl_pool *p, pl_region *r)
+{
+    if (pl_debug_enabled())
+        canary_check(r);
+    give_back(r->slab, (size_t)((char *)r->ptr - r->slab->base), r->size);
+    p->st.in_use_bytes -= r->size;
+    p->st.regions--;
+    r->magic = REGION_DEAD;
+    free(r);
+}
+
+/* ---- pending releases ---- */
+
+void pl_pool_poll(pl_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    pl_region *list = p->pending;
+    p->pending = NULL;
+    pthread_mutex_unlock(&p->mu);
+    if (!list)
+        return;
+
+    pl_region *ready = NULL, *waiting = NULL, **wtail = &waiting;
+    while (list) {
+        pl_region *r = list;
+        list = r->next;
+        int rc = p->b->event_query(r->event);
+        if (rc == PL_ERR_NOT_READY) {
+            r->next = NULL;
+            *wtail = r;
+            wtail = &r->next;
+        } else {
+            /* Complete, or the runtime failed: an error here (a dead context) means no copy
+             * can still be reading the region. */
+            r->next = ready;
+            ready = r;
+        }
+    }
+
+    pl_event *orphan = NULL;
+    pthread_mutex_lock(&p->mu);
+    *wtail = p->pending; /* keep anything added meanwhile */
+    p->pending = waiting;
+    int freed = 0;
+    while (ready) {
+        pl_region *r = ready;
+        ready = r->next;
+        if (p->n_events < p->cap_events)
+            p->events[p->n_events++] = r->event;
+        else
+            orphan = r->event; /* only if growing the list failed: at most one leaks */
+        p->st.pending--;
+        region_free_locked(p, r);
+        freed = 1;
+    }
+    if (freed)
+        pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    if (orphan)
+        p->b->event_destroy(orphan);
+}
+
+static int take_event(pl_pool *p, pl_event **out)
+{
+    pthread_mutex_lock(&p->mu);
+    pl_event *e = p->n_events ? p->events[--p->n_events] : NULL;
+    pthread_mutex_unlock(&p->mu);
+    if (e) {
+        *out = e;
+        return PL_OK;
+    }
+    int rc = p->b->event_create(&e);
+    if (rc == PL_OK)
+        *out = e;
+    return rc;
+}
+
+/* ---- reserve / release ---- */
+
+static int check_region(pl_region *r, const char *what)
+{
+    if (r->magic == REGION_MAGIC)
+        return 0;
+    if (pl_debug_enabled())
+        pl_debug_report("%s of pinned region %p that is not live (double release?)", what, (void *)r);
+    return -1;
+}
+
+int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int *stop,
+                    pl_region **out)
+{
+    if (pl_forked_child)
+        return PL_ERR_FORKED;
+    size_t want = n + (pl_debug_enabled() ? CANARY_BYTES : 0);
+    size_t size = round_request(want ? want : 1);
+    pl_region *r = malloc(sizeof(*r));
+    if (!r)
+        return PL_ERR_NO_MEMORY;
+
+    int64_t start = pl_now_ns(), wait_start = 0;
+    int rc = PL_OK, made_slab = 0;
+    for (;;) {
+        pl_pool_poll(p);
+        pthread_mutex_lock(&p->mu);
+        if (p->closed) {
+            rc = PL_ERR_INVALID_VALUE;
+            goto fail_locked;
+        }
+        pl_slab *slab;
+        size_t off;
+        if (carve(p, size, &slab, &off)) {
+            *r = (pl_region){slab->base + off, size, n, slab, NULL, NULL, REGION_MAGIC};
+            p->st.in_use_bytes += size;
+            p->st.peak_in_use_bytes = PL_MAX(p->st.peak_in_use_bytes, p->st.in_use_bytes);
+            p->st.regions++;
+            if (!made_slab)
+                p->st.allocs_cached++;
+            if (wait_start) {
+                p->st.waits++;
+                p->st.wait_ns += pl_now_ns() - wait_start;
+            }
+            pthread_mutex_unlock(&p->mu);
+            if (pl_debug_enabled())
+                canary_fill(r);
+            *out = r;
+            return PL_OK;
+        }
+        if (size > p->max_bytes) {
+            rc = PL_ERR_NO_MEMORY;
+            goto fail_locked;
+        }
+        size_t committed = p->st.reserved_bytes + p->creating;
+        if (committed + size <= p->max_bytes) {
+            /* Make a slab outside the lock; the first batch sizes it. */
+            size_t slab_size = PL_MIN(PL_MAX(size, DEFAULT_SLAB_BYTES), p->max_bytes - committed);
+            slab_size = PL_ALIGN_UP(slab_size, PL_ALIGN);
+            p->creating += slab_size;
+            pthread_mutex_unlock(&p->mu);
+
+            pl_slab *s = calloc(1, sizeof(*s));
+            extent *e = malloc(sizeof(*e));
+            void *base = NULL;
+            int arc = (s && e) ? p->b->host_alloc(slab_size, &base) : PL_ERR_NO_MEMORY;
+
+            pthread_mutex_lock(&p->mu);
+            p->creating -= slab_size;
+            if (arc != PL_OK) {
+                pthread_cond_broadcast(&p->cv);
+                pthread_mutex_unlock(&p->mu);
+                free(s);
+                free(e);
+                rc = arc;
+                goto fail;
+            }
+            *e = (extent){NULL, 0, slab_size};
+            *s = (pl_slab){p->slabs, base, slab_size, e, 0};
+            p->slabs = s;
+            p->st.reserved_bytes += slab_size;
+            p->st.peak_reserved_bytes = PL_MAX(p->st.peak_reserved_bytes, p->st.reserved_bytes);
+            p->st.slabs++;
+            p->st.slabs_created++;
+            p->st.allocs_new++;
+            made_slab = 1;
+            pthread_cond_broadcast(&p->cv);
+            pthread_mutex_unlock(&p->mu);
+            continue;
+        }
+        /* Fragmented but idle slabs: give them back so one big enough can be made. */
+        pl_slab *idle = detach_free_slabs(p);
+        if (idle) {
+            pthread_mutex_unlock(&p->mu);
+            free_slab_list(p->b, idle);
+            continue;
+        }
+        pl_event *oldest = p->pending ? p->pending->event : NULL;
+        if (!wait_start)
+            wait_start = pl_now_ns();
+        int64_t slice = WAIT_SLICE_NS;
+        if (timeout_ns >= 0) {
+            int64_t left = start + timeout_ns - pl_now_ns();
+            if (left <= 0) {
+                rc = PL_ERR_TIMEOUT;
+                goto fail_locked;
+            }
+            slice = PL_MIN(slice, left);
+        }
+        if (stop && *stop) {
+            rc = PL_ERR_STOPPED;
+            goto fail_locked;
+        }
+        if (oldest) {
+            pthread_mutex_unlock(&p->mu);
+            /* Events are never destroyed before the pool, so a racing poller recycling this one
+             * only shortens or lengthens this bounded wait. */
+            p->b->event_wait(oldest, slice);
+        } else {
+            struct timespec ts;
+            pl_deadline(&ts, slice);
+            pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
+
+fail_locked:
+    if (wait_start) {
+        p->st.waits++;
+        p->st.wait_ns += pl_now_ns() - wait_start;
+    }
+    pthread_mutex_unlock(&p->mu);
+fail:
+    free(r);
+    return rc;
+}
+
+static void maybe_free_closed(pl_pool *p)
+{
+    /* After close, slabs go back to the OS as soon as they empty. */
+    pthread_mutex_lock(&p->mu);
+    pl_slab *idle = p->closed ? detach_free_slabs(p) : NULL;
+    pthread_mutex_unlock(&p->mu);
+    free_slab_list(p->b, idle);
+}
+
+void pl_pool_release(pl_pool *p, pl_region *r)
+{
+    if (!r || check_region(r, "release") != 0)
+        return;
+    pthread_mutex_lock(&p->mu);
+    region_free_locked(p, r);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    maybe_free_closed(p);
+}
+
+int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
+{
+    if (!r || check_region(r, "release_after") != 0)
+        return PL_ERR_INVALID_VALUE;
+    pl_event *e = NULL;
+    int rc = take_event(p, &e);
+    if (rc == PL_OK)
+        rc = p->b->event_record(e, s);
+    if (rc != PL_OK) {
+        /* No event: fall back to waiting for the stream, then release now. */
+        if (e)
+            p->b->event_destroy(e);
+        p->b->stream_synchronize(s);
+        pl_pool_release(p, r);
+        return rc;
+    }
+    r->event = e;
+    pthread_mutex_lock(&p->mu);
+    /* Keep room on the event free list for every pending event, so polling never has to drop
+     * (destroy under the lock) an event it recycles. */
+    if (p->cap_events < p->st.pending + p->n_events + 1) {
+        size_t cap = PL_MAX(p->cap_events * 2, (size_t)16);
+        pl_event **ev = realloc(p->events, cap * sizeof(*ev));
+        if (ev) {
+            p->events = ev;
+            p->cap_events = cap;
+        }
+    }
+    r->next = p->pending;
+    p->pending = r;
+    p->st.pending++;
+    pthread_mutex_unlock(&p->mu);
+    return PL_OK;
+}
+
+void pl_pool_get_stats(pl_pool *p, pl_pool_stats *st)
+{
+    pl_pool_poll(p);
+    pthread_mutex_lock(&p->mu);
+    *st = p->st;
+    pthread_mutex_unlock(&p->mu);
+}
+
+size_t pl_pool_trim(pl_pool *p)
+{
+    pl_pool_poll(p);
+    pthread_mutex_lock(&p->mu);
+    pl_slab *idle = detach_free_slabs(p);
+    pthread_mutex_unlock(&p->mu);
+    return free_slab_list(p->b, idle);
+}
+
+/* Wait for every pending release (their copies are bounded: they finish). */
+static void drain_pending(pl_pool *p)
+{
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        pl_event *e = p->pending ? p->pending->event : NULL;
+        pthread_mutex_unlock(&p->mu);
+        if (!e)
+            return;
+        p->b->event_wait(e, WAIT_SLICE_NS * 10);
+        pl_pool_poll(p);
+    }
+}
+
+void pl_pool_close(pl_pool *p)
+{
+    if (!pl_forked_child)
+        drain_pending(p);
+    pthread_mutex_lock(&p->mu);
+    p->closed = 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    if (!pl_forked_child)
+        maybe_free_closed(p);
+}
+
+int pl_pool_closed(pl_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int c = p->closed;
+    pthread_mutex_unlock(&p->mu);
+    return c;
+}
+
+void pl_pool_decref(pl_pool *p)
+{
+    if (!p || atomic_fetch_sub(&p->refcount, 1) != 1)
+        return;
+    if (pl_forked_child) {
+        /* The slabs and events belong to the parent's CUDA context: leak them. */
+        return;
+    }
+    pl_pool_close(p);
+    pthread_mutex_lock(&p->mu);
+    pl_slab *all = p->slabs;
+    p->slabs = NULL;
+    pthread_mutex_unlock(&p->mu);
+    free_slab_list(p->b, all);
+    for (size_t i = 0; i < p->n_events; i++)
+        p->b->event_destroy(p->events[i]);
+    free(p->events);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p);
+}

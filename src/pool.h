@@ -1,0 +1,77 @@
+/* PinnedPool: page-locked host slabs carved into regions, reused, bounded, event-gated.
+ * No Python here: the prefetcher's producer thread uses this API without the GIL, and
+ * pinned_pool_type.c wraps it for Python. */
+#ifndef PL_POOL_H
+#define PL_POOL_H
+
+#include "backend.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct pl_pool pl_pool;
+
+typedef struct pl_region {
+    void *ptr;          /* PL_ALIGN-aligned start */
+    size_t size;        /* bytes reserved (the request rounded up, see Note [region sizes]) */
+    size_t requested;   /* bytes asked for */
+    /* private */
+    struct pl_slab *slab;
+    struct pl_region *next; /* pending list link */
+    pl_event *event;        /* the event gating reuse while pending */
+    uint32_t magic;
+} pl_region;
+
+typedef struct {
+    size_t reserved_bytes;  /* bytes held in slabs (page-locked) */
+    size_t in_use_bytes;    /* bytes in regions handed out or pending release */
+    size_t peak_in_use_bytes;
+    size_t peak_reserved_bytes;
+    size_t max_bytes;       /* the cap */
+    size_t slabs;
+    size_t regions;         /* regions handed out or pending */
+    size_t pending;         /* regions waiting for their event */
+    uint64_t allocs_cached; /* served from existing slabs */
+    uint64_t allocs_new;    /* needed a new slab */
+    uint64_t slabs_created;
+    uint64_t slabs_freed;
+    uint64_t waits;         /* reserves that had to wait for a region to come back */
+    int64_t wait_ns;
+} pl_pool_stats;
+
+/* max_bytes 0 means the default cap, pl_pool_default_cap(). */
+int pl_pool_create(const pl_backend *b, int device, size_t max_bytes, pl_pool **out);
+void pl_pool_incref(pl_pool *p);
+void pl_pool_decref(pl_pool *p); /* the last reference syncs pending releases and frees all */
+size_t pl_pool_default_cap(void);
+size_t pl_pool_cap(const pl_pool *p);
+/* Raise the cap (never lowers it). The prefetcher's private pool grows its cap to fit
+ * (depth + 2) of the largest batch seen. */
+void pl_pool_raise_cap(pl_pool *p, size_t max_bytes);
+const pl_backend *pl_pool_backend(const pl_pool *p);
+
+/* Reserve a region of n bytes. Waits while the cap is reached, for at most timeout_ns
+ * (negative: no limit) or until *stop becomes non-zero (stop may be NULL).
+ * Returns PL_OK, PL_ERR_TIMEOUT, PL_ERR_STOPPED, PL_ERR_NO_MEMORY when n can never fit under
+ * the cap (or the OS refused memory), PL_ERR_INVALID_VALUE after close, or a backend error. */
+int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int *stop,
+                    pl_region **out);
+/* Give the region back now. */
+void pl_pool_release(pl_pool *p, pl_region *r);
+/* Give the region back once all work queued so far on stream s has completed (an event is
+ * recorded on s). If recording fails the region is released after synchronizing s. */
+int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s);
+/* Find completed pending releases now (they are also found by reserve and stats). */
+void pl_pool_poll(pl_pool *p);
+void pl_pool_get_stats(pl_pool *p, pl_pool_stats *st);
+/* Free slabs with no live region back to the OS; returns bytes freed. */
+size_t pl_pool_trim(pl_pool *p);
+/* Wait for pending releases, free what is free, refuse new reserves. Idempotent. */
+void pl_pool_close(pl_pool *p);
+int pl_pool_closed(pl_pool *p);
+
+/* Debug mode: the first invariant violation seen (NULL if none). */
+const char *pl_debug_first_violation(void);
+void pl_debug_report(const char *fmt, ...);
+
+#endif

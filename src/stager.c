@@ -1,0 +1,332 @@
+/* Multi-threaded staging into pinned memory.
+ *
+ * Note [staging pieces]
+ * Each leaf is cut into pieces of at most PIECE_BYTES; every chunk of the region counts the
+ * pieces that overlap it. Workers (and the calling thread, between reports) take pieces in
+ * region order from a shared counter, so chunks finish roughly in order and the caller can
+ * start the DMA of chunk i while chunk i + 1 is being staged. The calling thread reports chunk
+ * i only when every piece overlapping it is done, in increasing order. */
+#include "stager.h"
+#include "backend.h"
+#include "util.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PIECE_BYTES ((size_t)1 << 20)
+#define INLINE_BYTES ((size_t)512 << 10) /* below this, one thread does it all */
+
+typedef struct {
+    int leaf;
+    int64_t start, count;
+    size_t off, len; /* bytes within the region */
+} piece;
+
+typedef struct {
+    pl_leaf_copy *leaves;
+    piece *pieces;
+    size_t n_pieces;
+    atomic_size_t next;     /* next piece to take */
+    atomic_int *chunk_left; /* pieces not yet done per chunk */
+    size_t n_chunks, chunk_bytes;
+    char *base;
+} job;
+
+struct pl_stager {
+    int nthreads;
+    pthread_t *workers;
+    int n_workers;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;  /* workers wait here for a new job */
+    pthread_cond_t done_cv;  /* the caller waits here for chunks and for workers to leave */
+    job *cur;                /* guarded by mu */
+    uint64_t gen;            /* guarded by mu: bumped per job */
+    int busy;                /* guarded by mu: workers inside the current job */
+    int stop;                /* guarded by mu */
+};
+
+/* ---- gather ---- */
+
+void pl_leaf_collapse(pl_leaf_copy *L)
+{
+    int nd = 0;
+    for (int d = 0; d < L->ndim; d++) {
+        if (L->shape[d] == 1)
+            continue;
+        L->shape[nd] = L->shape[d];
+        L->strides[nd] = L->strides[d];
+        nd++;
+    }
+    int out = 0;
+    for (int d = 0; d < nd; d++) {
+        if (out > 0 && L->strides[out - 1] == L->shape[d] * L->strides[d]) {
+            L->shape[out - 1] *= L->shape[d];
+            L->strides[out - 1] = L->strides[d];
+            continue;
+        }
+        L->shape[out] = L->shape[d];
+        L->strides[out] = L->strides[d];
+        out++;
+    }
+    if (out == 0) {
+        L->shape[0] = 1;
+        L->strides[0] = (int64_t)L->itemsize;
+        out = 1;
+    }
+    L->ndim = out;
+}
+
+static void copy_strided(char *dst, const char *src, int64_t n, int64_t stride, size_t isz)
+{
+    switch (isz) {
+#define CASE(T)                                                  \
+    case sizeof(T):                                              \
+        for (int64_t i = 0; i < n; i++, src += stride)           \
+            memcpy(dst + (size_t)i * sizeof(T), src, sizeof(T)); \
+        return;
+        CASE(uint8_t)
+        CASE(uint16_t)
+        CASE(uint32_t)
+        CASE(uint64_t)
+#undef CASE
+    default:
+        for (int64_t i = 0; i < n; i++, src += stride, dst += isz)
+            memcpy(dst, src, isz);
+    }
+}
+
+void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
+{
+    const int nd = L->ndim;
+    const size_t isz = L->itemsize;
+    int64_t idx[PL_MAX_DIMS];
+    int64_t rem = start;
+    const char *src = L->src;
+    for (int d = nd - 1; d >= 0; d--) {
+        idx[d] = rem % L->shape[d];
+        rem /= L->shape[d];
+        src += idx[d] * L->strides[d];
+    }
+    const int64_t inner = L->shape[nd - 1], is = L->strides[nd - 1];
+    while (count > 0) {
+        int64_t run = PL_MIN(inner - idx[nd - 1], count);
+        if (is == (int64_t)isz)
+            memcpy(dst, src, (size_t)run * isz);
+        else
+            copy_strided(dst, src, run, is, isz);
+        dst += (size_t)run * isz;
+        count -= run;
+        idx[nd - 1] += run;
+        src += run * is;
+        for (int d = nd - 1; d > 0 && idx[d] == L->shape[d]; d--) {
+            src -= L->shape[d] * L->strides[d];
+            idx[d] = 0;
+            idx[d - 1]++;
+            src += L->strides[d - 1];
+        }
+    }
+}
+
+/* ---- workers ---- */
+
+static void do_piece(job *j, size_t i)
+{
+    piece *p = &j->pieces[i];
+    pl_leaf_gather(j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
+    size_t first = p->off / j->chunk_bytes, last = (p->off + p->len - 1) / j->chunk_bytes;
+    for (size_t c = first; c <= last; c++)
+        atomic_fetch_sub_explicit(&j->chunk_left[c], 1, memory_order_release);
+}
+
+/* Take and do one piece; 0 when none is left. */
+static int take_piece(job *j)
+{
+    size_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+    if (i >= j->n_pieces)
+        return 0;
+    do_piece(j, i);
+    return 1;
+}
+
+static void *worker_main(void *arg)
+{
+    pl_stager *s = arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->stop && s->gen == seen)
+            pthread_cond_wait(&s->work_cv, &s->mu);
+        if (s->stop)
+            break;
+        seen = s->gen;
+        job *j = s->cur;
+        if (!j)
+            continue;
+        s->busy++;
+        pthread_mutex_unlock(&s->mu);
+        while (take_piece(j))
+            ;
+        pthread_mutex_lock(&s->mu);
+        s->busy--;
+        pthread_cond_broadcast(&s->done_cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+int pl_stager_create(int nthreads, pl_stager **out)
+{
+    pl_stager *s = calloc(1, sizeof(*s));
+    if (!s)
+        return PL_ERR_NO_MEMORY;
+    s->nthreads = nthreads < 1 ? 1 : nthreads;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->work_cv, NULL);
+    pthread_cond_init(&s->done_cv, NULL);
+    if (s->nthreads > 1) {
+        s->workers = calloc((size_t)s->nthreads - 1, sizeof(pthread_t));
+        if (!s->workers) {
+            pl_stager_destroy(s);
+            return PL_ERR_NO_MEMORY;
+        }
+        for (int i = 0; i < s->nthreads - 1; i++) {
+            if (pthread_create(&s->workers[i], NULL, worker_main, s) != 0)
+                break;
+            s->n_workers++;
+        }
+    }
+    *out = s;
+    return PL_OK;
+}
+
+void pl_stager_destroy(pl_stager *s)
+{
+    if (!s)
+        return;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < s->n_workers; i++)
+        pthread_join(s->workers[i], NULL);
+    free(s->workers);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->work_cv);
+    pthread_cond_destroy(&s->done_cv);
+    free(s);
+}
+
+int pl_stager_threads(const pl_stager *s)
+{
+    return s->n_workers + 1;
+}
+
+/* ---- one job ---- */
+
+static size_t count_pieces(const pl_leaf_copy *leaves, int n, size_t piece_bytes)
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        if (leaves[i].nbytes)
+            total += (leaves[i].nbytes + piece_bytes - 1) / piece_bytes + 1;
+    return total;
+}
+
+int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t total,
+                  size_t chunk_bytes, pl_chunk_fn on_chunk, void *arg)
+{
+    if (total == 0)
+        return PL_OK;
+    if (chunk_bytes == 0 || chunk_bytes > total)
+        chunk_bytes = total;
+    size_t n_chunks = (total + chunk_bytes - 1) / chunk_bytes;
+
+    /* Small batches: one thread, no hand-off. */
+    if (total <= INLINE_BYTES || s->n_workers == 0) {
+        size_t reported = 0;
+        int rc = PL_OK;
+        for (int i = 0; i < n; i++) {
+            pl_leaf_copy *L = &leaves[i];
+            if (!L->nbytes)
+                continue;
+            pl_leaf_collapse(L);
+            pl_leaf_gather(L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
+            /* every chunk that ends before the next leaf's start is complete */
+            size_t limit = i + 1 < n ? (size_t)(leaves[i + 1].dst - base) : total;
+            while (rc == PL_OK && reported < n_chunks && (reported + 1) * chunk_bytes <= limit) {
+                rc = on_chunk(arg, reported * chunk_bytes, chunk_bytes);
+                reported++;
+            }
+        }
+        while (rc == PL_OK && reported < n_chunks) {
+            size_t off = reported * chunk_bytes;
+            rc = on_chunk(arg, off, PL_MIN(chunk_bytes, total - off));
+            reported++;
+        }
+        return rc;
+    }
+
+    size_t max_pieces = count_pieces(leaves, n, PIECE_BYTES);
+    piece *pieces = malloc(max_pieces * sizeof(*pieces));
+    atomic_int *left = calloc(n_chunks, sizeof(*left));
+    if (!pieces || !left) {
+        free(pieces);
+        free(left);
+        return PL_ERR_NO_MEMORY;
+    }
+    size_t np = 0;
+    for (int i = 0; i < n; i++) {
+        pl_leaf_copy *L = &leaves[i];
+        if (!L->nbytes)
+            continue;
+        pl_leaf_collapse(L);
+        int64_t elems = (int64_t)(L->nbytes / L->itemsize);
+        int64_t per = (int64_t)PL_MAX((size_t)1, PIECE_BYTES / L->itemsize);
+        size_t leaf_off = (size_t)(L->dst - base);
+        for (int64_t e = 0; e < elems; e += per) {
+            piece *p = &pieces[np++];
+            p->leaf = i;
+            p->start = e;
+            p->count = PL_MIN(per, elems - e);
+            p->off = leaf_off + (size_t)e * L->itemsize;
+            p->len = (size_t)p->count * L->itemsize;
+            size_t first = p->off / chunk_bytes, last = (p->off + p->len - 1) / chunk_bytes;
+            for (size_t c = first; c <= last; c++)
+                atomic_fetch_add_explicit(&left[c], 1, memory_order_relaxed);
+        }
+    }
+    job j = {leaves, pieces, np, 0, left, n_chunks, chunk_bytes, base};
+
+    pthread_mutex_lock(&s->mu);
+    s->cur = &j;
+    s->gen++;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+
+    int rc = PL_OK;
+    size_t reported = 0;
+    while (reported < n_chunks) {
+        if (atomic_load_explicit(&left[reported], memory_order_acquire) == 0) {
+            size_t off = reported * chunk_bytes;
+            if (rc == PL_OK)
+                rc = on_chunk(arg, off, PL_MIN(chunk_bytes, total - off));
+            reported++;
+        } else if (!take_piece(&j)) {
+            /* Everything is taken; the workers are finishing the last pieces. */
+            sched_yield();
+        }
+    }
+
+    /* Workers may still be inside take_piece (finding nothing): wait for them to leave. */
+    pthread_mutex_lock(&s->mu);
+    s->cur = NULL;
+    while (s->busy > 0)
+        pthread_cond_wait(&s->done_cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    free(pieces);
+    free(left);
+    return rc;
+}

@@ -1,0 +1,141 @@
+#include "util.h"
+
+#include "backend.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+volatile int pl_forked_child = 0;
+
+int pl_cpu_count(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+int64_t pl_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void pl_sleep_ns(int64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+void pl_deadline(struct timespec *ts, int64_t ns)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    int64_t nsec = ts->tv_nsec + ns % 1000000000;
+    ts->tv_sec += (time_t)(ns / 1000000000 + nsec / 1000000000);
+    ts->tv_nsec = (long)(nsec % 1000000000);
+}
+
+int pl_cond_init(pthread_cond_t *c)
+{
+    pthread_condattr_t attr;
+    int rc = pthread_condattr_init(&attr);
+    if (rc == 0)
+        rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    if (rc == 0)
+        rc = pthread_cond_init(c, &attr);
+    pthread_condattr_destroy(&attr);
+    return rc;
+}
+
+size_t pl_page_size(void)
+{
+    long n = sysconf(_SC_PAGESIZE);
+    return n > 0 ? (size_t)n : 4096;
+}
+
+size_t pl_physical_memory(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES);
+    return pages > 0 ? (size_t)pages * pl_page_size() : (size_t)8 << 30;
+}
+
+size_t pl_memlock_limit(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+        return SIZE_MAX;
+    return (size_t)rl.rlim_cur;
+}
+
+int pl_debug_enabled(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("PINLOADER_DEBUG");
+        cached = v && *v && strcmp(v, "0") != 0;
+    }
+    return cached;
+}
+
+/* ---- prefaulting allocation ---- */
+
+typedef struct {
+    char *base;
+    size_t len;
+    size_t page;
+} prefault_job;
+
+static void *prefault_main(void *arg)
+{
+    prefault_job *job = arg;
+    for (size_t off = 0; off < job->len; off += job->page)
+        ((volatile char *)job->base)[off] = 0;
+    return NULL;
+}
+
+int pl_os_alloc(size_t n, void **out)
+{
+    size_t page = pl_page_size();
+    n = PL_ALIGN_UP(n, page);
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return PL_ERR_NO_MEMORY;
+    /* Below a few MiB the threads cost more than the faults they share. */
+    enum { MAX_THREADS = 8 };
+    int nthreads = (int)PL_MIN((size_t)PL_MIN(pl_cpu_count(), MAX_THREADS), n / ((size_t)4 << 20));
+    if (nthreads < 2) {
+        prefault_job job = {p, n, page};
+        prefault_main(&job);
+    } else {
+        pthread_t tids[MAX_THREADS];
+        prefault_job jobs[MAX_THREADS];
+        size_t per = PL_ALIGN_UP(n / (size_t)nthreads, page);
+        int started = 0;
+        for (int i = 0; i < nthreads; i++) {
+            size_t off = (size_t)i * per;
+            if (off >= n)
+                break;
+            jobs[i] = (prefault_job){(char *)p + off, PL_MIN(per, n - off), page};
+            if (pthread_create(&tids[i], NULL, prefault_main, &jobs[i]) != 0)
+                prefault_main(&jobs[i]);
+            else
+                started |= 1 << i;
+        }
+        for (int i = 0; i < nthreads; i++)
+            if (started & (1 << i))
+                pthread_join(tids[i], NULL);
+    }
+    *out = p;
+    return PL_OK;
+}
+
+void pl_os_free(void *p, size_t n)
+{
+    if (p)
+        munmap(p, PL_ALIGN_UP(n, pl_page_size()));
+}
