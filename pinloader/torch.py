@@ -1,0 +1,108 @@
+"""pinloader for PyTorch: ``pinloader.torch.prefetch(loader)`` yields CUDA tensors.
+
+Importing this module imports torch; ``import pinloader`` alone never does.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable, Iterator
+
+import torch as _torch
+
+from ._C import AsyncPrefetcher
+from ._tree import map_leaves
+
+__all__ = ["prefetch", "TorchPrefetcher"]
+
+_warned_pin_memory = False
+
+
+def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
+    dev = _torch.device(device)
+    if dev.type == "cpu":
+        return "cpu", dev
+    if dev.type != "cuda":
+        raise ValueError(f"pinloader.torch.prefetch: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+    if dev.index is None:
+        if not _torch.cuda.is_available():
+            # Let pinloader say why CUDA is unusable.
+            return "cuda", dev
+        dev = _torch.device("cuda", _torch.cuda.current_device())
+    return f"cuda:{dev.index}", dev
+
+
+class TorchPrefetcher:
+    """Iterate a DataLoader (or any iterable) with batches delivered as torch tensors on a device.
+
+    Each batch is ready on ``torch.cuda.current_stream()`` as it is when the batch is handed out:
+    that stream waits on the copy's event (no host synchronisation). Tensors stay valid for as
+    long as they are referenced; they are freed in stream order after use.
+
+    Parameters
+    ----------
+    loader : iterable
+        A ``torch.utils.data.DataLoader`` (use ``pin_memory=False``) or any iterable of nested
+        tuples, lists, dicts, namedtuples or dataclasses of tensors and arrays.
+    device : str or torch.device, default "cuda"
+        Target device; "cpu" runs pinloader's host backend.
+    depth : int, default 2
+        Batches in flight or waiting.
+    **opts
+        Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``staging_threads``,
+        ``pool``, ``copy_stream_priority``).
+    """
+
+    def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, **opts: Any) -> None:
+        global _warned_pin_memory
+        if getattr(loader, "pin_memory", False) and not _warned_pin_memory:
+            _warned_pin_memory = True
+            warnings.warn(
+                "pinloader.torch.prefetch: the DataLoader has pin_memory=True, so every batch is "
+                "pinned twice (once by the DataLoader's pin thread, once by pinloader). Pass "
+                "pin_memory=False to the DataLoader.", UserWarning, stacklevel=3)
+        pl_device, self.device = _pinloader_device(device)
+        self.loader = loader
+        self._pf = AsyncPrefetcher(loader, device=pl_device, depth=depth, **opts)
+
+    def __iter__(self) -> Iterator[Any]:
+        iter(self._pf)
+        return self
+
+    def __next__(self) -> Any:
+        return map_leaves(next(self._pf), _torch.from_dlpack)
+
+    def __len__(self) -> int:
+        return len(self._pf)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass ``epoch`` to the loader's sampler (a DistributedSampler) when it has set_epoch."""
+        for holder in (self.loader, getattr(self.loader, "sampler", None),
+                       getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
+            if holder is not None and hasattr(holder, "set_epoch"):
+                holder.set_epoch(epoch)
+                return
+
+    def stats(self) -> dict:
+        """See :meth:`pinloader.AsyncPrefetcher.stats`."""
+        return self._pf.stats()
+
+    def close(self) -> None:
+        """Stop the producer and free what is not handed out. Idempotent."""
+        self._pf.close()
+
+    def __enter__(self) -> "TorchPrefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"pinloader.torch.TorchPrefetcher({self._pf!r})"
+
+
+def prefetch(loader: Iterable, device: Any = "cuda", depth: int = 2, **opts: Any) -> TorchPrefetcher:
+    """Wrap ``loader`` so that it yields the same structures with torch tensors on ``device``.
+
+    See :class:`TorchPrefetcher`.
+    """
+    return TorchPrefetcher(loader, device=device, depth=depth, **opts)
