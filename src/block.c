@@ -91,7 +91,15 @@ int pl_device_event_take(const pl_backend *b, int device, pl_event **out)
         *out = e;
         return PL_OK;
     }
-    return b->event_create(out);
+    /* Events belong to the current device: deleters may run on any thread. */
+    int prev = -1;
+    int have_prev = b->get_device(&prev) == PL_OK;
+    if (!have_prev || prev != device)
+        b->set_device(device);
+    int rc = b->event_create(out);
+    if (have_prev && prev != device)
+        b->set_device(prev);
+    return rc;
 }
 
 void pl_device_event_give(const pl_backend *b, int device, pl_event *e)
