@@ -737,27 +737,24 @@ static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
         return;
     }
     if (f->staged) {
-        int staged = 0;
-        for (int i = 0; i < f->n_leaves; i++)
-            if (!f->leaves[i].direct) {
-                f->leaves[i].copy.dst = (char *)region->ptr + f->leaves[i].off;
-                if (staged != i)
-                    f->leaves[staged] = f->leaves[i];
-                staged++;
-            }
         chunk_ctx c = {self, bt->blk, region, PL_OK};
         int64_t t0 = pl_now_ns();
         NVTX_PUSH("pinloader.stage");
-        /* Gather pl_leaf_copy structs contiguous for the stager: leaf_plan starts with one. */
-        pl_leaf_copy *copies = PyMem_RawMalloc((size_t)staged * sizeof(pl_leaf_copy));
+        /* The stager wants the staged leaves' copies side by side, in region order. */
+        pl_leaf_copy *copies = PyMem_RawMalloc((size_t)f->n_leaves * sizeof(pl_leaf_copy));
         if (!copies) {
             NVTX_POP();
             pl_pool_release(self->pool, region);
             fail_batch(bt, PL_ERR_NO_MEMORY, "staging");
             return;
         }
-        for (int i = 0; i < staged; i++)
-            copies[i] = f->leaves[i].copy;
+        int staged = 0;
+        for (int i = 0; i < f->n_leaves; i++)
+            if (!f->leaves[i].direct) {
+                copies[staged] = f->leaves[i].copy;
+                copies[staged].dst = (char *)region->ptr + f->leaves[i].off;
+                staged++;
+            }
         size_t chunk = f->staged >= 2 * CHUNK_BYTES ? CHUNK_BYTES : 0;
         rc = pl_stager_run(self->stager, copies, staged, region->ptr, f->staged, chunk, issue_chunk, &c);
         PyMem_RawFree(copies);

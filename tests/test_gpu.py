@@ -52,7 +52,7 @@ def test_device_arrays_report_cuda(torch):
 def test_every_dtype_roundtrip_torch(torch, dtype):
     rng = np.random.default_rng(1)
     a = (rng.standard_normal((5, 7)) * 100).astype(dtype)
-    cases = [a, a[:, ::2], a[::-1], np.asfortranarray(a), a[0, 0], a[:0]]
+    cases = [a, a[:, ::2], a[::-1], np.asfortranarray(a), a[0, 0, ...], a[:0]]
     with pinloader.AsyncPrefetcher([cases], device="cuda:0") as pf:
         (out,) = list(pf)
     for src, leaf in zip(cases, out):
