@@ -1,11 +1,12 @@
 /* The host backend: the CUDA stream and event model, emulated on the host.
  *
- * A stream is a worker thread that runs its queued operations strictly in order. An event
- * carries two counters: `recorded` (bumped by event_record, which queues a RECORD operation)
- * and `done` (set by the stream's worker when it reaches that operation). An event is complete
- * when done >= recorded, so an event never recorded is complete, as in CUDA.
- * stream_wait_event snapshots `recorded` and queues a WAIT that holds the worker until `done`
- * reaches the snapshot: later work on the waiting stream is held back, as in CUDA.
+ * A stream is a worker thread that runs its queued operations strictly in order. Each
+ * event_record makes a new record (queued as a RECORD operation, done when the stream's worker
+ * reaches it) and makes it the event's latest; an event is complete when its latest record is
+ * done, so an event never recorded is complete, as in CUDA. stream_wait_event captures the
+ * latest record and queues a WAIT that holds the worker until that record is done: later work
+ * on the waiting stream is held back, and a later record of the same event does not change
+ * what the wait waits for, as in CUDA.
  *
  * "Device" memory is ordinary host memory; device_free on a stream frees it when the worker
  * reaches the free, so frees are stream ordered too. Nothing here is a mock: CPU-only users get a
@@ -19,11 +20,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One record of an event. A wait captures the record current at the time of the call, so a
+ * later record of the same event (maybe on another stream, maybe completing first) neither
+ * releases nor extends it, as in CUDA. */
+typedef struct rec {
+    int refs; /* guarded by the event's mu */
+    int done; /* guarded by the event's mu */
+} rec;
+
 struct pl_event {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    uint64_t recorded; /* guarded by mu */
-    uint64_t done;     /* guarded by mu */
+    rec *latest; /* guarded by mu; NULL: never recorded (complete) */
 };
 
 typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_STOP } op_kind;
@@ -35,7 +43,7 @@ typedef struct op {
     const void *src;
     size_t n;
     pl_event *event;
-    uint64_t gen;
+    rec *record;
 } op;
 
 struct pl_stream {
@@ -64,42 +72,65 @@ static int host_event_create(pl_event **out)
     return PL_OK;
 }
 
+static void rec_unref_locked(rec *r)
+{
+    if (r && --r->refs == 0)
+        free(r);
+}
+
 static int host_event_destroy(pl_event *e)
 {
     if (!e)
         return PL_OK;
+    pthread_mutex_lock(&e->mu);
+    rec_unref_locked(e->latest);
+    pthread_mutex_unlock(&e->mu);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
     return PL_OK;
 }
 
-static void event_mark_done(pl_event *e, uint64_t gen)
+static void event_mark_done(pl_event *e, rec *r)
 {
     pthread_mutex_lock(&e->mu);
-    if (gen > e->done)
-        e->done = gen;
+    r->done = 1;
+    rec_unref_locked(r);
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Wait until e->done >= gen, at most timeout_ns (negative: forever). */
-static int event_wait_gen(pl_event *e, uint64_t gen, int64_t timeout_ns)
+/* The current record with a reference taken (NULL if never recorded). */
+static rec *event_capture(pl_event *e)
 {
+    pthread_mutex_lock(&e->mu);
+    rec *r = e->latest;
+    if (r)
+        r->refs++;
+    pthread_mutex_unlock(&e->mu);
+    return r;
+}
+
+/* Wait until record r completes, at most timeout_ns (negative: forever); drops the reference. */
+static int event_wait_rec(pl_event *e, rec *r, int64_t timeout_ns)
+{
+    if (!r)
+        return PL_OK;
     int rc = PL_OK;
     struct timespec deadline;
     if (timeout_ns >= 0)
         pl_deadline(&deadline, timeout_ns);
     pthread_mutex_lock(&e->mu);
-    while (e->done < gen) {
+    while (!r->done) {
         if (timeout_ns < 0) {
             pthread_cond_wait(&e->cv, &e->mu);
         } else if (pthread_cond_timedwait(&e->cv, &e->mu, &deadline) == ETIMEDOUT) {
-            if (e->done < gen)
+            if (!r->done)
                 rc = PL_ERR_TIMEOUT;
             break;
         }
     }
+    rec_unref_locked(r);
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
@@ -107,27 +138,19 @@ static int event_wait_gen(pl_event *e, uint64_t gen, int64_t timeout_ns)
 static int host_event_query(pl_event *e)
 {
     pthread_mutex_lock(&e->mu);
-    int ready = e->done >= e->recorded;
+    int ready = !e->latest || e->latest->done;
     pthread_mutex_unlock(&e->mu);
     return ready ? PL_OK : PL_ERR_NOT_READY;
 }
 
-static uint64_t event_target(pl_event *e)
-{
-    pthread_mutex_lock(&e->mu);
-    uint64_t gen = e->recorded;
-    pthread_mutex_unlock(&e->mu);
-    return gen;
-}
-
 static int host_event_synchronize(pl_event *e)
 {
-    return event_wait_gen(e, event_target(e), -1);
+    return event_wait_rec(e, event_capture(e), -1);
 }
 
 static int host_event_wait(pl_event *e, int64_t timeout_ns)
 {
-    return event_wait_gen(e, event_target(e), timeout_ns);
+    return event_wait_rec(e, event_capture(e), timeout_ns);
 }
 
 /* ---- streams ---- */
@@ -148,10 +171,10 @@ static void *stream_main(void *arg)
             memcpy(o->dst, o->src, o->n);
             break;
         case OP_RECORD:
-            event_mark_done(o->event, o->gen);
+            event_mark_done(o->event, o->record);
             break;
         case OP_WAIT:
-            event_wait_gen(o->event, o->gen, -1);
+            event_wait_rec(o->event, o->record, -1);
             break;
         case OP_FREE:
             device_block_free(o->dst);
@@ -179,12 +202,12 @@ static void *stream_main(void *arg)
 }
 
 static int enqueue(pl_stream *s, op_kind kind, void *dst, const void *src, size_t n, pl_event *e,
-                   uint64_t gen)
+                   rec *r)
 {
     op *o = malloc(sizeof(*o));
     if (!o)
         return PL_ERR_NO_MEMORY;
-    *o = (op){NULL, kind, dst, src, n, e, gen};
+    *o = (op){NULL, kind, dst, src, n, e, r};
     pthread_mutex_lock(&s->mu);
     if (s->tail)
         s->tail->next = o;
@@ -234,7 +257,7 @@ static int host_stream_destroy(pl_stream *s)
     if (!s)
         return PL_OK;
     /* Like cudaStreamDestroy, queued work still runs; the worker exits after it. */
-    int rc = enqueue(s, OP_STOP, NULL, NULL, 0, NULL, 0);
+    int rc = enqueue(s, OP_STOP, NULL, NULL, 0, NULL, NULL);
     if (rc != PL_OK)
         return rc;
     pthread_join(s->thread, NULL);
@@ -246,25 +269,34 @@ static int host_stream_destroy(pl_stream *s)
 
 static int host_event_record(pl_event *e, pl_stream *s)
 {
+    rec *r = calloc(1, sizeof(*r));
+    if (!r)
+        return PL_ERR_NO_MEMORY;
+    r->refs = 2; /* the event's and the RECORD operation's */
     pthread_mutex_lock(&e->mu);
-    uint64_t gen = ++e->recorded;
+    rec *old = e->latest;
+    e->latest = r;
+    rec_unref_locked(old);
     pthread_mutex_unlock(&e->mu);
     if (!s) { /* the "default stream" runs synchronously on the caller */
-        event_mark_done(e, gen);
+        event_mark_done(e, r);
         return PL_OK;
     }
-    int rc = enqueue(s, OP_RECORD, NULL, NULL, 0, e, gen);
+    int rc = enqueue(s, OP_RECORD, NULL, NULL, 0, e, r);
     if (rc != PL_OK)
-        event_mark_done(e, gen);
+        event_mark_done(e, r);
     return rc;
 }
 
 static int host_stream_wait_event(pl_stream *s, pl_event *e)
 {
-    uint64_t gen = event_target(e);
-    if (!s)
-        return event_wait_gen(e, gen, -1);
-    return enqueue(s, OP_WAIT, NULL, NULL, 0, e, gen);
+    rec *r = event_capture(e);
+    if (!s || !r)
+        return event_wait_rec(e, r, s ? 0 : -1);
+    int rc = enqueue(s, OP_WAIT, NULL, NULL, 0, e, r);
+    if (rc != PL_OK)
+        event_wait_rec(e, r, 0); /* drop the reference */
+    return rc;
 }
 
 /* ---- memory ---- */
@@ -352,7 +384,7 @@ static int host_device_free(int device, void *p, pl_stream *s)
         device_block_free(p);
         return PL_OK;
     }
-    return enqueue(s, OP_FREE, p, NULL, 0, NULL, 0);
+    return enqueue(s, OP_FREE, p, NULL, 0, NULL, NULL);
 }
 
 static int host_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream *s)
@@ -361,7 +393,7 @@ static int host_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream
         memcpy(dst, src, n);
         return PL_OK;
     }
-    return enqueue(s, OP_COPY, dst, src, n, NULL, 0);
+    return enqueue(s, OP_COPY, dst, src, n, NULL, NULL);
 }
 
 static int host_memcpy_d2h(void *dst, const void *src, size_t n)
@@ -374,7 +406,7 @@ static int host_stream_hold(pl_stream *s, volatile int *gate)
 {
     if (!s)
         return PL_ERR_INVALID_VALUE;
-    return enqueue(s, OP_HOLD, (void *)gate, NULL, 0, NULL, 0);
+    return enqueue(s, OP_HOLD, (void *)gate, NULL, 0, NULL, NULL);
 }
 
 /* ---- misc ---- */

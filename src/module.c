@@ -89,6 +89,8 @@ static int cuda_usable(void)
 
 static int parse_index(const char *s, int *out)
 {
+    if (*s < '0' || *s > '9')
+        return -1; /* strtol would accept spaces and signs */
     char *end = NULL;
     long v = strtol(s, &end, 10);
     if (!*s || *end || v < 0 || v > 1 << 20)

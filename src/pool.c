@@ -217,7 +217,10 @@ static size_t free_slab_list(const pl_backend *b, pl_slab *s)
 
 /* ---- extents (under mu) ---- */
 
-static int carve(pl_pool *p, size_t size, pl_slab **slab_out, size_t *off_out)
+/* Best fit. Extents start on PL_ALIGN boundaries, and splits keep them there: a request whose
+ * size is not a multiple of PL_ALIGN (only a request clipped to the cap, see
+ * pl_pool_reserve) takes a whole extent when the aligned split does not fit. */
+static int carve(pl_pool *p, size_t size, pl_slab **slab_out, size_t *off_out, size_t *taken)
 {
     extent **best = NULL;
     pl_slab *best_slab = NULL;
@@ -230,14 +233,18 @@ static int carve(pl_pool *p, size_t size, pl_slab **slab_out, size_t *off_out)
     if (!best)
         return 0;
     extent *e = *best;
+    size_t take = PL_ALIGN_UP(size, PL_ALIGN);
+    if (take >= e->size)
+        take = e->size;
     *off_out = e->off;
     *slab_out = best_slab;
-    if (e->size == size) {
+    *taken = take;
+    if (e->size == take) {
         *best = e->next;
         free(e);
     } else {
-        e->off += size;
-        e->size -= size;
+        e->off += take;
+        e->size -= take;
     }
     best_slab->live++;
     return 1;
@@ -389,6 +396,11 @@ int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int
         return PL_ERR_FORKED;
     size_t want = n + (pl_debug_enabled() ? CANARY_BYTES : 0);
     size_t size = round_request(want ? want : 1);
+    /* A request that fits under the cap is never refused because of its rounding. */
+    pthread_mutex_lock(&p->mu);
+    if (size > p->max_bytes && want <= p->max_bytes)
+        size = PL_MAX(want, (size_t)1);
+    pthread_mutex_unlock(&p->mu);
     pl_region *r = malloc(sizeof(*r));
     if (!r)
         return PL_ERR_NO_MEMORY;
@@ -403,10 +415,10 @@ int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int
             goto fail_locked;
         }
         pl_slab *slab;
-        size_t off;
-        if (carve(p, size, &slab, &off)) {
-            *r = (pl_region){slab->base + off, size, n, slab, NULL, NULL, REGION_MAGIC};
-            p->st.in_use_bytes += size;
+        size_t off, taken;
+        if (carve(p, size, &slab, &off, &taken)) {
+            *r = (pl_region){slab->base + off, taken, n, slab, NULL, NULL, REGION_MAGIC};
+            p->st.in_use_bytes += taken;
             p->st.peak_in_use_bytes = PL_MAX(p->st.peak_in_use_bytes, p->st.in_use_bytes);
             p->st.regions++;
             if (!made_slab)
@@ -429,7 +441,8 @@ int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int
         if (committed + size <= p->max_bytes) {
             /* Make a slab outside the lock; the first batch sizes it. */
             size_t slab_size = PL_MIN(PL_MAX(size, DEFAULT_SLAB_BYTES), p->max_bytes - committed);
-            slab_size = PL_ALIGN_UP(slab_size, PL_ALIGN);
+            if (PL_ALIGN_UP(slab_size, PL_ALIGN) <= p->max_bytes - committed)
+                slab_size = PL_ALIGN_UP(slab_size, PL_ALIGN);
             p->creating += slab_size;
             pthread_mutex_unlock(&p->mu);
 

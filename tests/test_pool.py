@@ -1,0 +1,728 @@
+"""PinnedPool / PinnedBuffer (src/pool.c, src/pinned.c) on the host backend, plus a gpu-marked
+check that regions are page-locked on CUDA.
+
+No assertion depends on how long something takes, only on what may or may not happen: a blocked
+allocation must not return while the cap is full, and must return (within a generous bound) once
+room is made.
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pinloader
+from pinloader import PinnedPool, PoolExhausted
+
+KiB = 1 << 10
+MiB = 1 << 20
+ALIGN = 256
+JOIN_S = 30.0  # bound on waits that must end: a hang becomes a failure
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(max_bytes, device="cpu"):
+        p = PinnedPool(max_bytes=max_bytes, device=device)
+        pools.append(p)
+        return p
+
+    yield make
+    for p in pools:
+        p.close()
+
+
+def stats(pool):
+    s = pool.stats()
+    assert s["reserved_bytes"] <= s["max_bytes"], s
+    assert s["in_use_bytes"] <= s["reserved_bytes"], s
+    return s
+
+
+def max_reserved(n):
+    """Documented bound on rounding: 256-byte granules, and at most 1/8 of the request."""
+    return max(ALIGN, n + max(ALIGN - 1, n // 8))
+
+
+# ---- stress ----
+
+class LiveRanges:
+    """[ptr, ptr + nbytes) of every live buffer; add() reports any overlap."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.starts: list[int] = []
+        self.ends: dict[int, int] = {}
+        self.max_live = 0
+
+    def add(self, ptr, n):
+        with self.lock:
+            i = bisect.bisect_left(self.starts, ptr)
+            if i < len(self.starts) and self.starts[i] < ptr + n:
+                nxt = self.starts[i]
+                return f"[{ptr:#x}, {ptr + n:#x}) overlaps live [{nxt:#x}, {self.ends[nxt]:#x})"
+            if i > 0 and self.ends[self.starts[i - 1]] > ptr:
+                prv = self.starts[i - 1]
+                return f"[{ptr:#x}, {ptr + n:#x}) overlaps live [{prv:#x}, {self.ends[prv]:#x})"
+            self.starts.insert(i, ptr)
+            self.ends[ptr] = ptr + n
+            self.max_live = max(self.max_live, len(self.starts))
+            return None
+
+    def remove(self, ptr):
+        with self.lock:
+            i = bisect.bisect_left(self.starts, ptr)
+            assert self.starts[i] == ptr
+            del self.starts[i]
+            del self.ends[ptr]
+
+
+def stamp(buf, token):
+    """Write an owner token across the buffer: a uint64 every 4 KiB, the last whole uint64,
+    and the token's low byte in the bytes after it (all of a buffer under 8 bytes)."""
+    a = np.frombuffer(buf, np.uint8)
+    k = a.size // 8 * 8
+    if k:
+        w = a[:k].view(np.uint64)
+        w[::512] = token
+        w[-1] = token
+    a[k:] = token & 0xFF
+
+
+def stamp_ok(buf, token):
+    a = np.frombuffer(buf, np.uint8)
+    k = a.size // 8 * 8
+    if k:
+        w = a[:k].view(np.uint64)
+        if not ((w[::512] == token).all() and w[-1] == token):
+            return False
+    return bool((a[k:] == (token & 0xFF)).all())
+
+
+STRESS_THREADS = 8
+STRESS_OPS = 100_000  # allocations in total (each also released: 200k pool calls)
+STRESS_CAP = 16 * MiB  # small enough that threads regularly wait at the cap
+MAX_SIZE = 2 * MiB
+
+
+def rand_size(rng):
+    r = rng.random()
+    if r < 0.25:
+        return rng.randint(1, 512)
+    if r < 0.85:
+        return int(2 ** rng.uniform(9, 21))  # log-uniform 512 B .. 2 MiB
+    return rng.randint(MAX_SIZE // 2, MAX_SIZE)
+
+
+def test_stress_threads_no_overlap_no_overrun(make_pool):
+    pool = make_pool(STRESS_CAP)
+    live = LiveRanges()
+    errors: list[str] = []
+    samples: list[dict] = []
+    ops_done = [0] * STRESS_THREADS
+    exhausted = [0] * STRESS_THREADS
+    per_thread = STRESS_OPS // STRESS_THREADS
+    stop = threading.Event()
+    barrier = threading.Barrier(STRESS_THREADS)
+
+    def release(entry):
+        buf, token, n = entry
+        if not stamp_ok(buf, token):
+            errors.append(f"{n}-byte region at {buf.ptr:#x} was overwritten while held")
+        live.remove(buf.ptr)  # before release: once released the range may be handed out
+        buf.release()
+
+    def worker(tid):
+        rng = random.Random(1234 + tid)
+        held = []
+        max_held = rng.randint(2, 6)
+        try:
+            barrier.wait(JOIN_S)
+            while ops_done[tid] < per_thread and not errors:
+                if held and (len(held) >= max_held or rng.random() < 0.45):
+                    release(held.pop(rng.randrange(len(held))))
+                    continue
+                n = rand_size(rng)
+                try:
+                    buf = pool.alloc(n, timeout=0.02)
+                except PoolExhausted:
+                    # Everyone may be holding while waiting: give back what this thread holds.
+                    exhausted[tid] += 1
+                    while held:
+                        release(held.pop())
+                    continue
+                ops_done[tid] += 1
+                token = (tid << 56) | (ops_done[tid] << 8) | 0x5A
+                if buf.nbytes != n or len(buf) != n:
+                    errors.append(f"asked {n} bytes, got nbytes={buf.nbytes} len={len(buf)}")
+                if buf.ptr % ALIGN:
+                    errors.append(f"region {buf.ptr:#x} is not {ALIGN}-byte aligned")
+                clash = live.add(buf.ptr, n)
+                if clash:
+                    errors.append("region handed out twice: " + clash)
+                    return
+                stamp(buf, token)
+                held.append((buf, token, n))
+                if ops_done[tid] % 2000 == 0:
+                    samples.append(pool.stats())
+            while held:
+                release(held.pop())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {tid}: {e!r}")
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True)
+               for t in range(STRESS_THREADS)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 120:
+        samples.append(pool.stats())
+        stop.wait(0.01)
+    for t in threads:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "stress workers hung"
+    assert errors == [], errors[:5]
+    assert sum(ops_done) == per_thread * STRESS_THREADS
+
+    assert len(samples) > 10
+    for s in samples:
+        assert s["reserved_bytes"] <= s["max_bytes"] == STRESS_CAP, s
+        assert s["in_use_bytes"] <= s["reserved_bytes"], s
+    end = stats(pool)
+    assert end["in_use_bytes"] == 0, end
+    assert end["regions"] == 0, end
+    assert end["pending"] == 0, end
+    assert end["peak_reserved_bytes"] <= STRESS_CAP, end
+    assert end["peak_in_use_bytes"] <= STRESS_CAP, end
+    assert end["allocs_cached"] + end["allocs_new"] == STRESS_OPS, end
+    assert live.max_live > STRESS_THREADS  # threads really did hold buffers concurrently
+    # The pool still works, and is whole again, after the storm.
+    with pool.alloc(STRESS_CAP // 2, timeout=JOIN_S) as b:
+        assert b.nbytes == STRESS_CAP // 2
+
+
+# ---- reuse ----
+
+def test_same_sized_allocs_reuse_slabs(make_pool):
+    pool = make_pool(8 * MiB)
+    n, k = 300_000, 3
+    first_ptrs = None
+    for i in range(50):
+        bufs = [pool.alloc(n) for _ in range(k)]
+        ptrs = sorted(b.ptr for b in bufs)
+        for b in bufs:
+            b.release()
+        if i == 0:
+            s0 = stats(pool)
+            first_ptrs = ptrs
+        else:
+            assert ptrs == first_ptrs, "same-sized batches should get the very same extents"
+    s = stats(pool)
+    assert s["slabs_created"] == s0["slabs_created"] == 1
+    assert s["allocs_new"] == s0["allocs_new"] == 1
+    assert s["allocs_cached"] == 50 * k - 1
+    assert s["reserved_bytes"] == s0["reserved_bytes"]
+    assert s["slabs_freed"] == 0
+    assert s["in_use_bytes"] == 0 and s["regions"] == 0
+
+
+def test_steady_state_mixed_sizes_stop_creating_slabs(make_pool):
+    pool = make_pool(32 * MiB)
+    sizes = [1, 4096, 100_000, 1_000_000, 3_000_000, 77]
+    for _ in range(5):
+        bufs = [pool.alloc(n) for n in sizes]
+        del bufs  # dealloc without release() also returns regions
+    s0 = stats(pool)
+    assert s0["in_use_bytes"] == 0 and s0["regions"] == 0
+    for _ in range(30):
+        bufs = [pool.alloc(n) for n in sizes]
+        for b in bufs:
+            b.release()
+    s = stats(pool)
+    assert s["slabs_created"] == s0["slabs_created"]
+    assert s["allocs_new"] == s0["allocs_new"]
+    assert s["allocs_cached"] - s0["allocs_cached"] == 30 * len(sizes)
+
+
+# ---- alignment and rounding ----
+
+def test_alignment_and_waste_many_live(make_pool):
+    pool = make_pool(64 * MiB)
+    rng = random.Random(7)
+    sizes = [0, 1, 2, 255, 256, 257, 511, 1000, 2047, 2048, 2049, 4095, 4096, 4097,
+             65535, 65536, 65537, 1_000_000, 2 * MiB - 1, 2 * MiB + 1]
+    sizes += [rng.randint(1, 3 * MiB) for _ in range(40)]
+    live = LiveRanges()
+    bufs = []
+    total_requested = 0
+    for n in sizes:
+        before = stats(pool)["in_use_bytes"]
+        b = pool.alloc(n)
+        r = stats(pool)["in_use_bytes"] - before
+        assert b.ptr % ALIGN == 0, (n, hex(b.ptr))
+        assert b.nbytes == n
+        assert r % ALIGN == 0 and r >= max(n, 1), (n, r)
+        assert r <= max_reserved(n), f"request of {n} bytes reserved {r}"
+        assert live.add(b.ptr, max(r, 1)) is None  # reserved extents are disjoint too
+        bufs.append(b)
+        total_requested += n
+    s = stats(pool)
+    assert s["regions"] == len(sizes)
+    assert s["in_use_bytes"] <= sum(max_reserved(n) for n in sizes)
+    for b in bufs:
+        b.release()
+    assert stats(pool)["in_use_bytes"] == 0
+
+
+_hyp_pool = None
+
+
+def _shared_pool():
+    global _hyp_pool
+    if _hyp_pool is None:
+        _hyp_pool = PinnedPool(max_bytes=16 * MiB, device="cpu")
+    return _hyp_pool
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.one_of(st.integers(0, 4096), st.integers(0, 8 * MiB)))
+def test_rounding_bound_property(n):
+    pool = _shared_pool()
+    before = pool.stats()["in_use_bytes"]
+    with pool.alloc(n) as b:
+        r = pool.stats()["in_use_bytes"] - before
+        assert b.ptr % ALIGN == 0
+        assert r % ALIGN == 0 and max(n, 1) <= r <= max_reserved(n), (n, r)
+    assert pool.stats()["in_use_bytes"] == before
+
+
+# ---- the cap ----
+
+def _fill(pool, n):
+    b = pool.alloc(n, timeout=0)
+    assert stats(pool)["reserved_bytes"] <= pool.max_bytes
+    return b
+
+
+def test_blocking_alloc_returns_when_another_thread_releases(make_pool):
+    pool = make_pool(1 * MiB)
+    big = _fill(pool, 1 * MiB)
+    result: dict = {}
+    entered = threading.Event()
+
+    def waiter():
+        entered.set()
+        try:
+            result["buf"] = pool.alloc(4096)  # no timeout: waits for room
+        except BaseException as e:  # noqa: BLE001
+            result["err"] = e
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    assert entered.wait(JOIN_S)
+    t.join(0.3)
+    assert t.is_alive() and not result, f"alloc returned while the cap was full: {result}"
+    assert stats(pool)["in_use_bytes"] == 1 * MiB
+    big.release()
+    t.join(JOIN_S)
+    assert not t.is_alive(), "blocked alloc did not return after a release made room"
+    assert "err" not in result, result
+    buf = result["buf"]
+    assert buf.nbytes == 4096 and buf.ptr % ALIGN == 0
+    s = stats(pool)
+    assert s["waits"] >= 1 and s["wait_s"] > 0, s
+    buf.release()
+
+
+def test_timeout_raises_pool_exhausted_with_numbers(make_pool):
+    cap = 1 * MiB
+    pool = make_pool(cap)
+    a = _fill(pool, 768 * KiB)
+    b = _fill(pool, 128 * KiB)
+    in_use = stats(pool)["in_use_bytes"]
+    assert in_use == 896 * KiB
+    want = 256 * KiB
+    t0 = time.monotonic()
+    with pytest.raises(PoolExhausted) as ei:
+        pool.alloc(want, timeout=0.2)
+    elapsed = time.monotonic() - t0
+    assert elapsed >= 0.2, "timed out before the timeout"
+    assert elapsed < JOIN_S
+    e = ei.value
+    assert isinstance(e, MemoryError)
+    msg = str(e)
+    assert str(want) in msg and str(cap) in msg and str(in_use) in msg, msg
+    # timeout=0 polls once
+    with pytest.raises(PoolExhausted):
+        pool.alloc(want, timeout=0)
+    # nothing leaked by the failed attempts
+    s = stats(pool)
+    assert s["in_use_bytes"] == in_use and s["regions"] == 2
+    b.release()
+    with pool.alloc(want, timeout=0) as c:  # now it fits
+        assert c.nbytes == want
+    a.release()
+
+
+def _in_thread(fn, timeout=JOIN_S):
+    """Run fn in a daemon thread; return its result or exception, or fail if it hangs."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["err"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "call did not return"
+    return out
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_request_over_cap_raises_at_once(make_pool, timeout):
+    cap = 1 * MiB
+    pool = make_pool(cap)
+    out = _in_thread(lambda: pool.alloc(cap + 1, timeout=timeout))
+    e = out.get("err")
+    assert isinstance(e, PoolExhausted), out
+    msg = str(e)
+    assert str(cap + 1) in msg and str(cap) in msg, msg
+    assert stats(pool)["waits"] == 0  # it did not wait for room that can never come
+    # An empty pool serves a request of exactly the cap.
+    with pool.alloc(cap, timeout=0) as b:
+        assert b.nbytes == cap
+
+
+@pytest.mark.parametrize("cap,n", [(1000, 1000), (100_000_000, 99_000_000),
+                                   (3 * MiB + 100, 3 * MiB + 1)])
+def test_request_within_cap_fits_empty_pool(make_pool, cap, n):
+    """A request no larger than the cap must be served by an empty pool, whatever the rounding
+    granule; at the very least it must not fail as if the host were out of memory."""
+    pool = make_pool(cap)
+    out = _in_thread(lambda: pool.alloc(n, timeout=1.0))
+    assert "err" not in out, f"alloc({n}) under cap {cap} failed: {out['err']!r}"
+    buf = out["value"]
+    assert buf.nbytes == n
+    assert stats(pool)["reserved_bytes"] <= cap
+    buf.release()
+
+
+def test_ctrl_c_interrupts_blocked_alloc(python_env):
+    # The child's helper thread announces "blocked" once the pool has counted a wait, i.e. once
+    # the main thread is inside alloc() waiting for room; only then does the parent send SIGINT.
+    code = r"""
+import json, sys, threading, time, pinloader
+pool = pinloader.PinnedPool(max_bytes=1 << 20, device="cpu")
+full = pool.alloc(1 << 20)
+
+def announce():
+    while pool.stats()["waits"] < 1:
+        time.sleep(0.005)
+    print("blocked", flush=True)
+
+threading.Thread(target=announce, daemon=True).start()
+try:
+    pool.alloc(4096)
+    print(json.dumps({"result": "returned"}), flush=True)
+except KeyboardInterrupt:
+    s = pool.stats()
+    full.release()
+    with pool.alloc(4096, timeout=5) as b:  # the pool is intact after the interrupt
+        ok = b.nbytes == 4096
+    print(json.dumps({"result": "KeyboardInterrupt", "waits": s["waits"],
+                      "in_use": s["in_use_bytes"], "regions": s["regions"], "ok": ok}), flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=python_env)
+    try:
+        line = proc.stdout.readline()  # returns "" if the child dies first
+        assert line.strip() == "blocked", line + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)  # "promptly": well within this bound
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["result"] == "KeyboardInterrupt", res
+    assert res["waits"] >= 1, res
+    assert res["in_use"] == 1 << 20 and res["regions"] == 1, res  # the failed alloc leaked nothing
+    assert res["ok"] is True
+
+
+# ---- buffer protocol, DLPack ----
+
+def test_numpy_and_memoryview_share_bytes(make_pool):
+    pool = make_pool(4 * MiB)
+    n = 10_000
+    buf = pool.alloc(n)
+    a = np.frombuffer(buf, dtype=np.uint8)
+    m = memoryview(buf)
+    assert a.size == n and len(m) == n and m.nbytes == n
+    assert not m.readonly and a.flags.writeable
+    assert a.ctypes.data == buf.ptr
+    data = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    a[:] = data
+    assert m.tobytes() == data.tobytes()  # written through numpy, read through memoryview
+    m[100:104] = b"pinl"
+    assert a[100:104].tobytes() == b"pinl"  # written through memoryview, read through numpy
+    # a second frombuffer sees the same memory too
+    b2 = np.frombuffer(buf, dtype=np.uint32, count=4, offset=8)
+    b2[:] = [1, 2, 3, 4]
+    assert a[8:24].view(np.uint32).tolist() == [1, 2, 3, 4]
+    del a, b2
+    m.release()
+    buf.release()
+
+
+def test_dlpack_shares_memory(make_pool):
+    pool = make_pool(4 * MiB)
+    n = 4099
+    buf = pool.alloc(n)
+    assert buf.__dlpack_device__() == (3, 0)
+    d = np.from_dlpack(buf)
+    assert d.shape == (n,) and d.dtype == np.uint8
+    assert d.ctypes.data == buf.ptr
+    d[:] = 7
+    mv = memoryview(buf)
+    assert mv.tobytes() == b"\x07" * n
+    mv[0] = 200
+    assert d[0] == 200
+    mv.release()
+    with pytest.raises(BufferError):
+        buf.release()
+    del d
+    gc.collect()
+    buf.release()
+    assert buf.released
+
+
+def test_dlpack_capsule_versions_and_refusals(make_pool):
+    pool = make_pool(1 * MiB)
+    buf = pool.alloc(64)
+    cap = buf.__dlpack__()
+    assert type(cap).__name__ == "PyCapsule" and "dltensor" in repr(cap)
+    cap_v = buf.__dlpack__(max_version=(1, 0))
+    assert "dltensor_versioned" in repr(cap_v)
+    with pytest.raises(BufferError):
+        buf.release()  # two unconsumed capsules keep it exported
+    del cap, cap_v
+    gc.collect()
+    with pytest.raises(BufferError):
+        buf.__dlpack__(stream=1)
+    with pytest.raises(BufferError):
+        buf.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        buf.__dlpack__(dl_device=(2, 0))
+    buf.__dlpack__(dl_device=(1, 0))  # kDLCPU is fine
+    gc.collect()
+    buf.release()
+
+
+def test_torch_from_dlpack_shares_memory(make_pool):
+    torch = pytest.importorskip("torch")
+    pool = make_pool(4 * MiB)
+    n = 1 << 16
+    buf = pool.alloc(n)
+    t = torch.from_dlpack(buf)
+    assert t.device.type == "cpu"
+    assert t.dtype == torch.uint8 and t.numel() == n
+    assert t.data_ptr() == buf.ptr
+    t.fill_(9)
+    a = np.frombuffer(buf, np.uint8)
+    assert (a == 9).all()
+    a[5] = 42
+    assert int(t[5]) == 42
+    del a
+    with pytest.raises(BufferError):
+        buf.release()
+    del t
+    gc.collect()
+    buf.release()
+
+
+# ---- lifecycle ----
+
+def test_release_refused_while_view_alive(make_pool):
+    pool = make_pool(1 * MiB)
+    buf = pool.alloc(1000)
+    m = memoryview(buf)
+    a = np.frombuffer(buf, np.uint8)
+    with pytest.raises(BufferError) as ei:
+        buf.release()
+    assert "buffer views" in str(ei.value)
+    assert not buf.released
+    m.release()
+    with pytest.raises(BufferError):
+        buf.release()  # the numpy array still holds a view
+    assert stats(pool)["in_use_bytes"] > 0
+    del a
+    buf.release()
+    assert buf.released and buf.nbytes == 0 and len(buf) == 0
+    assert stats(pool)["in_use_bytes"] == 0
+
+
+def test_release_is_idempotent_and_buffer_dead_after(make_pool):
+    pool = make_pool(1 * MiB)
+    keep = pool.alloc(512)
+    buf = pool.alloc(1000)
+    buf.release()
+    s = stats(pool)
+    buf.release()  # no error, no double free
+    buf.release()
+    assert stats(pool)["in_use_bytes"] == s["in_use_bytes"] == 512
+    assert stats(pool)["regions"] == 1
+    with pytest.raises(BufferError):
+        memoryview(buf)
+    with pytest.raises(ValueError):
+        buf.ptr
+    with pytest.raises(ValueError):
+        buf.__dlpack__()
+    with pytest.raises(ValueError):
+        with buf:
+            pass
+    # the freed region is handed out once, not twice
+    x, y = pool.alloc(1000), pool.alloc(1000)
+    assert x.ptr != y.ptr
+    for b in (x, y, keep):
+        b.release()
+    assert stats(pool)["regions"] == 0
+
+
+def test_buffer_context_manager(make_pool):
+    pool = make_pool(1 * MiB)
+    with pool.alloc(2048) as b:
+        assert not b.released and b.pool is pool
+        np.frombuffer(b, np.uint8)[:] = 1
+        assert stats(pool)["in_use_bytes"] >= 2048
+    assert b.released
+    assert stats(pool)["in_use_bytes"] == 0
+    # exiting while a view is alive refuses, and the region stays out
+    with pytest.raises(BufferError):
+        with pool.alloc(100) as c:
+            v = memoryview(c)
+    assert not c.released
+    v.release()
+    c.release()
+    assert stats(pool)["regions"] == 0
+
+
+def test_dealloc_without_release_returns_region(make_pool):
+    pool = make_pool(1 * MiB)
+    buf = pool.alloc(5000)
+    assert stats(pool)["regions"] == 1
+    del buf
+    gc.collect()
+    s = stats(pool)
+    assert s["regions"] == 0 and s["in_use_bytes"] == 0
+
+
+def test_buffer_keeps_pool_alive():
+    buf = PinnedPool(max_bytes=1 * MiB, device="cpu").alloc(300)
+    pool = buf.pool
+    assert isinstance(pool, PinnedPool)
+    np.frombuffer(buf, np.uint8)[:] = 3
+    assert memoryview(buf).tobytes() == b"\x03" * 300
+    assert pool.stats()["regions"] == 1
+    buf.release()
+    assert pool.stats()["regions"] == 0
+
+
+def test_close_then_alloc_raises(make_pool):
+    pool = make_pool(1 * MiB)
+    with pool.alloc(100):
+        pass
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        pool.alloc(10)
+    assert "closed" in repr(pool)
+    assert pool.stats()["reserved_bytes"] == 0  # close gives idle slabs back
+
+
+def test_pool_context_manager_and_live_buffer_across_close(make_pool):
+    with PinnedPool(max_bytes=1 * MiB, device="cpu") as pool:
+        buf = pool.alloc(4096)
+        np.frombuffer(buf, np.uint8)[:] = 0xAB
+    with pytest.raises(ValueError):
+        pool.alloc(1)
+    # A buffer handed out before close stays valid; its slab goes back when it is released.
+    assert memoryview(buf).tobytes() == b"\xab" * 4096
+    assert pool.stats()["reserved_bytes"] > 0
+    buf.release()
+    s = pool.stats()
+    assert s["regions"] == 0 and s["reserved_bytes"] == 0 and s["slabs"] == 0
+
+
+def test_trim_frees_idle_slabs(make_pool):
+    pool = make_pool(8 * MiB)
+    a = pool.alloc(1 * MiB)
+    s = stats(pool)
+    assert s["reserved_bytes"] > 0 and s["slabs"] == 1
+    assert pool.trim() == 0  # the only slab has a live region
+    assert stats(pool)["reserved_bytes"] == s["reserved_bytes"]
+    a.release()
+    freed = pool.trim()
+    assert freed == s["reserved_bytes"]
+    s2 = stats(pool)
+    assert s2["reserved_bytes"] == 0 and s2["slabs"] == 0 and s2["slabs_freed"] == 1
+    assert pool.trim() == 0
+    with pool.alloc(1000) as b:  # the pool makes a new slab after a trim
+        assert b.nbytes == 1000
+    assert stats(pool)["slabs_created"] == 2
+
+
+def test_argument_checks():
+    with pytest.raises(ValueError):
+        PinnedPool(max_bytes=0, device="cpu")
+    with pytest.raises(ValueError):
+        PinnedPool(max_bytes=-5, device="cpu")
+    pool = PinnedPool(max_bytes=1 * MiB, device="cpu")
+    assert pool.max_bytes == 1 * MiB and pool.backend == "host"
+    with pytest.raises(ValueError):
+        pool.alloc(-1)
+    with pytest.raises(ValueError):
+        pool.alloc(10, timeout=-1)
+    with pool.alloc(0) as z:
+        assert z.nbytes == 0 and z.ptr % ALIGN == 0
+    default = PinnedPool(device="cpu")
+    assert default.max_bytes == pinloader.default_pinned_cap() > 0
+    pool.close()
+    default.close()
+
+
+# ---- CUDA ----
+
+@pytest.mark.gpu
+def test_cuda_pool_regions_are_pinned():
+    from pinloader import _C
+
+    prim = _C._Prim("cuda:0")
+    with PinnedPool(max_bytes=64 * MiB, device="cuda:0") as pool:
+        assert pool.backend == "cuda"
+        bufs = [pool.alloc(n) for n in (1, 4096, 3 * MiB + 7)]
+        for b in bufs:
+            assert b.ptr % ALIGN == 0
+            assert prim.is_pinned(b.ptr) is True
+            assert prim.is_pinned(b.ptr + b.nbytes - 1) is True
+            np.frombuffer(b, np.uint8)[:] = 5
+            assert memoryview(b).tobytes() == b"\x05" * b.nbytes
+        for b in bufs:
+            b.release()
