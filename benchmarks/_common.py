@@ -25,8 +25,25 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
 DEFAULT_OUT = BENCH_DIR / "results"
 EXIT_NO_CUDA = 2
+
+
+def _prefer_repo_pinloader() -> None:
+    """Benchmark the working tree's pinloader when it has been built in place.
+
+    A script run as ``python benchmarks/bench_x.py`` has ``benchmarks/`` on sys.path, not the
+    repository root; without this an in-place build (``setup.py build_ext --inplace``) would
+    not be found, or an older installed copy would be measured instead."""
+    pkg = REPO_ROOT / "pinloader"
+    if (pkg / "__init__.py").is_file() and any(pkg.glob("_C*.so")):
+        root = str(REPO_ROOT)
+        if root not in sys.path:
+            sys.path.insert(1, root)
+
+
+_prefer_repo_pinloader()
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -55,6 +55,9 @@ METHOD_LABELS = {
     "pinloader_pageable": "pinloader, pageable source",
 }
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M,256M,1G"
+IMPLAUSIBLE = 1.15  # a pinloader figure above this times the best torch/raw pinned copy
+EVENTS_AHEAD = 1.15  # event rate over this times the wall-clock rate (allowing for the
+                     # copies in flight): the consumer stream's events did not wait
 PINNED_TARGET = 0.95
 PAGEABLE_TARGET = 0.85
 CUDA_MEMCPY_HOST_TO_DEVICE = 1
@@ -164,7 +167,11 @@ def time_back_to_back(issue, iters, warmup):
 
 
 def time_pinloader(pinloader, leaf, iters, warmup, device, depth, staging_threads=None, pool=None):
-    """ms for ``iters`` batches of one leaf through an AsyncPrefetcher, after ``warmup``."""
+    """ms for ``iters`` batches of one leaf through an AsyncPrefetcher, after ``warmup``.
+
+    Returns (event ms, host wall ms over the same batches, stats(), event times in ms after the
+    first batch's event for the first 64 batches). The wall time, from taking the last warm-up
+    batch to the last copy's completion, cross-checks the event figure: it can only be longer."""
     total = warmup + iters
 
     def batches():
@@ -179,19 +186,24 @@ def time_pinloader(pinloader, leaf, iters, warmup, device, depth, staging_thread
     events = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     pf = pinloader.AsyncPrefetcher(batches(), **kwargs)
     count = 0
+    t0 = None
     try:
         for batch in pf:
             tensor = torch.from_dlpack(batch[0])
             events[count].record()
             del tensor, batch
             count += 1
+            if count == warmup:
+                t0 = time.perf_counter()
         stats = pf.stats()
     finally:
         pf.close()
     if count != total:
         raise RuntimeError(f"the prefetcher yielded {count} batches, expected {total}")
     common.wait_event(events[-1])
-    return events[warmup - 1].elapsed_time(events[-1]), stats
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    marks = [round(events[0].elapsed_time(e), 4) for e in events[:64]]
+    return events[warmup - 1].elapsed_time(events[-1]), wall_ms, stats, marks
 
 
 def host_memcpy_gbps(dst, src, threads, iters, warmup=2):
@@ -215,8 +227,10 @@ def host_memcpy_gbps(dst, src, threads, iters, warmup=2):
     return statistics.median(rates), rates
 
 
-def release_buffer(buf, view):
-    """Drop the numpy view, then give the PinnedBuffer back to its pool."""
+def release_buffer(buffers, key):
+    """Drop the numpy view kept in ``buffers[key]``, then give its PinnedBuffer back to the pool
+    (release() is refused while a view of the buffer is alive)."""
+    buf, view = buffers.pop(key)
     del view
     try:
         buf.release()
@@ -278,12 +292,19 @@ def measure_method(method, size, args, ctx):
                 leaf = ctx["pinned_leaf"](size)
             else:
                 leaf = bufs.pageable[:size]
-            ms, stats = time_pinloader(pinloader, leaf, iters, warm, args.device, args.depth,
-                                       ctx.get("staging_threads"), ctx.get("pool"))
-            rec["pinloader_stats"] = stats
+            ms, wall_ms, stats, marks = time_pinloader(
+                pinloader, leaf, iters, warm, args.device, args.depth,
+                ctx.get("staging_threads"), ctx.get("pool"))
+            rec.update(pinloader_stats=stats, event_ms=marks, wall_ms=wall_ms,
+                       gbps_wall=gbps(iters * size, wall_ms))
         else:
             raise ValueError(f"unknown method {method!r}")
     rec.update(ms=ms, gbps=gbps(iters * size, ms), warmup=warm)
+    # The wall-clock span also covers the copies the pipeline had in flight when timing began
+    # (at most depth + 1), so only a larger excess means the events did not wait.
+    slack = EVENTS_AHEAD * (iters + args.depth + 1) / iters
+    if "gbps_wall" in rec and rec["gbps"] > slack * rec["gbps_wall"]:
+        rec.update(gbps_events=rec["gbps"], gbps=rec["gbps_wall"], events_ran_ahead=True)
     return rec
 
 
@@ -358,13 +379,26 @@ def render_markdown(payload):
         row = [common.format_size(point["bytes"])]
         for m in methods:
             res = point["methods"][m]
-            row.append(common.fmt_summary(res["summary"], 1) if res["summary"]["n"]
-                       else "error" if res.get("errors") else "–")
+            cell = (common.fmt_summary(res["summary"], 1) if res["summary"]["n"]
+                    else "error" if res.get("errors") else "–")
+            row.append(cell + (" †" if res.get("events_ran_ahead") else "")
+                       + (" ‼" if res.get("implausible") else ""))
         r = point.get("pinned_over_raw")
         row.append(common.fmt_num(r, 3) if r is not None else "–")
         rows.append(row)
     lines.append(common.md_table(["size"] + [METHOD_LABELS[m] for m in methods]
                                  + ["pinloader pinned / raw"], rows))
+    if any(m.get("events_ran_ahead") for p in payload["sizes"] for m in p["methods"].values()):
+        lines += ["", "† in some repeats the consumer stream's events fired sooner than the "
+                  "copies can have finished (event rate well over the wall-clock rate), so the "
+                  "host wall-clock rate is shown. The events are recorded right "
+                  "after `torch.from_dlpack`, which should make the stream wait for the copy: "
+                  "check the stream handoff of `__dlpack__(stream=...)`. Raw event times: "
+                  "`event_ms` in the JSON."]
+    if any(m.get("implausible") for p in payload["sizes"] for m in p["methods"].values()):
+        lines += ["", f"‼ more than {IMPLAUSIBLE}× the best torch or raw pinned copy at that "
+                  "size, faster than the link: do not use that figure (see `event_ms` and "
+                  "`gbps_wall` in the JSON)."]
     errs = sorted({e for p in payload["sizes"] for m in p["methods"].values()
                    for e in m.get("errors", [])})
     if errs:
@@ -478,6 +512,17 @@ def main(argv=None):
                 errors = sorted({r["error"] for r in res["repeats"] if "error" in r})
                 if errors:
                     res["errors"] = errors
+            link = [point["methods"][m]["summary"]["median"] for m in ("raw_memcpy", "pinned_copy")
+                    if m in args.methods and point["methods"][m]["summary"]["n"]]
+            for m in ("pinloader_pinned", "pinloader_pageable"):
+                res = point["methods"].get(m)
+                if res is None:
+                    continue
+                med = res["summary"]["median"]
+                if link and med is not None and med > IMPLAUSIBLE * max(link):
+                    res["implausible"] = True
+                if any(r.get("events_ran_ahead") for r in res["repeats"]):
+                    res["events_ran_ahead"] = True
             if "pinloader_pinned" in args.methods and "raw_memcpy" in args.methods:
                 point["pinned_over_raw"] = common.ratio(
                     point["methods"]["pinloader_pinned"]["summary"]["median"],
@@ -487,7 +532,7 @@ def main(argv=None):
                 for m in args.methods))
             sizes_out.append(point)
             if size in pinned_buffers:
-                release_buffer(*pinned_buffers.pop(size))
+                release_buffer(pinned_buffers, size)
 
         for t in args.staging_threads:
             entry = {"threads": t, "repeats": []}
@@ -524,8 +569,8 @@ def main(argv=None):
             memcpy[str(t)] = entry
             common.log(f"  host memcpy {t} thread(s): {entry['summary']['median']:.1f} GB/s")
     finally:
-        while pinned_buffers:
-            release_buffer(*pinned_buffers.popitem()[1])
+        for size in list(pinned_buffers):
+            release_buffer(pinned_buffers, size)
         bufs.close()
 
     ratios = {}

@@ -11,11 +11,14 @@ Two sources:
   dataset   a per-sample in-RAM Dataset read through torch DataLoaders (8 worker processes,
             prefetch_factor 3, persistent workers); the loader itself is slow here.
   collated  pre-collated numpy batches (a ring of distinct batches, reused); the loader is not
-            the bottleneck, so the copy path is.
+            the bottleneck, so the copy path is. Its pin_memory DataLoader has no workers by
+            default (--collated-workers), since moving 77 MB batches between processes would
+            make the loader the bottleneck again.
 
 Rows (ways of getting a batch onto the GPU):
   pageable          pageable source, blocking .to(device)
-  dl_pinned         DataLoader(pin_memory=True) (its pin thread), .to(device, non_blocking=True)
+  dl_pinned         DataLoader(pin_memory=True), .to(device, non_blocking=True); the DataLoader
+                    pins in its pin thread when it has workers, else in the main thread
   pin_inline        pageable source, .pin_memory() in the training loop, non_blocking .to()
   seed              the seed write-up's AsyncGPUDataLoader over the pin_memory DataLoader,
                     reproduced as published (side stream of priority -1, wait_stream before
@@ -35,6 +38,9 @@ Columns, per step and as the median over repeats (min-max in brackets):
   host wait: host time blocked in next() on the feed (fetching plus any blocking copy)
   GPU idle:  1 - compute-only time / step time, the compute-only time measured back to back with
              the data already on the GPU
+  idle in run: 1 - (sum of the compute times measured by events in the run) / (run's wall
+             time); the GPU's clocks depend on its load, so this can differ from GPU idle by a
+             few percent
   host CPU:  process CPU time per step (all threads of this process: pin threads and pinloader's
              threads included, DataLoader worker processes excluded)
 """
@@ -235,8 +241,8 @@ class DatasetSource:
 
 
 class CollatedSource:
-    """A ring of pre-collated batches: numpy (pageable), shared-memory tensors for a
-    DataLoader with worker processes and a pin thread, and PinnedBuffer views for pinloader."""
+    """A ring of pre-collated batches: numpy arrays (pageable), a pin_memory DataLoader over
+    them (over shared-memory copies when it has workers), and PinnedBuffer views for pinloader."""
 
     name = "collated"
 
@@ -264,8 +270,11 @@ class CollatedSource:
 
     def pinned(self):
         if self._loader is None:
-            xs = [torch.from_numpy(x).clone().share_memory_() for x in self.xs]
-            ys = [torch.from_numpy(y).clone().share_memory_() for y in self.ys]
+            xs = [torch.from_numpy(x) for x in self.xs]
+            ys = [torch.from_numpy(y) for y in self.ys]
+            if self.args.collated_workers:
+                xs = [t.clone().share_memory_() for t in xs]
+                ys = [t.clone().share_memory_() for t in ys]
             dataset = CollatedBatches(xs, ys, self.epoch_batches)
             self._loader = torch.utils.data.DataLoader(
                 dataset, batch_size=None, shuffle=False,
@@ -298,9 +307,11 @@ class CollatedSource:
 
     def describe(self):
         a = self.args
+        how = (f"{a.collated_workers} worker process(es) reading them from shared memory, "
+               f"prefetch_factor {a.prefetch_factor}, and its pin thread"
+               if a.collated_workers else "no worker processes (it pins in the main thread)")
         return (f"ring of {a.ring} distinct batches of {a.batch_size}; the pin_memory DataLoader "
-                f"reads them from shared memory with {a.collated_workers} worker(s), "
-                f"prefetch_factor {a.prefetch_factor}, batch_size=None")
+                f"(batch_size=None) has {how}")
 
     def close(self):
         self._loader = None
@@ -424,8 +435,16 @@ def _time_back_to_back(fn, iters, warmup=3):
 
 
 def compute_only_ms(step, gx, gy, target_ms):
-    iters = max(5, min(60, int(150 / max(target_ms, 0.1))))
-    return _time_back_to_back(lambda: step(gx, gy), iters)
+    """Back-to-back compute time per step with the data on the GPU.
+
+    About 50 ms of untimed steps first bring the clocks up from idle; the timed stretch is
+    about 150 ms. The GPU's clocks depend on how long it has been busy (power management), so
+    this figure and the compute time inside a run (gpu_compute_ms) can differ by several
+    percent."""
+    per = max(target_ms, 0.1)
+    warmup = max(3, int(50 / per))
+    iters = max(5, min(100, int(150 / per)))
+    return _time_back_to_back(lambda: step(gx, gy), iters, warmup)
 
 
 def _plan(target_ms, matmul_ms, dim, granule=256):
@@ -444,14 +463,14 @@ def calibrate(step, gx, gy, target_ms, matmul_ms):
     effective = target_ms
     best = None
     tried = []
-    for _ in range(6):
+    for _ in range(4):
         full, tail = _plan(effective, matmul_ms, step.dim)
         step.configure(full, tail)
         ms = compute_only_ms(step, gx, gy, target_ms)
         tried.append({"full": full, "tail": tail, "ms": ms})
         if best is None or abs(ms - target_ms) < abs(best[2] - target_ms):
             best = (full, tail, ms)
-        if abs(ms - target_ms) <= 0.02 * target_ms:
+        if abs(ms - target_ms) <= 0.04 * target_ms:
             break
         effective *= target_ms / ms
     step.configure(best[0], best[1])
@@ -538,6 +557,7 @@ def run_steps(feed, step, steps, warmup, max_ahead, batch_size):
         "host_wait_ms": wait["mean"],
         "host_wait_ms_p90": wait["p90"],
         "gpu_compute_ms": common.summarize(compute)["mean"],
+        "stream_idle_pct": 100.0 * (1.0 - sum(compute) / (1e3 * wall)),
         "cpu_ms_per_step": 1e3 * cpu / steps,
         "per_step": {
             "host_wait_ms": [round(v, 4) for v in waits_ms],
@@ -577,7 +597,7 @@ def run_row(row, source, ctx, steps, warmup):
 # --------------------------------------------------------------------------- driver
 
 METRICS = ("samples_per_s", "step_ms", "data_wait_ms", "host_wait_ms", "idle_pct",
-           "cpu_ms_per_step", "gpu_compute_ms")
+           "stream_idle_pct", "cpu_ms_per_step", "gpu_compute_ms")
 
 
 def summarize_results(results):
@@ -631,11 +651,11 @@ def render_markdown(payload):
                 label = ROW_LABELS[res["row"]]
                 compute = common.fmt_num(lvl["target_ms"], 1)
                 if res["status"] == "not applicable":
-                    table.append([label, compute, "n/a", "", "", "", "", ""])
+                    table.append([label, compute, "n/a", "", "", "", "", "", ""])
                     continue
                 if res["status"] == "error":
                     msg = res["errors"][0].replace("|", "/")
-                    table.append([label, compute, f"error: {msg[:160]}", "", "", "", "", ""])
+                    table.append([label, compute, f"error: {msg[:160]}", "", "", "", "", "", ""])
                     continue
                 s = res["summary"]
                 label_cell = label + (" (some repeats failed)" if res["status"] == "partial" else "")
@@ -646,15 +666,19 @@ def render_markdown(payload):
                     common.fmt_summary(s["data_wait_ms"], 2),
                     common.fmt_summary(s["host_wait_ms"], 2),
                     common.fmt_summary(s["idle_pct"], 1),
+                    common.fmt_summary(s["stream_idle_pct"], 1),
                     common.fmt_summary(s["cpu_ms_per_step"], 2),
                 ])
         lines.append(common.md_table(
             ["row", "compute (ms)", "samples/s", "step (ms)", "data wait (ms)",
-             "host wait (ms)", "GPU idle (%)", "host CPU (ms/step)"], table))
+             "host wait (ms)", "GPU idle (%)", "idle in run (%)", "host CPU (ms/step)"],
+            table))
     lines += ["", "Data wait: mean gap on the compute stream between consecutive steps' compute "
               "(CUDA events). Host wait: mean host time blocked in `next()`. GPU idle: "
-              "1 − compute-only / step. Host CPU: process CPU time per step, DataLoader worker "
-              "processes excluded.", ""]
+              "1 − compute-only / step. Idle in run: 1 − (compute time measured by events in "
+              "the run) / (wall time of the run); GPU clocks vary with load, so the two idle "
+              "figures can differ by a few percent. Host CPU: process CPU time per step, all "
+              "threads, DataLoader worker processes excluded.", ""]
     return "\n".join(lines)
 
 
@@ -683,9 +707,10 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers, dataset source")
     p.add_argument("--prefetch-factor", type=int, default=3)
-    p.add_argument("--collated-workers", type=int, default=2,
-                   help="workers of the pin_memory DataLoader over the collated ring "
-                        "(0 pins in the main thread instead of a pin thread; default: 2)")
+    p.add_argument("--collated-workers", type=int, default=0,
+                   help="workers of the pin_memory DataLoader over the collated ring; 0 (the "
+                        "default) pins in the main thread, N > 0 uses N worker processes and "
+                        "the pin thread, which adds moving each batch between processes")
     p.add_argument("--dataset-samples", type=int, default=512,
                    help="distinct samples held in RAM by the dataset source (default: 512)")
     p.add_argument("--ring", type=int, default=8, help="distinct collated batches (default: 8)")
@@ -750,7 +775,7 @@ def main(argv=None):
                  torch.randint(0, 1000, (args.batch_size,), device=args.device))
                 for _ in range(2)]
     gx, gy = gpu_ring[0]
-    matmul_ms = _time_back_to_back(lambda: step.w @ step.w, 10)
+    matmul_ms = _time_back_to_back(lambda: step.w @ step.w, 50, warmup=40)
     levels = []
     for i, target in enumerate(targets):
         cal = calibrate(step, gx, gy, target, matmul_ms)

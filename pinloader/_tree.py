@@ -32,3 +32,8 @@ def map_leaves(obj: Any, fn: Callable[[DeviceArray], Any]) -> Any:
                    for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **changes)
     return obj
+
+
+def to_capsules(obj: Any, stream: Any) -> Any:
+    """``output="capsule"``: every DeviceArray exported as a DLPack capsule for ``stream``."""
+    return map_leaves(obj, lambda leaf: leaf.__dlpack__(stream=stream))

@@ -31,6 +31,7 @@ enum {
     PL_ERR_TIMEOUT = -2,           /* a bounded wait ran out */
     PL_ERR_STOPPED = -3,           /* a wait was abandoned because its owner is stopping */
     PL_ERR_FORKED = -4,            /* used in a child process after fork() */
+    PL_ERR_OVER_CAP = -5,          /* a pinned request that can never fit under the pool's cap */
 };
 
 typedef struct pl_stream pl_stream; /* cudaStream_t for CUDA; a worker thread for the host */

@@ -27,37 +27,51 @@ typedef struct {
 
 /* ---- dtypes ---- */
 
-int pl_dtype_from_numpy(int type_num, char byteorder, DLDataType *out, const char **why)
+int pl_dtype_from_numpy(char kind, int elsize, int type_num, char byteorder, DLDataType *out,
+                        const char **why)
 {
     if (byteorder == '>') {
         *why = "big-endian data cannot be exported with DLPack";
         return -1;
     }
-    switch (type_num) {
-    case NPY_BOOL: *out = (DLDataType){kDLBool, 8, 1}; return 0;
-    case NPY_INT8: *out = (DLDataType){kDLInt, 8, 1}; return 0;
-    case NPY_INT16: *out = (DLDataType){kDLInt, 16, 1}; return 0;
-    case NPY_INT32: *out = (DLDataType){kDLInt, 32, 1}; return 0;
-    case NPY_INT64: *out = (DLDataType){kDLInt, 64, 1}; return 0;
-    case NPY_UINT8: *out = (DLDataType){kDLUInt, 8, 1}; return 0;
-    case NPY_UINT16: *out = (DLDataType){kDLUInt, 16, 1}; return 0;
-    case NPY_UINT32: *out = (DLDataType){kDLUInt, 32, 1}; return 0;
-    case NPY_UINT64: *out = (DLDataType){kDLUInt, 64, 1}; return 0;
-    case NPY_FLOAT16: *out = (DLDataType){kDLFloat, 16, 1}; return 0;
-    case NPY_FLOAT32: *out = (DLDataType){kDLFloat, 32, 1}; return 0;
-    case NPY_FLOAT64: *out = (DLDataType){kDLFloat, 64, 1}; return 0;
-    case NPY_COMPLEX64: *out = (DLDataType){kDLComplex, 64, 1}; return 0;
-    case NPY_COMPLEX128: *out = (DLDataType){kDLComplex, 128, 1}; return 0;
-    case NPY_OBJECT: *why = "object arrays cannot be copied"; return -1;
-    case NPY_STRING:
-    case NPY_UNICODE: *why = "string arrays cannot be copied to a device"; return -1;
-    case NPY_VOID: *why = "structured/void arrays cannot be copied (copy each field as its own array)"; return -1;
-    case NPY_DATETIME:
-    case NPY_TIMEDELTA: *why = "datetime64/timedelta64 arrays have no DLPack type (view them as int64)"; return -1;
-    case NPY_LONGDOUBLE:
-    case NPY_CLONGDOUBLE: *why = "long double has no DLPack type"; return -1;
-    default: *why = "this dtype has no DLPack type"; return -1;
+    /* By kind and size, so that every alias (long vs long long, intc...) maps alike. */
+    uint8_t bits = (uint8_t)(elsize * 8);
+    switch (kind) {
+    case 'b':
+        *out = (DLDataType){kDLBool, 8, 1};
+        return 0;
+    case 'i':
+    case 'u':
+        if (elsize == 1 || elsize == 2 || elsize == 4 || elsize == 8) {
+            *out = (DLDataType){kind == 'i' ? kDLInt : kDLUInt, bits, 1};
+            return 0;
+        }
+        break;
+    case 'f':
+        if (elsize == 2 || elsize == 4 || elsize == 8) {
+            *out = (DLDataType){kDLFloat, bits, 1};
+            return 0;
+        }
+        *why = "long double has no DLPack type";
+        return -1;
+    case 'c':
+        if (elsize == 8 || elsize == 16) {
+            *out = (DLDataType){kDLComplex, bits, 1};
+            return 0;
+        }
+        *why = "long double complex has no DLPack type";
+        return -1;
+    case 'O': *why = "object arrays cannot be copied"; return -1;
+    case 'S':
+    case 'U': *why = "string arrays cannot be copied to a device"; return -1;
+    case 'V': *why = "structured/void arrays cannot be copied (copy each field as its own array)"; return -1;
+    case 'M':
+    case 'm': *why = "datetime64/timedelta64 arrays have no DLPack type (view them as int64)"; return -1;
+    default: break;
     }
+    (void)type_num;
+    *why = "this dtype has no DLPack type";
+    return -1;
 }
 
 int pl_dtype_valid(DLDataType dt, const char **why)

@@ -139,7 +139,7 @@ static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
                 return pool_exhausted(st, self->pool, (size_t)n, "timed out waiting for regions to come back");
             continue;
         }
-        if (rc == PL_ERR_NO_MEMORY && (size_t)n > pl_pool_cap(self->pool))
+        if (rc == PL_ERR_OVER_CAP)
             return pool_exhausted(st, self->pool, (size_t)n, "can never fit under the cap");
         if (rc == PL_ERR_INVALID_VALUE)
             return PyErr_Format(PyExc_ValueError, "PinnedPool is closed");

@@ -309,6 +309,18 @@ static void region_free_locked(pl_pool *p, pl_region *r)
     p->st.in_use_bytes -= r->size;
     p->st.regions--;
     r->magic = REGION_DEAD;
+    if (pl_debug_enabled()) {
+        /* Keep dead regions a while so a second release finds REGION_DEAD, not reused memory. */
+        static pl_region *quarantine[4096]; /* guarded by q_mu */
+        static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;
+        static size_t q_next;
+        pthread_mutex_lock(&q_mu);
+        pl_region *old = quarantine[q_next % 4096];
+        quarantine[q_next++ % 4096] = r;
+        pthread_mutex_unlock(&q_mu);
+        free(old);
+        return;
+    }
     free(r);
 }
 
@@ -396,8 +408,11 @@ int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int
         return PL_ERR_FORKED;
     size_t want = n + (pl_debug_enabled() ? CANARY_BYTES : 0);
     size_t size = round_request(want ? want : 1);
-    /* A request that fits under the cap is never refused because of its rounding. */
+    /* A request that fits under the cap is never refused because of its rounding (or of the
+     * debug canary). */
     pthread_mutex_lock(&p->mu);
+    if (want > p->max_bytes)
+        want = n;
     if (size > p->max_bytes && want <= p->max_bytes)
         size = PL_MAX(want, (size_t)1);
     pthread_mutex_unlock(&p->mu);
@@ -434,7 +449,7 @@ int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int
             return PL_OK;
         }
         if (size > p->max_bytes) {
-            rc = PL_ERR_NO_MEMORY;
+            rc = PL_ERR_OVER_CAP;
             goto fail_locked;
         }
         size_t committed = p->st.reserved_bytes + p->creating;
@@ -532,6 +547,8 @@ static void maybe_free_closed(pl_pool *p)
 
 void pl_pool_release(pl_pool *p, pl_region *r)
 {
+    if (pl_forked_child)
+        return; /* the parent's memory; its lock may have been held at fork time */
     if (!r || check_region(r, "release") != 0)
         return;
     pthread_mutex_lock(&p->mu);
@@ -578,6 +595,10 @@ int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
 
 void pl_pool_get_stats(pl_pool *p, pl_pool_stats *st)
 {
+    if (pl_forked_child) {
+        memset(st, 0, sizeof(*st));
+        return;
+    }
     pl_pool_poll(p);
     pthread_mutex_lock(&p->mu);
     *st = p->st;

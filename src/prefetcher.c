@@ -102,6 +102,11 @@ struct pl_prefetcher_obj {
     int thread_started;
 
     /* GIL-protected */
+    int in_source;      /* the producer is inside the source's next() */
+    int detached;       /* close() left a producer stuck in the source; it cleans up on exit */
+    int orphaned;       /* ... and the object was deallocated meanwhile: the producer frees it */
+    int resources_freed;
+    pl_block *last_direct; /* producer only: the last batch copied straight from the source */
     PyObject *it;
     uint64_t it_epoch;
     uint64_t consumer_epoch;
@@ -347,7 +352,7 @@ static PyObject *numpy_leaf(flat *f, PyArrayObject *a)
     PyArray_Descr *d = PyArray_DESCR(a);
     DLDataType dt;
     const char *why = NULL;
-    if (pl_dtype_from_numpy(d->type_num, d->byteorder, &dt, &why) < 0) {
+    if (pl_dtype_from_numpy(d->kind, (int)PyDataType_ELSIZE(d), d->type_num, d->byteorder, &dt, &why) < 0) {
         PyObject *dr = PyObject_Str((PyObject *)d);
         PyErr_Format(PyExc_TypeError, "%s: %s (dtype %s)", f->path, why, dr ? PyUnicode_AsUTF8(dr) : "?");
         Py_XDECREF(dr);
@@ -562,14 +567,22 @@ static PyObject *flatten(flat *f, PyObject *obj, int level)
         }
         if (PyDict_CheckExact(obj))
             return out;
-        /* OrderedDict and other dict subclasses: type(obj)(pairs) */
-        PyObject *r = PyObject_CallOneArg((PyObject *)Py_TYPE(obj), out);
-        Py_DECREF(out);
-        if (!r) {
-            PyErr_Clear();
-            return leaf_error(f, PyExc_TypeError, "cannot rebuild this dict subclass from its items");
+        /* OrderedDict, defaultdict and other dict subclasses: a shallow copy keeps the type and
+         * its extra state (default_factory...); then the values are replaced. */
+        PyObject *copy_mod = PyImport_ImportModule("copy");
+        PyObject *r = copy_mod ? PyObject_CallMethod(copy_mod, "copy", "O", obj) : NULL;
+        Py_XDECREF(copy_mod);
+        if (r && PyDict_Check(r)) {
+            PyDict_Clear(r);
+            if (PyDict_Update(r, out) == 0) {
+                Py_DECREF(out);
+                return r;
+            }
         }
-        return r;
+        Py_XDECREF(r);
+        Py_DECREF(out);
+        PyErr_Clear();
+        return leaf_error(f, PyExc_TypeError, "cannot rebuild this dict subclass (copy.copy failed)");
     }
     PyObject *dcf = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__dataclass_fields__");
     if (dcf) {
@@ -718,9 +731,10 @@ static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
         }
         if (rc != PL_OK) {
             char what[160];
-            if (rc == PL_ERR_NO_MEMORY && f->staged > pl_pool_cap(self->pool))
-                snprintf(what, sizeof what, "item: batch of %zu staged bytes can never fit under the pinned cap of %zu bytes",
-                         f->staged, pl_pool_cap(self->pool));
+            if (rc == PL_ERR_OVER_CAP)
+                snprintf(what, sizeof what, "item %llu: a batch of %zu bytes to stage can never fit "
+                         "under the pinned cap of %zu bytes (max_pinned_bytes or the pool's max_bytes)",
+                         (unsigned long long)bt->index, f->staged, pl_pool_cap(self->pool));
             else
                 snprintf(what, sizeof what, "reserving %zu pinned bytes", f->staged);
             fail_batch(bt, rc, what);
@@ -829,6 +843,30 @@ static PyObject *fetch_exception(void)
     return value;
 }
 
+static void pf_free_resources(pl_prefetcher_obj *self);
+
+/* Note [sources reusing buffers]
+ * Pageable leaves are staged before the source is asked for its next item, so a source may
+ * reuse or refill an array as soon as next() is called again. Leaves copied straight from
+ * pinned memory are read by the DMA engine later; to keep the same guarantee the producer
+ * waits for that batch's copy before calling next() again. */
+static void wait_direct_copy(pl_prefetcher_obj *self)
+{
+    if (self->last_direct) {
+        pl_block_sync_ready(self->last_direct);
+        pl_block_decref(self->last_direct);
+        self->last_direct = NULL;
+    }
+}
+
+static int stopping(pl_prefetcher_obj *self)
+{
+    pthread_mutex_lock(&self->mu);
+    int stop = self->stop;
+    pthread_mutex_unlock(&self->mu);
+    return stop;
+}
+
 static void *producer_main(void *arg)
 {
     pl_prefetcher_obj *self = arg;
@@ -837,13 +875,11 @@ static void *producer_main(void *arg)
     for (;;) {
         if (producer_wait(self) < 0)
             break;
+        wait_direct_copy(self);
         if (pl_py_finalizing())
-            break;
+            return NULL; /* the interpreter is going away: touch nothing of it */
         PyGILState_STATE g = PyGILState_Ensure();
-        pthread_mutex_lock(&self->mu);
-        int stop = self->stop;
-        pthread_mutex_unlock(&self->mu);
-        if (stop) {
+        if (stopping(self)) {
             PyGILState_Release(g);
             break;
         }
@@ -866,9 +902,19 @@ static void *producer_main(void *arg)
         f.pf = self;
         PyObject *it = Py_XNewRef(self->it);
         int64_t t0 = pl_now_ns();
+        self->in_source = 1;
         PyObject *item = it ? PyIter_Next(it) : NULL;
+        self->in_source = 0;
         int64_t t_next = pl_now_ns() - t0;
         Py_XDECREF(it);
+        if (stopping(self)) {
+            /* closed while the source was running: what it gave is not wanted */
+            Py_XDECREF(item);
+            PyErr_Clear();
+            PyMem_RawFree(bt);
+            PyGILState_Release(g);
+            break;
+        }
         if (!item) {
             if (PyErr_Occurred()) {
                 bt->kind = B_ERROR;
@@ -913,17 +959,37 @@ static void *producer_main(void *arg)
         transfer(self, &f, bt);
 
         /* Hand the owners to the graveyard (GIL): sources read by DMA wait for the copy. */
-        int any_direct = 0;
-        for (int i = 0; i < f.n_leaves; i++)
-            any_direct |= f.leaves[i].direct;
+        if (f.n_direct && bt->kind == B_READY) {
+            pl_block_incref(bt->blk);
+            self->last_direct = bt->blk;
+        }
         g = PyGILState_Ensure();
-        bury(self, f.owners, f.n_owners, any_direct ? bt->blk : NULL);
+        bury(self, f.owners, f.n_owners, f.n_direct ? bt->blk : NULL);
         f.owners = NULL;
         f.n_owners = 0;
         flat_clear(&f);
         PyGILState_Release(g);
         push_batch(self, bt);
     }
+
+    /* Exit. A producer that close() left behind (stuck in the source) cleans up here. */
+    wait_direct_copy(self);
+    if (pl_py_finalizing())
+        return NULL;
+    PyGILState_STATE g = PyGILState_Ensure();
+    if (self->detached) {
+        pf_free_resources(self);
+        if (self->orphaned) {
+            PyTypeObject *tp = Py_TYPE(self);
+            pthread_mutex_destroy(&self->mu);
+            pthread_cond_destroy(&self->cv);
+            tp->tp_free((PyObject *)self);
+            Py_DECREF(tp);
+        } else {
+            Py_DECREF(self); /* the reference close() gave this thread */
+        }
+    }
+    PyGILState_Release(g);
     return NULL;
 }
 
@@ -959,7 +1025,8 @@ static int check_usable(pl_prefetcher_obj *self)
 {
     if (pl_forked_child) {
         PyErr_SetString(PyExc_RuntimeError, "this AsyncPrefetcher was created before fork(): it "
-                        "cannot be used in the child process; create a new one there");
+                        "cannot be used in the child process (its threads and CUDA state stay in "
+                        "the parent); start worker processes with the 'spawn' method");
         return -1;
     }
     if (self->closed) {
@@ -974,9 +1041,20 @@ static PyObject *pf_iter(PyObject *op)
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
     if (check_usable(self) < 0)
         return NULL;
-    if (!self->failed && (self->consumed_in_epoch > 0 || self->consumer_done))
-        if (start_epoch(self) < 0)
-            return NULL;
+    if (self->failed || (self->consumed_in_epoch == 0 && !self->consumer_done))
+        return Py_NewRef(op); /* finished for good, or the current epoch is still fresh */
+    PyObject *it = PyObject_GetIter(self->source);
+    if (!it)
+        return NULL;
+    int same = it == self->it;
+    Py_DECREF(it);
+    if (same && !self->consumer_done) {
+        /* A one-shot iterator (a generator): iter() gives the same object, so this is the same
+         * stream of items; keep what is already prefetched rather than dropping it. */
+        return Py_NewRef(op);
+    }
+    if (start_epoch(self) < 0)
+        return NULL;
     return Py_NewRef(op);
 }
 
@@ -989,6 +1067,10 @@ static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
         bt->exc = NULL;
         PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
         Py_DECREF(exc);
+        return NULL;
+    }
+    if (bt->err_code == PL_ERR_OVER_CAP) {
+        PyErr_SetString(self->st->PoolExhausted, bt->err_what);
         return NULL;
     }
     return pl_raise_backend(self->st, self->b, bt->err_code, bt->err_what);
@@ -1024,6 +1106,12 @@ static PyObject *pf_next(PyObject *op)
                 continue;
             }
             break;
+        }
+        if (self->closed || self->consumer_done || self->failed) {
+            /* another thread closed it, or took the end of the epoch */
+            if (self->closed)
+                PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher was closed while waiting for a batch");
+            return NULL;
         }
         waited = 1;
         Py_BEGIN_ALLOW_THREADS
@@ -1069,50 +1157,16 @@ static PyObject *pf_next(PyObject *op)
     return out;
 }
 
-/* output="capsule": the same structure with each DeviceArray exported for capsule_stream. */
+/* output="capsule": the same structure with each DeviceArray exported for capsule_stream, for
+ * every container type (pinloader._tree.to_capsules). */
 static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj)
 {
-    pl_state *st = self->st;
-    if (pl_device_array_check(st, obj)) {
-        PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
-        PyObject *kw = meth ? Py_BuildValue("{s:O}", "stream", self->capsule_stream) : NULL;
-        PyObject *empty = kw ? PyTuple_New(0) : NULL;
-        PyObject *cap = empty ? PyObject_Call(meth, empty, kw) : NULL;
-        Py_XDECREF(meth);
-        Py_XDECREF(kw);
-        Py_XDECREF(empty);
-        return cap;
-    }
-    if (PyList_Check(obj) || PyTuple_CheckExact(obj)) {
-        int is_list = PyList_Check(obj);
-        Py_ssize_t n = is_list ? PyList_GET_SIZE(obj) : PyTuple_GET_SIZE(obj);
-        PyObject *out = is_list ? PyList_New(n) : PyTuple_New(n);
-        for (Py_ssize_t i = 0; out && i < n; i++) {
-            PyObject *o = to_capsules(self, is_list ? PyList_GET_ITEM(obj, i) : PyTuple_GET_ITEM(obj, i));
-            if (!o) {
-                Py_CLEAR(out);
-                break;
-            }
-            if (is_list)
-                PyList_SET_ITEM(out, i, o);
-            else
-                PyTuple_SET_ITEM(out, i, o);
-        }
-        return out;
-    }
-    if (PyDict_CheckExact(obj)) {
-        PyObject *out = PyDict_New();
-        PyObject *k, *v;
-        Py_ssize_t pos = 0;
-        while (out && PyDict_Next(obj, &pos, &k, &v)) {
-            PyObject *o = to_capsules(self, v);
-            if (!o || PyDict_SetItem(out, k, o) < 0)
-                Py_CLEAR(out);
-            Py_XDECREF(o);
-        }
-        return out;
-    }
-    return Py_NewRef(obj);
+    PyObject *mod = PyImport_ImportModule("pinloader._tree");
+    if (!mod)
+        return NULL;
+    PyObject *r = PyObject_CallMethod(mod, "to_capsules", "OO", obj, self->capsule_stream);
+    Py_DECREF(mod);
+    return r;
 }
 
 /* ---- lifecycle ---- */
@@ -1131,33 +1185,26 @@ static void live_unlink(pl_prefetcher_obj *self)
     self->live_prev = self->live_next = NULL;
 }
 
-static void pf_close_impl(pl_prefetcher_obj *self)
+/* Free the pipeline's resources (GIL held; the producer has exited or is this thread). */
+static void pf_free_resources(pl_prefetcher_obj *self)
 {
-    if (self->closed)
+    if (self->resources_freed)
         return;
-    self->closed = 1;
-    live_unlink(self);
+    self->resources_freed = 1;
     int forked = pl_forked_child;
-    pthread_mutex_lock(&self->mu);
-    self->stop = 1;
-    pthread_cond_broadcast(&self->cv);
-    pthread_mutex_unlock(&self->mu);
-    if (self->thread_started && !forked) {
-        /* The producer may be waiting for the GIL: let it have it, see stop, and leave. */
-        Py_BEGIN_ALLOW_THREADS
-        pthread_join(self->thread, NULL);
-        Py_END_ALLOW_THREADS
-    }
-    self->thread_started = 0;
     if (self->copy_stream && !forked) {
         Py_BEGIN_ALLOW_THREADS
         self->b->set_device(self->device);
         self->b->stream_synchronize(self->copy_stream);
         Py_END_ALLOW_THREADS
     }
+    if (!forked)
+        pthread_mutex_lock(&self->mu);
     batch *bt = self->head;
     self->head = self->tail = NULL;
     self->queued = 0;
+    if (!forked)
+        pthread_mutex_unlock(&self->mu);
     while (bt) {
         batch *next = bt->next;
         batch_free(bt);
@@ -1167,27 +1214,82 @@ static void pf_close_impl(pl_prefetcher_obj *self)
         empty_graves(self, 1);
     Py_CLEAR(self->it);
     if (!forked) {
+        pl_stager *stager = self->stager;
+        pl_stream *stream = self->copy_stream;
+        const pl_backend *b = self->b;
         Py_BEGIN_ALLOW_THREADS
-        if (self->stager)
-            pl_stager_destroy(self->stager);
-        if (self->copy_stream)
-            self->b->stream_destroy(self->copy_stream);
+        if (stager)
+            pl_stager_destroy(stager);
+        if (stream)
+            b->stream_destroy(stream);
         Py_END_ALLOW_THREADS
     }
     self->stager = NULL;
     self->copy_stream = NULL;
     if (self->pool) {
         pl_pool *p = self->pool;
+        int own = self->own_pool;
         self->pool = NULL;
-        if (!forked && self->own_pool) {
+        if (!forked) {
             Py_BEGIN_ALLOW_THREADS
-            pl_pool_close(p);
+            if (own)
+                pl_pool_close(p);
+            pl_pool_decref(p);
             Py_END_ALLOW_THREADS
         }
+    }
+}
+
+/* Stop the producer. Returns 1 if it was joined, 0 if it is stuck in the source and was left
+ * to clean up after itself (see Note [stuck sources]). */
+static int stop_producer(pl_prefetcher_obj *self)
+{
+    if (pl_forked_child) {
+        /* The producer does not exist in this process, and the parent's threads may have held
+         * our mutexes at fork time: touch none of them. */
+        self->thread_started = 0;
+        return 1;
+    }
+    pthread_mutex_lock(&self->mu);
+    self->stop = 1;
+    pthread_cond_broadcast(&self->cv);
+    pthread_mutex_unlock(&self->mu);
+    if (!self->thread_started) {
+        self->thread_started = 0;
+        return 1;
+    }
+    /* Note [stuck sources]
+     * A source can block in next() for ever (a hung reader, a dead worker). close() gives it
+     * a moment, then detaches the producer instead of joining it: the producer sees `stop`
+     * whenever next() returns, frees the pipeline and drops its reference. */
+    for (int i = 0; i < 20 && self->in_source; i++) {
         Py_BEGIN_ALLOW_THREADS
-        pl_pool_decref(p);
+        pl_sleep_ns(10 * 1000 * 1000);
         Py_END_ALLOW_THREADS
     }
+    self->thread_started = 0;
+    if (self->in_source) {
+        pthread_detach(self->thread);
+        self->detached = 1;
+        return 0;
+    }
+    /* The producer may be waiting for the GIL: let it have it, see stop, and leave. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(self->thread, NULL);
+    Py_END_ALLOW_THREADS
+    return 1;
+}
+
+static void pf_close_impl(pl_prefetcher_obj *self)
+{
+    if (self->closed)
+        return;
+    self->closed = 1;
+    live_unlink(self);
+    if (stop_producer(self))
+        pf_free_resources(self);
+    else
+        Py_INCREF(self); /* the detached producer's reference */
 }
 
 void pl_prefetcher_shutdown_all(pl_state *st)
@@ -1225,14 +1327,28 @@ static void pf_dealloc(PyObject *op)
     PyObject_GC_UnTrack(op);
     if (self->weakreflist)
         PyObject_ClearWeakRefs(op);
-    if (self->st) {
-        pf_close_impl(self);
-        pthread_mutex_destroy(&self->mu);
-        pthread_cond_destroy(&self->cv);
-    }
     Py_CLEAR(self->source);
     Py_CLEAR(self->pool_obj);
     Py_CLEAR(self->capsule_stream);
+    if (self->st) {
+        if (!self->closed) {
+            self->closed = 1;
+            live_unlink(self);
+            if (!stop_producer(self)) {
+                /* The producer is stuck in the source and still uses this object: it frees it
+                 * when the source returns (see Note [stuck sources]). */
+                self->orphaned = 1;
+                return;
+            }
+            pf_free_resources(self);
+        }
+        if (!pl_forked_child) {
+            /* In a forked child the parent's producer may have been waiting on cv: destroying
+             * it would wait for a thread that does not exist here. */
+            pthread_mutex_destroy(&self->mu);
+            pthread_cond_destroy(&self->cv);
+        }
+    }
     tp->tp_free(op);
     Py_DECREF(tp);
 }
@@ -1431,6 +1547,9 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
+    if (pl_forked_child)
+        return PyErr_Format(PyExc_RuntimeError, "this AsyncPrefetcher was created before fork(): "
+                            "its state stays in the parent");
     double samples[WAIT_SAMPLES];
     pthread_mutex_lock(&self->mu);
     size_t ns = (size_t)PL_MIN(self->n_waits, (uint64_t)WAIT_SAMPLES);
@@ -1479,6 +1598,8 @@ static PyObject *pf_exit(PyObject *op, PyObject *args)
 static PyObject *pf_repr(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
+    if (pl_forked_child)
+        return PyUnicode_FromString("<pinloader.AsyncPrefetcher inherited through fork(): unusable>");
     pthread_mutex_lock(&self->mu);
     unsigned long long batches = self->n_batches;
     int queued = self->queued;
