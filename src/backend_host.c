@@ -22,17 +22,26 @@
 
 /* One record of an event. A wait captures the record current at the time of the call, so a
  * later record of the same event (maybe on another stream, maybe completing first) neither
- * releases nor extends it, as in CUDA. */
+ * releases nor extends it, as in CUDA. Records are refcounted and guarded by one process-wide
+ * mutex, ev_mu: a queued WAIT holds its record, never the event, so an event may be destroyed
+ * while waits on it are still queued (as cudaEventDestroy allows). */
 typedef struct rec {
-    int refs; /* guarded by the event's mu */
-    int done; /* guarded by the event's mu */
+    int refs; /* guarded by ev_mu */
+    int done; /* guarded by ev_mu */
 } rec;
 
 struct pl_event {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    rec *latest; /* guarded by mu; NULL: never recorded (complete) */
+    rec *latest; /* guarded by ev_mu; NULL: never recorded (complete) */
 };
+
+static pthread_mutex_t ev_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t ev_cv;      /* broadcast whenever a record completes; CLOCK_MONOTONIC */
+static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+
+static void ev_init(void)
+{
+    pl_cond_init(&ev_cv);
+}
 
 typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_STOP } op_kind;
 
@@ -61,13 +70,10 @@ static void device_block_free(void *user);
 
 static int host_event_create(pl_event **out)
 {
+    pthread_once(&ev_once, ev_init);
     pl_event *e = calloc(1, sizeof(*e));
     if (!e)
         return PL_ERR_NO_MEMORY;
-    if (pthread_mutex_init(&e->mu, NULL) != 0 || pl_cond_init(&e->cv) != 0) {
-        free(e);
-        return PL_ERR_NO_MEMORY;
-    }
     *out = e;
     return PL_OK;
 }
@@ -82,37 +88,35 @@ static int host_event_destroy(pl_event *e)
 {
     if (!e)
         return PL_OK;
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&ev_mu);
     rec_unref_locked(e->latest);
-    pthread_mutex_unlock(&e->mu);
-    pthread_mutex_destroy(&e->mu);
-    pthread_cond_destroy(&e->cv);
+    pthread_mutex_unlock(&ev_mu);
     free(e);
     return PL_OK;
 }
 
-static void event_mark_done(pl_event *e, rec *r)
+static void rec_mark_done(rec *r)
 {
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&ev_mu);
     r->done = 1;
     rec_unref_locked(r);
-    pthread_cond_broadcast(&e->cv);
-    pthread_mutex_unlock(&e->mu);
+    pthread_cond_broadcast(&ev_cv);
+    pthread_mutex_unlock(&ev_mu);
 }
 
 /* The current record with a reference taken (NULL if never recorded). */
 static rec *event_capture(pl_event *e)
 {
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&ev_mu);
     rec *r = e->latest;
     if (r)
         r->refs++;
-    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&ev_mu);
     return r;
 }
 
 /* Wait until record r completes, at most timeout_ns (negative: forever); drops the reference. */
-static int event_wait_rec(pl_event *e, rec *r, int64_t timeout_ns)
+static int rec_wait(rec *r, int64_t timeout_ns)
 {
     if (!r)
         return PL_OK;
@@ -120,37 +124,37 @@ static int event_wait_rec(pl_event *e, rec *r, int64_t timeout_ns)
     struct timespec deadline;
     if (timeout_ns >= 0)
         pl_deadline(&deadline, timeout_ns);
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&ev_mu);
     while (!r->done) {
         if (timeout_ns < 0) {
-            pthread_cond_wait(&e->cv, &e->mu);
-        } else if (pthread_cond_timedwait(&e->cv, &e->mu, &deadline) == ETIMEDOUT) {
+            pthread_cond_wait(&ev_cv, &ev_mu);
+        } else if (pthread_cond_timedwait(&ev_cv, &ev_mu, &deadline) == ETIMEDOUT) {
             if (!r->done)
                 rc = PL_ERR_TIMEOUT;
             break;
         }
     }
     rec_unref_locked(r);
-    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&ev_mu);
     return rc;
 }
 
 static int host_event_query(pl_event *e)
 {
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&ev_mu);
     int ready = !e->latest || e->latest->done;
-    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&ev_mu);
     return ready ? PL_OK : PL_ERR_NOT_READY;
 }
 
 static int host_event_synchronize(pl_event *e)
 {
-    return event_wait_rec(e, event_capture(e), -1);
+    return rec_wait(event_capture(e), -1);
 }
 
 static int host_event_wait(pl_event *e, int64_t timeout_ns)
 {
-    return event_wait_rec(e, event_capture(e), timeout_ns);
+    return rec_wait(event_capture(e), timeout_ns);
 }
 
 /* ---- streams ---- */
@@ -171,10 +175,10 @@ static void *stream_main(void *arg)
             memcpy(o->dst, o->src, o->n);
             break;
         case OP_RECORD:
-            event_mark_done(o->event, o->record);
+            rec_mark_done(o->record);
             break;
         case OP_WAIT:
-            event_wait_rec(o->event, o->record, -1);
+            rec_wait(o->record, -1);
             break;
         case OP_FREE:
             device_block_free(o->dst);
@@ -273,29 +277,31 @@ static int host_event_record(pl_event *e, pl_stream *s)
     if (!r)
         return PL_ERR_NO_MEMORY;
     r->refs = 2; /* the event's and the RECORD operation's */
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&ev_mu);
     rec *old = e->latest;
     e->latest = r;
     rec_unref_locked(old);
-    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&ev_mu);
     if (!s) { /* the "default stream" runs synchronously on the caller */
-        event_mark_done(e, r);
+        rec_mark_done(r);
         return PL_OK;
     }
-    int rc = enqueue(s, OP_RECORD, NULL, NULL, 0, e, r);
+    int rc = enqueue(s, OP_RECORD, NULL, NULL, 0, NULL, r);
     if (rc != PL_OK)
-        event_mark_done(e, r);
+        rec_mark_done(r);
     return rc;
 }
 
 static int host_stream_wait_event(pl_stream *s, pl_event *e)
 {
     rec *r = event_capture(e);
-    if (!s || !r)
-        return event_wait_rec(e, r, s ? 0 : -1);
-    int rc = enqueue(s, OP_WAIT, NULL, NULL, 0, e, r);
+    if (!r)
+        return PL_OK;
+    if (!s)
+        return rec_wait(r, -1);
+    int rc = enqueue(s, OP_WAIT, NULL, NULL, 0, NULL, r);
     if (rc != PL_OK)
-        event_wait_rec(e, r, 0); /* drop the reference */
+        rec_wait(r, 0); /* drops the reference */
     return rc;
 }
 

@@ -28,6 +28,7 @@
 #include "util.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -116,6 +117,8 @@ struct pl_prefetcher_obj {
     int closed;
     grave *graves;
 
+    atomic_int gil_wanted; /* the producer is waiting for the GIL (see Note [GIL handoff]) */
+
     /* mu-protected */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -142,7 +145,7 @@ struct pl_prefetcher_obj {
 static void bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk)
 {
     if (n == 0) {
-        PyMem_Free(objs);
+        PyMem_RawFree(objs);
         return;
     }
     grave *g = PyMem_Malloc(sizeof(*g));
@@ -155,7 +158,7 @@ static void bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_bloc
         }
         for (Py_ssize_t i = 0; i < n; i++)
             Py_DECREF(objs[i]);
-        PyMem_Free(objs);
+        PyMem_RawFree(objs);
         return;
     }
     if (blk)
@@ -181,7 +184,7 @@ static void empty_graves(pl_prefetcher_obj *self, int wait)
         *link = g->next;
         for (Py_ssize_t i = 0; i < g->n; i++)
             Py_DECREF(g->objs[i]);
-        PyMem_Free(g->objs);
+        PyMem_RawFree(g->objs);
         if (g->blk)
             pl_block_decref(g->blk);
         PyMem_Free(g);
@@ -211,7 +214,7 @@ static int grow(void **arr, int *cap, int need, size_t elem)
     int nc = *cap ? *cap * 2 : 8;
     while (nc < need)
         nc *= 2;
-    void *p = PyMem_Realloc(*arr, (size_t)nc * elem);
+    void *p = PyMem_RawRealloc(*arr, (size_t)nc * elem); /* freed without the GIL too */
     if (!p) {
         PyErr_NoMemory();
         return -1;
@@ -225,7 +228,7 @@ static int add_owner(flat *f, PyObject *o)
 {
     if (f->n_owners == f->cap_owners) {
         Py_ssize_t nc = f->cap_owners ? f->cap_owners * 2 : 8;
-        PyObject **p = PyMem_Realloc(f->owners, (size_t)nc * sizeof(*p));
+        PyObject **p = PyMem_RawRealloc(f->owners, (size_t)nc * sizeof(*p));
         if (!p) {
             PyErr_NoMemory();
             return -1;
@@ -647,9 +650,9 @@ static void flat_clear(flat *f)
 {
     for (Py_ssize_t i = 0; i < f->n_owners; i++)
         Py_DECREF(f->owners[i]);
-    PyMem_Free(f->owners);
-    PyMem_Free(f->leaves);
-    PyMem_Free(f->direct_arrays);
+    PyMem_RawFree(f->owners);
+    PyMem_RawFree(f->leaves);
+    PyMem_RawFree(f->direct_arrays);
     memset(f, 0, sizeof(*f));
 }
 
@@ -859,6 +862,29 @@ static void wait_direct_copy(pl_prefetcher_obj *self)
     }
 }
 
+/* Note [GIL handoff]
+ * The producer needs the GIL once per batch (next() on the source, reading the leaves). A
+ * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
+ * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
+ * per step anyway, lends it the GIL right there. */
+static PyGILState_STATE producer_take_gil(pl_prefetcher_obj *self)
+{
+    atomic_store(&self->gil_wanted, 1);
+    PyGILState_STATE g = PyGILState_Ensure();
+    atomic_store(&self->gil_wanted, 0);
+    return g;
+}
+
+static void lend_gil_to_producer(pl_prefetcher_obj *self)
+{
+    if (!atomic_load(&self->gil_wanted))
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < 2000 && atomic_load(&self->gil_wanted); i++)
+        sched_yield();
+    Py_END_ALLOW_THREADS
+}
+
 static int stopping(pl_prefetcher_obj *self)
 {
     pthread_mutex_lock(&self->mu);
@@ -871,6 +897,11 @@ static void *producer_main(void *arg)
 {
     pl_prefetcher_obj *self = arg;
     uint64_t index = 0, last_epoch = 0;
+    /* The previous batch's source objects, dropped at the next GIL acquisition (one per
+     * batch, see Note [GIL handoff]). */
+    PyObject **prev_owners = NULL;
+    Py_ssize_t prev_n = 0;
+    pl_block *prev_blk = NULL;
     self->b->set_device(self->device);
     for (;;) {
         if (producer_wait(self) < 0)
@@ -878,7 +909,13 @@ static void *producer_main(void *arg)
         wait_direct_copy(self);
         if (pl_py_finalizing())
             return NULL; /* the interpreter is going away: touch nothing of it */
-        PyGILState_STATE g = PyGILState_Ensure();
+        PyGILState_STATE g = producer_take_gil(self);
+        bury(self, prev_owners, prev_n, prev_blk);
+        if (prev_blk)
+            pl_block_decref(prev_blk);
+        prev_owners = NULL;
+        prev_n = 0;
+        prev_blk = NULL;
         if (stopping(self)) {
             PyGILState_Release(g);
             break;
@@ -958,17 +995,22 @@ static void *producer_main(void *arg)
         pthread_mutex_unlock(&self->mu);
         transfer(self, &f, bt);
 
-        /* Hand the owners to the graveyard (GIL): sources read by DMA wait for the copy. */
+        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA
+         * stay there until the copy is done. */
         if (f.n_direct && bt->kind == B_READY) {
             pl_block_incref(bt->blk);
             self->last_direct = bt->blk;
         }
-        g = PyGILState_Ensure();
-        bury(self, f.owners, f.n_owners, f.n_direct ? bt->blk : NULL);
+        prev_owners = f.owners;
+        prev_n = f.n_owners;
+        if (f.n_direct) {
+            pl_block_incref(bt->blk);
+            prev_blk = bt->blk;
+        }
         f.owners = NULL;
         f.n_owners = 0;
-        flat_clear(&f);
-        PyGILState_Release(g);
+        PyMem_RawFree(f.leaves);
+        PyMem_RawFree(f.direct_arrays);
         push_batch(self, bt);
     }
 
@@ -977,6 +1019,9 @@ static void *producer_main(void *arg)
     if (pl_py_finalizing())
         return NULL;
     PyGILState_STATE g = PyGILState_Ensure();
+    bury(self, prev_owners, prev_n, prev_blk);
+    if (prev_blk)
+        pl_block_decref(prev_blk);
     if (self->detached) {
         pf_free_resources(self);
         if (self->orphaned) {
@@ -1085,6 +1130,7 @@ static PyObject *pf_next(PyObject *op)
         return NULL;
     if (self->failed || self->consumer_done)
         return NULL; /* StopIteration */
+    lend_gil_to_producer(self);
     empty_graves(self, 0);
     int64_t t0 = pl_now_ns();
     int waited = 0;
@@ -1468,7 +1514,7 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->capsule_stream = Py_NewRef(stream_obj);
     self->max_pinned = max_pinned;
     if (!threads)
-        threads = PL_MIN(4, pl_cpu_count());
+        threads = PL_MIN(8, pl_cpu_count()); /* host memcpy bandwidth scales to ~8 threads */
 
     int rc;
     Py_BEGIN_ALLOW_THREADS

@@ -911,6 +911,7 @@ os._exit(0)
 
 # ---- soak ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # RSS checks: not under ASan, whose quarantine holds freed memory
 def test_soak_20000_small_batches_flat_resources():
     psutil = pytest.importorskip("psutil")
     warm_up()
@@ -972,6 +973,7 @@ def test_soak_20000_small_batches_flat_resources():
     assert wait_for(lambda: live_blocks()[0] <= base_blocks[0]), (live_blocks(), base_blocks)
 
 
+@pytest.mark.slow  # RSS checks: not under ASan, whose quarantine holds freed memory
 def test_repeated_create_close_returns_threads_and_memory():
     psutil = pytest.importorskip("psutil")
     warm_up()
