@@ -62,6 +62,8 @@ def _run_torch(args: Any, device_str: str, quiet: bool) -> dict:
     dev = torch.device(device_str)
     cuda = dev.type == "cuda"
     if cuda:
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     batches = _make_batches(args.batch_size, args.image_size)
     nbytes = sum(a.nbytes for a in batches[0])

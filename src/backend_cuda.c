@@ -369,7 +369,7 @@ static int device_pool(int device, cudaMemPool_t *out)
 
 static int cuda_device_alloc(int device, size_t n, pl_stream *s, void **out)
 {
-    cudaMemPool_t pool;
+    cudaMemPool_t pool = NULL;
     int rc = device_pool(device, &pool);
     if (rc != PL_OK)
         return rc;
@@ -394,7 +394,7 @@ static int cuda_memcpy_d2h(void *dst, const void *src, size_t n)
 
 static void CUDART_CB hold_fn(void *gate)
 {
-    while (!*(volatile int *)gate)
+    while (!__atomic_load_n((int *)gate, __ATOMIC_ACQUIRE))
         pl_sleep_ns(100000);
 }
 

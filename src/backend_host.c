@@ -184,7 +184,7 @@ static void *stream_main(void *arg)
             device_block_free(o->dst);
             break;
         case OP_HOLD:
-            while (!*(volatile int *)o->dst)
+            while (!__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 pl_sleep_ns(100000);
             break;
         case OP_STOP:

@@ -6,6 +6,10 @@
 
 #define PL_NP_IMPORT
 #include "np.h"
+
+#ifdef PL_HAVE_NVTX
+#include <nvtx3/nvToolsExt.h>
+#endif
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -343,6 +347,11 @@ static int module_exec(PyObject *m)
     if (_import_array() < 0)
         return -1;
     pthread_once(&fork_once, install_fork_handler);
+#ifdef PL_HAVE_NVTX
+    /* NVTX initialises lazily on first use, racily by design; do it once here, before any
+     * producer thread exists. Without a profiler attached this is a no-op. */
+    nvtxInitialize(NULL);
+#endif
 
     PyObject *np = PyImport_ImportModule("numpy");
     if (!np)
