@@ -40,6 +40,11 @@ def _make_batches(batch_size: int, image: int, count: int = 4) -> list[tuple[np.
              rng.integers(0, 1000, size=batch_size, dtype=np.int64)) for _ in range(count)]
 
 
+def _square_dim(dim: int, numel: int) -> int:
+    """The compute's matrix side: at most ``dim``, and small enough to be filled by the batch."""
+    return max(1, min(dim, int(numel ** 0.5)))
+
+
 class _Source:
     """Cycles pre-made batches for a fixed number of steps (re-iterable)."""
 
@@ -67,7 +72,7 @@ def _run_torch(args: Any, device_str: str, quiet: bool) -> dict:
         torch.cuda.set_device(dev)
     batches = _make_batches(args.batch_size, args.image_size)
     nbytes = sum(a.nbytes for a in batches[0])
-    dim = 2048 if cuda else 256
+    dim = _square_dim(2048 if cuda else 256, batches[0][0].size)
     dtype = torch.bfloat16 if cuda else torch.float32
     weight = torch.randn(dim, dim, device=dev, dtype=dtype) / dim ** 0.5
 
@@ -159,7 +164,7 @@ def _run_numpy(args: Any, quiet: bool) -> dict:
     """No torch: the same loop with NumPy on the host backend."""
     batches = _make_batches(args.batch_size, args.image_size)
     nbytes = sum(a.nbytes for a in batches[0])
-    dim = 256
+    dim = _square_dim(256, batches[0][0].size)
     weight = np.random.default_rng(1).standard_normal((dim, dim)).astype(np.float32) / dim ** 0.5
     target = args.compute_ms or 20.0
 
