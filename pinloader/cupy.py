@@ -5,17 +5,16 @@ imports CuPy; ``import pinloader`` alone never does.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import cupy as _cp
 
-from ._C import AsyncPrefetcher
-from ._tree import map_leaves
+from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "CupyPrefetcher"]
 
 
-class CupyPrefetcher:
+class CupyPrefetcher(FrameworkPrefetcher):
     """Iterate any iterable with array leaves delivered as ``cupy.ndarray`` s.
 
     Parameters
@@ -33,30 +32,8 @@ class CupyPrefetcher:
             device = _cp.cuda.Device().id
         if isinstance(device, int):
             device = f"cuda:{device}"
-        self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
-
-    def __iter__(self) -> Iterator[Any]:
-        iter(self._pf)
-        return self
-
-    def __next__(self) -> Any:
         # cupy.from_dlpack passes the current CuPy stream, which then waits on the copy.
-        return map_leaves(next(self._pf), _cp.from_dlpack)
-
-    def __len__(self) -> int:
-        return len(self._pf)
-
-    def stats(self) -> dict:
-        return self._pf.stats()
-
-    def close(self) -> None:
-        self._pf.close()
-
-    def __enter__(self) -> "CupyPrefetcher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().__init__(iterable, device, depth, _cp.from_dlpack, **opts)
 
 
 def prefetch(iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> CupyPrefetcher:

@@ -4,13 +4,12 @@ Importing this module imports JAX; ``import pinloader`` alone never does.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import jax as _jax
 import jax.dlpack as _jdl
 
-from ._C import AsyncPrefetcher
-from ._tree import map_leaves
+from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "JaxPrefetcher"]
 
@@ -29,7 +28,7 @@ def _resolve(device: Any) -> tuple[str, Any]:
     raise ValueError(f"pinloader.jax.prefetch: unsupported JAX device {device}")
 
 
-class JaxPrefetcher:
+class JaxPrefetcher(FrameworkPrefetcher):
     """Iterate any iterable with array leaves delivered as ``jax.Array`` s on ``device``.
 
     Parameters
@@ -45,35 +44,13 @@ class JaxPrefetcher:
 
     def __init__(self, iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> None:
         pl_device, self.device = _resolve(device)
-        self._pf = AsyncPrefetcher(iterable, device=pl_device, depth=depth, **opts)
+        super().__init__(iterable, pl_device, depth, self._to_jax, **opts)
 
-    def _convert(self, leaf: Any) -> Any:
+    def _to_jax(self, leaf: Any) -> Any:
         # JAX passes its own stream to __dlpack__ and accepts only legacy capsules, which
         # DeviceArray gives when max_version is not passed.
         arr = _jdl.from_dlpack(leaf)
         return arr if arr.devices() == {self.device} else _jax.device_put(arr, self.device)
-
-    def __iter__(self) -> Iterator[Any]:
-        iter(self._pf)
-        return self
-
-    def __next__(self) -> Any:
-        return map_leaves(next(self._pf), self._convert)
-
-    def __len__(self) -> int:
-        return len(self._pf)
-
-    def stats(self) -> dict:
-        return self._pf.stats()
-
-    def close(self) -> None:
-        self._pf.close()
-
-    def __enter__(self) -> "JaxPrefetcher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def prefetch(iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> JaxPrefetcher:

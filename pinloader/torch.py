@@ -5,12 +5,11 @@ Importing this module imports torch; ``import pinloader`` alone never does.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch as _torch
 
-from ._C import AsyncPrefetcher
-from ._tree import map_leaves
+from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "TorchPrefetcher"]
 
@@ -31,7 +30,7 @@ def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
     return f"cuda:{dev.index}", dev
 
 
-class TorchPrefetcher:
+class TorchPrefetcher(FrameworkPrefetcher):
     """Iterate a DataLoader (or any iterable) with batches delivered as torch tensors on a device.
 
     Each batch is ready on ``torch.cuda.current_stream()`` as it is when the batch is handed out:
@@ -62,17 +61,8 @@ class TorchPrefetcher:
                 "pin_memory=False to the DataLoader.", UserWarning, stacklevel=3)
         pl_device, self.device = _pinloader_device(device)
         self.loader = loader
-        self._pf = AsyncPrefetcher(loader, device=pl_device, depth=depth, **opts)
-
-    def __iter__(self) -> Iterator[Any]:
-        iter(self._pf)
-        return self
-
-    def __next__(self) -> Any:
-        return map_leaves(next(self._pf), _torch.from_dlpack)
-
-    def __len__(self) -> int:
-        return len(self._pf)
+        # torch.from_dlpack passes torch's current stream to __dlpack__, which makes it wait.
+        super().__init__(loader, pl_device, depth, _torch.from_dlpack, **opts)
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the loader's sampler (a DistributedSampler) when it has set_epoch."""
@@ -81,23 +71,6 @@ class TorchPrefetcher:
             if holder is not None and hasattr(holder, "set_epoch"):
                 holder.set_epoch(epoch)
                 return
-
-    def stats(self) -> dict:
-        """See :meth:`pinloader.AsyncPrefetcher.stats`."""
-        return self._pf.stats()
-
-    def close(self) -> None:
-        """Stop the producer and free what is not handed out. Idempotent."""
-        self._pf.close()
-
-    def __enter__(self) -> "TorchPrefetcher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"pinloader.torch.TorchPrefetcher({self._pf!r})"
 
 
 def prefetch(loader: Iterable, device: Any = "cuda", depth: int = 2, **opts: Any) -> TorchPrefetcher:
