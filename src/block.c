@@ -51,6 +51,8 @@ static void spin_unlock(atomic_flag *f)
     atomic_flag_clear_explicit(f, memory_order_release);
 }
 
+static int note_use_on_device(pl_block *blk, pl_stream *s);
+
 /* The release stream of a device, created on first use (the caller has made device current). */
 static int release_stream(const pl_backend *b, int device, pl_stream **out)
 {
@@ -155,6 +157,31 @@ void pl_block_incref(pl_block *blk)
 
 int pl_block_note_use(pl_block *blk, pl_stream *s)
 {
+    const pl_backend *b = blk->b;
+    /* The per-thread default stream (2) means the deleter's own thread's stream here, not the
+     * consumer's: record on the legacy default stream instead, which every per-thread default
+     * stream synchronises with. */
+    if (s == (pl_stream *)(uintptr_t)2)
+        s = (pl_stream *)(uintptr_t)1;
+    int prev = -1;
+    if (b->get_device(&prev) != PL_OK)
+        prev = -1;
+    if (prev != blk->device)
+        b->set_device(blk->device); /* the legacy stream is per device: the block's */
+    int rc = note_use_on_device(blk, s);
+    if (rc != PL_OK) {
+        /* Without an event the free cannot be ordered after the consumer: wait for its stream
+         * now, or failing that, never free the memory (leak rather than corrupt). */
+        if (b->stream_synchronize(s) != PL_OK)
+            blk->leak = 1;
+    }
+    if (prev >= 0 && prev != blk->device)
+        b->set_device(prev);
+    return rc;
+}
+
+static int note_use_on_device(pl_block *blk, pl_stream *s)
+{
     spin_lock(&blk->mu);
     for (int i = 0; i < blk->n_uses; i++)
         if (blk->uses[i].stream == s) {
@@ -210,7 +237,9 @@ static void block_free(pl_block *blk)
     int prev = -1;
     int have_prev = b->get_device(&prev) == PL_OK;
     b->set_device(blk->device);
-    if (blk->ptr) {
+    if (blk->ptr && blk->leak) {
+        atomic_fetch_sub(&live_bytes[b->kind], blk->size); /* see pl_block_note_use */
+    } else if (blk->ptr) {
         pl_stream *rs = NULL;
         int rc = release_stream(b, blk->device, &rs);
         if (rc == PL_OK)

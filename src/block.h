@@ -22,6 +22,7 @@ typedef struct pl_block {
     size_t size;
     pl_event *ready;  /* recorded on the copy stream once the batch's copies are queued */
     int ready_recorded;
+    int leak;         /* a consumer's use could not be ordered: never free (set by note_use) */
     /* Consumer streams that used the block, each with an event recorded when its last user on
      * that stream let go (see Note [device lifetime]); guarded by mu. */
     atomic_flag mu;
@@ -38,7 +39,8 @@ void pl_block_incref(pl_block *blk);
  * and every use event. */
 void pl_block_decref(pl_block *blk);
 /* A consumer on stream s is done enqueuing work that reads the block (called from DLPack
- * deleters). s may be the legacy (1) or per-thread (2) default stream handle. */
+ * deleters, on any thread). s may be the legacy (1) or per-thread (2) default stream handle.
+ * Makes the block's device current for the record and restores the caller's. */
 int pl_block_note_use(pl_block *blk, pl_stream *s);
 /* Make stream s wait until the block's data is ready. */
 int pl_block_wait_ready(pl_block *blk, pl_stream *s);

@@ -23,6 +23,7 @@ typedef struct {
     size_t nbytes;
     int device_type; /* kDLCUDA or kDLCPU */
     int device_id;
+    int cai_used;    /* __cuda_array_interface__ was read: see da_get_cai */
 } DeviceArrayObject;
 
 /* ---- dtypes ---- */
@@ -192,6 +193,7 @@ PyObject *pl_device_array_new(pl_state *st, pl_block *blk, size_t offset, int nd
     self->nbytes = n;
     self->device_type = device_type;
     self->device_id = device_id;
+    self->cai_used = 0;
     return (PyObject *)self;
 }
 
@@ -199,8 +201,11 @@ static void da_dealloc(PyObject *op)
 {
     DeviceArrayObject *self = (DeviceArrayObject *)op;
     PyTypeObject *tp = Py_TYPE(op);
-    if (self->blk)
+    if (self->blk) {
+        if (self->cai_used) /* the consumer's work was queued by now; see da_get_cai */
+            pl_block_note_use(self->blk, (pl_stream *)(uintptr_t)1);
         pl_block_decref(self->blk);
+    }
     PyMem_Free(self->shape);
     PyObject_Free(op);
     Py_DECREF(tp);
@@ -467,7 +472,8 @@ static PyObject *da_get_ptr(PyObject *op, void *c)
 /* __cuda_array_interface__ v3. Its consumers name no stream to us, so the legacy default stream
  * is made to wait on the ready event and is given as the stream to synchronise with: it is
  * always valid, and waiting on it orders the consumer after the copy without blocking the
- * host. The consumer must keep this DeviceArray alive while its work may still read the data. */
+ * host. The consumer must keep this DeviceArray alive while it queues work that reads the data;
+ * when it goes, the memory is freed after the legacy stream's work. */
 static PyObject *da_get_cai(PyObject *op, void *c)
 {
     (void)c;
@@ -483,7 +489,9 @@ static PyObject *da_get_cai(PyObject *op, void *c)
     int rc = pl_block_wait_ready(self->blk, legacy);
     if (rc != PL_OK)
         return pl_raise_backend(st, self->blk->b, rc, "__cuda_array_interface__: cudaStreamWaitEvent");
-    pl_block_note_use(self->blk, legacy);
+    /* The use is noted when this DeviceArray goes (da_dealloc), once the consumer's work
+     * has been queued, not now. */
+    self->cai_used = 1;
     char buf[8];
     PyObject *shape = shape_tuple(self);
     if (!shape)

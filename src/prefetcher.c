@@ -482,10 +482,12 @@ static PyObject *flatten_seq(flat *f, PyObject *obj, int level, int is_list)
     if (!out)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = is_list ? PyList_GET_ITEM(obj, i) : PyTuple_GET_ITEM(obj, i);
+        /* a strong reference: flatten may run user code (__dlpack__) that changes the list */
+        PyObject *item = Py_NewRef(is_list ? PyList_GET_ITEM(obj, i) : PyTuple_GET_ITEM(obj, i));
         size_t mark = path_push(f, "[%zd]", i);
         PyObject *o = flatten(f, item, level + 1);
         path_pop(f, mark);
+        Py_DECREF(item);
         if (!o) {
             Py_DECREF(out);
             return NULL;
@@ -593,7 +595,11 @@ static PyObject *flatten(flat *f, PyObject *obj, int level)
         PyObject *kwargs = PyDict_New(), *out = NULL;
         PyObject *key, *field;
         Py_ssize_t pos = 0;
-        int ok = kwargs != NULL && PyDict_Check(dcf);
+        int ok = kwargs != NULL;
+        if (ok && !PyDict_Check(dcf)) {
+            ok = 0;
+            PyErr_Format(PyExc_TypeError, "%s: __dataclass_fields__ is not a dict", f->path);
+        }
         while (ok && PyDict_Next(dcf, &pos, &key, &field)) {
             PyObject *init = PyObject_GetAttrString(field, "init");
             int is_init = init ? PyObject_IsTrue(init) : 0;
@@ -709,6 +715,15 @@ static void fail_batch(batch *bt, int code, const char *what)
     snprintf(bt->err_what, sizeof bt->err_what, "%s", what);
 }
 
+/* A copy failed after others were queued: the block's free and the sources' release must
+ * still come after them. Record the ready event behind them, or wait for the stream. */
+static void mark_ready_after_failure(pl_prefetcher_obj *self, batch *bt)
+{
+    if (!bt->blk->ready_recorded && self->b->event_record(bt->blk->ready, self->copy_stream) != PL_OK)
+        self->b->stream_synchronize(self->copy_stream);
+    bt->blk->ready_recorded = 1;
+}
+
 /* Everything after the item is read: no GIL. Returns 0 or fills bt as an error. */
 static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
 {
@@ -738,6 +753,9 @@ static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
                 snprintf(what, sizeof what, "item %llu: a batch of %zu bytes to stage can never fit "
                          "under the pinned cap of %zu bytes (max_pinned_bytes or the pool's max_bytes)",
                          (unsigned long long)bt->index, f->staged, pl_pool_cap(self->pool));
+            else if (rc == PL_ERR_INVALID_VALUE)
+                snprintf(what, sizeof what, "item %llu: the shared PinnedPool was closed",
+                         (unsigned long long)bt->index);
             else
                 snprintf(what, sizeof what, "reserving %zu pinned bytes", f->staged);
             fail_batch(bt, rc, what);
@@ -781,6 +799,7 @@ static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
         pthread_mutex_unlock(&self->mu);
         if (rc != PL_OK) {
             /* Some copies may be queued: release only after the stream passes them. */
+            mark_ready_after_failure(self, bt);
             pl_pool_release_after(self->pool, region, self->copy_stream);
             fail_batch(bt, rc, "cudaMemcpyAsync of a staged chunk");
             return;
@@ -802,8 +821,10 @@ static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
     pthread_mutex_lock(&self->mu);
     self->copy_issue_ns += pl_now_ns() - t1;
     pthread_mutex_unlock(&self->mu);
-    if (rc != PL_OK)
+    if (rc != PL_OK) {
+        mark_ready_after_failure(self, bt);
         fail_batch(bt, rc, "queuing the batch copy");
+    }
 }
 
 /* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
@@ -1118,6 +1139,10 @@ static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
         PyErr_SetString(self->st->PoolExhausted, bt->err_what);
         return NULL;
     }
+    if (bt->err_code == PL_ERR_INVALID_VALUE && strstr(bt->err_what, "PinnedPool was closed")) {
+        PyErr_SetString(PyExc_ValueError, bt->err_what);
+        return NULL;
+    }
     return pl_raise_backend(self->st, self->b, bt->err_code, bt->err_what);
 }
 
@@ -1231,6 +1256,21 @@ static void live_unlink(pl_prefetcher_obj *self)
     self->live_prev = self->live_next = NULL;
 }
 
+/* Make `device` current on the calling (user's) thread for a moment, and put back what was
+ * current before: pinloader must not change the device the user's framework works on. */
+static int device_push(const pl_backend *b, int device, int *prev)
+{
+    if (b->get_device(prev) != PL_OK)
+        *prev = -1;
+    return *prev == device ? PL_OK : b->set_device(device);
+}
+
+static void device_pop(const pl_backend *b, int device, int prev)
+{
+    if (prev >= 0 && prev != device)
+        b->set_device(prev);
+}
+
 /* Free the pipeline's resources (GIL held; the producer has exited or is this thread). */
 static void pf_free_resources(pl_prefetcher_obj *self)
 {
@@ -1238,10 +1278,14 @@ static void pf_free_resources(pl_prefetcher_obj *self)
         return;
     self->resources_freed = 1;
     int forked = pl_forked_child;
+    int prev_device = -1;
+    if (!forked)
+        device_push(self->b, self->device, &prev_device);
     if (self->copy_stream && !forked) {
+        pl_stream *stream = self->copy_stream;
+        const pl_backend *b = self->b;
         Py_BEGIN_ALLOW_THREADS
-        self->b->set_device(self->device);
-        self->b->stream_synchronize(self->copy_stream);
+        b->stream_synchronize(stream);
         Py_END_ALLOW_THREADS
     }
     if (!forked)
@@ -1259,9 +1303,11 @@ static void pf_free_resources(pl_prefetcher_obj *self)
     if (!forked)
         empty_graves(self, 1);
     Py_CLEAR(self->it);
+    pl_stager *stager = self->stager;
+    pl_stream *stream = self->copy_stream;
+    self->stager = NULL; /* before the GIL is released: other threads may read them */
+    self->copy_stream = NULL;
     if (!forked) {
-        pl_stager *stager = self->stager;
-        pl_stream *stream = self->copy_stream;
         const pl_backend *b = self->b;
         Py_BEGIN_ALLOW_THREADS
         if (stager)
@@ -1269,9 +1315,8 @@ static void pf_free_resources(pl_prefetcher_obj *self)
         if (stream)
             b->stream_destroy(stream);
         Py_END_ALLOW_THREADS
+        device_pop(self->b, self->device, prev_device);
     }
-    self->stager = NULL;
-    self->copy_stream = NULL;
     if (self->pool) {
         pl_pool *p = self->pool;
         int own = self->own_pool;
@@ -1308,13 +1353,17 @@ static int stop_producer(pl_prefetcher_obj *self)
      * A source can block in next() for ever (a hung reader, a dead worker). close() gives it
      * a moment, then detaches the producer instead of joining it: the producer sees `stop`
      * whenever next() returns, frees the pipeline and drops its reference. */
-    for (int i = 0; i < 20 && self->in_source; i++) {
+    int on_producer = pthread_equal(self->thread, pthread_self());
+    for (int i = 0; i < 20 && self->in_source && !on_producer; i++) {
         Py_BEGIN_ALLOW_THREADS
         pl_sleep_ns(10 * 1000 * 1000);
         Py_END_ALLOW_THREADS
     }
     self->thread_started = 0;
-    if (self->in_source) {
+    /* Closed (or collected) on the producer thread itself, from code the producer ran (a leaf's
+     * __dlpack__, a __del__, the cycle collector): it cannot join itself; it finishes the
+     * current item, sees stop and cleans up as a detached producer. */
+    if (self->in_source || on_producer) {
         pthread_detach(self->thread);
         self->detached = 1;
         return 0;
@@ -1502,8 +1551,11 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(probe);
         return NULL;
     }
-    pthread_mutex_init(&self->mu, NULL);
-    pthread_cond_init(&self->cv, NULL);
+    if (pthread_mutex_init(&self->mu, NULL) != 0 || pl_cond_init(&self->cv) != 0) {
+        Py_DECREF(probe);
+        Py_DECREF(self); /* st is not set: dealloc touches neither */
+        return PyErr_NoMemory();
+    }
     self->st = st;
     self->source = Py_NewRef(iterable);
     self->b = b;
@@ -1516,11 +1568,12 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!threads)
         threads = PL_MIN(8, pl_cpu_count()); /* host memcpy bandwidth scales to ~8 threads */
 
-    int rc;
+    int rc, prev_device = -1;
     Py_BEGIN_ALLOW_THREADS
-    rc = b->set_device(dev);
+    rc = device_push(b, dev, &prev_device);
     if (rc == PL_OK)
         rc = b->stream_create(high, &self->copy_stream);
+    device_pop(b, dev, prev_device);
     Py_END_ALLOW_THREADS
     if (rc != PL_OK) {
         Py_DECREF(probe);

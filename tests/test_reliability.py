@@ -1234,3 +1234,45 @@ print("VIOLATION", repr(_C._debug_violation()), flush=True)
     assert p.returncode == 0, describe(p)
     assert "VIOLATION None" in p.stdout, describe(p)
     assert "pinloader debug:" not in p.stderr, describe(p)
+
+
+def test_consumer_wait_does_not_spin():
+    # A consumer blocked in next() sleeps on a condition variable; a wait that returned at once
+    # (wrong clock) would spin, burning a core and taking the GIL from the producer.
+    def slow():
+        for _ in range(2):
+            time.sleep(0.5)
+            yield np.zeros(4)
+
+    c0 = time.process_time()
+    with pinloader.AsyncPrefetcher(slow(), device=DEVICE) as pf:
+        assert len(list(pf)) == 2
+    assert time.process_time() - c0 < 0.4, "the consumer spun while waiting ~1 s for the source"
+
+
+def test_prefetcher_collected_on_its_own_producer_thread():
+    # The cycle collector may run on the producer thread (it allocates while reading leaves)
+    # and free an unreachable prefetcher there: it must not join itself or use freed memory.
+    code = """
+import gc, time, numpy as np, pinloader
+gc.disable()
+class Leaf:
+    def __dlpack_device__(self):
+        gc.collect()
+        return (1, 0)
+    def __dlpack__(self, **kw):
+        return np.zeros(1 << 16, np.float32).__dlpack__(**kw)
+class Src:
+    def __iter__(self):
+        return self
+    def __next__(self):
+        return {"x": Leaf()}
+s = Src()
+pf = pinloader.AsyncPrefetcher(s, device="cpu")
+s.pf = pf
+del s, pf
+time.sleep(1.0)
+print("survived", flush=True)
+"""
+    p = run_py(code, timeout=60)
+    assert p.returncode == 0 and "survived" in p.stdout, describe(p)
