@@ -1276,3 +1276,46 @@ print("survived", flush=True)
 """
     p = run_py(code, timeout=60)
     assert p.returncode == 0 and "survived" in p.stdout, describe(p)
+
+
+class _ForeignDeviceArray:
+    """A DLPack exporter that says it lives on another device (no data is ever read)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a foreign-device array must be refused before export")
+
+
+@pytest.mark.parametrize("device,match", [
+    ((2, 0), r"item\['x'\]\[1\]: array is on cuda:0, but this prefetcher uses the host backend"),
+    ((10, 0), r"item\['x'\]\[1\]: arrays on DLPack device type 10 cannot be copied"),
+    ((13, 0), r"item\['x'\]\[1\]: arrays on DLPack device type 13 cannot be copied"),
+])
+def test_arrays_on_another_device_are_refused_with_their_path(device, match):
+    good_items = [{"x": [np.full(3, i), np.full(2, i)]} for i in range(2)]
+    bad = {"x": [np.zeros(3), _ForeignDeviceArray(device)]}
+    with pinloader.AsyncPrefetcher(good_items + [bad], device=DEVICE) as pf:
+        got = [int(val(next(pf)["x"][0])[0]) for _ in range(2)]
+        assert got == [0, 1]  # nothing before the bad item is lost
+        with pytest.raises(ValueError, match=match):
+            next(pf)
+
+
+def test_debug_mode_reports_a_write_past_a_pinned_region():
+    code = """
+import ctypes, pinloader
+pool = pinloader.PinnedPool(max_bytes=1 << 20, device="cpu")
+buf = pool.alloc(1000)
+assert pinloader._C._debug_violation() is None
+ctypes.memset(buf.ptr + 1000, 0x11, 4)   # 4 bytes past the end
+buf.release()
+print("VIOLATION", pinloader._C._debug_violation(), flush=True)
+"""
+    p = run_py(code, timeout=60, env_extra={"PINLOADER_DEBUG": "1"})
+    assert p.returncode == 0, describe(p)
+    assert "VIOLATION pinned region" in p.stdout and "written past its end at byte 1000" in p.stdout, describe(p)
