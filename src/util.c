@@ -72,14 +72,19 @@ size_t pl_memlock_limit(void)
     return (size_t)rl.rlim_cur;
 }
 
+static pthread_once_t debug_once = PTHREAD_ONCE_INIT;
+static int debug_on; /* written once under debug_once */
+
+static void read_debug_env(void)
+{
+    const char *v = getenv("PINLOADER_DEBUG");
+    debug_on = v && *v && strcmp(v, "0") != 0;
+}
+
 int pl_debug_enabled(void)
 {
-    static int cached = -1;
-    if (cached < 0) {
-        const char *v = getenv("PINLOADER_DEBUG");
-        cached = v && *v && strcmp(v, "0") != 0;
-    }
-    return cached;
+    pthread_once(&debug_once, read_debug_env);
+    return debug_on;
 }
 
 /* ---- prefaulting allocation ---- */
