@@ -4,6 +4,8 @@
 #include "pool.h"
 #include "util.h"
 
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <structmember.h>
 
 typedef struct {
@@ -14,13 +16,34 @@ typedef struct {
     int closed;
 } PinnedPoolObject;
 
+/* Note [pinned buffer lifetime]
+ * A region handed out by PinnedPool.alloc is owned by a small refcounted share, held by the
+ * PinnedBuffer and by every DLPack capsule exported from it. The region goes back to the pool
+ * when the last of them lets go, so a torch tensor made from the buffer outlives the buffer
+ * object safely, and capsule deleters (any thread, no GIL, maybe at exit) never touch Python. */
+typedef struct {
+    atomic_long refs;
+    atomic_long dlpack_exports; /* live capsules / tensors made from the buffer */
+    pl_pool *pool;              /* a pool reference of its own */
+    pl_region *region;
+} pinned_share;
+
 typedef struct {
     PyObject_HEAD
-    PyObject *pool_obj; /* the PinnedPool: keeps the pool alive while the region is out */
-    pl_region *region;  /* NULL once released */
-    Py_ssize_t buffer_exports;
-    Py_ssize_t dlpack_exports; /* decremented by capsule deleters, with the GIL */
+    PyObject *pool_obj;   /* the PinnedPool, for the .pool property */
+    pinned_share *share;  /* NULL once released */
+    pl_region *region;    /* share->region while live, else NULL */
+    Py_ssize_t buffer_exports; /* guarded by the GIL */
 } PinnedBufferObject;
+
+static void share_decref(pinned_share *sh)
+{
+    if (atomic_fetch_sub(&sh->refs, 1) != 1)
+        return;
+    pl_pool_release(sh->pool, sh->region);
+    pl_pool_decref(sh->pool);
+    free(sh);
+}
 
 #define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
 
@@ -145,15 +168,22 @@ static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
             return PyErr_Format(PyExc_ValueError, "PinnedPool is closed");
         return pl_raise_backend(st, self->b, rc, "PinnedPool.alloc: making a pinned slab");
     }
-    PinnedBufferObject *buf = PyObject_New(PinnedBufferObject, st->PinnedBuffer_Type);
+    pinned_share *sh = malloc(sizeof(*sh));
+    PinnedBufferObject *buf = sh ? PyObject_New(PinnedBufferObject, st->PinnedBuffer_Type) : NULL;
     if (!buf) {
+        free(sh);
         pl_pool_release(self->pool, r);
-        return NULL;
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
+    atomic_init(&sh->refs, 1);
+    atomic_init(&sh->dlpack_exports, 0);
+    pl_pool_incref(self->pool);
+    sh->pool = self->pool;
+    sh->region = r;
     buf->pool_obj = Py_NewRef(op);
+    buf->share = sh;
     buf->region = r;
     buf->buffer_exports = 0;
-    buf->dlpack_exports = 0;
     return (PyObject *)buf;
 }
 
@@ -287,11 +317,6 @@ static PyType_Spec pool_spec = {
 
 /* ---- PinnedBuffer ---- */
 
-static pl_pool *buffer_pool(PinnedBufferObject *self)
-{
-    return ((PinnedPoolObject *)self->pool_obj)->pool;
-}
-
 static int buffer_check_live(PinnedBufferObject *self)
 {
     if (!self->region) {
@@ -305,8 +330,8 @@ static void buffer_dealloc(PyObject *op)
 {
     PinnedBufferObject *self = (PinnedBufferObject *)op;
     PyTypeObject *tp = Py_TYPE(op);
-    if (self->region)
-        pl_pool_release(buffer_pool(self), self->region);
+    if (self->share)
+        share_decref(self->share);
     Py_XDECREF(self->pool_obj);
     PyObject_Free(op);
     Py_DECREF(tp);
@@ -339,13 +364,14 @@ static PyObject *buffer_release(PyObject *op, PyObject *noargs)
     PinnedBufferObject *self = (PinnedBufferObject *)op;
     if (!self->region)
         Py_RETURN_NONE; /* idempotent */
-    if (self->buffer_exports || self->dlpack_exports) {
+    long dl = atomic_load(&self->share->dlpack_exports);
+    if (self->buffer_exports || dl) {
         PyErr_Format(PyExc_BufferError, "cannot release a PinnedBuffer that is still exported "
-                     "(%zd buffer views, %zd DLPack tensors alive)", self->buffer_exports,
-                     self->dlpack_exports);
+                     "(%zd buffer views, %ld DLPack tensors alive)", self->buffer_exports, dl);
         return NULL;
     }
-    pl_pool_release(buffer_pool(self), self->region);
+    share_decref(self->share);
+    self->share = NULL;
     self->region = NULL;
     Py_RETURN_NONE;
 }
@@ -372,19 +398,15 @@ typedef struct {
     } t;
     int64_t shape[1];
     int64_t strides[1];
-    PyObject *owner;
+    pinned_share *share;
 } buffer_ctx;
 
+/* Any thread, no GIL needed: see Note [pinned buffer lifetime]. */
 static void buffer_ctx_free(buffer_ctx *ctx)
 {
-    if (!Py_IsInitialized() || pl_py_finalizing()) {
-        return; /* leak rather than touch a dying interpreter */
-    }
-    PyGILState_STATE g = PyGILState_Ensure();
-    ((PinnedBufferObject *)ctx->owner)->dlpack_exports--;
-    Py_DECREF(ctx->owner);
-    PyGILState_Release(g);
-    PyMem_RawFree(ctx);
+    atomic_fetch_sub(&ctx->share->dlpack_exports, 1);
+    share_decref(ctx->share);
+    free(ctx);
 }
 
 static void buffer_deleter_legacy(DLManagedTensor *t)
@@ -455,12 +477,14 @@ static PyObject *buffer_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
     int major;
     if (parse_max_version(max_version, &major) < 0)
         return NULL;
-    buffer_ctx *ctx = PyMem_RawCalloc(1, sizeof(*ctx));
+    buffer_ctx *ctx = calloc(1, sizeof(*ctx));
     if (!ctx)
         return PyErr_NoMemory();
     ctx->shape[0] = (int64_t)self->region->requested;
     ctx->strides[0] = 1;
-    ctx->owner = Py_NewRef(op);
+    atomic_fetch_add(&self->share->refs, 1);
+    atomic_fetch_add(&self->share->dlpack_exports, 1);
+    ctx->share = self->share;
     DLTensor *t = major >= 1 ? &ctx->t.versioned.dl_tensor : &ctx->t.legacy.dl_tensor;
     t->data = self->region->ptr;
     t->device = (DLDevice){kDLCPU, 0}; /* see DLPACK.md: (3, 0) outside, kDLCPU inside */
@@ -481,11 +505,9 @@ static PyObject *buffer_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         cap = PyCapsule_New(&ctx->t.legacy, "dltensor", buffer_capsule_destructor);
     }
     if (!cap) {
-        Py_DECREF(ctx->owner);
-        PyMem_RawFree(ctx);
+        buffer_ctx_free(ctx);
         return NULL;
     }
-    self->dlpack_exports++;
     return cap;
 }
 

@@ -726,3 +726,26 @@ def test_cuda_pool_regions_are_pinned():
             assert memoryview(b).tobytes() == b"\x05" * b.nbytes
         for b in bufs:
             b.release()
+
+
+def test_dlpack_view_outlives_the_buffer_object():
+    # The region belongs to the buffer and to every tensor exported from it: dropping the
+    # PinnedBuffer first must neither free the memory under the view nor leak it after.
+    import gc
+
+    pool = pinloader.PinnedPool(max_bytes=4 << 20, device="cpu")
+    buf = pool.alloc(4096)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 7
+    view = np.from_dlpack(buf)
+    with pytest.raises(BufferError, match="DLPack"):
+        buf.release()
+    del buf
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] > 0
+    other = pool.alloc(4096)  # must not be handed the region the view still reads
+    np.frombuffer(other, dtype=np.uint8)[:] = 9
+    assert (view == 7).all()
+    del view
+    gc.collect()
+    other.release()
+    assert pool.stats()["in_use_bytes"] == 0
