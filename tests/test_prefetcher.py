@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import pinloader
+from helpers import CapsuleWrapper, drain
 
 DEVICE = "cpu"
 ALIGN = 256
@@ -41,16 +42,6 @@ NUMERIC_DTYPES = [
 def to_np(leaf):
     assert isinstance(leaf, pinloader.DeviceArray), f"expected a DeviceArray, got {type(leaf)!r}"
     return np.from_dlpack(leaf)
-
-
-def drain(pf):
-    """next() until StopIteration, without calling iter() (which would start a new epoch)."""
-    out = []
-    while True:
-        try:
-            out.append(next(pf))
-        except StopIteration:
-            return out
 
 
 def random_array(rng, dtype, shape):
@@ -633,19 +624,6 @@ def test_default_device_without_cuda_is_host():
 
 # ---- capsule output -------------------------------------------------------------------------
 
-class _CapsuleWrapper:
-    """np.from_dlpack only takes objects with __dlpack__: wrap a raw capsule in one."""
-
-    def __init__(self, cap):
-        self.cap = cap
-
-    def __dlpack__(self, **kwargs):
-        return self.cap
-
-    def __dlpack_device__(self):
-        return (1, 0)
-
-
 def _is_capsule(o):
     return type(o).__name__ == "PyCapsule"
 
@@ -662,7 +640,7 @@ def test_capsule_output_mode():
         exp = items[0]
         for cap, e in [(got["a"], exp["a"]), (got["b"][0], exp["b"][0]), (got["c"][0], exp["c"][0])]:
             assert _is_capsule(cap), type(cap)
-            arr = np.from_dlpack(_CapsuleWrapper(cap))
+            arr = np.from_dlpack(CapsuleWrapper(cap))
             assert arr.shape == e.shape and arr.dtype == e.dtype
             assert arr.tobytes() == e.tobytes()
         assert got["b"][1] is exp["b"][1]
@@ -691,7 +669,7 @@ def test_capsule_output_mode_in_every_container_type():
     not_capsules = [k for k, (g, _) in leaves.items() if not _is_capsule(g)]
     assert not not_capsules, f"output='capsule' left DeviceArrays at {not_capsules}"
     for k, (g, e) in leaves.items():
-        assert np.array_equal(np.from_dlpack(_CapsuleWrapper(g)), e), k
+        assert np.array_equal(np.from_dlpack(CapsuleWrapper(g)), e), k
 
 
 def test_bad_output_and_priority_arguments():

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import pinloader
+from helpers import drain
 from pinloader import _C
 
 DEVICE = "cpu"
@@ -33,16 +34,6 @@ PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(pinloader.__file__)
 
 
 # ---- helpers -------------------------------------------------------------------------------
-
-def drain(pf):
-    """next() until StopIteration, without calling iter() (which would start a new epoch)."""
-    out = []
-    while True:
-        try:
-            out.append(next(pf))
-        except StopIteration:
-            return out
-
 
 def val(leaf):
     return np.from_dlpack(leaf)

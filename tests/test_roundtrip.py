@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pinloader
+from helpers import CapsuleWrapper
 
 DEVICE = "cpu"
 
@@ -141,20 +142,10 @@ def test_roundtrip_over_two_epochs_and_capsules(items):
             for exp, got in zip(items, out):
                 check_tree(exp, got)
 
-    class Wrap:
-        def __init__(self, cap):
-            self.cap = cap
-
-        def __dlpack__(self, **kwargs):
-            return self.cap
-
-        def __dlpack_device__(self):
-            return (1, 0)
-
     def check_caps(expected, actual):
         if isinstance(expected, np.ndarray):
             assert type(actual).__name__ == "PyCapsule"
-            got = np.from_dlpack(Wrap(actual))
+            got = np.from_dlpack(CapsuleWrapper(actual))
             assert got.shape == expected.shape and got.dtype == expected.dtype
             assert got.tobytes() == expected.tobytes()
         elif isinstance(expected, dict):
