@@ -564,21 +564,14 @@ def test_batch_used_after_close_still_holds_data():
     assert wait_for(lambda: live_blocks()[0] <= base_blocks[0]), (live_blocks(), base_blocks)
 
 
-def test_fork_child_gets_runtime_error_parent_keeps_working():
-    code = """
-import faulthandler, os, sys, time, warnings
+# No faulthandler.dump_traceback_later here: a child forked while that watchdog is armed hangs
+# in sys.exit() (CPython joins a watchdog thread that does not exist in the child), with or
+# without pinloader. run_py's timeout bounds the parent instead.
+FORK_PRELUDE = """
+import faulthandler, gc, os, sys, time, warnings
 import numpy as np
 import pinloader
-faulthandler.dump_traceback_later(30, exit=True)
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-
-def drain(pf):
-    out = []
-    while True:
-        try:
-            out.append(next(pf))
-        except StopIteration:
-            return out
 
 def wait_child(pid, timeout=5.0):
     deadline = time.monotonic() + timeout
@@ -591,10 +584,22 @@ def wait_child(pid, timeout=5.0):
     os.waitpid(pid, 0)
     return "HANG"
 
+def drain(pf):
+    out = []
+    while True:
+        try:
+            out.append(next(pf))
+        except StopIteration:
+            return out
+
 pf = pinloader.AsyncPrefetcher([np.full(4, i) for i in range(10)], device="cpu", depth=2)
 first = next(pf)
-time.sleep(0.05)  # producer thread alive, queue filled
+time.sleep(0.05)  # producer thread alive and waiting on a full queue
+"""
 
+
+def test_fork_child_gets_runtime_error_parent_keeps_working():
+    code = FORK_PRELUDE + """
 pid = os.fork()
 if pid == 0:
     code = 10
@@ -630,30 +635,6 @@ with pinloader.AsyncPrefetcher([np.arange(3)], device="cpu") as pf2:
     assert p.returncode == 0, describe(p)
 
 
-# No faulthandler.dump_traceback_later here: a child forked while that watchdog is armed hangs
-# in sys.exit() (CPython joins a watchdog thread that does not exist in the child), with or
-# without pinloader. run_py's timeout bounds the parent instead.
-FORK_PRELUDE = """
-import faulthandler, gc, os, sys, time, warnings
-import numpy as np
-import pinloader
-warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-
-def wait_child(pid, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "HANG"
-
-pf = pinloader.AsyncPrefetcher([np.full(4, i) for i in range(10)], device="cpu", depth=2)
-first = next(pf)
-time.sleep(0.05)  # producer thread alive and waiting on a full queue
-"""
 
 
 @pytest.mark.parametrize("how", ["sys-exit", "del-and-collect"])
