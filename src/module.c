@@ -3,6 +3,7 @@
 
 #include "block.h"
 #include "pool.h"
+#include "util.h"
 
 #define PL_NP_IMPORT
 #include "np.h"
@@ -331,6 +332,7 @@ static PyMethodDef module_methods[] = {
 static void at_fork_child(void)
 {
     pl_forked_child = 1;
+    pl_generation_bump_in_child();
 }
 
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;

@@ -3,6 +3,7 @@
 #include "backend.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -11,6 +12,20 @@
 #include <unistd.h>
 
 volatile int pl_forked_child = 0;
+
+/* See Note [fork generations] in util.h. Written only by the child's atfork handler, which runs
+ * while the child has a single thread. */
+static _Atomic uint32_t generation = 0;
+
+uint32_t pl_generation(void)
+{
+    return atomic_load_explicit(&generation, memory_order_relaxed);
+}
+
+void pl_generation_bump_in_child(void)
+{
+    atomic_fetch_add_explicit(&generation, 1, memory_order_relaxed);
+}
 
 int pl_cpu_count(void)
 {

@@ -25,6 +25,16 @@ size_t pl_memlock_limit(void);
 void pl_deadline(struct timespec *ts, int64_t ns);
 int pl_cond_init(pthread_cond_t *c);
 
+/* Note [fork generations]
+ * Every fork() child increments the process generation (a pthread_atfork child handler
+ * installed at module init). An object records the generation it was created in; in a child it
+ * finds pl_inherited(gen) true and must neither touch its mutexes (another thread of the parent
+ * may have held them at fork time), nor its threads (they do not exist in the child), nor its
+ * CUDA state: it fails fast with PL_ERR_FORKED. Objects created in the child work as usual. */
+uint32_t pl_generation(void);
+static inline int pl_inherited(uint32_t gen) { return gen != pl_generation(); }
+void pl_generation_bump_in_child(void); /* the atfork child handler */
+
 /* Debug mode (PINLOADER_DEBUG=1): invariant checks with canaries; read once. */
 int pl_debug_enabled(void);
 
