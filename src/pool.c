@@ -401,7 +401,7 @@ static int check_region(pl_region *r, const char *what)
     return -1;
 }
 
-int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int *stop,
+int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const atomic_int *stop,
                     pl_region **out)
 {
     if (pl_forked_child)
@@ -508,7 +508,7 @@ int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int
             }
             slice = PL_MIN(slice, left);
         }
-        if (stop && *stop) {
+        if (stop && atomic_load(stop)) {
             rc = PL_ERR_STOPPED;
             goto fail_locked;
         }

@@ -6,6 +6,8 @@
 
 #include "backend.h"
 
+#include <stdatomic.h>
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -54,7 +56,7 @@ const pl_backend *pl_pool_backend(const pl_pool *p);
  * (negative: no limit) or until *stop becomes non-zero (stop may be NULL).
  * Returns PL_OK, PL_ERR_TIMEOUT, PL_ERR_STOPPED, PL_ERR_OVER_CAP when n can never fit under
  * the cap, PL_ERR_NO_MEMORY when the OS refused memory, PL_ERR_INVALID_VALUE after close, or a backend error. */
-int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const volatile int *stop,
+int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const atomic_int *stop,
                     pl_region **out);
 /* Give the region back now. */
 void pl_pool_release(pl_pool *p, pl_region *r);

@@ -1,14 +1,15 @@
-/* AsyncPrefetcher: a native producer thread that pulls items from any Python iterable, stages
- * their array leaves into a pinned region with several threads, copies each batch to one device
- * block on a high-priority copy stream, and hands the batches out in order as DeviceArrays.
+/* AsyncPrefetcher: a native producer thread that pulls items from any Python iterable, reads
+ * them with flatten.c, copies each batch to one device block with transfer.c, and hands the
+ * batches out in order as DeviceArrays. This file holds the producer loop, epochs, the consumer
+ * handoff and the object's lifecycle.
  *
  * Note [producer and the GIL]
- * The producer takes the GIL only to call next() on the source and to read the item's leaves
- * (pointers, shapes, strides, owners) and build the output structure. Everything else (the
- * pinned reservation, staging, device allocation, copies, event records) runs without it.
- * Objects it must drop (source arrays, capsules) go to a graveyard that it empties the next
- * time it holds the GIL; sources copied directly by DMA (already pinned) stay there until the
- * batch's ready event has completed.
+ * The producer takes the GIL only to call next() on the source, read the item and build the
+ * output structure (flatten.c). Everything else (the pinned reservation, staging, device
+ * allocation, copies, event records: transfer.c) runs without it. Objects it must drop (source
+ * arrays, capsules) go to a graveyard that it empties the next time it holds the GIL; sources
+ * copied directly by DMA (already pinned) stay there until the batch's ready event has
+ * completed.
  *
  * Note [epochs]
  * iter(prefetcher) starts a new epoch: a fresh iterator over the source, tagged with a new epoch
@@ -16,48 +17,54 @@
  * batch always carries the epoch of the iterator it came from; the consumer drops batches of an
  * older epoch. An epoch that has not handed out anything yet is reused rather than restarted,
  * so the eager first epoch started by the constructor is not wasted by the `for` loop's iter().
+ * A one-shot source (a generator) gives itself back from iter(): iterating it again after its
+ * end warns (RuntimeWarning) instead of silently yielding nothing.
  *
- * Locking: `mu` guards the queue, the flow-control counters, `stop` and the stats; it is never
- * held while taking the GIL, and the consumer releases the GIL before waiting on it. */
+ * Note [prefetcher lifecycle]
+ * `state` (GIL-protected) is the one lifecycle variable:
+ *   PF_OPEN        an epoch is being consumed.
+ *   PF_EPOCH_DONE  the consumer took the end of the epoch; iter() starts the next one.
+ *   PF_FAILED      the consumer raised a batch's error; finished for good (StopIteration).
+ *   PF_CLOSED      close() ran (or tp_clear, or dealloc); the pipeline is freed.
+ *   PF_DETACHED    close() ran while the producer was inside user code that does not return
+ *                  (see Note [stuck producers]): the producer, when it comes back, frees the
+ *                  pipeline, moves to PF_CLOSED and drops the reference close() gave it.
+ *   PF_ORPHANED    the object's last reference went while the producer was still inside user
+ *                  code: the producer frees the pipeline and then the object itself.
+ * OPEN <-> EPOCH_DONE; OPEN -> FAILED; OPEN, EPOCH_DONE, FAILED -> CLOSED, DETACHED or
+ * ORPHANED; DETACHED -> CLOSED. The pipeline is freed exactly once: by close() when it joined
+ * the producer, or by the producer on a DETACHED or ORPHANED object.
+ * `producer_in_user` (GIL-protected) is not a lifecycle state but the producer's position: set
+ * while the producer holds the GIL for an item (next(), flatten's user code, finalizers of
+ * dropped objects), which is where it can block for ever in code pinloader does not control.
+ * `gen` is the process generation the object was made in (Note [fork generations] in util.h):
+ * an inherited object fails fast and touches neither its mutex, its threads nor its memory.
+ *
+ * Locking: `mu` guards the queue, the flow-control counters and the stats; it is never held
+ * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
+ * atomic written under mu (so condition waits see it) and read anywhere, including by
+ * pl_pool_reserve without mu. */
 #include "module.h"
 
 #include "block.h"
-#include "np.h"
+#include "flatten.h"
 #include "pool.h"
 #include "stager.h"
+#include "transfer.h"
 #include "util.h"
 
 #include <pthread.h>
 #include <sched.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <structmember.h>
 
-#ifdef PL_HAVE_NVTX
-#include <nvtx3/nvToolsExt.h>
-#define NVTX_PUSH(name) nvtxRangePushA(name)
-#define NVTX_POP() nvtxRangePop()
-#else
-#define NVTX_PUSH(name) ((void)0)
-#define NVTX_POP() ((void)0)
-#endif
-
-#define CHUNK_BYTES ((size_t)8 << 20)
-#define DIRECT_MIN_BYTES ((size_t)64 << 10)
 #define CONSUMER_SLICE_NS ((int64_t)50 * 1000 * 1000)
 #define WAIT_SAMPLES 4096
-#define MAX_NEST 256
 
 /* ---- batches ---- */
 
 typedef enum { B_READY, B_END, B_ERROR } batch_kind;
-
-typedef struct leaf_plan {
-    pl_leaf_copy copy;
-    size_t off;   /* region/device offset (staged) or offset in the direct area */
-    int direct;   /* already pinned and contiguous: DMA straight from the source */
-} leaf_plan;
 
 typedef struct batch {
     struct batch *next;
@@ -67,9 +74,10 @@ typedef struct batch {
     PyObject *output;     /* B_READY: the structure of DeviceArrays */
     PyObject *exc;        /* B_ERROR with a Python exception (source or bad leaf) */
     int err_code;         /* B_ERROR from the backend */
-    char err_what[160];
+    char err_what[320];
     pl_block *blk;        /* the batch's reference */
-    size_t bytes;
+    size_t bytes;         /* payload */
+    size_t padding;       /* alignment padding in the device block */
 } batch;
 
 typedef struct grave {
@@ -79,13 +87,17 @@ typedef struct grave {
     pl_block *blk; /* non-NULL: keep objs until blk's ready event completes */
 } grave;
 
+typedef enum { PF_OPEN, PF_EPOCH_DONE, PF_FAILED, PF_CLOSED, PF_DETACHED, PF_ORPHANED } pf_state;
+
 struct pl_prefetcher_obj {
     PyObject_HEAD
     PyObject *weakreflist;
     pl_prefetcher_obj *live_prev, *live_next; /* GIL */
     pl_state *st;
+    uint32_t gen; /* see Note [prefetcher lifecycle] */
 
-    /* configuration: set in tp_new, read-only afterwards */
+    /* configuration: set in tp_new, read-only afterwards (the pipeline pointers are cleared
+     * once, under the GIL, when the pipeline is freed) */
     PyObject *source;
     PyObject *pool_obj;
     pl_pool *pool;
@@ -94,7 +106,6 @@ struct pl_prefetcher_obj {
     const pl_backend *b;
     int device;
     int depth;
-    int high_priority;
     int capsule_output;
     PyObject *capsule_stream;
     pl_stager *stager;
@@ -103,21 +114,17 @@ struct pl_prefetcher_obj {
     int thread_started;
 
     /* GIL-protected */
-    int in_source;      /* the producer is inside the source's next() */
-    int detached;       /* close() left a producer stuck in the source; it cleans up on exit */
-    int orphaned;       /* ... and the object was deallocated meanwhile: the producer frees it */
-    int resources_freed;
+    pf_state state;
+    int producer_in_user;
     pl_block *last_direct; /* producer only: the last batch copied straight from the source */
     PyObject *it;
     uint64_t it_epoch;
     uint64_t consumer_epoch;
     uint64_t consumed_in_epoch;
-    int consumer_done;
-    int failed;
-    int closed;
     grave *graves;
 
     atomic_int gil_wanted; /* the producer is waiting for the GIL (see Note [GIL handoff]) */
+    atomic_int stop;       /* written under mu */
 
     /* mu-protected */
     pthread_mutex_t mu;
@@ -126,10 +133,10 @@ struct pl_prefetcher_obj {
     int queued;
     uint64_t requested_epoch;
     uint64_t finished_epoch;
-    int stop;
     /* stats */
     uint64_t n_batches;
     uint64_t n_bytes;
+    uint64_t n_padding;
     int64_t first_batch_ns, last_batch_ns;
     int64_t next_ns, staging_ns, copy_issue_ns;
     int64_t wait_ns_total;
@@ -139,6 +146,11 @@ struct pl_prefetcher_obj {
     int64_t stall_ns;
     uint64_t stalls;
 };
+
+static int pf_is_closed(const pl_prefetcher_obj *self)
+{
+    return self->state >= PF_CLOSED;
+}
 
 /* ---- graveyard (GIL held) ---- */
 
@@ -167,13 +179,22 @@ static void bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_bloc
     self->graves = g;
 }
 
+/* Note [emptying graves]
+ * Dropping a source object runs its finalizers, which may release the GIL (a __del__ that
+ * sleeps, a deleter that takes a lock) and let the producer and a consumer both enter here. So
+ * the list is detached from the object first: each caller walks only the graves it took, and
+ * what is not ready yet is put back in front of whatever was buried meanwhile. */
 static void empty_graves(pl_prefetcher_obj *self, int wait)
 {
-    grave **link = &self->graves;
-    while (*link) {
-        grave *g = *link;
+    grave *list = self->graves, *keep = NULL, **keep_tail = &keep;
+    self->graves = NULL;
+    while (list) {
+        grave *g = list;
+        list = g->next;
         if (g->blk && !wait && g->blk->b->event_query(g->blk->ready) == PL_ERR_NOT_READY) {
-            link = &g->next;
+            g->next = NULL;
+            *keep_tail = g;
+            keep_tail = &g->next;
             continue;
         }
         if (g->blk && wait) {
@@ -181,7 +202,6 @@ static void empty_graves(pl_prefetcher_obj *self, int wait)
             pl_block_sync_ready(g->blk);
             Py_END_ALLOW_THREADS
         }
-        *link = g->next;
         for (Py_ssize_t i = 0; i < g->n; i++)
             Py_DECREF(g->objs[i]);
         PyMem_RawFree(g->objs);
@@ -189,497 +209,11 @@ static void empty_graves(pl_prefetcher_obj *self, int wait)
             pl_block_decref(g->blk);
         PyMem_Free(g);
     }
+    *keep_tail = self->graves;
+    self->graves = keep;
 }
 
-/* ---- flatten (GIL held) ---- */
-
-typedef struct {
-    pl_prefetcher_obj *pf;
-    pl_block *blk;
-    leaf_plan *leaves;
-    int n_leaves, cap_leaves;
-    PyObject **owners;
-    Py_ssize_t n_owners, cap_owners;
-    PyObject **direct_arrays; /* DeviceArrays of direct leaves: offsets patched after layout */
-    int n_direct, cap_direct;
-    size_t staged, direct;
-    char path[512];
-    size_t path_len;
-} flat;
-
-static int grow(void **arr, int *cap, int need, size_t elem)
-{
-    if (need <= *cap)
-        return 0;
-    int nc = *cap ? *cap * 2 : 8;
-    while (nc < need)
-        nc *= 2;
-    void *p = PyMem_RawRealloc(*arr, (size_t)nc * elem); /* freed without the GIL too */
-    if (!p) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *arr = p;
-    *cap = nc;
-    return 0;
-}
-
-static int add_owner(flat *f, PyObject *o)
-{
-    if (f->n_owners == f->cap_owners) {
-        Py_ssize_t nc = f->cap_owners ? f->cap_owners * 2 : 8;
-        PyObject **p = PyMem_RawRealloc(f->owners, (size_t)nc * sizeof(*p));
-        if (!p) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        f->owners = p;
-        f->cap_owners = nc;
-    }
-    f->owners[f->n_owners++] = Py_NewRef(o);
-    return 0;
-}
-
-static size_t path_push(flat *f, const char *fmt, ...)
-{
-    size_t old = f->path_len;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(f->path + old, sizeof f->path - old, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        f->path_len = PL_MIN(sizeof f->path - 1, old + (size_t)n);
-    return old;
-}
-
-static void path_pop(flat *f, size_t old)
-{
-    f->path_len = old;
-    f->path[old] = 0;
-}
-
-static size_t path_push_key(flat *f, PyObject *key)
-{
-    PyObject *r = PyObject_Repr(key);
-    const char *s = r ? PyUnicode_AsUTF8(r) : NULL;
-    size_t old = path_push(f, "[%s]", s ? s : "?");
-    Py_XDECREF(r);
-    PyErr_Clear();
-    return old;
-}
-
-static PyObject *leaf_error(flat *f, PyObject *type, const char *why)
-{
-    PyErr_Format(type, "%s: %s", f->path, why);
-    return NULL;
-}
-
-/* Add an array leaf (already validated) and return its DeviceArray. */
-static PyObject *add_array(flat *f, const char *data, int ndim, const npy_intp *shape,
-                           const int64_t *strides_bytes, DLDataType dt, int pinned)
-{
-    pl_prefetcher_obj *pf = f->pf;
-    if (ndim > PL_MAX_DIMS)
-        return leaf_error(f, PyExc_ValueError, "too many dimensions");
-    if (grow((void **)&f->leaves, &f->cap_leaves, f->n_leaves + 1, sizeof(leaf_plan)) < 0)
-        return NULL;
-    leaf_plan *L = &f->leaves[f->n_leaves];
-    memset(L, 0, sizeof(*L));
-    size_t itemsize = dt.bits / 8;
-    size_t nbytes = itemsize;
-    int64_t shape64[PL_MAX_DIMS];
-    int contiguous = 1;
-    int64_t expect = (int64_t)itemsize;
-    for (int i = ndim - 1; i >= 0; i--) {
-        shape64[i] = shape[i];
-        nbytes *= (size_t)shape[i];
-        if (shape[i] != 1 && strides_bytes[i] != expect)
-            contiguous = 0;
-        expect *= shape[i];
-    }
-    L->copy.src = data;
-    L->copy.ndim = ndim;
-    L->copy.itemsize = itemsize;
-    L->copy.nbytes = nbytes;
-    memcpy(L->copy.shape, shape64, (size_t)ndim * sizeof(int64_t));
-    memcpy(L->copy.strides, strides_bytes, (size_t)ndim * sizeof(int64_t));
-    L->direct = pinned && contiguous && nbytes >= DIRECT_MIN_BYTES;
-    if (L->direct) {
-        L->off = f->direct;
-        f->direct += PL_ALIGN_UP(nbytes, PL_ALIGN);
-    } else {
-        L->off = f->staged;
-        f->staged += PL_ALIGN_UP(nbytes, PL_ALIGN);
-    }
-    f->n_leaves++;
-    int dev_type = pf->b->kind == PL_BACKEND_CUDA ? kDLCUDA : kDLCPU;
-    PyObject *arr = pl_device_array_new(pf->st, f->blk, L->off, ndim, shape64, dt, dev_type,
-                                        pf->b->kind == PL_BACKEND_CUDA ? pf->device : 0);
-    if (arr && L->direct) {
-        if (grow((void **)&f->direct_arrays, &f->cap_direct, f->n_direct + 1, sizeof(PyObject *)) < 0) {
-            Py_DECREF(arr);
-            return NULL;
-        }
-        f->direct_arrays[f->n_direct++] = arr; /* borrowed: the output holds it */
-    }
-    return arr;
-}
-
-static int base_is_pinned_buffer(pl_state *st, PyArrayObject *a)
-{
-    PyObject *base = PyArray_BASE(a);
-    for (int hops = 0; base && hops < 8; hops++) {
-        if (pl_pinned_buffer_check(st, base))
-            return 1;
-        if (PyArray_Check(base))
-            base = PyArray_BASE((PyArrayObject *)base);
-        else if (PyMemoryView_Check(base))
-            base = PyMemoryView_GET_BASE(base);
-        else
-            return 0;
-    }
-    return 0;
-}
-
-static int query_pinned(pl_prefetcher_obj *pf, const void *p, size_t nbytes)
-{
-    if (pf->b->kind != PL_BACKEND_CUDA || nbytes < DIRECT_MIN_BYTES)
-        return 0;
-    int pinned = 0;
-    pf->b->host_is_pinned(p, &pinned);
-    return pinned;
-}
-
-static PyObject *numpy_leaf(flat *f, PyArrayObject *a)
-{
-    PyArray_Descr *d = PyArray_DESCR(a);
-    DLDataType dt;
-    const char *why = NULL;
-    if (pl_dtype_from_numpy(d->kind, (int)PyDataType_ELSIZE(d), d->type_num, d->byteorder, &dt, &why) < 0) {
-        PyObject *dr = PyObject_Str((PyObject *)d);
-        PyErr_Format(PyExc_TypeError, "%s: %s (dtype %s)", f->path, why, dr ? PyUnicode_AsUTF8(dr) : "?");
-        Py_XDECREF(dr);
-        return NULL;
-    }
-    int nd = PyArray_NDIM(a);
-    int64_t strides[PL_MAX_DIMS];
-    for (int i = 0; i < nd && i < PL_MAX_DIMS; i++)
-        strides[i] = PyArray_STRIDES(a)[i];
-    size_t nbytes = (size_t)PyArray_NBYTES(a);
-    int pinned = PyArray_IS_C_CONTIGUOUS(a) &&
-                 (base_is_pinned_buffer(f->pf->st, a) || query_pinned(f->pf, PyArray_DATA(a), nbytes));
-    PyObject *out = add_array(f, PyArray_DATA(a), nd, PyArray_DIMS(a), strides, dt, pinned);
-    if (out && add_owner(f, (PyObject *)a) < 0) {
-        Py_DECREF(out);
-        return NULL;
-    }
-    return out;
-}
-
-static PyObject *call_dlpack(PyObject *obj)
-{
-    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
-    if (!meth)
-        return NULL;
-    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
-    PyObject *empty = PyTuple_New(0);
-    PyObject *cap = kw && empty ? PyObject_Call(meth, empty, kw) : NULL;
-    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear(); /* an exporter older than max_version */
-        cap = PyObject_CallNoArgs(meth);
-    }
-    Py_XDECREF(kw);
-    Py_XDECREF(empty);
-    Py_DECREF(meth);
-    return cap;
-}
-
-static PyObject *dlpack_leaf(flat *f, PyObject *obj, PyObject *devobj)
-{
-    pl_prefetcher_obj *pf = f->pf;
-    int dev_type = -1, dev_id = -1;
-    if (!PyArg_ParseTuple(devobj, "ii", &dev_type, &dev_id)) {
-        PyErr_Clear();
-        return leaf_error(f, PyExc_TypeError, "__dlpack_device__() did not return (device_type, device_id)");
-    }
-    if (dev_type == kDLCUDA) {
-        if (pf->b->kind == PL_BACKEND_CUDA && dev_id == pf->device)
-            return Py_NewRef(obj); /* already where it is going */
-        char why[160];
-        if (pf->b->kind == PL_BACKEND_CUDA)
-            snprintf(why, sizeof why, "array is on cuda:%d, but this prefetcher delivers to cuda:%d "
-                     "(move it to the host or use a prefetcher for that device)", dev_id, pf->device);
-        else
-            snprintf(why, sizeof why, "array is on cuda:%d, but this prefetcher uses the host backend", dev_id);
-        return leaf_error(f, PyExc_ValueError, why);
-    }
-    if (dev_type != kDLCPU && dev_type != kDLCUDAHost) {
-        char why[128];
-        snprintf(why, sizeof why, "arrays on DLPack device type %d cannot be copied (only CPU and "
-                 "pinned host memory)", dev_type);
-        return leaf_error(f, PyExc_ValueError, why);
-    }
-    PyObject *cap = call_dlpack(obj);
-    if (!cap) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        PyObject *s = value ? PyObject_Str(value) : NULL;
-        PyErr_Format(PyExc_TypeError, "%s: __dlpack__() failed: %s", f->path, s ? PyUnicode_AsUTF8(s) : "?");
-        Py_XDECREF(s);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        return NULL;
-    }
-    DLTensor *t;
-    int versioned;
-    if (pl_capsule_tensor(cap, &t, &versioned) < 0) {
-        Py_DECREF(cap);
-        PyErr_Clear();
-        return leaf_error(f, PyExc_TypeError, "__dlpack__() did not return a usable DLPack capsule");
-    }
-    const char *why = NULL;
-    if (pl_dtype_valid(t->dtype, &why) < 0) {
-        Py_DECREF(cap);
-        char msg[128];
-        snprintf(msg, sizeof msg, "%s (code %u, bits %u, lanes %u)", why, t->dtype.code, t->dtype.bits, t->dtype.lanes);
-        return leaf_error(f, PyExc_TypeError, msg);
-    }
-    if (t->ndim < 0 || t->ndim > PL_MAX_DIMS) {
-        Py_DECREF(cap);
-        return leaf_error(f, PyExc_ValueError, "too many dimensions");
-    }
-    npy_intp shape[PL_MAX_DIMS];
-    int64_t strides[PL_MAX_DIMS];
-    size_t isz = t->dtype.bits / 8;
-    int64_t acc = 1;
-    size_t nbytes = isz;
-    for (int i = t->ndim - 1; i >= 0; i--) {
-        shape[i] = (npy_intp)t->shape[i];
-        strides[i] = t->strides ? t->strides[i] * (int64_t)isz : acc * (int64_t)isz;
-        acc *= t->shape[i];
-        nbytes *= (size_t)t->shape[i];
-    }
-    const char *data = (const char *)t->data + t->byte_offset;
-    int pinned = dev_type == kDLCUDAHost || query_pinned(pf, data, nbytes);
-    PyObject *out = add_array(f, data, t->ndim, shape, strides, t->dtype, pinned);
-    /* The capsule stays unconsumed in the graveyard; dropping it there runs the exporter's
-     * deleter with the GIL held. */
-    if (out && add_owner(f, cap) < 0) {
-        Py_CLEAR(out);
-    }
-    Py_DECREF(cap);
-    return out;
-}
-
-static PyObject *flatten(flat *f, PyObject *obj, int level);
-
-static PyObject *flatten_seq(flat *f, PyObject *obj, int level, int is_list)
-{
-    Py_ssize_t n = is_list ? PyList_GET_SIZE(obj) : PyTuple_GET_SIZE(obj);
-    PyObject *out = is_list ? PyList_New(n) : PyTuple_New(n);
-    if (!out)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        /* a strong reference: flatten may run user code (__dlpack__) that changes the list */
-        PyObject *item = Py_NewRef(is_list ? PyList_GET_ITEM(obj, i) : PyTuple_GET_ITEM(obj, i));
-        size_t mark = path_push(f, "[%zd]", i);
-        PyObject *o = flatten(f, item, level + 1);
-        path_pop(f, mark);
-        Py_DECREF(item);
-        if (!o) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        if (is_list)
-            PyList_SET_ITEM(out, i, o);
-        else
-            PyTuple_SET_ITEM(out, i, o);
-        if (is_list && PyList_GET_SIZE(obj) != n) {
-            Py_DECREF(out);
-            return leaf_error(f, PyExc_RuntimeError, "list changed size while being read");
-        }
-    }
-    return out;
-}
-
-static PyObject *flatten(flat *f, PyObject *obj, int level)
-{
-    if (level > MAX_NEST)
-        return leaf_error(f, PyExc_RecursionError, "nesting deeper than 256 levels");
-    if (PyArray_CheckExact(obj) || PyArray_Check(obj))
-        return numpy_leaf(f, (PyArrayObject *)obj);
-    if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyLong_Check(obj) ||
-        PyFloat_Check(obj) || PyBool_Check(obj) || PyComplex_Check(obj) || PyArray_IsScalar(obj, Generic))
-        return Py_NewRef(obj);
-    if (PyTuple_CheckExact(obj))
-        return flatten_seq(f, obj, level, 0);
-    if (PyList_Check(obj))
-        return flatten_seq(f, obj, level, 1);
-    if (PyTuple_Check(obj)) {
-        /* namedtuple (or another tuple subclass): rebuild with type(obj)(*items) */
-        PyObject *fields = PyObject_GetAttrString(obj, "_fields");
-        PyErr_Clear();
-        Py_ssize_t n = PyTuple_GET_SIZE(obj);
-        PyObject *items = PyTuple_New(n);
-        if (!items) {
-            Py_XDECREF(fields);
-            return NULL;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            size_t mark;
-            PyObject *name = fields && PyTuple_Check(fields) && i < PyTuple_GET_SIZE(fields)
-                                 ? PyTuple_GET_ITEM(fields, i) : NULL;
-            if (name && PyUnicode_Check(name))
-                mark = path_push(f, ".%s", PyUnicode_AsUTF8(name));
-            else
-                mark = path_push(f, "[%zd]", i);
-            PyObject *o = flatten(f, PyTuple_GET_ITEM(obj, i), level + 1);
-            path_pop(f, mark);
-            if (!o) {
-                Py_DECREF(items);
-                Py_XDECREF(fields);
-                return NULL;
-            }
-            PyTuple_SET_ITEM(items, i, o);
-        }
-        Py_XDECREF(fields);
-        PyObject *out = PyObject_Call((PyObject *)Py_TYPE(obj), items, NULL);
-        Py_DECREF(items);
-        return out;
-    }
-    if (PyDict_Check(obj)) {
-        PyObject *out = PyDict_New();
-        if (!out)
-            return NULL;
-        PyObject *key, *value;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(obj, &pos, &key, &value)) {
-            Py_INCREF(key);
-            Py_INCREF(value);
-            size_t mark = path_push_key(f, key);
-            PyObject *o = flatten(f, value, level + 1);
-            path_pop(f, mark);
-            int rc = o ? PyDict_SetItem(out, key, o) : -1;
-            Py_DECREF(key);
-            Py_DECREF(value);
-            Py_XDECREF(o);
-            if (rc < 0) {
-                Py_DECREF(out);
-                return NULL;
-            }
-        }
-        if (PyDict_CheckExact(obj))
-            return out;
-        /* OrderedDict, defaultdict and other dict subclasses: a shallow copy keeps the type and
-         * its extra state (default_factory...); then the values are replaced. */
-        PyObject *copy_mod = PyImport_ImportModule("copy");
-        PyObject *r = copy_mod ? PyObject_CallMethod(copy_mod, "copy", "O", obj) : NULL;
-        Py_XDECREF(copy_mod);
-        if (r && PyDict_Check(r)) {
-            PyDict_Clear(r);
-            if (PyDict_Update(r, out) == 0) {
-                Py_DECREF(out);
-                return r;
-            }
-        }
-        Py_XDECREF(r);
-        Py_DECREF(out);
-        PyErr_Clear();
-        return leaf_error(f, PyExc_TypeError, "cannot rebuild this dict subclass (copy.copy failed)");
-    }
-    PyObject *dcf = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__dataclass_fields__");
-    if (dcf) {
-        /* dataclass: rebuild with type(obj)(**{field: value}) over its init fields */
-        PyObject *kwargs = PyDict_New(), *out = NULL;
-        PyObject *key, *field;
-        Py_ssize_t pos = 0;
-        int ok = kwargs != NULL;
-        if (ok && !PyDict_Check(dcf)) {
-            ok = 0;
-            PyErr_Format(PyExc_TypeError, "%s: __dataclass_fields__ is not a dict", f->path);
-        }
-        while (ok && PyDict_Next(dcf, &pos, &key, &field)) {
-            PyObject *init = PyObject_GetAttrString(field, "init");
-            int is_init = init ? PyObject_IsTrue(init) : 0;
-            Py_XDECREF(init);
-            if (is_init <= 0) {
-                PyErr_Clear();
-                continue;
-            }
-            PyObject *value = PyObject_GetAttr(obj, key);
-            if (!value) {
-                ok = 0;
-                break;
-            }
-            size_t mark = path_push(f, ".%s", PyUnicode_AsUTF8(key));
-            PyObject *o = flatten(f, value, level + 1);
-            path_pop(f, mark);
-            Py_DECREF(value);
-            if (!o || PyDict_SetItem(kwargs, key, o) < 0)
-                ok = 0;
-            Py_XDECREF(o);
-        }
-        if (ok) {
-            PyObject *empty = PyTuple_New(0);
-            out = empty ? PyObject_Call((PyObject *)Py_TYPE(obj), empty, kwargs) : NULL;
-            Py_XDECREF(empty);
-        }
-        Py_XDECREF(kwargs);
-        Py_DECREF(dcf);
-        return out;
-    }
-    PyErr_Clear();
-    if (PyObject_HasAttrString(obj, "__dlpack_device__") && PyObject_HasAttrString(obj, "__dlpack__")) {
-        PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-        if (!dev)
-            return NULL;
-        PyObject *out = dlpack_leaf(f, obj, dev);
-        Py_DECREF(dev);
-        return out;
-    }
-    if (PyObject_CheckBuffer(obj)) {
-        PyObject *arr = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
-        if (!arr) {
-            PyErr_Clear();
-            return leaf_error(f, PyExc_TypeError, "buffer-protocol object could not be read as an array");
-        }
-        PyObject *out = numpy_leaf(f, (PyArrayObject *)arr);
-        Py_DECREF(arr);
-        return out;
-    }
-    return Py_NewRef(obj); /* any other object passes through unchanged */
-}
-
-static void flat_clear(flat *f)
-{
-    for (Py_ssize_t i = 0; i < f->n_owners; i++)
-        Py_DECREF(f->owners[i]);
-    PyMem_RawFree(f->owners);
-    PyMem_RawFree(f->leaves);
-    PyMem_RawFree(f->direct_arrays);
-    memset(f, 0, sizeof(*f));
-}
-
-/* ---- the producer thread ---- */
-
-typedef struct {
-    pl_prefetcher_obj *pf;
-    pl_block *blk;
-    pl_region *region;
-    int rc;
-} chunk_ctx;
-
-static int issue_chunk(void *arg, size_t off, size_t len)
-{
-    chunk_ctx *c = arg;
-    NVTX_PUSH("pinloader.copy");
-    int rc = c->pf->b->memcpy_h2d_async((char *)c->blk->ptr + off, (char *)c->region->ptr + off, len,
-                                        c->pf->copy_stream);
-    NVTX_POP();
-    return rc;
-}
+/* ---- queue ---- */
 
 static void push_batch(pl_prefetcher_obj *self, batch *bt)
 {
@@ -700,6 +234,7 @@ static void push_batch(pl_prefetcher_obj *self, batch *bt)
         self->last_batch_ns = now;
         self->n_batches++;
         self->n_bytes += bt->bytes;
+        self->n_padding += bt->padding;
         size_t live = pl_block_live_bytes(self->b);
         if (live > self->device_peak)
             self->device_peak = live;
@@ -708,134 +243,20 @@ static void push_batch(pl_prefetcher_obj *self, batch *bt)
     pthread_mutex_unlock(&self->mu);
 }
 
+static void batch_free(batch *bt)
+{
+    Py_XDECREF(bt->output);
+    Py_XDECREF(bt->exc);
+    if (bt->blk)
+        pl_block_decref(bt->blk);
+    PyMem_RawFree(bt);
+}
+
 static void fail_batch(batch *bt, int code, const char *what)
 {
     bt->kind = B_ERROR;
     bt->err_code = code;
-    snprintf(bt->err_what, sizeof bt->err_what, "%s", what);
-}
-
-/* A copy failed after others were queued: the block's free and the sources' release must
- * still come after them. Record the ready event behind them, or wait for the stream. */
-static void mark_ready_after_failure(pl_prefetcher_obj *self, batch *bt)
-{
-    if (!bt->blk->ready_recorded && self->b->event_record(bt->blk->ready, self->copy_stream) != PL_OK)
-        self->b->stream_synchronize(self->copy_stream);
-    bt->blk->ready_recorded = 1;
-}
-
-/* Everything after the item is read: no GIL. Returns 0 or fills bt as an error. */
-static void transfer(pl_prefetcher_obj *self, flat *f, batch *bt)
-{
-    const pl_backend *b = self->b;
-    pl_region *region = NULL;
-    int rc;
-    if (f->staged) {
-        if (self->own_pool && !self->max_pinned) {
-            size_t want = (size_t)(self->depth + 2) * (f->staged + f->staged / 8 + PL_ALIGN);
-            pl_pool_raise_cap(self->pool, PL_MIN(want, PL_MAX(pl_pool_default_cap(), f->staged * 2)));
-        }
-        int64_t t0 = pl_now_ns();
-        pl_pool_stats before;
-        pl_pool_get_stats(self->pool, &before);
-        rc = pl_pool_reserve(self->pool, f->staged, -1, &self->stop, &region);
-        pl_pool_stats after;
-        pl_pool_get_stats(self->pool, &after);
-        if (after.waits != before.waits) {
-            pthread_mutex_lock(&self->mu);
-            self->stalls++;
-            self->stall_ns += pl_now_ns() - t0;
-            pthread_mutex_unlock(&self->mu);
-        }
-        if (rc != PL_OK) {
-            char what[160];
-            if (rc == PL_ERR_OVER_CAP)
-                snprintf(what, sizeof what, "item %llu: a batch of %zu bytes to stage can never fit "
-                         "under the pinned cap of %zu bytes (max_pinned_bytes or the pool's max_bytes)",
-                         (unsigned long long)bt->index, f->staged, pl_pool_cap(self->pool));
-            else if (rc == PL_ERR_INVALID_VALUE)
-                snprintf(what, sizeof what, "item %llu: the shared PinnedPool was closed",
-                         (unsigned long long)bt->index);
-            else
-                snprintf(what, sizeof what, "reserving %zu pinned bytes", f->staged);
-            fail_batch(bt, rc, what);
-            return;
-        }
-    }
-    rc = b->set_device(self->device);
-    if (rc == PL_OK)
-        rc = pl_block_alloc(bt->blk, f->staged + f->direct, self->copy_stream);
-    if (rc != PL_OK) {
-        if (region)
-            pl_pool_release(self->pool, region);
-        fail_batch(bt, rc, "allocating device memory for the batch");
-        return;
-    }
-    if (f->staged) {
-        chunk_ctx c = {self, bt->blk, region, PL_OK};
-        int64_t t0 = pl_now_ns();
-        NVTX_PUSH("pinloader.stage");
-        /* The stager wants the staged leaves' copies side by side, in region order. */
-        pl_leaf_copy *copies = PyMem_RawMalloc((size_t)f->n_leaves * sizeof(pl_leaf_copy));
-        if (!copies) {
-            NVTX_POP();
-            pl_pool_release(self->pool, region);
-            fail_batch(bt, PL_ERR_NO_MEMORY, "staging");
-            return;
-        }
-        int staged = 0;
-        for (int i = 0; i < f->n_leaves; i++)
-            if (!f->leaves[i].direct) {
-                copies[staged] = f->leaves[i].copy;
-                copies[staged].dst = (char *)region->ptr + f->leaves[i].off;
-                staged++;
-            }
-        size_t chunk = f->staged >= 2 * CHUNK_BYTES ? CHUNK_BYTES : 0;
-        rc = pl_stager_run(self->stager, copies, staged, region->ptr, f->staged, chunk, issue_chunk, &c);
-        PyMem_RawFree(copies);
-        NVTX_POP();
-        pthread_mutex_lock(&self->mu);
-        self->staging_ns += pl_now_ns() - t0;
-        pthread_mutex_unlock(&self->mu);
-        if (rc != PL_OK) {
-            /* Some copies may be queued: release only after the stream passes them. */
-            mark_ready_after_failure(self, bt);
-            pl_pool_release_after(self->pool, region, self->copy_stream);
-            fail_batch(bt, rc, "cudaMemcpyAsync of a staged chunk");
-            return;
-        }
-    }
-    int64_t t1 = pl_now_ns();
-    for (int i = 0; rc == PL_OK && i < f->n_leaves; i++) {
-        leaf_plan *L = &f->leaves[i];
-        if (L->direct)
-            rc = b->memcpy_h2d_async((char *)bt->blk->ptr + f->staged + L->off, L->copy.src,
-                                     L->copy.nbytes, self->copy_stream);
-    }
-    if (rc == PL_OK) {
-        rc = b->event_record(bt->blk->ready, self->copy_stream);
-        bt->blk->ready_recorded = rc == PL_OK;
-    }
-    if (region)
-        pl_pool_release_after(self->pool, region, self->copy_stream);
-    pthread_mutex_lock(&self->mu);
-    self->copy_issue_ns += pl_now_ns() - t1;
-    pthread_mutex_unlock(&self->mu);
-    if (rc != PL_OK) {
-        mark_ready_after_failure(self, bt);
-        fail_batch(bt, rc, "queuing the batch copy");
-    }
-}
-
-/* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
-static int producer_wait(pl_prefetcher_obj *self)
-{
-    pthread_mutex_lock(&self->mu);
-    while (!self->stop && (self->queued >= self->depth || self->finished_epoch == self->requested_epoch))
-        pthread_cond_wait(&self->cv, &self->mu);
-    int stop = self->stop;
-    pthread_mutex_unlock(&self->mu);
-    return stop ? -1 : 0;
+    snprintf(bt->err_what, sizeof bt->err_what, "item %llu: %s", (unsigned long long)bt->index, what);
 }
 
 static void add_source_note(PyObject *exc, uint64_t index)
@@ -867,7 +288,29 @@ static PyObject *fetch_exception(void)
     return value;
 }
 
-static void pf_free_resources(pl_prefetcher_obj *self);
+/* ---- the producer thread ---- */
+
+/* What the producer carries from one batch to the next. */
+typedef struct producer {
+    uint64_t index, last_epoch;
+    pl_flat flat;
+    /* The previous batch's source objects, dropped at the next GIL acquisition (one per batch,
+     * see Note [GIL handoff]); with prev_blk, kept until its copy is done. */
+    PyObject **prev_owners;
+    Py_ssize_t prev_n;
+    pl_block *prev_blk;
+} producer;
+
+/* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
+static int producer_wait(pl_prefetcher_obj *self)
+{
+    pthread_mutex_lock(&self->mu);
+    while (!atomic_load(&self->stop) &&
+           (self->queued >= self->depth || self->finished_epoch == self->requested_epoch))
+        pthread_cond_wait(&self->cv, &self->mu);
+    pthread_mutex_unlock(&self->mu);
+    return atomic_load(&self->stop) ? -1 : 0;
+}
 
 /* Note [sources reusing buffers]
  * Pageable leaves are staged before the source is asked for its next item, so a source may
@@ -906,23 +349,173 @@ static void lend_gil_to_producer(pl_prefetcher_obj *self)
     Py_END_ALLOW_THREADS
 }
 
-static int stopping(pl_prefetcher_obj *self)
+/* GIL held: the previous batch's owners go to the graveyard. */
+static void release_previous(pl_prefetcher_obj *self, producer *p)
 {
-    pthread_mutex_lock(&self->mu);
-    int stop = self->stop;
-    pthread_mutex_unlock(&self->mu);
-    return stop;
+    bury(self, p->prev_owners, p->prev_n, p->prev_blk);
+    if (p->prev_blk)
+        pl_block_decref(p->prev_blk);
+    p->prev_owners = NULL;
+    p->prev_n = 0;
+    p->prev_blk = NULL;
+}
+
+/* GIL held: next() on the source, then flatten the item into bt. Returns 0 with bt filled (as
+ * B_READY with an output, or B_END / B_ERROR), or -1 when close() came meanwhile. */
+static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
+{
+    PyObject *it = Py_XNewRef(self->it);
+    int64_t t0 = pl_now_ns();
+    PyObject *item = it ? PyIter_Next(it) : NULL;
+    *t_next = pl_now_ns() - t0;
+    Py_XDECREF(it);
+    if (atomic_load(&self->stop)) {
+        /* closed while the source was running: what it gave is not wanted */
+        Py_XDECREF(item);
+        PyErr_Clear();
+        return -1;
+    }
+    if (!item) {
+        if (PyErr_Occurred()) {
+            bt->kind = B_ERROR;
+            bt->exc = fetch_exception();
+            add_source_note(bt->exc, bt->index);
+        } else {
+            bt->kind = B_END;
+        }
+        return 0;
+    }
+    int rc = pl_block_create(self->b, self->device, &bt->blk);
+    if (rc != PL_OK) {
+        Py_DECREF(item);
+        fail_batch(bt, rc, "creating the batch's ready event");
+        return 0;
+    }
+    pl_flat *f = &p->flat;
+    pl_flat_init(f, self->st, self->b, self->device);
+    /* see Note [flatten in two passes] in flatten.h */
+    if (pl_flat_walk(f, item) == 0)
+        bt->output = pl_flat_rebuild(f, bt->blk);
+    Py_DECREF(item);
+    if (!bt->output) {
+        bt->kind = B_ERROR;
+        bt->exc = fetch_exception();
+        pl_flat_clear(f);
+    } else {
+        bt->kind = B_READY;
+    }
+    if (atomic_load(&self->stop)) {
+        /* closed by user code the item ran (a __dlpack__, a constructor) */
+        Py_CLEAR(bt->output);
+        Py_CLEAR(bt->exc);
+        pl_flat_clear(f);
+        return -1;
+    }
+    return 0;
+}
+
+/* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
+static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
+{
+    PyGILState_STATE g = producer_take_gil(self);
+    self->producer_in_user = 1;
+    release_previous(self, p);
+    int r = atomic_load(&self->stop) ? -1 : 1;
+    if (r > 0)
+        empty_graves(self, 0);
+    batch *bt = r > 0 ? PyMem_RawCalloc(1, sizeof(*bt)) : NULL;
+    if (r > 0 && !bt)
+        r = 0;
+    if (bt) {
+        uint64_t epoch = self->it_epoch;
+        if (epoch != p->last_epoch) {
+            p->last_epoch = epoch;
+            p->index = 0;
+        }
+        bt->epoch = epoch;
+        bt->index = p->index++;
+        if (read_item(self, p, bt, t_next) < 0) {
+            batch_free(bt);
+            bt = NULL;
+            r = -1;
+        }
+    }
+    self->producer_in_user = 0;
+    PyGILState_Release(g);
+    if (r == 0)
+        pl_sleep_ns(1000000); /* out of memory for the batch record: try again shortly */
+    *out = bt;
+    return r;
+}
+
+/* The no-GIL part: copy a read batch and queue it. */
+static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t t_next)
+{
+    pl_flat *f = &p->flat;
+    if (bt->kind == B_READY) {
+        bt->bytes = f->layout.payload;
+        bt->padding = f->layout.staged + f->layout.direct - f->layout.payload;
+        pl_xfer x = {self->b, self->device, self->pool, self->own_pool && !self->max_pinned,
+                     self->depth, self->stager, self->copy_stream, &self->stop};
+        pl_xfer_times tm;
+        char what[256];
+        int rc = pl_transfer(&x, f->leaves, f->n_leaves, &f->layout, bt->blk, &tm, what, sizeof what);
+        pthread_mutex_lock(&self->mu);
+        self->next_ns += t_next;
+        self->staging_ns += tm.staging_ns;
+        self->copy_issue_ns += tm.issue_ns;
+        self->stalls += (uint64_t)tm.stalled;
+        self->stall_ns += tm.stall_ns;
+        pthread_mutex_unlock(&self->mu);
+        if (rc != PL_OK)
+            fail_batch(bt, rc, what);
+        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA stay
+         * there until the copy is done. */
+        if (f->layout.direct && bt->kind == B_READY) {
+            pl_block_incref(bt->blk);
+            self->last_direct = bt->blk;
+        }
+        p->prev_owners = pl_flat_take_owners(f, &p->prev_n);
+        if (f->layout.direct) {
+            pl_block_incref(bt->blk);
+            p->prev_blk = bt->blk;
+        }
+        pl_flat_release_leaves(f);
+    }
+    push_batch(self, bt);
+}
+
+static void pf_free_resources(pl_prefetcher_obj *self);
+
+/* A producer that close() left behind (stuck in user code) cleans up here. */
+static void producer_exit(pl_prefetcher_obj *self, producer *p)
+{
+    wait_direct_copy(self);
+    if (pl_py_finalizing())
+        return; /* the interpreter is going away: touch nothing of it */
+    PyGILState_STATE g = PyGILState_Ensure();
+    release_previous(self, p);
+    if (self->state == PF_DETACHED || self->state == PF_ORPHANED) {
+        pf_free_resources(self);
+        if (self->state == PF_ORPHANED) {
+            PyTypeObject *tp = Py_TYPE(self);
+            pthread_mutex_destroy(&self->mu);
+            pthread_cond_destroy(&self->cv);
+            tp->tp_free((PyObject *)self);
+            Py_DECREF(tp);
+        } else {
+            self->state = PF_CLOSED;
+            Py_DECREF(self); /* the reference close() gave this thread */
+        }
+    }
+    PyGILState_Release(g);
 }
 
 static void *producer_main(void *arg)
 {
     pl_prefetcher_obj *self = arg;
-    uint64_t index = 0, last_epoch = 0;
-    /* The previous batch's source objects, dropped at the next GIL acquisition (one per
-     * batch, see Note [GIL handoff]). */
-    PyObject **prev_owners = NULL;
-    Py_ssize_t prev_n = 0;
-    pl_block *prev_blk = NULL;
+    producer p;
+    memset(&p, 0, sizeof p);
     self->b->set_device(self->device);
     for (;;) {
         if (producer_wait(self) < 0)
@@ -930,145 +523,19 @@ static void *producer_main(void *arg)
         wait_direct_copy(self);
         if (pl_py_finalizing())
             return NULL; /* the interpreter is going away: touch nothing of it */
-        PyGILState_STATE g = producer_take_gil(self);
-        bury(self, prev_owners, prev_n, prev_blk);
-        if (prev_blk)
-            pl_block_decref(prev_blk);
-        prev_owners = NULL;
-        prev_n = 0;
-        prev_blk = NULL;
-        if (stopping(self)) {
-            PyGILState_Release(g);
+        batch *bt = NULL;
+        int64_t t_next = 0;
+        int r = pull_batch(self, &p, &bt, &t_next);
+        if (r < 0)
             break;
-        }
-        empty_graves(self, 0);
-        uint64_t epoch = self->it_epoch;
-        if (epoch != last_epoch) {
-            last_epoch = epoch;
-            index = 0;
-        }
-        batch *bt = PyMem_RawCalloc(1, sizeof(*bt));
-        if (!bt) {
-            PyGILState_Release(g);
-            pl_sleep_ns(1000000);
-            continue;
-        }
-        bt->epoch = epoch;
-        bt->index = index++;
-        flat f;
-        memset(&f, 0, sizeof f);
-        f.pf = self;
-        PyObject *it = Py_XNewRef(self->it);
-        int64_t t0 = pl_now_ns();
-        self->in_source = 1;
-        PyObject *item = it ? PyIter_Next(it) : NULL;
-        self->in_source = 0;
-        int64_t t_next = pl_now_ns() - t0;
-        Py_XDECREF(it);
-        if (stopping(self)) {
-            /* closed while the source was running: what it gave is not wanted */
-            Py_XDECREF(item);
-            PyErr_Clear();
-            PyMem_RawFree(bt);
-            PyGILState_Release(g);
-            break;
-        }
-        if (!item) {
-            if (PyErr_Occurred()) {
-                bt->kind = B_ERROR;
-                bt->exc = fetch_exception();
-                add_source_note(bt->exc, bt->index);
-            } else {
-                bt->kind = B_END;
-            }
-            PyGILState_Release(g);
-            push_batch(self, bt);
-            continue;
-        }
-        int rc = pl_block_create(self->b, self->device, &bt->blk);
-        if (rc != PL_OK) {
-            Py_DECREF(item);
-            fail_batch(bt, rc, "creating the batch's ready event");
-            PyGILState_Release(g);
-            push_batch(self, bt);
-            continue;
-        }
-        f.blk = bt->blk;
-        path_push(&f, "item");
-        bt->output = flatten(&f, item, 0);
-        Py_DECREF(item);
-        if (!bt->output) {
-            bt->kind = B_ERROR;
-            bt->exc = fetch_exception();
-            flat_clear(&f);
-            PyGILState_Release(g);
-            push_batch(self, bt);
-            continue;
-        }
-        for (int i = 0; i < f.n_direct; i++)
-            pl_device_array_add_offset(f.direct_arrays[i], f.staged);
-        PyGILState_Release(g);
-
-        bt->kind = B_READY;
-        bt->bytes = f.staged + f.direct;
-        pthread_mutex_lock(&self->mu);
-        self->next_ns += t_next;
-        pthread_mutex_unlock(&self->mu);
-        transfer(self, &f, bt);
-
-        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA
-         * stay there until the copy is done. */
-        if (f.n_direct && bt->kind == B_READY) {
-            pl_block_incref(bt->blk);
-            self->last_direct = bt->blk;
-        }
-        prev_owners = f.owners;
-        prev_n = f.n_owners;
-        if (f.n_direct) {
-            pl_block_incref(bt->blk);
-            prev_blk = bt->blk;
-        }
-        f.owners = NULL;
-        f.n_owners = 0;
-        PyMem_RawFree(f.leaves);
-        PyMem_RawFree(f.direct_arrays);
-        push_batch(self, bt);
+        if (r > 0)
+            ship_batch(self, &p, bt, t_next);
     }
-
-    /* Exit. A producer that close() left behind (stuck in the source) cleans up here. */
-    wait_direct_copy(self);
-    if (pl_py_finalizing())
-        return NULL;
-    PyGILState_STATE g = PyGILState_Ensure();
-    bury(self, prev_owners, prev_n, prev_blk);
-    if (prev_blk)
-        pl_block_decref(prev_blk);
-    if (self->detached) {
-        pf_free_resources(self);
-        if (self->orphaned) {
-            PyTypeObject *tp = Py_TYPE(self);
-            pthread_mutex_destroy(&self->mu);
-            pthread_cond_destroy(&self->cv);
-            tp->tp_free((PyObject *)self);
-            Py_DECREF(tp);
-        } else {
-            Py_DECREF(self); /* the reference close() gave this thread */
-        }
-    }
-    PyGILState_Release(g);
+    producer_exit(self, &p);
     return NULL;
 }
 
 /* ---- consumer side (GIL held) ---- */
-
-static void batch_free(batch *bt)
-{
-    Py_XDECREF(bt->output);
-    Py_XDECREF(bt->exc);
-    if (bt->blk)
-        pl_block_decref(bt->blk);
-    PyMem_RawFree(bt);
-}
 
 static int start_epoch(pl_prefetcher_obj *self)
 {
@@ -1079,7 +546,7 @@ static int start_epoch(pl_prefetcher_obj *self)
     self->it_epoch++;
     self->consumer_epoch = self->it_epoch;
     self->consumed_in_epoch = 0;
-    self->consumer_done = 0;
+    self->state = PF_OPEN;
     pthread_mutex_lock(&self->mu);
     self->requested_epoch = self->it_epoch;
     pthread_cond_broadcast(&self->cv);
@@ -1087,15 +554,23 @@ static int start_epoch(pl_prefetcher_obj *self)
     return 0;
 }
 
-static int check_usable(pl_prefetcher_obj *self)
+static int check_inherited(pl_prefetcher_obj *self)
 {
-    if (pl_forked_child) {
+    if (pl_inherited(self->gen)) {
         PyErr_SetString(PyExc_RuntimeError, "this AsyncPrefetcher was created before fork(): it "
                         "cannot be used in the child process (its threads and CUDA state stay in "
-                        "the parent); start worker processes with the 'spawn' method");
+                        "the parent); create a new one in the child, or start worker processes "
+                        "with the 'spawn' method");
         return -1;
     }
-    if (self->closed) {
+    return 0;
+}
+
+static int check_usable(pl_prefetcher_obj *self)
+{
+    if (check_inherited(self) < 0)
+        return -1;
+    if (pf_is_closed(self)) {
         PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher is closed");
         return -1;
     }
@@ -1107,24 +582,28 @@ static PyObject *pf_iter(PyObject *op)
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
     if (check_usable(self) < 0)
         return NULL;
-    if (self->failed || (self->consumed_in_epoch == 0 && !self->consumer_done))
+    if (self->state == PF_FAILED || (self->consumed_in_epoch == 0 && self->state == PF_OPEN))
         return Py_NewRef(op); /* finished for good, or the current epoch is still fresh */
     PyObject *it = PyObject_GetIter(self->source);
     if (!it)
         return NULL;
     int same = it == self->it;
     Py_DECREF(it);
-    if (same && !self->consumer_done) {
+    if (same && self->state == PF_OPEN) {
         /* A one-shot iterator (a generator): iter() gives the same object, so this is the same
          * stream of items; keep what is already prefetched rather than dropping it. */
         return Py_NewRef(op);
     }
+    if (same && PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                 "AsyncPrefetcher: the source (%.100s) is a one-shot iterator that "
+                                 "is already exhausted, so this new epoch yields nothing; pass a "
+                                 "re-iterable source (a list, a Dataset or DataLoader) to iterate "
+                                 "more than once", Py_TYPE(self->source)->tp_name) < 0)
+        return NULL;
     if (start_epoch(self) < 0)
         return NULL;
     return Py_NewRef(op);
 }
-
-static double percentile(double *v, size_t n, double q);
 
 static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
 {
@@ -1146,23 +625,13 @@ static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
     return pl_raise_backend(self->st, self->b, bt->err_code, bt->err_what);
 }
 
-static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj);
-
-static PyObject *pf_next(PyObject *op)
+/* Take the next batch of the current epoch, waiting (GIL released, interruptible) until there
+ * is one. Returns NULL with an exception, or NULL with none when the epoch is over. */
+static batch *take_batch(pl_prefetcher_obj *self, int *waited)
 {
-    pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (check_usable(self) < 0)
-        return NULL;
-    if (self->failed || self->consumer_done)
-        return NULL; /* StopIteration */
-    lend_gil_to_producer(self);
-    empty_graves(self, 0);
-    int64_t t0 = pl_now_ns();
-    int waited = 0;
-    batch *bt = NULL;
     for (;;) {
         pthread_mutex_lock(&self->mu);
-        bt = self->head;
+        batch *bt = self->head;
         if (bt) {
             self->head = bt->next;
             if (!self->head)
@@ -1172,19 +641,18 @@ static PyObject *pf_next(PyObject *op)
         }
         pthread_mutex_unlock(&self->mu);
         if (bt) {
-            if (bt->epoch != self->consumer_epoch) {
-                batch_free(bt); /* from an abandoned epoch */
-                continue;
-            }
-            break;
+            if (bt->epoch == self->consumer_epoch)
+                return bt;
+            batch_free(bt); /* from an abandoned epoch */
+            continue;
         }
-        if (self->closed || self->consumer_done || self->failed) {
+        if (self->state != PF_OPEN) {
             /* another thread closed it, or took the end of the epoch */
-            if (self->closed)
+            if (pf_is_closed(self))
                 PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher was closed while waiting for a batch");
             return NULL;
         }
-        waited = 1;
+        *waited = 1;
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&self->mu);
         if (!self->head) {
@@ -1197,21 +665,38 @@ static PyObject *pf_next(PyObject *op)
         if (PyErr_CheckSignals() < 0)
             return NULL;
     }
-    int64_t wait = pl_now_ns() - t0;
+}
+
+static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj);
+
+static PyObject *pf_next(PyObject *op)
+{
+    pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
+    if (check_usable(self) < 0)
+        return NULL;
+    if (self->state != PF_OPEN)
+        return NULL; /* StopIteration */
+    lend_gil_to_producer(self);
+    empty_graves(self, 0);
+    int64_t t0 = pl_now_ns();
+    int waited = 0;
+    batch *bt = take_batch(self, &waited);
+    if (!bt)
+        return NULL;
+    int64_t wait = waited ? pl_now_ns() - t0 : 0;
     pthread_mutex_lock(&self->mu);
-    self->wait_samples[self->n_waits % WAIT_SAMPLES] = (double)(waited ? wait : 0) / 1e6;
+    self->wait_samples[self->n_waits % WAIT_SAMPLES] = (double)wait / 1e6;
     self->n_waits++;
-    self->wait_ns_total += waited ? wait : 0;
+    self->wait_ns_total += wait;
     pthread_mutex_unlock(&self->mu);
 
     if (bt->kind == B_END) {
-        self->consumer_done = 1;
+        self->state = PF_EPOCH_DONE;
         batch_free(bt);
         return NULL;
     }
     if (bt->kind == B_ERROR) {
-        self->failed = 1;
-        self->consumer_done = 1;
+        self->state = PF_FAILED;
         raise_batch_error(self, bt);
         batch_free(bt);
         return NULL;
@@ -1240,7 +725,7 @@ static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj)
     return r;
 }
 
-/* ---- lifecycle ---- */
+/* ---- lifecycle (see Note [prefetcher lifecycle]) ---- */
 
 static void live_unlink(pl_prefetcher_obj *self)
 {
@@ -1271,90 +756,85 @@ static void device_pop(const pl_backend *b, int device, int prev)
         b->set_device(prev);
 }
 
-/* Free the pipeline's resources (GIL held; the producer has exited or is this thread). */
+/* Free the pipeline (GIL held; the producer has exited or is this thread). Called once. */
 static void pf_free_resources(pl_prefetcher_obj *self)
 {
-    if (self->resources_freed)
+    if (pl_inherited(self->gen)) {
+        /* The parent's threads, streams and memory: touch none of it, drop only Python refs. */
+        self->head = self->tail = NULL;
+        self->graves = NULL;
+        self->stager = NULL;
+        self->copy_stream = NULL;
+        self->pool = NULL;
+        Py_CLEAR(self->it);
         return;
-    self->resources_freed = 1;
-    int forked = pl_forked_child;
+    }
     int prev_device = -1;
-    if (!forked)
-        device_push(self->b, self->device, &prev_device);
-    if (self->copy_stream && !forked) {
+    device_push(self->b, self->device, &prev_device);
+    if (self->copy_stream) {
         pl_stream *stream = self->copy_stream;
         const pl_backend *b = self->b;
         Py_BEGIN_ALLOW_THREADS
         b->stream_synchronize(stream);
         Py_END_ALLOW_THREADS
     }
-    if (!forked)
-        pthread_mutex_lock(&self->mu);
+    pthread_mutex_lock(&self->mu);
     batch *bt = self->head;
     self->head = self->tail = NULL;
     self->queued = 0;
-    if (!forked)
-        pthread_mutex_unlock(&self->mu);
+    pthread_mutex_unlock(&self->mu);
     while (bt) {
         batch *next = bt->next;
         batch_free(bt);
         bt = next;
     }
-    if (!forked)
-        empty_graves(self, 1);
+    empty_graves(self, 1);
     Py_CLEAR(self->it);
     pl_stager *stager = self->stager;
     pl_stream *stream = self->copy_stream;
+    pl_pool *pool = self->pool;
+    int own = self->own_pool;
     self->stager = NULL; /* before the GIL is released: other threads may read them */
     self->copy_stream = NULL;
-    if (!forked) {
-        const pl_backend *b = self->b;
-        Py_BEGIN_ALLOW_THREADS
-        if (stager)
-            pl_stager_destroy(stager);
-        if (stream)
-            b->stream_destroy(stream);
-        Py_END_ALLOW_THREADS
-        device_pop(self->b, self->device, prev_device);
-    }
-    if (self->pool) {
-        pl_pool *p = self->pool;
-        int own = self->own_pool;
-        self->pool = NULL;
-        if (!forked) {
-            Py_BEGIN_ALLOW_THREADS
-            if (own)
-                pl_pool_close(p);
-            pl_pool_decref(p);
-            Py_END_ALLOW_THREADS
-        }
-    }
+    self->pool = NULL;
+    const pl_backend *b = self->b;
+    Py_BEGIN_ALLOW_THREADS
+    if (stager)
+        pl_stager_destroy(stager);
+    if (stream)
+        b->stream_destroy(stream);
+    if (pool && own)
+        pl_pool_close(pool);
+    if (pool)
+        pl_pool_decref(pool);
+    Py_END_ALLOW_THREADS
+    device_pop(self->b, self->device, prev_device);
 }
 
-/* Stop the producer. Returns 1 if it was joined, 0 if it is stuck in the source and was left
- * to clean up after itself (see Note [stuck sources]). */
+/* Stop the producer. Returns 1 if it was joined (or never ran here), 0 if it is inside user code
+ * and was left to clean up after itself (see Note [stuck producers]). */
 static int stop_producer(pl_prefetcher_obj *self)
 {
-    if (pl_forked_child) {
+    if (pl_inherited(self->gen)) {
         /* The producer does not exist in this process, and the parent's threads may have held
-         * our mutexes at fork time: touch none of them. */
+         * our mutex at fork time: touch none of them. */
         self->thread_started = 0;
         return 1;
     }
     pthread_mutex_lock(&self->mu);
-    self->stop = 1;
+    atomic_store(&self->stop, 1);
     pthread_cond_broadcast(&self->cv);
     pthread_mutex_unlock(&self->mu);
-    if (!self->thread_started) {
-        self->thread_started = 0;
+    if (!self->thread_started)
         return 1;
-    }
-    /* Note [stuck sources]
-     * A source can block in next() for ever (a hung reader, a dead worker). close() gives it
-     * a moment, then detaches the producer instead of joining it: the producer sees `stop`
-     * whenever next() returns, frees the pipeline and drops its reference. */
+    /* Note [stuck producers]
+     * User code can block for ever: a source's next() (a hung reader, a dead worker), but also
+     * what flatten runs for an item (a __dlpack__, a dataclass __init__, a finalizer). close()
+     * gives a producer inside user code a moment, then detaches it instead of joining it: the
+     * producer sees `stop` whenever that code returns, frees the pipeline and drops its
+     * reference. */
     int on_producer = pthread_equal(self->thread, pthread_self());
-    for (int i = 0; i < 20 && self->in_source && !on_producer; i++) {
+    for (int i = 0; i < 20 && self->producer_in_user && !on_producer; i++) {
         Py_BEGIN_ALLOW_THREADS
         pl_sleep_ns(10 * 1000 * 1000);
         Py_END_ALLOW_THREADS
@@ -1363,9 +843,8 @@ static int stop_producer(pl_prefetcher_obj *self)
     /* Closed (or collected) on the producer thread itself, from code the producer ran (a leaf's
      * __dlpack__, a __del__, the cycle collector): it cannot join itself; it finishes the
      * current item, sees stop and cleans up as a detached producer. */
-    if (self->in_source || on_producer) {
+    if (self->producer_in_user || on_producer) {
         pthread_detach(self->thread);
-        self->detached = 1;
         return 0;
     }
     /* The producer may be waiting for the GIL: let it have it, see stop, and leave. */
@@ -1377,14 +856,16 @@ static int stop_producer(pl_prefetcher_obj *self)
 
 static void pf_close_impl(pl_prefetcher_obj *self)
 {
-    if (self->closed)
+    if (pf_is_closed(self))
         return;
-    self->closed = 1;
+    self->state = PF_CLOSED; /* no other caller gets past the check above from here on */
     live_unlink(self);
-    if (stop_producer(self))
+    if (stop_producer(self)) {
         pf_free_resources(self);
-    else
+    } else {
+        self->state = PF_DETACHED;
         Py_INCREF(self); /* the detached producer's reference */
+    }
 }
 
 void pl_prefetcher_shutdown_all(pl_state *st)
@@ -1404,6 +885,13 @@ static PyObject *pf_close(PyObject *op, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
+/* Note [prefetcher and the cycle collector]
+ * Everything the prefetcher holds that can lead back to it is visited: the source, its
+ * iterator, the pool object, the capsule stream, the queued batches' outputs and exceptions,
+ * and the graveyard. Objects the producer holds on its own stack between two GIL acquisitions
+ * are not visited; they only make the collector more conservative. tp_clear closes the
+ * prefetcher (joining the producer and freeing the pipeline, the queue and the graveyard with
+ * it) and drops the remaining references. */
 static int pf_traverse(PyObject *op, visitproc visit, void *arg)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
@@ -1412,6 +900,31 @@ static int pf_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->pool_obj);
     Py_VISIT(self->it);
     Py_VISIT(self->capsule_stream);
+    for (grave *g = self->graves; g; g = g->next)
+        for (Py_ssize_t i = 0; i < g->n; i++)
+            Py_VISIT(g->objs[i]);
+    if (!self->st || pl_inherited(self->gen))
+        return 0; /* never initialised, or the mutex belongs to the parent */
+    int r = 0;
+    pthread_mutex_lock(&self->mu);
+    for (batch *bt = self->head; bt && !r; bt = bt->next) {
+        if (bt->output)
+            r = visit(bt->output, arg);
+        if (!r && bt->exc)
+            r = visit(bt->exc, arg);
+    }
+    pthread_mutex_unlock(&self->mu);
+    return r;
+}
+
+static int pf_clear(PyObject *op)
+{
+    pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
+    if (self->st)
+        pf_close_impl(self);
+    Py_CLEAR(self->source);
+    Py_CLEAR(self->pool_obj);
+    Py_CLEAR(self->capsule_stream);
     return 0;
 }
 
@@ -1426,18 +939,18 @@ static void pf_dealloc(PyObject *op)
     Py_CLEAR(self->pool_obj);
     Py_CLEAR(self->capsule_stream);
     if (self->st) {
-        if (!self->closed) {
-            self->closed = 1;
+        if (!pf_is_closed(self)) {
+            self->state = PF_CLOSED;
             live_unlink(self);
             if (!stop_producer(self)) {
-                /* The producer is stuck in the source and still uses this object: it frees it
-                 * when the source returns (see Note [stuck sources]). */
-                self->orphaned = 1;
+                /* The producer is inside user code and still uses this object: it frees it
+                 * when that code returns (see Note [stuck producers]). */
+                self->state = PF_ORPHANED;
                 return;
             }
             pf_free_resources(self);
         }
-        if (!pl_forked_child) {
+        if (!pl_inherited(self->gen)) {
             /* In a forked child the parent's producer may have been waiting on cv: destroying
              * it would wait for a thread that does not exist here. */
             pthread_mutex_destroy(&self->mu);
@@ -1447,6 +960,8 @@ static void pf_dealloc(PyObject *op)
     tp->tp_free(op);
     Py_DECREF(tp);
 }
+
+/* ---- construction ---- */
 
 static int parse_positive(PyObject *o, const char *name, long lo, long hi, long *out)
 {
@@ -1466,86 +981,164 @@ static int parse_positive(PyObject *o, const char *name, long lo, long hi, long 
     return 0;
 }
 
-static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+typedef struct pf_options {
+    PyObject *iterable, *device, *pool_obj, *stream;
+    long depth, threads;
+    int high_priority, capsule;
+    size_t max_pinned;
+    pl_pool *shared; /* borrowed from pool_obj */
+} pf_options;
+
+/* The constructor's arguments, checked. Returns 0 or -1 with an exception. */
+static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options *o)
 {
     static char *kwlist[] = {"iterable", "device", "depth", "pool", "max_pinned_bytes",
                              "staging_threads", "copy_stream_priority", "output", "stream", NULL};
-    PyObject *iterable, *device = Py_None, *depth_obj = NULL, *pool_obj = Py_None,
-             *max_pinned_obj = Py_None, *threads_obj = Py_None, *stream_obj = Py_None;
+    PyObject *depth_obj = NULL, *max_pinned_obj = Py_None, *threads_obj = Py_None;
     const char *priority = "high", *output = "array";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO:AsyncPrefetcher", kwlist, &iterable,
-                                     &device, &depth_obj, &pool_obj, &max_pinned_obj, &threads_obj,
-                                     &priority, &output, &stream_obj))
-        return NULL;
-    pl_state *st = pl_state_of_type(type);
-    if (!st)
-        return NULL;
-    if (pl_forked_child) {
-        /* The backend state belongs to the parent. */
-        PyErr_SetString(PyExc_RuntimeError, "pinloader cannot start a prefetcher in a child process "
-                        "forked after pinloader was used; start the child with 'spawn'");
-        return NULL;
-    }
-    long depth = 2, threads = 0;
-    if (depth_obj && parse_positive(depth_obj, "depth", 1, 64, &depth) < 0)
-        return NULL;
-    if (threads_obj != Py_None && parse_positive(threads_obj, "staging_threads", 1, 256, &threads) < 0)
-        return NULL;
-    int high;
+    memset(o, 0, sizeof(*o));
+    o->device = o->pool_obj = o->stream = Py_None;
+    o->depth = 2;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO:AsyncPrefetcher", kwlist, &o->iterable,
+                                     &o->device, &depth_obj, &o->pool_obj, &max_pinned_obj,
+                                     &threads_obj, &priority, &output, &o->stream))
+        return -1;
+    if (depth_obj && parse_positive(depth_obj, "depth", 1, 64, &o->depth) < 0)
+        return -1;
+    if (threads_obj != Py_None && parse_positive(threads_obj, "staging_threads", 1, 256, &o->threads) < 0)
+        return -1;
     if (strcmp(priority, "high") == 0)
-        high = 1;
-    else if (strcmp(priority, "normal") == 0 || strcmp(priority, "low") == 0)
-        high = 0;
-    else
-        return PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high' or 'normal', got '%s'", priority);
-    int capsule;
-    if (strcmp(output, "array") == 0)
-        capsule = 0;
-    else if (strcmp(output, "capsule") == 0)
-        capsule = 1;
-    else
-        return PyErr_Format(PyExc_ValueError, "output must be 'array' or 'capsule', got '%s'", output);
-    size_t max_pinned = 0;
+        o->high_priority = 1;
+    else if (strcmp(priority, "normal") != 0 && strcmp(priority, "low") != 0) {
+        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high' or 'normal', got '%s'", priority);
+        return -1;
+    }
+    if (strcmp(output, "capsule") == 0)
+        o->capsule = 1;
+    else if (strcmp(output, "array") != 0) {
+        PyErr_Format(PyExc_ValueError, "output must be 'array' or 'capsule', got '%s'", output);
+        return -1;
+    }
     if (max_pinned_obj != Py_None) {
         long long v = PyLong_AsLongLong(max_pinned_obj);
         if (v == -1 && PyErr_Occurred())
-            return NULL;
-        if (v <= 0)
-            return PyErr_Format(PyExc_ValueError, "max_pinned_bytes must be > 0, got %lld", v);
-        max_pinned = (size_t)v;
-    }
-    pl_pool *shared = NULL;
-    if (pool_obj != Py_None) {
-        if (!(shared = pl_pinned_pool_get(st, pool_obj)))
-            return PyErr_Format(PyExc_TypeError, "pool must be a pinloader.PinnedPool, not %.100s",
-                                Py_TYPE(pool_obj)->tp_name);
-        if (max_pinned)
-            return PyErr_Format(PyExc_ValueError, "give either pool or max_pinned_bytes, not both "
-                                "(the pool's own cap applies)");
-        if (pl_pool_closed(shared))
-            return PyErr_Format(PyExc_ValueError, "pool is closed");
-    }
-    PyObject *probe = PyObject_GetIter(iterable);
-    if (!probe) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "AsyncPrefetcher needs an iterable source, got %.100s",
-                         Py_TYPE(iterable)->tp_name);
+            return -1;
+        if (v <= 0) {
+            PyErr_Format(PyExc_ValueError, "max_pinned_bytes must be > 0, got %lld", v);
+            return -1;
         }
-        return NULL;
+        o->max_pinned = (size_t)v;
     }
+    if (o->pool_obj != Py_None) {
+        if (!(o->shared = pl_pinned_pool_get(st, o->pool_obj))) {
+            PyErr_Format(PyExc_TypeError, "pool must be a pinloader.PinnedPool, not %.100s",
+                         Py_TYPE(o->pool_obj)->tp_name);
+            return -1;
+        }
+        if (o->max_pinned) {
+            PyErr_SetString(PyExc_ValueError, "give either pool or max_pinned_bytes, not both "
+                            "(the pool's own cap applies)");
+            return -1;
+        }
+        if (pl_pool_closed(o->shared)) {
+            PyErr_SetString(PyExc_ValueError, "pool is closed");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The first iterator over the source, with a clear error for a non-iterable. */
+static PyObject *first_iterator(PyObject *iterable)
+{
+    PyObject *probe = PyObject_GetIter(iterable);
+    if (!probe && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "AsyncPrefetcher needs an iterable source, got %.100s",
+                     Py_TYPE(iterable)->tp_name);
+    }
+    return probe;
+}
+
+/* Copy stream, pinned pool and stager. Returns 0 or -1 with an exception (self is then
+ * released by the caller; dealloc frees what was made). */
+static int setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
+{
+    const pl_backend *b = self->b;
+    int rc, prev_device = -1, dev = self->device, high = o->high_priority;
+    Py_BEGIN_ALLOW_THREADS
+    rc = device_push(b, dev, &prev_device);
+    if (rc == PL_OK)
+        rc = b->stream_create(high, &self->copy_stream);
+    device_pop(b, dev, prev_device);
+    Py_END_ALLOW_THREADS
+    if (rc != PL_OK) {
+        pl_raise_backend(self->st, b, rc, "creating the copy stream");
+        return -1;
+    }
+    if (o->shared) {
+        pl_pool_incref(o->shared);
+        self->pool = o->shared;
+        self->pool_obj = Py_NewRef(o->pool_obj);
+    } else {
+        /* Own pool: the cap follows the batches unless fixed, see Note [private pool cap]. */
+        size_t start = PL_MIN((size_t)1 << 20, pl_pool_default_cap());
+        rc = pl_pool_create(b, dev, o->max_pinned ? o->max_pinned : start, &self->pool);
+        self->own_pool = 1;
+        if (rc != PL_OK) {
+            pl_raise_backend(self->st, b, rc, "creating the pinned pool");
+            return -1;
+        }
+    }
+    long threads = o->threads ? o->threads : PL_MIN(8, pl_cpu_count()); /* host memcpy bandwidth scales to ~8 threads */
+    if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
+        pl_raise_backend(self->st, b, rc, "starting staging threads");
+        return -1;
+    }
+    return 0;
+}
+
+/* Start the first epoch and the producer; link into the live list. */
+static int start_producer(pl_prefetcher_obj *self, PyObject *probe)
+{
+    /* The first epoch starts now, so the first batch is in flight before the loop begins. */
+    self->it = probe;
+    self->it_epoch = 1;
+    self->consumer_epoch = 1;
+    self->requested_epoch = 1;
+    if (pthread_create(&self->thread, NULL, producer_main, self) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "could not start the producer thread");
+        return -1;
+    }
+    self->thread_started = 1;
+    pl_state *st = self->st;
+    self->live_next = st->live;
+    if (st->live)
+        st->live->live_prev = self;
+    st->live = self;
+    return 0;
+}
+
+static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    pl_state *st = pl_state_of_type(type);
+    pf_options o;
+    if (!st || parse_options(st, args, kwds, &o) < 0)
+        return NULL;
+    PyObject *probe = first_iterator(o.iterable);
+    if (!probe)
+        return NULL;
     const pl_backend *b;
     int dev;
-    if (pl_resolve_device(st, device, &b, &dev) < 0) {
+    if (pl_resolve_device(st, o.device, &b, &dev) < 0) {
         Py_DECREF(probe);
         return NULL;
     }
-    if (shared && pl_pool_backend(shared) != b) {
+    if (o.shared && pl_pool_backend(o.shared) != b) {
         Py_DECREF(probe);
         return PyErr_Format(PyExc_ValueError, "pool uses the %s backend but the prefetcher the %s "
-                            "backend", pl_pool_backend(shared)->name, b->name);
+                            "backend", pl_pool_backend(o.shared)->name, b->name);
     }
-
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)type->tp_alloc(type, 0);
     if (!self) {
         Py_DECREF(probe);
@@ -1557,62 +1150,20 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_NoMemory();
     }
     self->st = st;
-    self->source = Py_NewRef(iterable);
+    self->gen = pl_generation();
+    self->source = Py_NewRef(o.iterable);
     self->b = b;
     self->device = dev;
-    self->depth = (int)depth;
-    self->high_priority = high;
-    self->capsule_output = capsule;
-    self->capsule_stream = Py_NewRef(stream_obj);
-    self->max_pinned = max_pinned;
-    if (!threads)
-        threads = PL_MIN(8, pl_cpu_count()); /* host memcpy bandwidth scales to ~8 threads */
-
-    int rc, prev_device = -1;
-    Py_BEGIN_ALLOW_THREADS
-    rc = device_push(b, dev, &prev_device);
-    if (rc == PL_OK)
-        rc = b->stream_create(high, &self->copy_stream);
-    device_pop(b, dev, prev_device);
-    Py_END_ALLOW_THREADS
-    if (rc != PL_OK) {
-        Py_DECREF(probe);
-        Py_DECREF(self);
-        return pl_raise_backend(st, b, rc, "creating the copy stream");
-    }
-    if (shared) {
-        pl_pool_incref(shared);
-        self->pool = shared;
-        self->pool_obj = Py_NewRef(pool_obj);
-    } else {
-        /* Own pool: the cap grows to (depth + 2) batches as batches are seen, unless fixed. */
-        rc = pl_pool_create(b, dev, max_pinned ? max_pinned : ((size_t)1 << 20), &self->pool);
-        self->own_pool = 1;
-        if (rc != PL_OK) {
+    self->depth = (int)o.depth;
+    self->capsule_output = o.capsule;
+    self->capsule_stream = Py_NewRef(o.stream);
+    self->max_pinned = o.max_pinned;
+    if (setup_pipeline(self, &o) < 0 || start_producer(self, probe) < 0) {
+        if (!self->it)
             Py_DECREF(probe);
-            Py_DECREF(self);
-            return pl_raise_backend(st, b, rc, "creating the pinned pool");
-        }
-    }
-    if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
-        Py_DECREF(probe);
         Py_DECREF(self);
-        return pl_raise_backend(st, b, rc, "starting staging threads");
+        return NULL;
     }
-    /* The first epoch starts now, so the first batch is in flight before the loop begins. */
-    self->it = probe;
-    self->it_epoch = 1;
-    self->consumer_epoch = 1;
-    self->requested_epoch = 1;
-    if (pthread_create(&self->thread, NULL, producer_main, self) != 0) {
-        Py_DECREF(self);
-        return PyErr_Format(PyExc_RuntimeError, "could not start the producer thread");
-    }
-    self->thread_started = 1;
-    self->live_next = st->live;
-    if (st->live)
-        st->live->live_prev = self;
-    st->live = self;
     return (PyObject *)self;
 }
 
@@ -1646,14 +1197,13 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (pl_forked_child)
-        return PyErr_Format(PyExc_RuntimeError, "this AsyncPrefetcher was created before fork(): "
-                            "its state stays in the parent");
+    if (check_inherited(self) < 0)
+        return NULL;
     double samples[WAIT_SAMPLES];
     pthread_mutex_lock(&self->mu);
     size_t ns = (size_t)PL_MIN(self->n_waits, (uint64_t)WAIT_SAMPLES);
     memcpy(samples, self->wait_samples, ns * sizeof(double));
-    uint64_t batches = self->n_batches, bytes = self->n_bytes, waits = self->n_waits, stalls = self->stalls;
+    uint64_t batches = self->n_batches, bytes = self->n_bytes, padding = self->n_padding, waits = self->n_waits, stalls = self->stalls;
     int64_t span = self->last_batch_ns - self->first_batch_ns;
     int64_t next_ns = self->next_ns, staging_ns = self->staging_ns, issue_ns = self->copy_issue_ns;
     int64_t wait_total = self->wait_ns_total, stall_ns = self->stall_ns;
@@ -1667,8 +1217,9 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     double p99 = percentile(samples, ns, 0.99);
     double gbps = span > 0 && batches > 1 ? (double)bytes * (double)(batches - 1) / (double)batches / (double)span : 0.0;
     return Py_BuildValue(
-        "{s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s}",
+        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s}",
         "batches", (unsigned long long)batches, "bytes", (unsigned long long)bytes,
+        "padding_bytes", (unsigned long long)padding,
         "h2d_gbps", gbps, "wait_s_total", (double)wait_total / 1e9,
         "wait_ms_mean", waits ? (double)wait_total / 1e6 / (double)waits : 0.0, "wait_ms_p99", p99,
         "next_s_total", (double)next_ns / 1e9, "staging_s_total", (double)staging_ns / 1e9,
@@ -1697,7 +1248,7 @@ static PyObject *pf_exit(PyObject *op, PyObject *args)
 static PyObject *pf_repr(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (pl_forked_child)
+    if (pl_inherited(self->gen))
         return PyUnicode_FromString("<pinloader.AsyncPrefetcher inherited through fork(): unusable>");
     pthread_mutex_lock(&self->mu);
     unsigned long long batches = self->n_batches;
@@ -1706,10 +1257,10 @@ static PyObject *pf_repr(PyObject *op)
     if (self->b->kind == PL_BACKEND_CUDA)
         return PyUnicode_FromFormat("<pinloader.AsyncPrefetcher device=cuda:%d depth=%d batches=%llu "
                                     "queued=%d%s>", self->device, self->depth, batches, queued,
-                                    self->closed ? " closed" : "");
+                                    pf_is_closed(self) ? " closed" : "");
     return PyUnicode_FromFormat("<pinloader.AsyncPrefetcher device=cpu (host backend) depth=%d "
                                 "batches=%llu queued=%d%s>", self->depth, batches, queued,
-                                self->closed ? " closed" : "");
+                                pf_is_closed(self) ? " closed" : "");
 }
 
 static PyObject *pf_get_device(PyObject *op, void *c)
@@ -1730,7 +1281,7 @@ static PyObject *pf_get_depth(PyObject *op, void *c)
 static PyObject *pf_get_closed(PyObject *op, void *c)
 {
     (void)c;
-    return PyBool_FromLong(((pl_prefetcher_obj *)op)->closed);
+    return PyBool_FromLong(pf_is_closed((pl_prefetcher_obj *)op));
 }
 
 static PyObject *pf_get_source(PyObject *op, void *c)
@@ -1750,7 +1301,7 @@ static PyMethodDef pf_methods[] = {
     {"close", pf_close, METH_NOARGS,
      "close()\n--\n\nStop the producer, join it, wait for queued copies, free what is not handed out. Idempotent."},
     {"stats", pf_stats, METH_NOARGS,
-     "stats()\n--\n\nCounters: batches, bytes, h2d_gbps (delivered), consumer wait (total, mean, p99),\n"
+     "stats()\n--\n\nCounters: batches, bytes (payload), padding_bytes (alignment in device blocks), h2d_gbps (delivered), consumer wait (total, mean, p99),\n"
      "time in the source's next(), staging time, pinned and device bytes, stalls on the pinned cap."},
     {"__enter__", pf_enter, METH_NOARGS, NULL},
     {"__exit__", pf_exit, METH_VARARGS, NULL},
@@ -1775,6 +1326,7 @@ static PyType_Slot pf_slots[] = {
     {Py_tp_new, pf_new},
     {Py_tp_dealloc, pf_dealloc},
     {Py_tp_traverse, pf_traverse},
+    {Py_tp_clear, pf_clear},
     {Py_tp_iter, pf_iter},
     {Py_tp_iternext, pf_next},
     {Py_tp_methods, pf_methods},

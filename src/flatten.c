@@ -1,0 +1,745 @@
+/* Flatten: leaf classification, paths, DLPack import with validation, the checked layout, and
+ * the container rebuild. See Note [flatten in two passes] in flatten.h. GIL held throughout. */
+#include "flatten.h"
+
+#include "np.h"
+#include "util.h"
+
+#include <stdarg.h>
+#include <string.h>
+
+#define MAX_NEST 256
+
+typedef enum {
+    FN_PASS,       /* obj passes through unchanged */
+    FN_LEAF,       /* an array leaf: a DeviceArray of leaves[leaf] */
+    FN_TUPLE,      /* n children */
+    FN_LIST,       /* n children */
+    FN_DICT,       /* n children, each with its key; obj: an empty dict subclass copy, or NULL */
+    FN_NAMEDTUPLE, /* type obj called with the n children as positional arguments */
+    FN_DATACLASS,  /* type obj called with the n children as keyword arguments (their keys) */
+} fnode_kind;
+
+struct pl_flat_node {
+    fnode_kind kind;
+    PyObject *obj;  /* see fnode_kind; a strong reference */
+    PyObject *key;  /* the key (or field name) under which the parent holds it; strong or NULL */
+    Py_ssize_t n;   /* children, which follow in preorder */
+    int leaf;
+};
+
+/* ---- error helpers ---- */
+
+/* True when the pending exception is a BaseException that is not an Exception
+ * (KeyboardInterrupt, SystemExit, GeneratorExit): it must propagate unchanged. */
+static int pending_is_base_only(void)
+{
+    return PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception);
+}
+
+/* str(o) (or repr) as UTF-8 into buf, lone surrogates and other unencodable characters escaped.
+ * An Exception raised by __str__/__repr__ gives "?"; returns -1 only with a BaseException that is
+ * not an Exception pending. */
+static int text_of(PyObject *o, int use_repr, char *buf, size_t n)
+{
+    snprintf(buf, n, "?");
+    PyObject *s = use_repr ? PyObject_Repr(o) : PyObject_Str(o);
+    PyObject *u = s ? PyUnicode_AsEncodedString(s, "utf-8", "backslashreplace") : NULL;
+    Py_XDECREF(s);
+    if (!u) {
+        if (pending_is_base_only())
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    snprintf(buf, n, "%s", PyBytes_AS_STRING(u));
+    Py_DECREF(u);
+    return 0;
+}
+
+/* getattr(o, name) where a missing attribute is not an error: 1 and *out set, 0 when missing,
+ * -1 with whatever else the lookup raised. */
+static int optional_attr(PyObject *o, const char *name, PyObject **out)
+{
+    *out = PyObject_GetAttrString(o, name);
+    if (*out)
+        return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* ---- paths ---- */
+
+static size_t path_push(pl_flat *f, const char *fmt, ...)
+{
+    size_t old = f->path_len;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(f->path + old, sizeof f->path - old, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        f->path_len = PL_MIN(sizeof f->path - 1, old + (size_t)n);
+    return old;
+}
+
+static void path_pop(pl_flat *f, size_t old)
+{
+    f->path_len = old;
+    f->path[old] = 0;
+}
+
+/* "[repr(key)]" for dict entries, ".name" for attributes; -1 only with a BaseException. */
+static int path_push_text(pl_flat *f, PyObject *key, int as_attr, size_t *mark)
+{
+    char text[160];
+    if (text_of(key, !as_attr, text, sizeof text) < 0)
+        return -1;
+    *mark = as_attr ? path_push(f, ".%s", text) : path_push(f, "[%s]", text);
+    return 0;
+}
+
+static int leaf_error(pl_flat *f, PyObject *type, const char *fmt, ...)
+{
+    char why[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    PyErr_Format(type, "%s: %s", f->path, why);
+    return -1;
+}
+
+static void shape_text(char *buf, size_t n, int ndim, const int64_t *shape)
+{
+    size_t len = (size_t)snprintf(buf, n, "(");
+    for (int i = 0; i < ndim && len < n; i++)
+        len += (size_t)snprintf(buf + len, n - len, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (len < n)
+        snprintf(buf + len, n - len, ndim == 1 ? ",)" : ")");
+}
+
+/* ---- nodes and leaves ---- */
+
+static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t elem)
+{
+    if (need <= *cap)
+        return 0;
+    Py_ssize_t nc = *cap ? *cap * 2 : 8;
+    while (nc < need)
+        nc *= 2;
+    void *p = PyMem_RawRealloc(*arr, (size_t)nc * elem); /* leaves are read without the GIL */
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *arr = p;
+    *cap = nc;
+    return 0;
+}
+
+/* Append a node; returns its index, or -1. obj and key are new references taken here. */
+static Py_ssize_t push_node(pl_flat *f, fnode_kind kind, PyObject *obj, PyObject *key)
+{
+    if (grow((void **)&f->nodes, &f->cap_nodes, f->n_nodes + 1, sizeof(pl_flat_node)) < 0)
+        return -1;
+    f->nodes[f->n_nodes] = (pl_flat_node){kind, Py_XNewRef(obj), Py_XNewRef(key), 0, -1};
+    return f->n_nodes++;
+}
+
+static int add_owner(pl_flat *f, PyObject *o)
+{
+    if (grow((void **)&f->owners, &f->cap_owners, f->n_owners + 1, sizeof(PyObject *)) < 0)
+        return -1;
+    f->owners[f->n_owners++] = Py_NewRef(o);
+    return 0;
+}
+
+/* Add an array leaf to the layout (see Note [batch layout]) and its node. `owner` keeps the
+ * memory at `data` alive. */
+static int add_leaf(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
+                    const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned)
+{
+    if (ndim < 0 || ndim > PL_MAX_DIMS)
+        return leaf_error(f, PyExc_ValueError, "%d dimensions (at most %d are supported)", ndim, PL_MAX_DIMS);
+    Py_ssize_t cap = f->cap_leaves;
+    if (grow((void **)&f->leaves, &cap, f->n_leaves + 1, sizeof(pl_xfer_leaf)) < 0)
+        return -1;
+    cap = f->cap_leaves;
+    if (grow((void **)&f->dtypes, &cap, f->n_leaves + 1, sizeof(DLDataType)) < 0)
+        return -1;
+    f->cap_leaves = cap;
+    pl_xfer_leaf *L = &f->leaves[f->n_leaves];
+    memset(L, 0, sizeof(*L));
+    L->copy.src = data;
+    L->copy.ndim = ndim;
+    L->copy.itemsize = dt.bits / 8;
+    if (ndim) {
+        memcpy(L->copy.shape, shape, (size_t)ndim * sizeof(int64_t));
+        memcpy(L->copy.strides, strides, (size_t)ndim * sizeof(int64_t));
+    }
+    L->direct = pinned;
+    int rc = pl_layout_add(&f->layout, L);
+    if (rc != PL_LAYOUT_OK) {
+        char st[256];
+        shape_text(st, sizeof st, ndim, shape);
+        if (rc == PL_LAYOUT_NEGATIVE)
+            return leaf_error(f, PyExc_ValueError, "shape %s has a negative dimension", st);
+        return leaf_error(f, PyExc_ValueError, "shape %s is too large (%zu-byte elements; a batch "
+                          "holds at most %zu bytes)", st, (size_t)L->copy.itemsize, PL_LAYOUT_MAX_BYTES);
+    }
+    f->dtypes[f->n_leaves] = dt;
+    Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
+    if (node < 0 || add_owner(f, owner) < 0)
+        return -1;
+    f->nodes[node].leaf = f->n_leaves++;
+    return 0;
+}
+
+/* ---- NumPy leaves ---- */
+
+static int base_is_pinned_buffer(pl_state *st, PyArrayObject *a)
+{
+    PyObject *base = PyArray_BASE(a);
+    for (int hops = 0; base && hops < 8; hops++) {
+        if (pl_pinned_buffer_check(st, base))
+            return 1;
+        if (PyArray_Check(base))
+            base = PyArray_BASE((PyArrayObject *)base);
+        else if (PyMemoryView_Check(base))
+            base = PyMemoryView_GET_BASE(base);
+        else
+            return 0;
+    }
+    return 0;
+}
+
+/* Whether the CUDA runtime knows p as page-locked (only asked about leaves big enough to be
+ * copied directly, see PL_DIRECT_MIN_BYTES). */
+static int query_pinned(pl_flat *f, const void *p, size_t nbytes)
+{
+    if (f->b->kind != PL_BACKEND_CUDA || nbytes < PL_DIRECT_MIN_BYTES)
+        return 0;
+    int pinned = 0;
+    f->b->host_is_pinned(p, &pinned);
+    return pinned;
+}
+
+static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
+{
+    PyArray_Descr *d = PyArray_DESCR(a);
+    DLDataType dt;
+    const char *why = NULL;
+    if (pl_dtype_from_numpy(d->kind, (int)PyDataType_ELSIZE(d), d->type_num, d->byteorder, &dt, &why) < 0) {
+        char dtext[128];
+        if (text_of((PyObject *)d, 0, dtext, sizeof dtext) < 0)
+            return -1;
+        return leaf_error(f, PyExc_TypeError, "%s (dtype %s)", why, dtext);
+    }
+    int nd = PyArray_NDIM(a);
+    if (nd > PL_MAX_DIMS)
+        return leaf_error(f, PyExc_ValueError, "%d dimensions (at most %d are supported)", nd, PL_MAX_DIMS);
+    int64_t shape[PL_MAX_DIMS], strides[PL_MAX_DIMS];
+    for (int i = 0; i < nd; i++) {
+        shape[i] = PyArray_DIMS(a)[i];
+        strides[i] = PyArray_STRIDES(a)[i];
+    }
+    int pinned = PyArray_IS_C_CONTIGUOUS(a) &&
+                 (base_is_pinned_buffer(f->st, a) || query_pinned(f, PyArray_DATA(a), (size_t)PyArray_NBYTES(a)));
+    return add_leaf(f, key, (PyObject *)a, PyArray_DATA(a), nd, shape, strides, dt, pinned);
+}
+
+/* ---- DLPack leaves ---- */
+
+static PyObject *call_dlpack(PyObject *obj)
+{
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!meth)
+        return NULL;
+    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *cap = kw && empty ? PyObject_Call(meth, empty, kw) : NULL;
+    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear(); /* an exporter older than max_version */
+        cap = PyObject_CallNoArgs(meth);
+    }
+    Py_XDECREF(kw);
+    Py_XDECREF(empty);
+    Py_DECREF(meth);
+    return cap;
+}
+
+/* __dlpack__() raised: a TypeError naming the leaf, with the exporter's exception as its cause;
+ * a BaseException that is not an Exception propagates unchanged. */
+static int dlpack_call_failed(pl_flat *f)
+{
+    if (pending_is_base_only())
+        return -1;
+    PyObject *type, *cause, *tb;
+    PyErr_Fetch(&type, &cause, &tb);
+    PyErr_NormalizeException(&type, &cause, &tb);
+    if (cause && tb)
+        PyException_SetTraceback(cause, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    if (!cause)
+        return leaf_error(f, PyExc_TypeError, "__dlpack__() failed");
+    char text[200];
+    if (text_of(cause, 0, text, sizeof text) < 0) {
+        Py_DECREF(cause);
+        return -1;
+    }
+    leaf_error(f, PyExc_TypeError, "__dlpack__() failed: %s", text);
+    PyObject *exc;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc) {
+        PyException_SetCause(exc, Py_NewRef(cause));
+        PyException_SetContext(exc, Py_NewRef(cause));
+    }
+    Py_DECREF(cause);
+    PyErr_Restore(type, exc, tb);
+    return -1;
+}
+
+/* Validate an imported DLTensor before any of it is used: ndim, shape, dtype, strides and
+ * byte_offset. Fills shape and byte strides; *data gets the address of element [0, ..., 0] and
+ * *extent_hint the bytes spanned (saturated), for the pinned query. */
+static int dlpack_validate(pl_flat *f, const DLTensor *t, int64_t *shape, int64_t *strides,
+                           const char **data, size_t *extent_hint)
+{
+    const char *why = NULL;
+    if (pl_dtype_valid(t->dtype, &why) < 0)
+        return leaf_error(f, PyExc_TypeError, "%s (code %u, bits %u, lanes %u)", why,
+                          t->dtype.code, t->dtype.bits, t->dtype.lanes);
+    if (t->ndim < 0 || t->ndim > PL_MAX_DIMS)
+        return leaf_error(f, PyExc_ValueError, "DLPack ndim %d is out of range (0 to %d)", t->ndim, PL_MAX_DIMS);
+    if (t->ndim && !t->shape)
+        return leaf_error(f, PyExc_ValueError, "DLPack tensor with ndim %d has no shape", t->ndim);
+    int64_t isz = t->dtype.bits / 8;
+    int empty = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        shape[i] = t->shape[i];
+        if (shape[i] < 0) {
+            char st[256];
+            shape_text(st, sizeof st, t->ndim, t->shape);
+            return leaf_error(f, PyExc_ValueError, "DLPack shape %s has a negative dimension", st);
+        }
+        empty |= shape[i] == 0;
+    }
+    /* Byte strides (C order when the exporter gives none) and the span of the elements around
+     * element 0: [lo, hi + itemsize). */
+    int64_t acc = isz, lo = 0, hi = 0;
+    int overflow = 0;
+    uintptr_t first = 0, last = 0;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        int64_t step, span;
+        if (t->strides)
+            overflow |= __builtin_mul_overflow(t->strides[i], isz, &step);
+        else
+            step = acc;
+        strides[i] = step;
+        if (!empty) {
+            overflow |= __builtin_mul_overflow(step, shape[i] - 1, &span);
+            overflow |= span < 0 ? __builtin_add_overflow(lo, span, &lo) : __builtin_add_overflow(hi, span, &hi);
+            if (!t->strides)
+                overflow |= __builtin_mul_overflow(acc, shape[i], &acc);
+        }
+    }
+    overflow |= lo == INT64_MIN;
+    if (!empty && overflow) {
+        char st[256];
+        shape_text(st, sizeof st, t->ndim, t->shape);
+        return leaf_error(f, PyExc_ValueError, "DLPack shape %s with its strides is too large", st);
+    }
+    uintptr_t base = (uintptr_t)t->data, addr;
+    if (t->byte_offset > (uint64_t)PTRDIFF_MAX || __builtin_add_overflow(base, (uintptr_t)t->byte_offset, &addr))
+        return leaf_error(f, PyExc_ValueError, "DLPack byte_offset %llu is out of range",
+                          (unsigned long long)t->byte_offset);
+    if (!empty && (!t->data || (uintptr_t)(-lo) > addr ||
+                   __builtin_add_overflow(addr, (uintptr_t)hi, &last) ||
+                   __builtin_add_overflow(last, (uintptr_t)isz, &last)))
+        return leaf_error(f, PyExc_ValueError, "DLPack data pointer, byte_offset and strides "
+                          "address memory outside the address space");
+    if (!empty)
+        first = addr - (uintptr_t)(-lo);
+    *data = (const char *)addr;
+    *extent_hint = empty ? 0 : (size_t)(last - first);
+    return 0;
+}
+
+static int dlpack_leaf(pl_flat *f, PyObject *key, PyObject *obj, PyObject *devobj)
+{
+    int dev_type = -1, dev_id = -1;
+    if (!PyTuple_Check(devobj) || !PyArg_ParseTuple(devobj, "ii", &dev_type, &dev_id)) {
+        if (pending_is_base_only())
+            return -1;
+        PyErr_Clear();
+        return leaf_error(f, PyExc_TypeError, "__dlpack_device__() did not return (device_type, device_id)");
+    }
+    if (dev_type == kDLCUDA) {
+        if (f->b->kind == PL_BACKEND_CUDA && dev_id == f->device)
+            return push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0; /* already where it is going */
+        if (f->b->kind == PL_BACKEND_CUDA)
+            return leaf_error(f, PyExc_ValueError, "array is on cuda:%d, but this prefetcher delivers "
+                              "to cuda:%d (move it to the host or use a prefetcher for that device)",
+                              dev_id, f->device);
+        return leaf_error(f, PyExc_ValueError, "array is on cuda:%d, but this prefetcher uses the "
+                          "host backend", dev_id);
+    }
+    if (dev_type != kDLCPU && dev_type != kDLCUDAHost)
+        return leaf_error(f, PyExc_ValueError, "arrays on DLPack device type %d cannot be copied "
+                          "(only CPU and pinned host memory)", dev_type);
+    PyObject *cap = call_dlpack(obj);
+    if (!cap)
+        return dlpack_call_failed(f);
+    DLTensor *t;
+    int versioned;
+    if (pl_capsule_tensor(cap, &t, &versioned) < 0) {
+        Py_DECREF(cap);
+        if (pending_is_base_only())
+            return -1;
+        PyErr_Clear();
+        return leaf_error(f, PyExc_TypeError, "__dlpack__() did not return a usable DLPack capsule");
+    }
+    int64_t shape[PL_MAX_DIMS], strides[PL_MAX_DIMS];
+    const char *data = NULL;
+    size_t extent = 0;
+    int rc = dlpack_validate(f, t, shape, strides, &data, &extent);
+    if (rc == 0) {
+        int pinned = dev_type == kDLCUDAHost || query_pinned(f, data, extent);
+        /* The capsule stays unconsumed among the owners; dropping it runs the exporter's
+         * deleter with the GIL held. */
+        rc = add_leaf(f, key, cap, data, t->ndim, shape, strides, t->dtype, pinned);
+    }
+    Py_DECREF(cap);
+    return rc;
+}
+
+/* ---- the walk ---- */
+
+static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level);
+
+/* Walk child `item` under path suffix already pushed at `mark`. */
+static int walk_child(pl_flat *f, PyObject *item, PyObject *key, int level, size_t mark)
+{
+    int rc = walk(f, item, key, level + 1);
+    path_pop(f, mark);
+    return rc;
+}
+
+/* tuple, list (snapshot: user code run during the walk cannot change what is read) */
+static int walk_seq(pl_flat *f, PyObject *obj, PyObject *key, int level, fnode_kind kind)
+{
+    PyObject *items = PySequence_Tuple(obj);
+    if (!items)
+        return -1;
+    Py_ssize_t node = push_node(f, kind, kind == FN_NAMEDTUPLE ? (PyObject *)Py_TYPE(obj) : NULL, key);
+    PyObject *fields = NULL;
+    int rc = node < 0 ? -1 : 0;
+    if (rc == 0 && kind == FN_NAMEDTUPLE && optional_attr(obj, "_fields", &fields) < 0)
+        rc = -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        PyObject *name = fields && PyTuple_Check(fields) && i < PyTuple_GET_SIZE(fields)
+                             ? PyTuple_GET_ITEM(fields, i) : NULL;
+        size_t mark;
+        if (name && PyUnicode_Check(name))
+            rc = path_push_text(f, name, 1, &mark);
+        else
+            mark = path_push(f, "[%zd]", i);
+        if (rc == 0)
+            rc = walk_child(f, PyTuple_GET_ITEM(items, i), NULL, level, mark);
+    }
+    if (rc == 0)
+        f->nodes[node].n = n;
+    Py_XDECREF(fields);
+    Py_DECREF(items);
+    return rc;
+}
+
+/* The (key, value) pairs of a dict, walked with keys: dicts and dataclass init fields. */
+static int walk_pairs(pl_flat *f, Py_ssize_t node, PyObject *pairs, int level, int as_attr)
+{
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        PyObject *k = PyTuple_GET_ITEM(pair, 0), *v = PyTuple_GET_ITEM(pair, 1);
+        size_t mark;
+        if (path_push_text(f, k, as_attr, &mark) < 0 || walk_child(f, v, k, level, mark) < 0)
+            return -1;
+    }
+    f->nodes[node].n = n;
+    return 0;
+}
+
+static int walk_dict(pl_flat *f, PyObject *obj, PyObject *key, int level)
+{
+    PyObject *proto = NULL;
+    if (!PyDict_CheckExact(obj)) {
+        /* OrderedDict, defaultdict and other dict subclasses: a shallow copy keeps the type and
+         * its extra state (default_factory...); the rebuild fills it with the outputs. */
+        PyObject *copy_mod = PyImport_ImportModule("copy");
+        proto = copy_mod ? PyObject_CallMethod(copy_mod, "copy", "O", obj) : NULL;
+        Py_XDECREF(copy_mod);
+        if (!proto || !PyDict_Check(proto)) {
+            Py_XDECREF(proto);
+            if (pending_is_base_only())
+                return -1;
+            PyErr_Clear();
+            return leaf_error(f, PyExc_TypeError, "cannot rebuild this dict subclass (copy.copy failed)");
+        }
+        PyDict_Clear(proto);
+    }
+    PyObject *pairs = PyDict_Items(obj); /* a snapshot */
+    Py_ssize_t node = pairs ? push_node(f, FN_DICT, proto, key) : -1;
+    Py_XDECREF(proto);
+    int rc = node < 0 ? -1 : walk_pairs(f, node, pairs, level, 0);
+    Py_XDECREF(pairs);
+    return rc;
+}
+
+/* dataclass: rebuilt with type(obj)(**{field: value}) over its init fields */
+static int walk_dataclass(pl_flat *f, PyObject *obj, PyObject *key, PyObject *dcf, int level)
+{
+    if (!PyDict_Check(dcf))
+        return leaf_error(f, PyExc_TypeError, "__dataclass_fields__ is not a dict");
+    PyObject *fields = PyDict_Items(dcf);
+    PyObject *pairs = fields ? PyList_New(0) : NULL;
+    int rc = pairs ? 0 : -1;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(fields); i++) {
+        PyObject *pair = PyList_GET_ITEM(fields, i);
+        PyObject *name = PyTuple_GET_ITEM(pair, 0), *init = NULL;
+        rc = optional_attr(PyTuple_GET_ITEM(pair, 1), "init", &init);
+        int is_init = rc > 0 ? PyObject_IsTrue(init) : rc;
+        Py_XDECREF(init);
+        if (is_init < 0) {
+            rc = -1;
+            break;
+        }
+        rc = 0;
+        if (!is_init)
+            continue;
+        PyObject *value = PyObject_GetAttr(obj, name);
+        PyObject *entry = value ? PyTuple_Pack(2, name, value) : NULL;
+        Py_XDECREF(value);
+        if (!entry || PyList_Append(pairs, entry) < 0)
+            rc = -1;
+        Py_XDECREF(entry);
+    }
+    Py_ssize_t node = rc == 0 ? push_node(f, FN_DATACLASS, (PyObject *)Py_TYPE(obj), key) : -1;
+    if (node >= 0)
+        rc = walk_pairs(f, node, pairs, level, 1);
+    else
+        rc = -1;
+    Py_XDECREF(fields);
+    Py_XDECREF(pairs);
+    return rc;
+}
+
+/* Objects exporting DLPack; returns 1 when obj is one (walked), 0 when not, -1 on error. */
+static int walk_dlpack(pl_flat *f, PyObject *obj, PyObject *key)
+{
+    PyObject *devfn, *fn;
+    int has = optional_attr(obj, "__dlpack_device__", &devfn);
+    if (has <= 0)
+        return has;
+    has = optional_attr(obj, "__dlpack__", &fn);
+    Py_XDECREF(fn);
+    if (has <= 0) {
+        Py_DECREF(devfn);
+        return has;
+    }
+    PyObject *dev = PyObject_CallNoArgs(devfn);
+    Py_DECREF(devfn);
+    if (!dev)
+        return -1;
+    int rc = dlpack_leaf(f, key, obj, dev);
+    Py_DECREF(dev);
+    return rc < 0 ? -1 : 1;
+}
+
+static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
+{
+    if (level > MAX_NEST)
+        return leaf_error(f, PyExc_RecursionError, "nesting deeper than %d levels", MAX_NEST);
+    if (PyArray_Check(obj))
+        return numpy_leaf(f, key, (PyArrayObject *)obj);
+    if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyLong_Check(obj) ||
+        PyFloat_Check(obj) || PyBool_Check(obj) || PyComplex_Check(obj) || PyArray_IsScalar(obj, Generic))
+        return push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0;
+    if (PyTuple_CheckExact(obj))
+        return walk_seq(f, obj, key, level, FN_TUPLE);
+    if (PyList_Check(obj))
+        return walk_seq(f, obj, key, level, FN_LIST);
+    if (PyTuple_Check(obj)) /* namedtuple (or another tuple subclass): type(obj)(*items) */
+        return walk_seq(f, obj, key, level, FN_NAMEDTUPLE);
+    if (PyDict_Check(obj))
+        return walk_dict(f, obj, key, level);
+    PyObject *dcf;
+    int has = optional_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__", &dcf);
+    if (has < 0)
+        return -1;
+    if (has) {
+        int rc = walk_dataclass(f, obj, key, dcf, level);
+        Py_DECREF(dcf);
+        return rc;
+    }
+    has = walk_dlpack(f, obj, key);
+    if (has)
+        return has < 0 ? -1 : 0;
+    if (PyObject_CheckBuffer(obj)) {
+        PyObject *arr = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+        if (!arr) {
+            if (pending_is_base_only())
+                return -1;
+            PyErr_Clear();
+            return leaf_error(f, PyExc_TypeError, "buffer-protocol object could not be read as an array");
+        }
+        int rc = numpy_leaf(f, key, (PyArrayObject *)arr);
+        Py_DECREF(arr);
+        return rc;
+    }
+    return push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0; /* any other object passes through */
+}
+
+void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device)
+{
+    memset(f, 0, sizeof(*f));
+    f->st = st;
+    f->b = b;
+    f->device = device;
+}
+
+int pl_flat_walk(pl_flat *f, PyObject *item)
+{
+    path_push(f, "item");
+    if (walk(f, item, NULL, 0) < 0)
+        return -1;
+    pl_layout_finish(&f->layout, f->leaves, f->n_leaves);
+    return 0;
+}
+
+/* ---- rebuild ---- */
+
+static PyObject *rebuild_at(pl_flat *f, pl_block *blk, Py_ssize_t *pos);
+
+/* The children of a dict-like node into a dict (out: a new reference, filled). */
+static int rebuild_pairs(pl_flat *f, pl_block *blk, Py_ssize_t *pos, Py_ssize_t n, PyObject *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = f->nodes[*pos].key;
+        PyObject *v = rebuild_at(f, blk, pos);
+        int rc = v ? PyDict_SetItem(out, k, v) : -1;
+        Py_XDECREF(v);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *rebuild_leaf(pl_flat *f, pl_block *blk, int i)
+{
+    const pl_xfer_leaf *L = &f->leaves[i];
+    int cuda = f->b->kind == PL_BACKEND_CUDA;
+    return pl_device_array_new(f->st, blk, L->off, L->copy.ndim, L->copy.shape, f->dtypes[i],
+                               cuda ? kDLCUDA : kDLCPU, cuda ? f->device : 0);
+}
+
+static PyObject *rebuild_at(pl_flat *f, pl_block *blk, Py_ssize_t *pos)
+{
+    const pl_flat_node *nd = &f->nodes[(*pos)++];
+    PyObject *out = NULL, *args;
+    switch (nd->kind) {
+    case FN_PASS:
+        return Py_NewRef(nd->obj);
+    case FN_LEAF:
+        return rebuild_leaf(f, blk, nd->leaf);
+    case FN_TUPLE:
+    case FN_LIST:
+    case FN_NAMEDTUPLE:
+        out = nd->kind == FN_LIST ? PyList_New(nd->n) : PyTuple_New(nd->n);
+        for (Py_ssize_t i = 0; out && i < nd->n; i++) {
+            PyObject *o = rebuild_at(f, blk, pos);
+            if (!o)
+                Py_CLEAR(out);
+            else if (nd->kind == FN_LIST)
+                PyList_SET_ITEM(out, i, o);
+            else
+                PyTuple_SET_ITEM(out, i, o);
+        }
+        if (out && nd->kind == FN_NAMEDTUPLE) {
+            args = out;
+            out = PyObject_Call(nd->obj, args, NULL);
+            Py_DECREF(args);
+        }
+        return out;
+    case FN_DICT:
+        out = nd->obj ? Py_NewRef(nd->obj) : PyDict_New();
+        if (out && rebuild_pairs(f, blk, pos, nd->n, out) < 0)
+            Py_CLEAR(out);
+        return out;
+    case FN_DATACLASS:
+        out = PyDict_New();
+        args = PyTuple_New(0);
+        if (out && args && rebuild_pairs(f, blk, pos, nd->n, out) == 0)
+            Py_SETREF(out, PyObject_Call(nd->obj, args, out));
+        else
+            Py_CLEAR(out);
+        Py_XDECREF(args);
+        return out;
+    }
+    return PyErr_Format(PyExc_SystemError, "pinloader: unknown flatten node");
+}
+
+static void drop_nodes(pl_flat *f)
+{
+    for (Py_ssize_t i = 0; i < f->n_nodes; i++) {
+        Py_XDECREF(f->nodes[i].obj);
+        Py_XDECREF(f->nodes[i].key);
+    }
+    PyMem_RawFree(f->nodes);
+    f->nodes = NULL;
+    f->n_nodes = f->cap_nodes = 0;
+}
+
+PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk)
+{
+    Py_ssize_t pos = 0;
+    if (!f->n_nodes)
+        return PyErr_Format(PyExc_SystemError, "pinloader: rebuild before a walk");
+    PyObject *out = rebuild_at(f, blk, &pos);
+    drop_nodes(f);
+    return out;
+}
+
+PyObject **pl_flat_take_owners(pl_flat *f, Py_ssize_t *n)
+{
+    PyObject **o = f->owners;
+    *n = f->n_owners;
+    f->owners = NULL;
+    f->n_owners = f->cap_owners = 0;
+    return o;
+}
+
+void pl_flat_release_leaves(pl_flat *f)
+{
+    PyMem_RawFree(f->leaves);
+    PyMem_RawFree(f->dtypes);
+    f->leaves = NULL;
+    f->dtypes = NULL;
+    f->n_leaves = 0;
+    f->cap_leaves = 0;
+    memset(&f->layout, 0, sizeof f->layout);
+}
+
+void pl_flat_clear(pl_flat *f)
+{
+    for (Py_ssize_t i = 0; i < f->n_owners; i++)
+        Py_DECREF(f->owners[i]);
+    PyMem_RawFree(f->owners);
+    drop_nodes(f);
+    pl_flat_release_leaves(f);
+    pl_flat_init(f, f->st, f->b, f->device);
+}

@@ -1,0 +1,57 @@
+/* Flatten: a Python item -> array leaves with their paths and a checked layout -> the rebuilt
+ * container of DeviceArrays. Runs with the GIL held (it calls user code: __dlpack__, _fields,
+ * dataclass and namedtuple constructors, copy.copy of dict subclasses).
+ *
+ * Note [flatten in two passes]
+ * pl_flat_walk reads the item: it classifies every object (container, array leaf, pass-through),
+ * validates array leaves (dtype, DLPack ndim/shape/strides/byte_offset) and adds each to the
+ * layout (see Note [batch layout] in transfer.h), keeping a strong reference to each leaf's
+ * owner (the array, or the DLPack capsule) so its memory stays valid whatever user code does
+ * later. The shape of the item is recorded as a preorder list of nodes. Only when the whole
+ * layout is known does pl_flat_rebuild create the outputs: each DeviceArray at its final offset,
+ * then the containers around them, calling the user's constructors last. No borrowed pointer to
+ * an output outlives user code, and no output is ever patched after it was made. */
+#ifndef PL_FLATTEN_H
+#define PL_FLATTEN_H
+
+#include "module.h"
+#include "transfer.h"
+
+typedef struct pl_flat_node pl_flat_node;
+
+typedef struct pl_flat {
+    /* target, set by pl_flat_init */
+    pl_state *st;
+    const pl_backend *b;
+    int device;
+    /* results of pl_flat_walk */
+    pl_xfer_leaf *leaves;   /* layout final after a successful walk */
+    DLDataType *dtypes;     /* per leaf */
+    int n_leaves;
+    Py_ssize_t cap_leaves;
+    pl_layout layout;
+    PyObject **owners;      /* strong references keeping the leaves' memory alive */
+    Py_ssize_t n_owners, cap_owners;
+    /* private */
+    pl_flat_node *nodes;
+    Py_ssize_t n_nodes, cap_nodes;
+    char path[512];
+    size_t path_len;
+} pl_flat;
+
+void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device);
+/* Read the item (see Note [flatten in two passes]). Returns 0, or -1 with an exception set:
+ * TypeError/ValueError naming the leaf's path for bad leaves, or whatever user code raised
+ * (a BaseException that is not an Exception, such as KeyboardInterrupt, always unchanged). */
+int pl_flat_walk(pl_flat *f, PyObject *item);
+/* The output structure: DeviceArrays viewing blk, in containers of the item's types. Consumes
+ * the walked nodes; the leaves, layout and owners stay. */
+PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk);
+/* Take the owners (the caller drops them later, with the GIL); *n gets their count. */
+PyObject **pl_flat_take_owners(pl_flat *f, Py_ssize_t *n);
+/* Free the leaves and the layout (no GIL needed: transfer reads them without it). */
+void pl_flat_release_leaves(pl_flat *f);
+/* Free everything still held (GIL held). */
+void pl_flat_clear(pl_flat *f);
+
+#endif

@@ -1,0 +1,219 @@
+/* Transfer of one batch: checked layout, pinned reservation, staging, DMA, ready event.
+ * No Python. See transfer.h. */
+#include "transfer.h"
+
+#include "util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef PL_HAVE_NVTX
+#include <nvtx3/nvToolsExt.h>
+#define NVTX_PUSH(name) nvtxRangePushA(name)
+#define NVTX_POP() nvtxRangePop()
+#else
+#define NVTX_PUSH(name) ((void)0)
+#define NVTX_POP() ((void)0)
+#endif
+
+/* ---- layout (see Note [batch layout]) ---- */
+
+/* Whether a C-order walk of L reads consecutive bytes. Only called once nbytes is known to fit,
+ * and only for leaves with at least one element, so the running products cannot overflow. */
+static int leaf_contiguous(const pl_leaf_copy *c)
+{
+    int64_t expect = (int64_t)c->itemsize;
+    for (int i = c->ndim - 1; i >= 0; i--) {
+        if (c->shape[i] != 1 && c->strides[i] != expect)
+            return 0;
+        expect *= c->shape[i];
+    }
+    return 1;
+}
+
+int pl_layout_add(pl_layout *lay, pl_xfer_leaf *L)
+{
+    pl_leaf_copy *c = &L->copy;
+    size_t nbytes = c->itemsize;
+    for (int i = 0; i < c->ndim; i++) {
+        if (c->shape[i] < 0)
+            return PL_LAYOUT_NEGATIVE;
+        if (__builtin_mul_overflow(nbytes, (size_t)c->shape[i], &nbytes))
+            return PL_LAYOUT_TOO_LARGE;
+    }
+    if (nbytes > PL_LAYOUT_MAX_BYTES)
+        return PL_LAYOUT_TOO_LARGE;
+    /* nbytes <= PTRDIFF_MAX: rounding up to PL_ALIGN cannot wrap a size_t. */
+    size_t aligned = PL_ALIGN_UP(nbytes, PL_ALIGN);
+    int direct = L->direct && nbytes >= PL_DIRECT_MIN_BYTES && leaf_contiguous(c);
+    size_t staged = lay->staged, dir = lay->direct, total, payload;
+    size_t *area = direct ? &dir : &staged;
+    size_t off = *area;
+    if (__builtin_add_overflow(*area, aligned, area) ||
+        __builtin_add_overflow(staged, dir, &total) || total > PL_LAYOUT_MAX_BYTES ||
+        __builtin_add_overflow(lay->payload, nbytes, &payload))
+        return PL_LAYOUT_TOO_LARGE;
+    c->nbytes = nbytes;
+    L->off = off;
+    L->direct = direct;
+    lay->staged = staged;
+    lay->direct = dir;
+    lay->payload = payload;
+    return PL_LAYOUT_OK;
+}
+
+void pl_layout_finish(const pl_layout *lay, pl_xfer_leaf *leaves, int n)
+{
+    /* staged + direct <= PL_LAYOUT_MAX_BYTES was checked leaf by leaf. */
+    for (int i = 0; i < n; i++)
+        if (leaves[i].direct)
+            leaves[i].off += lay->staged;
+}
+
+/* ---- the pinned region ---- */
+
+/* Note [private pool cap]
+ * A prefetcher given neither a pool nor max_pinned_bytes owns a pool whose cap follows its
+ * batches: (depth + 2) times the largest staged batch seen, plus the pool's rounding slack (at
+ * most 1/8, see Note [region sizes] in pool.c), so that depth batches in flight and the next
+ * one being staged fit without waiting. The product saturates instead of wrapping, and the cap
+ * never goes above pl_pool_default_cap(), the documented default cap of every PinnedPool: a
+ * batch that cannot fit under it is an error at its position (PoolExhausted), never a reason to
+ * page-lock more of the machine. The cap only grows (pl_pool_raise_cap). */
+static void follow_batch_size(const pl_xfer *x, size_t staged)
+{
+    size_t per, want;
+    if (__builtin_add_overflow(staged, staged / 8 + PL_ALIGN, &per) ||
+        __builtin_mul_overflow((size_t)x->depth + 2, per, &want))
+        want = SIZE_MAX;
+    pl_pool_raise_cap(x->pool, PL_MIN(want, pl_pool_default_cap()));
+}
+
+/* Reserve the staged area. A first attempt does not wait, so a stall is counted only when this
+ * transfer itself had to wait (the pool's own counters include every user of a shared pool). */
+static int reserve(const pl_xfer *x, size_t n, pl_region **region, pl_xfer_times *times,
+                   char *what, size_t what_len)
+{
+    if (x->cap_follows_batches)
+        follow_batch_size(x, n);
+    int rc = pl_pool_reserve(x->pool, n, 0, x->stop, region);
+    if (rc == PL_ERR_TIMEOUT) {
+        int64_t t0 = pl_now_ns();
+        rc = pl_pool_reserve(x->pool, n, -1, x->stop, region);
+        times->stalled = 1;
+        times->stall_ns = pl_now_ns() - t0;
+    }
+    if (rc == PL_ERR_OVER_CAP)
+        snprintf(what, what_len, "a batch of %zu bytes to stage can never fit under the pinned "
+                 "cap of %zu bytes (%s)", n, pl_pool_cap(x->pool),
+                 x->cap_follows_batches ? "the default cap, pinloader.default_pinned_cap(); pass "
+                 "max_pinned_bytes or a PinnedPool to allow more" : "max_pinned_bytes or the pool's max_bytes");
+    else if (rc == PL_ERR_INVALID_VALUE)
+        snprintf(what, what_len, "the shared PinnedPool was closed");
+    else if (rc != PL_OK)
+        snprintf(what, what_len, "reserving %zu pinned bytes", n);
+    return rc;
+}
+
+/* ---- staging and copies ---- */
+
+typedef struct {
+    const pl_xfer *x;
+    pl_block *blk;
+    pl_region *region;
+} chunk_ctx;
+
+static int issue_chunk(void *arg, size_t off, size_t len)
+{
+    chunk_ctx *c = arg;
+    NVTX_PUSH("pinloader.copy");
+    int rc = c->x->b->memcpy_h2d_async((char *)c->blk->ptr + off, (char *)c->region->ptr + off, len,
+                                       c->x->copy_stream);
+    NVTX_POP();
+    return rc;
+}
+
+/* A copy failed after others were queued: the block's free and the sources' release must
+ * still come after them. Record the ready event behind them, or wait for the stream. */
+static void mark_ready_after_failure(const pl_xfer *x, pl_block *blk)
+{
+    if (!blk->ready_recorded && x->b->event_record(blk->ready, x->copy_stream) != PL_OK)
+        x->b->stream_synchronize(x->copy_stream);
+    blk->ready_recorded = 1;
+}
+
+/* Stage the staged leaves into the region, queuing each finished chunk's copy. */
+static int stage(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, const pl_layout *lay,
+                 pl_region *region, pl_block *blk)
+{
+    /* The stager wants the staged leaves' copies side by side, in region order. */
+    pl_leaf_copy *copies = malloc((size_t)n * sizeof(pl_leaf_copy));
+    if (!copies)
+        return PL_ERR_NO_MEMORY;
+    int staged = 0;
+    for (int i = 0; i < n; i++)
+        if (!leaves[i].direct) {
+            copies[staged] = leaves[i].copy;
+            copies[staged].dst = (char *)region->ptr + leaves[i].off;
+            staged++;
+        }
+    chunk_ctx c = {x, blk, region};
+    size_t chunk = lay->staged >= 2 * PL_CHUNK_BYTES ? PL_CHUNK_BYTES : 0;
+    NVTX_PUSH("pinloader.stage");
+    int rc = pl_stager_run(x->stager, copies, staged, region->ptr, lay->staged, chunk, issue_chunk, &c);
+    NVTX_POP();
+    free(copies);
+    return rc;
+}
+
+int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *lay, pl_block *blk,
+                pl_xfer_times *times, char *what, size_t what_len)
+{
+    const pl_backend *b = x->b;
+    pl_region *region = NULL;
+    int rc;
+    memset(times, 0, sizeof(*times));
+    if (lay->staged && (rc = reserve(x, lay->staged, &region, times, what, what_len)) != PL_OK)
+        return rc;
+    rc = b->set_device(x->device);
+    if (rc == PL_OK)
+        rc = pl_block_alloc(blk, lay->staged + lay->direct, x->copy_stream);
+    if (rc != PL_OK) {
+        if (region)
+            pl_pool_release(x->pool, region);
+        snprintf(what, what_len, "allocating device memory for the batch");
+        return rc;
+    }
+    if (region) {
+        int64_t t0 = pl_now_ns();
+        rc = stage(x, leaves, n, lay, region, blk);
+        times->staging_ns = pl_now_ns() - t0;
+        if (rc != PL_OK) {
+            /* Some copies may be queued: release only after the stream passes them. */
+            mark_ready_after_failure(x, blk);
+            pl_pool_release_after(x->pool, region, x->copy_stream);
+            snprintf(what, what_len, rc == PL_ERR_NO_MEMORY ? "staging" : "cudaMemcpyAsync of a staged chunk");
+            return rc;
+        }
+    }
+    int64_t t1 = pl_now_ns();
+    for (int i = 0; rc == PL_OK && i < n; i++) {
+        const pl_xfer_leaf *L = &leaves[i];
+        if (L->direct)
+            rc = b->memcpy_h2d_async((char *)blk->ptr + L->off, L->copy.src, L->copy.nbytes,
+                                     x->copy_stream);
+    }
+    if (rc == PL_OK) {
+        rc = b->event_record(blk->ready, x->copy_stream);
+        blk->ready_recorded = rc == PL_OK;
+    }
+    if (region)
+        pl_pool_release_after(x->pool, region, x->copy_stream);
+    times->issue_ns = pl_now_ns() - t1;
+    if (rc != PL_OK) {
+        mark_ready_after_failure(x, blk);
+        snprintf(what, what_len, "queuing the batch copy");
+    }
+    return rc;
+}

@@ -1,0 +1,89 @@
+/* Transfer: one batch's leaves from host memory to one device block. The layout (every size and
+ * offset, computed with checked arithmetic), the pinned reservation under a cap policy, staging
+ * with the stager, the DMA in chunks on the copy stream, and the ready event.
+ *
+ * No Python here: the producer runs all of it without the GIL. It knows nothing of where the
+ * leaves came from, so any source that can describe its batch as leaves uses it: the
+ * AsyncPrefetcher's flatten.c today; a source that gathers rows of arrays by index would add a
+ * leaf kind whose staging is a row gather. */
+#ifndef PL_TRANSFER_H
+#define PL_TRANSFER_H
+
+#include "backend.h"
+#include "block.h"
+#include "pool.h"
+#include "stager.h"
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Leaves already pinned and contiguous, at least this big, are copied by DMA straight from the
+ * source instead of being staged. */
+#define PL_DIRECT_MIN_BYTES ((size_t)64 << 10)
+/* Batches are staged and copied in chunks of this size once they are twice as big. */
+#define PL_CHUNK_BYTES ((size_t)8 << 20)
+/* No leaf, and no batch, may need more bytes than this: every offset fits a ptrdiff_t, so
+ * `base + off` never wraps, and sums of two sizes never overflow a size_t. */
+#define PL_LAYOUT_MAX_BYTES ((size_t)PTRDIFF_MAX)
+
+typedef struct pl_xfer_leaf {
+    pl_leaf_copy copy; /* the source: pointer, shape, byte strides, itemsize; nbytes set by layout */
+    size_t off;        /* offset in the device block (final after pl_layout_finish) */
+    int direct;        /* copied by DMA straight from the source (set by layout) */
+} pl_xfer_leaf;
+
+/* Note [batch layout]
+ * A batch's device block holds its staged leaves first, then its direct leaves; each leaf
+ * starts PL_ALIGN-aligned. The pinned region holds only the staged leaves, at the same offsets.
+ * pl_layout_add is the one place that turns a leaf's shape and itemsize into bytes and offsets:
+ * every product and sum is checked (__builtin_*_overflow) and bounded by PL_LAYOUT_MAX_BYTES,
+ * before anything is allocated and before any output object exists. The caller turns a refusal
+ * into an error naming the leaf. */
+typedef struct pl_layout {
+    size_t staged;  /* bytes of the pinned region (and the start of the direct area) */
+    size_t direct;  /* bytes of the direct area */
+    size_t payload; /* sum of the leaves' nbytes: what stats() calls bytes; the rest is padding */
+} pl_layout;
+
+enum {
+    PL_LAYOUT_OK = 0,
+    PL_LAYOUT_NEGATIVE = 1,  /* a negative shape entry */
+    PL_LAYOUT_TOO_LARGE = 2, /* the leaf, or the batch with it, exceeds PL_LAYOUT_MAX_BYTES */
+};
+
+/* Add leaf L (copy.ndim, copy.shape, copy.strides, copy.itemsize set; L->direct set when the
+ * source is pinned memory) to the layout: sets copy.nbytes, L->off and whether it really goes
+ * direct. Returns PL_LAYOUT_OK or a refusal; on refusal lay is unchanged. */
+int pl_layout_add(pl_layout *lay, pl_xfer_leaf *L);
+/* Once every leaf is added: move the direct leaves' offsets behind the staged area. */
+void pl_layout_finish(const pl_layout *lay, pl_xfer_leaf *leaves, int n);
+
+/* What a transfer needs; owned by the caller (the prefetcher), read-only during a transfer. */
+typedef struct pl_xfer {
+    const pl_backend *b;
+    int device;
+    pl_pool *pool;
+    int cap_follows_batches; /* a private pool without a fixed cap: see Note [private pool cap] */
+    int depth;
+    pl_stager *stager;
+    pl_stream *copy_stream;
+    const atomic_int *stop;  /* a reserve waiting for room gives up when it becomes non-zero */
+} pl_xfer;
+
+/* What one transfer measured, for the caller's stats. */
+typedef struct pl_xfer_times {
+    int stalled;        /* the reserve had to wait for pinned memory to come back */
+    int64_t stall_ns;
+    int64_t staging_ns;
+    int64_t issue_ns;
+} pl_xfer_times;
+
+/* Copy the batch: reserve the pinned region, allocate blk's device memory, stage, queue the
+ * copies, record blk's ready event. Returns PL_OK, or an error code with `what` (a sentence
+ * without the item's position) filled; after an error, blk's ready event still comes after any
+ * copy that was queued. */
+int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *lay, pl_block *blk,
+                pl_xfer_times *times, char *what, size_t what_len);
+
+#endif
