@@ -308,6 +308,19 @@ static int parse_major(PyObject *max_version, int *major)
     return 0;
 }
 
+/* A DeviceArray that the prefetcher hands to a user constructor while it rebuilds an item has
+ * no device memory yet (see Note [flatten in two passes] in flatten.h): refuse to export it
+ * rather than hand out a null pointer. */
+static int check_allocated(DeviceArrayObject *self)
+{
+    if (self->nbytes && !self->blk->ptr) {
+        PyErr_SetString(PyExc_BufferError, "this DeviceArray's batch is still being prepared (it "
+                        "cannot be exported inside a constructor the prefetcher calls)");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
@@ -317,7 +330,7 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         return NULL;
     DeviceArrayObject *self = (DeviceArrayObject *)op;
     pl_state *st = pl_state_of_type(Py_TYPE(op));
-    if (!st)
+    if (!st || check_allocated(self) < 0)
         return NULL;
     if (dl_device != Py_None) {
         int dt = -1, di = -1;
@@ -485,6 +498,8 @@ static PyObject *da_get_cai(PyObject *op, void *c)
         PyErr_SetString(PyExc_AttributeError, "__cuda_array_interface__ exists only for CUDA device arrays");
         return NULL;
     }
+    if (check_allocated(self) < 0)
+        return NULL;
     pl_stream *legacy = (pl_stream *)(uintptr_t)1;
     int rc = pl_block_wait_ready(self->blk, legacy);
     if (rc != PL_OK)
