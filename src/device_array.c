@@ -319,6 +319,8 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
     pl_state *st = pl_state_of_type(Py_TYPE(op));
     if (!st)
         return NULL;
+    if (pl_block_inherited(self->blk))
+        return pl_raise_forked("DeviceArray");
     if (dl_device != Py_None) {
         int dt = -1, di = -1;
         if (!PyArg_ParseTuple(dl_device, "ii", &dt, &di))
@@ -485,6 +487,8 @@ static PyObject *da_get_cai(PyObject *op, void *c)
         PyErr_SetString(PyExc_AttributeError, "__cuda_array_interface__ exists only for CUDA device arrays");
         return NULL;
     }
+    if (pl_block_inherited(self->blk))
+        return pl_raise_forked("DeviceArray");
     pl_stream *legacy = (pl_stream *)(uintptr_t)1;
     int rc = pl_block_wait_ready(self->blk, legacy);
     if (rc != PL_OK)
