@@ -90,6 +90,11 @@ typedef struct pl_backend {
 
 /* The host backend: always available. */
 const pl_backend *pl_backend_host(void);
+/* Its process-wide state after fork(), in the atfork child handler (module.c). */
+void pl_host_atfork_child(void);
+/* Hold (1) or run (0) every host stream's queued work: a test switch, see Note [held copies]
+ * in backend_host.c. */
+void pl_host_hold_streams(int on);
 
 /* The CUDA backend. The first call loads the runtime (thread-safe, once); later calls return
  * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or
@@ -111,8 +116,8 @@ const char *pl_error_string(const pl_backend *b, int code);
 int pl_cpu_count(void);
 int64_t pl_now_ns(void);
 void pl_sleep_ns(int64_t ns);
-/* Set in the child after fork(): every backend call from pinloader's objects then fails with
- * PL_ERR_FORKED instead of touching resources that belong to the parent. */
+/* Set in a fork() child. Only the prefetcher still reads it (it refuses to run in a child);
+ * everything else compares generations: see Note [fork generations] in util.h. */
 extern volatile int pl_forked_child;
 
 #endif

@@ -17,6 +17,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,10 +38,28 @@ struct pl_event {
 static pthread_mutex_t ev_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t ev_cv;      /* broadcast whenever a record completes; CLOCK_MONOTONIC */
 static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+static atomic_int ev_cv_made;     /* ev_cv was initialised (re-made in a fork child) */
 
 static void ev_init(void)
 {
     pl_cond_init(&ev_cv);
+    atomic_store(&ev_cv_made, 1);
+}
+
+/* Note [held copies]
+ * A test switch (pinloader._C._debug_hold_copies): while it is on, every host-backend stream's
+ * worker holds before running its next queued operation, and fresh "device" blocks are filled
+ * with HOLD_POISON. A batch handed out meanwhile has its copy queued but not run, so a consumer
+ * that reads the memory without waiting for the ready event (DLPack's __dlpack__ waits) reads
+ * the poison every time instead of racing the copy. Turning it off lets the streams run on.
+ * While it is on, anything that waits for a stream (close(), stream destruction, __dlpack__)
+ * waits until it is turned off. Never on a data path. */
+#define HOLD_POISON 0xcd
+static atomic_int hold_all; /* the switch; read by every worker before each operation */
+
+void pl_host_hold_streams(int on)
+{
+    atomic_store(&hold_all, on ? 1 : 0);
 }
 
 typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_STOP } op_kind;
@@ -168,6 +187,8 @@ static void *stream_main(void *arg)
             pthread_cond_wait(&s->cv, &s->mu);
         op *o = s->head;
         pthread_mutex_unlock(&s->mu);
+        while (atomic_load(&hold_all)) /* see Note [held copies] */
+            pl_sleep_ns(100000);
 
         /* The op stays at the head while it runs: stream_synchronize counts completions. */
         switch (o->kind) {
@@ -350,22 +371,27 @@ static int host_device_alloc(int device, size_t n, pl_stream *s, void **out)
 {
     (void)device;
     (void)s;
-    n = PL_ALIGN_UP(n ? n : 1, PL_ALIGN);
+    size_t total;
+    if (pl_align_up_checked(n ? n : 1, PL_ALIGN, &n) != 0 || __builtin_add_overflow(n, HDR, &total))
+        return PL_ERR_NO_MEMORY; /* see Note [checked sizes] in util.h */
+    void *p = NULL;
     pthread_mutex_lock(&cache_mu);
     for (int i = 0; i < n_cached; i++)
         if (cache[i].n == n) {
-            *out = (char *)cache[i].p + HDR;
+            p = cache[i].p;
             cached_bytes -= n;
             cache[i] = cache[--n_cached];
-            pthread_mutex_unlock(&cache_mu);
-            return PL_OK;
+            break;
         }
     pthread_mutex_unlock(&cache_mu);
-    void *p = NULL;
-    if (posix_memalign(&p, PL_ALIGN, n + HDR) != 0)
-        return PL_ERR_NO_MEMORY;
-    *(size_t *)p = n;
+    if (!p) {
+        if (posix_memalign(&p, PL_ALIGN, total) != 0)
+            return PL_ERR_NO_MEMORY;
+        *(size_t *)p = n;
+    }
     *out = (char *)p + HDR;
+    if (atomic_load(&hold_all))
+        memset(*out, HOLD_POISON, n);
     return PL_OK;
 }
 
@@ -374,7 +400,7 @@ static void device_block_free(void *user)
     void *p = (char *)user - HDR;
     size_t n = *(size_t *)p;
     pthread_mutex_lock(&cache_mu);
-    if (n_cached < CACHE_SLOTS && cached_bytes + n <= CACHE_BYTES) {
+    if (n_cached < CACHE_SLOTS && n <= CACHE_BYTES - cached_bytes) {
         cache[n_cached++] = (cached_block){p, n};
         cached_bytes += n;
         p = NULL;
@@ -413,6 +439,23 @@ static int host_stream_hold(pl_stream *s, volatile int *gate)
     if (!s)
         return PL_ERR_INVALID_VALUE;
     return enqueue(s, OP_HOLD, (void *)gate, NULL, 0, NULL, NULL);
+}
+
+/* ---- fork ---- */
+
+void pl_host_atfork_child(void)
+{
+    /* Only this thread exists now: the process-wide locks are re-made (a parent thread may have
+     * held them), the condition variable too (its waiters are gone), and the block cache is
+     * forgotten (it may have been mid-update); its blocks are the parent's copies, leaked.
+     * Streams and events of the parent are reached only through inherited objects, which do
+     * not use them (Note [fork generations] in util.h). */
+    pl_mutex_reset_in_child(&ev_mu);
+    if (atomic_load(&ev_cv_made))
+        pl_cond_init(&ev_cv);
+    pl_mutex_reset_in_child(&cache_mu);
+    n_cached = 0;
+    cached_bytes = 0;
 }
 
 /* ---- misc ---- */

@@ -128,6 +128,7 @@ int pl_block_create(const pl_backend *b, int device, pl_block **out)
     atomic_flag_clear(&blk->mu);
     blk->b = b;
     blk->device = device;
+    blk->gen = pl_generation();
     int rc = pl_device_event_take(b, device, &blk->ready);
     if (rc != PL_OK) {
         free(blk);
@@ -158,6 +159,8 @@ void pl_block_incref(pl_block *blk)
 int pl_block_note_use(pl_block *blk, pl_stream *s)
 {
     const pl_backend *b = blk->b;
+    if (pl_inherited(blk->gen))
+        return PL_ERR_FORKED; /* never freed in this process: nothing to order */
     /* The per-thread default stream (2) means the deleter's own thread's stream here, not the
      * consumer's: record on the legacy default stream instead, which every per-thread default
      * stream synchronises with. */
@@ -219,21 +222,52 @@ static int note_use_on_device(pl_block *blk, pl_stream *s)
     return PL_OK;
 }
 
+int pl_block_inherited(const pl_block *blk)
+{
+    return pl_inherited(blk->gen);
+}
+
+void pl_block_atfork_child(void)
+{
+    /* The parent's release streams (worker threads on the host) do not exist here and its
+     * events are its own: start from nothing, as a fresh process would. Inherited blocks are
+     * leaked without touching these counters. */
+    for (int k = 0; k < 2; k++)
+        for (int d = 0; d < MAX_DEVICES; d++) {
+            devctx *c = &ctx[k][d];
+            pl_mutex_reset_in_child(&c->mu);
+            c->init = 0;
+            c->release = NULL;
+            c->n_events = 0;
+        }
+    for (int k = 0; k < 2; k++) {
+        atomic_store(&live_bytes[k], 0);
+        atomic_store(&live_count[k], 0);
+    }
+}
+
 int pl_block_wait_ready(pl_block *blk, pl_stream *s)
 {
+    if (pl_inherited(blk->gen))
+        return PL_ERR_FORKED;
     return blk->b->stream_wait_event(s, blk->ready);
 }
 
 int pl_block_sync_ready(pl_block *blk)
 {
+    if (pl_inherited(blk->gen))
+        return PL_ERR_FORKED;
     return blk->b->event_synchronize(blk->ready);
 }
 
 static void block_free(pl_block *blk)
 {
     const pl_backend *b = blk->b;
-    if (pl_forked_child)
-        return; /* the parent's memory and events: leak */
+    if (pl_inherited(blk->gen)) {
+        free(blk->uses);
+        free(blk); /* the parent's memory and events: leak them */
+        return;
+    }
     int prev = -1;
     int have_prev = b->get_device(&prev) == PL_OK;
     b->set_device(blk->device);

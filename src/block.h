@@ -18,6 +18,7 @@ typedef struct pl_block {
     atomic_long refcount;
     const pl_backend *b;
     int device;
+    uint32_t gen;     /* process generation it was made in (Note [fork generations], util.h) */
     void *ptr;        /* device memory (NULL while size is 0 or not yet allocated) */
     size_t size;
     pl_event *ready;  /* recorded on the copy stream once the batch's copies are queued */
@@ -42,6 +43,12 @@ void pl_block_decref(pl_block *blk);
  * deleters, on any thread). s may be the legacy (1) or per-thread (2) default stream handle.
  * Makes the block's device current for the record and restores the caller's. */
 int pl_block_note_use(pl_block *blk, pl_stream *s);
+/* 1 in a fork() child for a block made before the fork: its memory, events and streams are the
+ * parent's. Such a block is never waited on and never freed (leaked), and its users must refuse
+ * to export it. */
+int pl_block_inherited(const pl_block *blk);
+/* The atfork child handler of this file's process-wide state (module.c installs it). */
+void pl_block_atfork_child(void);
 /* Make stream s wait until the block's data is ready. */
 int pl_block_wait_ready(pl_block *blk, pl_stream *s);
 /* Block the calling thread until the data is ready (host backend consumers). */

@@ -332,6 +332,8 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
     pl_state *st = pl_state_of_type(Py_TYPE(op));
     if (!st || check_allocated(self) < 0)
         return NULL;
+    if (pl_block_inherited(self->blk))
+        return pl_raise_forked("DeviceArray");
     if (dl_device != Py_None) {
         int dt = -1, di = -1;
         if (!PyArg_ParseTuple(dl_device, "ii", &dt, &di))
@@ -500,6 +502,8 @@ static PyObject *da_get_cai(PyObject *op, void *c)
     }
     if (check_allocated(self) < 0)
         return NULL;
+    if (pl_block_inherited(self->blk))
+        return pl_raise_forked("DeviceArray");
     pl_stream *legacy = (pl_stream *)(uintptr_t)1;
     int rc = pl_block_wait_ready(self->blk, legacy);
     if (rc != PL_OK)

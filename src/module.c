@@ -54,6 +54,13 @@ PyObject *pl_raise_backend(pl_state *st, const pl_backend *b, int code, const ch
     return NULL;
 }
 
+PyObject *pl_raise_forked(const char *what)
+{
+    return PyErr_Format(PyExc_RuntimeError, "this %s was created before fork(): its memory, "
+                        "threads and events belong to the parent process; create a new one in "
+                        "the child", what);
+}
+
 static int force_host(void)
 {
     const char *v = getenv("PINLOADER_BACKEND");
@@ -302,6 +309,16 @@ static PyObject *mod_live_device_blocks(PyObject *m, PyObject *arg)
     return Py_BuildValue("(ln)", pl_block_live_count(b), (Py_ssize_t)pl_block_live_bytes(b));
 }
 
+static PyObject *mod_debug_hold_copies(PyObject *m, PyObject *on)
+{
+    (void)m;
+    int v = PyObject_IsTrue(on);
+    if (v < 0)
+        return NULL;
+    pl_host_hold_streams(v);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_default_pinned_cap(PyObject *m, PyObject *noargs)
 {
     (void)m;
@@ -324,15 +341,26 @@ static PyMethodDef module_methods[] = {
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
     {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},
     {"_live_device_blocks", mod_live_device_blocks, METH_O, NULL},
+    {"_debug_hold_copies", mod_debug_hold_copies, METH_O,
+     "_debug_hold_copies(on)\n--\n\nTest switch, host backend only: while on, every host stream holds "
+     "its queued work (copies included) and new device blocks are poisoned with 0xcd, so a reader "
+     "that skips the ready-event wait sees the poison. Anything that waits for a stream waits until "
+     "it is turned off."},
     {NULL, NULL, 0, NULL},
 };
 
 /* ---- fork ---- */
 
+/* The child of fork() has one thread. Objects made before the fork see a new generation and
+ * refuse to work (see Note [fork generations] in util.h); the process-wide state of the host
+ * backend, the device blocks and the pool is re-made so that objects made in the child work. */
 static void at_fork_child(void)
 {
     pl_forked_child = 1;
     pl_generation_bump_in_child();
+    pl_host_atfork_child();
+    pl_block_atfork_child();
+    pl_pool_atfork_child();
 }
 
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;

@@ -39,6 +39,9 @@ pl_state *pl_state_of_module(PyObject *m);
  * and backend failures, MemoryError for host allocation failures. `what` says what failed.
  * Always returns NULL. */
 PyObject *pl_raise_backend(pl_state *st, const pl_backend *b, int code, const char *what);
+/* Raise RuntimeError: this `what` (a type name) was created before fork() and cannot be used
+ * in the child. Always returns NULL. */
+PyObject *pl_raise_forked(const char *what);
 
 /* Resolve a user's device argument: None (CUDA current device if usable, else host), "cpu",
  * "cuda", "cuda:N", an int, or a torch.device-like object with .type and .index.
@@ -59,6 +62,9 @@ struct pl_region;
 
 /* PinnedBuffer internals the prefetcher needs (pinned sources skip staging). */
 int pl_pinned_buffer_check(pl_state *st, PyObject *o);
+/* A byte count from a Python int: TypeError for other types, ValueError below min, and
+ * OverflowError (naming `name`) past SIZE_MAX. Returns 0 or -1. */
+int pl_parse_nbytes(PyObject *o, const char *name, size_t min, size_t *out);
 struct pl_pool *pl_pinned_pool_get(pl_state *st, PyObject *pool_obj); /* borrowed; NULL if not a pool */
 
 /* DeviceArray: a view of `nbytes` at `offset` in blk, C-contiguous. Takes a new block

@@ -4,6 +4,7 @@
 #include "pool.h"
 #include "util.h"
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <structmember.h>
@@ -47,6 +48,61 @@ static void share_decref(pinned_share *sh)
 
 #define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
 
+int pl_parse_nbytes(PyObject *o, const char *name, size_t min, size_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", name, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    size_t v = PyLong_AsSize_t(o);
+    if (v == (size_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        PyObject *zero = PyLong_FromLong(0);
+        int neg = zero ? PyObject_RichCompareBool(o, zero, Py_LT) : -1;
+        Py_XDECREF(zero);
+        if (neg < 0)
+            return -1;
+        if (neg)
+            PyErr_Format(PyExc_ValueError, "%s must be >= %zu, got %R", name, min, o);
+        else
+            PyErr_Format(PyExc_OverflowError, "%s is too large: %R does not fit in 64 bits", name, o);
+        return -1;
+    }
+    if (v < min) {
+        PyErr_Format(PyExc_ValueError, "%s must be >= %zu, got %zu", name, min, v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* A timeout in seconds: None or +inf mean no limit (-1 ns); NaN and negatives are refused;
+ * values past the int64 range of nanoseconds saturate to no limit. */
+static int parse_timeout(PyObject *o, int64_t *ns)
+{
+    *ns = -1;
+    if (o == Py_None)
+        return 0;
+    double t = PyFloat_AsDouble(o);
+    if (t == -1.0 && PyErr_Occurred())
+        return -1;
+    if (isnan(t) || t < 0) {
+        PyErr_Format(PyExc_ValueError, "timeout must be >= 0 or None, got %R", o);
+        return -1;
+    }
+    if (t * 1e9 < 9.0e18)
+        *ns = (int64_t)(t * 1e9);
+    return 0;
+}
+
+static int forked_error(const char *what)
+{
+    pl_raise_forked(what);
+    return -1;
+}
+
 /* ---- PinnedPool ---- */
 
 static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -59,16 +115,8 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!st)
         return NULL;
     size_t max_bytes = 0;
-    if (max_obj != Py_None) {
-        long long v = PyLong_AsLongLong(max_obj);
-        if (v == -1 && PyErr_Occurred())
-            return NULL;
-        if (v <= 0) {
-            PyErr_Format(PyExc_ValueError, "max_bytes must be > 0, got %lld", v);
-            return NULL;
-        }
-        max_bytes = (size_t)v;
-    }
+    if (max_obj != Py_None && pl_parse_nbytes(max_obj, "max_bytes", 1, &max_bytes) < 0)
+        return NULL;
     const pl_backend *b;
     int dev;
     if (pl_resolve_device(st, device, &b, &dev) < 0)
@@ -101,6 +149,8 @@ static void pool_dealloc(PyObject *op)
 
 static int pool_check_open(PinnedPoolObject *self)
 {
+    if (pl_pool_inherited(self->pool))
+        return forked_error("PinnedPool");
     if (self->closed) {
         PyErr_SetString(PyExc_ValueError, "PinnedPool is closed");
         return -1;
@@ -122,50 +172,43 @@ static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
 {
     PinnedPoolObject *self = (PinnedPoolObject *)op;
     static char *kwlist[] = {"nbytes", "timeout", NULL};
-    Py_ssize_t n;
-    PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:alloc", kwlist, &n, &timeout_obj))
+    PyObject *n_obj, *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O:alloc", kwlist, &n_obj, &timeout_obj))
         return NULL;
     pl_state *st = pl_state_of_type(Py_TYPE(op));
     if (!st || pool_check_open(self) < 0)
         return NULL;
-    if (n < 0) {
-        PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
+    size_t n;
+    int64_t timeout_ns;
+    if (pl_parse_nbytes(n_obj, "nbytes", 0, &n) < 0 || parse_timeout(timeout_obj, &timeout_ns) < 0)
         return NULL;
-    }
-    int64_t deadline = -1;
-    if (timeout_obj != Py_None) {
-        double t = PyFloat_AsDouble(timeout_obj);
-        if (t == -1.0 && PyErr_Occurred())
-            return NULL;
-        if (t < 0) {
-            PyErr_SetString(PyExc_ValueError, "timeout must be >= 0 or None");
-            return NULL;
-        }
-        deadline = pl_now_ns() + (int64_t)(t * 1e9);
-    }
+    if (n > (size_t)PY_SSIZE_T_MAX) /* the buffer protocol's limit */
+        return pool_exhausted(st, self->pool, n, "is larger than any buffer can be");
+    int64_t start = pl_now_ns();
     pl_region *r = NULL;
     for (;;) {
         int64_t slice = WAIT_SLICE_NS;
-        if (deadline >= 0)
-            slice = PL_MAX((int64_t)0, PL_MIN(slice, deadline - pl_now_ns()));
+        if (timeout_ns >= 0)
+            slice = PL_MAX((int64_t)0, PL_MIN(slice, timeout_ns - (pl_now_ns() - start)));
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = pl_pool_reserve(self->pool, (size_t)n, slice, NULL, &r);
+        rc = pl_pool_reserve(self->pool, n, slice, NULL, &r);
         Py_END_ALLOW_THREADS
         if (rc == PL_OK)
             break;
         if (rc == PL_ERR_TIMEOUT) {
             if (PyErr_CheckSignals() < 0)
                 return NULL;
-            if (deadline >= 0 && pl_now_ns() >= deadline)
-                return pool_exhausted(st, self->pool, (size_t)n, "timed out waiting for regions to come back");
+            if (timeout_ns >= 0 && pl_now_ns() - start >= timeout_ns)
+                return pool_exhausted(st, self->pool, n, "timed out waiting for regions to come back");
             continue;
         }
         if (rc == PL_ERR_OVER_CAP)
-            return pool_exhausted(st, self->pool, (size_t)n, "can never fit under the cap");
+            return pool_exhausted(st, self->pool, n, "can never fit under the cap");
         if (rc == PL_ERR_INVALID_VALUE)
             return PyErr_Format(PyExc_ValueError, "PinnedPool is closed");
+        if (rc == PL_ERR_FORKED)
+            return forked_error("PinnedPool"), NULL;
         return pl_raise_backend(st, self->b, rc, "PinnedPool.alloc: making a pinned slab");
     }
     pinned_share *sh = malloc(sizeof(*sh));
@@ -191,6 +234,8 @@ static PyObject *pool_stats(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     PinnedPoolObject *self = (PinnedPoolObject *)op;
+    if (pl_pool_inherited(self->pool))
+        return forked_error("PinnedPool"), NULL;
     pl_pool_stats s;
     pl_pool_get_stats(self->pool, &s);
     return Py_BuildValue(
@@ -210,6 +255,8 @@ static PyObject *pool_trim(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     PinnedPoolObject *self = (PinnedPoolObject *)op;
+    if (pl_pool_inherited(self->pool))
+        return forked_error("PinnedPool"), NULL;
     size_t freed;
     Py_BEGIN_ALLOW_THREADS
     freed = pl_pool_trim(self->pool);
@@ -245,6 +292,8 @@ static PyObject *pool_exit(PyObject *op, PyObject *args)
 static PyObject *pool_repr(PyObject *op)
 {
     PinnedPoolObject *self = (PinnedPoolObject *)op;
+    if (pl_pool_inherited(self->pool))
+        return PyUnicode_FromString("<pinloader.PinnedPool inherited through fork(): unusable>");
     pl_pool_stats s;
     pl_pool_get_stats(self->pool, &s);
     return PyUnicode_FromFormat("<pinloader.PinnedPool backend=%s max_bytes=%zu reserved=%zu "
@@ -319,6 +368,8 @@ static PyType_Spec pool_spec = {
 
 static int buffer_check_live(PinnedBufferObject *self)
 {
+    if (self->share && pl_pool_inherited(self->share->pool))
+        return forked_error("PinnedBuffer");
     if (!self->region) {
         PyErr_SetString(PyExc_ValueError, "PinnedBuffer has been released");
         return -1;
@@ -341,8 +392,13 @@ static int buffer_getbuffer(PyObject *op, Py_buffer *view, int flags)
 {
     PinnedBufferObject *self = (PinnedBufferObject *)op;
     if (buffer_check_live(self) < 0) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_BufferError, "PinnedBuffer has been released");
+        /* The buffer protocol's own exception, with the same message. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_SetObject(PyExc_BufferError, value);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
         view->obj = NULL;
         return -1;
     }

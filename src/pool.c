@@ -18,7 +18,17 @@
  * held only for list and counter updates: no backend (CUDA) call and no OS allocation happens
  * under it. Slab creation reserves its bytes under mu (so the cap holds while the slab is being
  * made), then allocates and registers outside, then inserts under mu. Polling detaches the
- * pending list under mu, queries the events outside, and re-attaches what is not ready. */
+ * pending list under mu, queries the events outside, and re-attaches what is not ready.
+ *
+ * Note [pool after fork]
+ * A pool records the process generation it was made in (Note [fork generations] in util.h). In
+ * a fork() child an inherited pool is dead: reserve and release_after fail with PL_ERR_FORKED,
+ * poll, trim, close and release do nothing, stats read zero, and the last reference frees only
+ * the pool struct. None of them takes mu (a parent thread may have held it at fork time) or
+ * calls the backend (the slabs and events belong to the parent's runtime; CUDA marks pinned
+ * memory not to be inherited). Its slabs are leaked in the child. A pool made in the child is
+ * an ordinary pool. The process-wide state of this file (the debug report and quarantine
+ * mutexes) is re-made by pl_pool_atfork_child. */
 #include "pool.h"
 #include "util.h"
 
@@ -54,6 +64,7 @@ struct pl_pool {
     atomic_long refcount;
     const pl_backend *b;
     int device;
+    uint32_t gen;           /* the process generation it was made in: Note [pool after fork] */
     pthread_mutex_t mu;
     pthread_cond_t cv;      /* broadcast when regions or slab bytes come back */
     size_t max_bytes;       /* guarded by mu */
@@ -70,6 +81,13 @@ struct pl_pool {
 
 static pthread_mutex_t debug_mu = PTHREAD_MUTEX_INITIALIZER;
 static char debug_first[512]; /* guarded by debug_mu */
+
+/* Debug mode keeps dead regions a while so a second release finds REGION_DEAD, not reused
+ * memory. */
+#define QUARANTINE 4096
+static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;
+static pl_region *quarantine[QUARANTINE]; /* guarded by q_mu */
+static size_t q_next;                     /* guarded by q_mu */
 
 void pl_debug_report(const char *fmt, ...)
 {
@@ -93,15 +111,19 @@ const char *pl_debug_first_violation(void)
     return r;
 }
 
-/* ---- sizes ---- */
+/* ---- sizes (see Note [checked sizes] in util.h) ---- */
 
+/* The size class of a request (Note [region sizes]); 0 when rounding would overflow. */
 static size_t round_request(size_t n)
 {
     if (n <= PL_ALIGN)
         return PL_ALIGN;
     size_t top = (size_t)1 << (63 - __builtin_clzll((unsigned long long)n));
     size_t g = PL_MAX((size_t)PL_ALIGN, top / 8);
-    return (n + g - 1) / g * g;
+    size_t r;
+    if (__builtin_add_overflow(n, g - 1, &r))
+        return 0;
+    return r / g * g;
 }
 
 size_t pl_pool_default_cap(void)
@@ -130,6 +152,7 @@ int pl_pool_create(const pl_backend *b, int device, size_t max_bytes, pl_pool **
     atomic_init(&p->refcount, 1);
     p->b = b;
     p->device = device;
+    p->gen = pl_generation();
     p->max_bytes = max_bytes ? max_bytes : pl_pool_default_cap();
     p->st.max_bytes = p->max_bytes;
     *out = p;
@@ -151,8 +174,18 @@ const pl_backend *pl_pool_backend(const pl_pool *p)
     return p->b;
 }
 
+int pl_pool_inherited(const pl_pool *p)
+{
+    return pl_inherited(p->gen);
+}
+
 void pl_pool_raise_cap(pl_pool *p, size_t max_bytes)
 {
+    if (pl_inherited(p->gen))
+        return;
+    /* Never past the documented default: a huge (or hostile) batch gets PL_ERR_OVER_CAP from
+     * reserve rather than a cap that lets it pin most of the host. */
+    max_bytes = PL_MIN(max_bytes, pl_pool_default_cap());
     pthread_mutex_lock(&p->mu);
     if (max_bytes > p->max_bytes) {
         p->max_bytes = max_bytes;
@@ -310,13 +343,9 @@ static void region_free_locked(pl_pool *p, pl_region *r)
     p->st.regions--;
     r->magic = REGION_DEAD;
     if (pl_debug_enabled()) {
-        /* Keep dead regions a while so a second release finds REGION_DEAD, not reused memory. */
-        static pl_region *quarantine[4096]; /* guarded by q_mu */
-        static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;
-        static size_t q_next;
         pthread_mutex_lock(&q_mu);
-        pl_region *old = quarantine[q_next % 4096];
-        quarantine[q_next++ % 4096] = r;
+        pl_region *old = quarantine[q_next % QUARANTINE];
+        quarantine[q_next++ % QUARANTINE] = r;
         pthread_mutex_unlock(&q_mu);
         free(old);
         return;
@@ -328,6 +357,8 @@ static void region_free_locked(pl_pool *p, pl_region *r)
 
 void pl_pool_poll(pl_pool *p)
 {
+    if (pl_inherited(p->gen))
+        return;
     pthread_mutex_lock(&p->mu);
     pl_region *list = p->pending;
     p->pending = NULL;
@@ -352,7 +383,6 @@ void pl_pool_poll(pl_pool *p)
         }
     }
 
-    pl_event *orphan = NULL;
     pthread_mutex_lock(&p->mu);
     *wtail = p->pending; /* keep anything added meanwhile */
     p->pending = waiting;
@@ -360,10 +390,8 @@ void pl_pool_poll(pl_pool *p)
     while (ready) {
         pl_region *r = ready;
         ready = r->next;
-        if (p->n_events < p->cap_events)
-            p->events[p->n_events++] = r->event;
-        else
-            orphan = r->event; /* only if growing the list failed: at most one leaks */
+        /* Room is guaranteed: see Note [event free list]. */
+        p->events[p->n_events++] = r->event;
         p->st.pending--;
         region_free_locked(p, r);
         freed = 1;
@@ -371,8 +399,6 @@ void pl_pool_poll(pl_pool *p)
     if (freed)
         pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    if (orphan)
-        p->b->event_destroy(orphan);
 }
 
 static int take_event(pl_pool *p, pl_event **out)
@@ -390,7 +416,7 @@ static int take_event(pl_pool *p, pl_event **out)
     return rc;
 }
 
-/* ---- reserve / release ---- */
+/* ---- reserve ---- */
 
 static int check_region(pl_region *r, const char *what)
 {
@@ -401,140 +427,201 @@ static int check_region(pl_region *r, const char *what)
     return -1;
 }
 
+/* The bytes to carve for a request of n (under mu), or 0 when it can never fit under the cap.
+ * A request that fits under the cap is never refused because of its rounding or of the debug
+ * canary: both are dropped when they would not fit. */
+static size_t request_size_locked(const pl_pool *p, size_t n)
+{
+    size_t want = n;
+    if (pl_debug_enabled() && p->max_bytes >= CANARY_BYTES && n <= p->max_bytes - CANARY_BYTES)
+        want = n + CANARY_BYTES;
+    size_t size = round_request(want ? want : 1);
+    if ((size == 0 || size > p->max_bytes) && want <= p->max_bytes)
+        size = PL_MAX(want, (size_t)1);
+    return size <= p->max_bytes ? size : 0;
+}
+
+/* One reserve in progress. */
+typedef struct {
+    size_t n, size;       /* bytes asked for; bytes to carve */
+    int64_t timeout_ns;   /* negative: no limit */
+    int64_t start;        /* when the reserve began */
+    int64_t wait_start;   /* when it first had to wait; 0 while it has not */
+    int made_slab;
+} reserve_state;
+
+/* The internal "try again" answer of the steps below (no backend uses it). */
+#define AGAIN (-1000)
+
+/* The only read of the caller's stop flag. */
+static int stop_requested(const atomic_int *stop)
+{
+    return stop && atomic_load_explicit(stop, memory_order_acquire);
+}
+
+/* Count the wait (if there was one) and drop mu; returns rc. */
+static int finish_locked(pl_pool *p, reserve_state *rs, int rc)
+{
+    if (rs->wait_start) {
+        p->st.waits++;
+        p->st.wait_ns += pl_now_ns() - rs->wait_start;
+        rs->wait_start = 0;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Carve the region from an existing slab (under mu); 1 if done. */
+static int take_from_slabs_locked(pl_pool *p, reserve_state *rs, pl_region *r)
+{
+    pl_slab *slab;
+    size_t off, taken;
+    if (!carve(p, rs->size, &slab, &off, &taken))
+        return 0;
+    *r = (pl_region){slab->base + off, taken, rs->n, slab, NULL, NULL, REGION_MAGIC};
+    p->st.in_use_bytes += taken;
+    p->st.peak_in_use_bytes = PL_MAX(p->st.peak_in_use_bytes, p->st.in_use_bytes);
+    p->st.regions++;
+    if (!rs->made_slab)
+        p->st.allocs_cached++;
+    return 1;
+}
+
+/* Bytes a new slab may still take under the cap (under mu). */
+static size_t room_locked(const pl_pool *p)
+{
+    size_t committed = pl_sat_add(p->st.reserved_bytes, p->creating);
+    return committed < p->max_bytes ? p->max_bytes - committed : 0;
+}
+
+/* The size of a new slab for a request of `size` with `room` left under the cap: the first
+ * batch sizes it, at least DEFAULT_SLAB_BYTES, PL_ALIGN-rounded where that still fits. */
+static size_t slab_size_for(size_t size, size_t room)
+{
+    size_t s = PL_MIN(PL_MAX(size, DEFAULT_SLAB_BYTES), room), up;
+    if (pl_align_up_checked(s, PL_ALIGN, &up) == 0 && up <= room)
+        s = up;
+    return s;
+}
+
+/* Make a slab of slab_size outside the lock and add it (entered with mu held, returns with it
+ * released). The bytes count against the cap while they are being made (p->creating). */
+static int grow_unlocks(pl_pool *p, reserve_state *rs, size_t slab_size)
+{
+    p->creating += slab_size;
+    pthread_mutex_unlock(&p->mu);
+
+    pl_slab *s = calloc(1, sizeof(*s));
+    extent *e = malloc(sizeof(*e));
+    void *base = NULL;
+    int rc = (s && e) ? p->b->host_alloc(slab_size, &base) : PL_ERR_NO_MEMORY;
+
+    pthread_mutex_lock(&p->mu);
+    p->creating -= slab_size;
+    pthread_cond_broadcast(&p->cv);
+    if (rc != PL_OK) {
+        free(s);
+        free(e);
+        return finish_locked(p, rs, rc);
+    }
+    *e = (extent){NULL, 0, slab_size};
+    *s = (pl_slab){p->slabs, base, slab_size, e, 0};
+    p->slabs = s;
+    p->st.reserved_bytes += slab_size;
+    p->st.peak_reserved_bytes = PL_MAX(p->st.peak_reserved_bytes, p->st.reserved_bytes);
+    p->st.slabs++;
+    p->st.slabs_created++;
+    p->st.allocs_new++;
+    rs->made_slab = 1;
+    pthread_mutex_unlock(&p->mu);
+    return AGAIN;
+}
+
+/* Wait one slice for regions to come back (entered with mu held, returns with it released):
+ * AGAIN, or PL_ERR_TIMEOUT / PL_ERR_STOPPED. */
+static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
+{
+    int64_t now = pl_now_ns();
+    if (!rs->wait_start)
+        rs->wait_start = now;
+    int64_t slice = WAIT_SLICE_NS;
+    if (rs->timeout_ns >= 0) {
+        int64_t left = rs->timeout_ns - (now - rs->start);
+        if (left <= 0)
+            return finish_locked(p, rs, PL_ERR_TIMEOUT);
+        slice = PL_MIN(slice, left);
+    }
+    if (stop_requested(stop))
+        return finish_locked(p, rs, PL_ERR_STOPPED);
+    pl_event *oldest = p->pending ? p->pending->event : NULL;
+    if (oldest) {
+        pthread_mutex_unlock(&p->mu);
+        /* Events are never destroyed before the pool, so a racing poller recycling this one
+         * only shortens or lengthens this bounded wait. */
+        p->b->event_wait(oldest, slice);
+    } else {
+        struct timespec ts;
+        pl_deadline(&ts, slice);
+        pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+        pthread_mutex_unlock(&p->mu);
+    }
+    return AGAIN;
+}
+
+/* One attempt (entered with mu held, returns with it released): PL_OK with *r filled, AGAIN,
+ * or an error. */
+static int reserve_once(pl_pool *p, reserve_state *rs, pl_region *r, const atomic_int *stop)
+{
+    if (p->closed)
+        return finish_locked(p, rs, PL_ERR_INVALID_VALUE);
+    if (take_from_slabs_locked(p, rs, r))
+        return finish_locked(p, rs, PL_OK);
+    if (rs->size > p->max_bytes)
+        return finish_locked(p, rs, PL_ERR_OVER_CAP);
+    size_t room = room_locked(p);
+    if (rs->size <= room)
+        return grow_unlocks(p, rs, slab_size_for(rs->size, room));
+    /* Fragmented but idle slabs: give them back so one big enough can be made. */
+    pl_slab *idle = detach_free_slabs(p);
+    if (idle) {
+        pthread_mutex_unlock(&p->mu);
+        free_slab_list(p->b, idle);
+        return AGAIN;
+    }
+    return wait_unlocks(p, rs, stop);
+}
+
 int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const atomic_int *stop,
                     pl_region **out)
 {
-    if (pl_forked_child)
+    if (pl_inherited(p->gen))
         return PL_ERR_FORKED;
-    size_t want = n + (pl_debug_enabled() ? CANARY_BYTES : 0);
-    size_t size = round_request(want ? want : 1);
-    /* A request that fits under the cap is never refused because of its rounding (or of the
-     * debug canary). */
     pthread_mutex_lock(&p->mu);
-    if (want > p->max_bytes)
-        want = n;
-    if (size > p->max_bytes && want <= p->max_bytes)
-        size = PL_MAX(want, (size_t)1);
+    size_t size = request_size_locked(p, n);
     pthread_mutex_unlock(&p->mu);
+    if (size == 0)
+        return PL_ERR_OVER_CAP;
     pl_region *r = malloc(sizeof(*r));
     if (!r)
         return PL_ERR_NO_MEMORY;
-
-    int64_t start = pl_now_ns(), wait_start = 0;
-    int rc = PL_OK, made_slab = 0;
-    for (;;) {
+    reserve_state rs = {n, size, timeout_ns, pl_now_ns(), 0, 0};
+    int rc;
+    do {
         pl_pool_poll(p);
         pthread_mutex_lock(&p->mu);
-        if (p->closed) {
-            rc = PL_ERR_INVALID_VALUE;
-            goto fail_locked;
-        }
-        pl_slab *slab;
-        size_t off, taken;
-        if (carve(p, size, &slab, &off, &taken)) {
-            *r = (pl_region){slab->base + off, taken, n, slab, NULL, NULL, REGION_MAGIC};
-            p->st.in_use_bytes += taken;
-            p->st.peak_in_use_bytes = PL_MAX(p->st.peak_in_use_bytes, p->st.in_use_bytes);
-            p->st.regions++;
-            if (!made_slab)
-                p->st.allocs_cached++;
-            if (wait_start) {
-                p->st.waits++;
-                p->st.wait_ns += pl_now_ns() - wait_start;
-            }
-            pthread_mutex_unlock(&p->mu);
-            if (pl_debug_enabled())
-                canary_fill(r);
-            *out = r;
-            return PL_OK;
-        }
-        if (size > p->max_bytes) {
-            rc = PL_ERR_OVER_CAP;
-            goto fail_locked;
-        }
-        size_t committed = p->st.reserved_bytes + p->creating;
-        if (committed + size <= p->max_bytes) {
-            /* Make a slab outside the lock; the first batch sizes it. */
-            size_t slab_size = PL_MIN(PL_MAX(size, DEFAULT_SLAB_BYTES), p->max_bytes - committed);
-            if (PL_ALIGN_UP(slab_size, PL_ALIGN) <= p->max_bytes - committed)
-                slab_size = PL_ALIGN_UP(slab_size, PL_ALIGN);
-            p->creating += slab_size;
-            pthread_mutex_unlock(&p->mu);
-
-            pl_slab *s = calloc(1, sizeof(*s));
-            extent *e = malloc(sizeof(*e));
-            void *base = NULL;
-            int arc = (s && e) ? p->b->host_alloc(slab_size, &base) : PL_ERR_NO_MEMORY;
-
-            pthread_mutex_lock(&p->mu);
-            p->creating -= slab_size;
-            if (arc != PL_OK) {
-                pthread_cond_broadcast(&p->cv);
-                pthread_mutex_unlock(&p->mu);
-                free(s);
-                free(e);
-                rc = arc;
-                goto fail;
-            }
-            *e = (extent){NULL, 0, slab_size};
-            *s = (pl_slab){p->slabs, base, slab_size, e, 0};
-            p->slabs = s;
-            p->st.reserved_bytes += slab_size;
-            p->st.peak_reserved_bytes = PL_MAX(p->st.peak_reserved_bytes, p->st.reserved_bytes);
-            p->st.slabs++;
-            p->st.slabs_created++;
-            p->st.allocs_new++;
-            made_slab = 1;
-            pthread_cond_broadcast(&p->cv);
-            pthread_mutex_unlock(&p->mu);
-            continue;
-        }
-        /* Fragmented but idle slabs: give them back so one big enough can be made. */
-        pl_slab *idle = detach_free_slabs(p);
-        if (idle) {
-            pthread_mutex_unlock(&p->mu);
-            free_slab_list(p->b, idle);
-            continue;
-        }
-        pl_event *oldest = p->pending ? p->pending->event : NULL;
-        if (!wait_start)
-            wait_start = pl_now_ns();
-        int64_t slice = WAIT_SLICE_NS;
-        if (timeout_ns >= 0) {
-            int64_t left = start + timeout_ns - pl_now_ns();
-            if (left <= 0) {
-                rc = PL_ERR_TIMEOUT;
-                goto fail_locked;
-            }
-            slice = PL_MIN(slice, left);
-        }
-        if (stop && atomic_load(stop)) {
-            rc = PL_ERR_STOPPED;
-            goto fail_locked;
-        }
-        if (oldest) {
-            pthread_mutex_unlock(&p->mu);
-            /* Events are never destroyed before the pool, so a racing poller recycling this one
-             * only shortens or lengthens this bounded wait. */
-            p->b->event_wait(oldest, slice);
-        } else {
-            struct timespec ts;
-            pl_deadline(&ts, slice);
-            pthread_cond_timedwait(&p->cv, &p->mu, &ts);
-            pthread_mutex_unlock(&p->mu);
-        }
+        rc = reserve_once(p, &rs, r, stop);
+    } while (rc == AGAIN);
+    if (rc != PL_OK) {
+        free(r);
+        return rc;
     }
-
-fail_locked:
-    if (wait_start) {
-        p->st.waits++;
-        p->st.wait_ns += pl_now_ns() - wait_start;
-    }
-    pthread_mutex_unlock(&p->mu);
-fail:
-    free(r);
-    return rc;
+    if (pl_debug_enabled())
+        canary_fill(r);
+    *out = r;
+    return PL_OK;
 }
+
+/* ---- release ---- */
 
 static void maybe_free_closed(pl_pool *p)
 {
@@ -547,8 +634,8 @@ static void maybe_free_closed(pl_pool *p)
 
 void pl_pool_release(pl_pool *p, pl_region *r)
 {
-    if (pl_forked_child)
-        return; /* the parent's memory; its lock may have been held at fork time */
+    if (pl_inherited(p->gen))
+        return; /* see Note [pool after fork] */
     if (!r || check_region(r, "release") != 0)
         return;
     pthread_mutex_lock(&p->mu);
@@ -558,44 +645,57 @@ void pl_pool_release(pl_pool *p, pl_region *r)
     maybe_free_closed(p);
 }
 
+/* Note [event free list]
+ * Every event the pool owns is either on the free list (events[0..n_events)) or attached to a
+ * pending region, and the list's capacity always covers both: pending + n_events <= cap_events.
+ * release_after grows the list before it adds a pending region, and falls back to a synchronous
+ * release when growing fails; so polling always has room to recycle an event, and never
+ * destroys (or leaks) one. */
 int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
 {
+    if (pl_inherited(p->gen))
+        return PL_ERR_FORKED;
     if (!r || check_region(r, "release_after") != 0)
         return PL_ERR_INVALID_VALUE;
     pl_event *e = NULL;
     int rc = take_event(p, &e);
     if (rc == PL_OK)
         rc = p->b->event_record(e, s);
-    if (rc != PL_OK) {
-        /* No event: fall back to waiting for the stream, then release now. */
-        if (e)
-            p->b->event_destroy(e);
-        p->b->stream_synchronize(s);
-        pl_pool_release(p, r);
-        return rc;
-    }
-    r->event = e;
-    pthread_mutex_lock(&p->mu);
-    /* Keep room on the event free list for every pending event, so polling never has to drop
-     * (destroy under the lock) an event it recycles. */
-    if (p->cap_events < p->st.pending + p->n_events + 1) {
-        size_t cap = PL_MAX(p->cap_events * 2, (size_t)16);
-        pl_event **ev = realloc(p->events, cap * sizeof(*ev));
-        if (ev) {
-            p->events = ev;
-            p->cap_events = cap;
+    if (rc == PL_OK) {
+        pthread_mutex_lock(&p->mu);
+        size_t need = p->st.pending + p->n_events + 1;
+        if (p->cap_events < need) {
+            size_t cap = PL_MAX(pl_sat_mul(p->cap_events, 2), (size_t)16);
+            pl_event **ev = cap < SIZE_MAX / sizeof(*ev) ? realloc(p->events, cap * sizeof(*ev)) : NULL;
+            if (ev) {
+                p->events = ev;
+                p->cap_events = cap;
+            }
         }
+        if (p->cap_events >= need) {
+            r->event = e;
+            r->next = p->pending;
+            p->pending = r;
+            p->st.pending++;
+            pthread_mutex_unlock(&p->mu);
+            return PL_OK;
+        }
+        pthread_mutex_unlock(&p->mu);
+        rc = PL_ERR_NO_MEMORY;
     }
-    r->next = p->pending;
-    p->pending = r;
-    p->st.pending++;
-    pthread_mutex_unlock(&p->mu);
-    return PL_OK;
+    /* No event, or no room to keep it: wait for the stream, then release now. */
+    if (e)
+        p->b->event_destroy(e);
+    p->b->stream_synchronize(s);
+    pl_pool_release(p, r);
+    return rc;
 }
+
+/* ---- stats, trim, close ---- */
 
 void pl_pool_get_stats(pl_pool *p, pl_pool_stats *st)
 {
-    if (pl_forked_child) {
+    if (pl_inherited(p->gen)) {
         memset(st, 0, sizeof(*st));
         return;
     }
@@ -607,6 +707,8 @@ void pl_pool_get_stats(pl_pool *p, pl_pool_stats *st)
 
 size_t pl_pool_trim(pl_pool *p)
 {
+    if (pl_inherited(p->gen))
+        return 0;
     pl_pool_poll(p);
     pthread_mutex_lock(&p->mu);
     pl_slab *idle = detach_free_slabs(p);
@@ -630,18 +732,20 @@ static void drain_pending(pl_pool *p)
 
 void pl_pool_close(pl_pool *p)
 {
-    if (!pl_forked_child)
-        drain_pending(p);
+    if (pl_inherited(p->gen))
+        return;
+    drain_pending(p);
     pthread_mutex_lock(&p->mu);
     p->closed = 1;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    if (!pl_forked_child)
-        maybe_free_closed(p);
+    maybe_free_closed(p);
 }
 
 int pl_pool_closed(pl_pool *p)
 {
+    if (pl_inherited(p->gen))
+        return 1;
     pthread_mutex_lock(&p->mu);
     int c = p->closed;
     pthread_mutex_unlock(&p->mu);
@@ -652,8 +756,10 @@ void pl_pool_decref(pl_pool *p)
 {
     if (!p || atomic_fetch_sub(&p->refcount, 1) != 1)
         return;
-    if (pl_forked_child) {
-        /* The slabs and events belong to the parent's CUDA context: leak them. */
+    if (pl_inherited(p->gen)) {
+        /* Slabs and events belong to the parent (Note [pool after fork]): leak them. */
+        free(p->events);
+        free(p);
         return;
     }
     pl_pool_close(p);
@@ -668,4 +774,10 @@ void pl_pool_decref(pl_pool *p)
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p);
+}
+
+void pl_pool_atfork_child(void)
+{
+    pl_mutex_reset_in_child(&debug_mu);
+    pl_mutex_reset_in_child(&q_mu);
 }

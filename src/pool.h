@@ -7,7 +7,6 @@
 #include "backend.h"
 
 #include <stdatomic.h>
-
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,15 +46,21 @@ void pl_pool_incref(pl_pool *p);
 void pl_pool_decref(pl_pool *p); /* the last reference syncs pending releases and frees all */
 size_t pl_pool_default_cap(void);
 size_t pl_pool_cap(const pl_pool *p);
-/* Raise the cap (never lowers it). The prefetcher's private pool grows its cap to fit
- * (depth + 2) of the largest batch seen. */
+/* Raise the cap (never lowers it), to at most pl_pool_default_cap(). The prefetcher's private
+ * pool grows its cap to fit (depth + 2) of the largest batch seen. */
 void pl_pool_raise_cap(pl_pool *p, size_t max_bytes);
 const pl_backend *pl_pool_backend(const pl_pool *p);
+/* 1 in a fork() child for a pool made before the fork: see Note [pool after fork] in pool.c. */
+int pl_pool_inherited(const pl_pool *p);
+/* The atfork child handler of this file's process-wide state (module.c installs it). */
+void pl_pool_atfork_child(void);
 
 /* Reserve a region of n bytes. Waits while the cap is reached, for at most timeout_ns
  * (negative: no limit) or until *stop becomes non-zero (stop may be NULL).
  * Returns PL_OK, PL_ERR_TIMEOUT, PL_ERR_STOPPED, PL_ERR_OVER_CAP when n can never fit under
- * the cap, PL_ERR_NO_MEMORY when the OS refused memory, PL_ERR_INVALID_VALUE after close, or a backend error. */
+ * the cap, PL_ERR_NO_MEMORY when the OS refused memory, PL_ERR_INVALID_VALUE after close,
+ * PL_ERR_FORKED for a pool inherited through fork(), or a backend error. Any n, up to SIZE_MAX,
+ * is safe: sizes are computed as Note [checked sizes] in util.h says. */
 int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const atomic_int *stop,
                     pl_region **out);
 /* Give the region back now. */

@@ -27,6 +27,14 @@ void pl_generation_bump_in_child(void)
     atomic_fetch_add_explicit(&generation, 1, memory_order_relaxed);
 }
 
+void pl_mutex_reset_in_child(pthread_mutex_t *m)
+{
+    /* The holder, if any, was another thread of the parent: it does not exist here, so the
+     * mutex is re-made unlocked rather than unlocked. */
+    static const pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(m, &fresh, sizeof fresh);
+}
+
 int pl_cpu_count(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -76,7 +84,7 @@ size_t pl_page_size(void)
 size_t pl_physical_memory(void)
 {
     long pages = sysconf(_SC_PHYS_PAGES);
-    return pages > 0 ? (size_t)pages * pl_page_size() : (size_t)8 << 30;
+    return pages > 0 ? pl_sat_mul((size_t)pages, pl_page_size()) : (size_t)8 << 30;
 }
 
 size_t pl_memlock_limit(void)
@@ -121,7 +129,8 @@ static void *prefault_main(void *arg)
 int pl_os_alloc(size_t n, void **out)
 {
     size_t page = pl_page_size();
-    n = PL_ALIGN_UP(n, page);
+    if (n == 0 || pl_align_up_checked(n, page, &n) != 0)
+        return n ? PL_ERR_NO_MEMORY : PL_ERR_INVALID_VALUE;
     void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return PL_ERR_NO_MEMORY;

@@ -11,6 +11,32 @@
 #define PL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PL_MAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* Note [checked sizes]
+ * Every size derived from a request (rounding, alignment, slab sizes, caps) is computed with
+ * these: an overflow either saturates at SIZE_MAX (a cap: "no limit") or is reported (a size:
+ * the caller fails cleanly), never wraps to a small number. PL_ALIGN_UP is only for values
+ * already known to be far below SIZE_MAX. */
+static inline size_t pl_sat_add(size_t a, size_t b)
+{
+    size_t r;
+    return __builtin_add_overflow(a, b, &r) ? SIZE_MAX : r;
+}
+static inline size_t pl_sat_mul(size_t a, size_t b)
+{
+    size_t r;
+    return __builtin_mul_overflow(a, b, &r) ? SIZE_MAX : r;
+}
+/* *out = n rounded up to a multiple of a (a power of two); returns -1 (and leaves *out) on
+ * overflow. */
+static inline int pl_align_up_checked(size_t n, size_t a, size_t *out)
+{
+    size_t r;
+    if (__builtin_add_overflow(n, a - 1, &r))
+        return -1;
+    *out = r & ~(a - 1);
+    return 0;
+}
+
 /* Anonymous page-aligned memory with every page touched by several threads, so that pinning
  * it (cudaHostRegister) or first use does not fault page by page on one core. */
 int pl_os_alloc(size_t n, void **out);
@@ -34,6 +60,9 @@ int pl_cond_init(pthread_cond_t *c);
 uint32_t pl_generation(void);
 static inline int pl_inherited(uint32_t gen) { return gen != pl_generation(); }
 void pl_generation_bump_in_child(void); /* the atfork child handler */
+/* In the atfork child handler only (one thread): make a process-wide mutex usable again,
+ * whoever held it at fork time. */
+void pl_mutex_reset_in_child(pthread_mutex_t *m);
 
 /* Debug mode (PINLOADER_DEBUG=1): invariant checks with canaries; read once. */
 int pl_debug_enabled(void);
