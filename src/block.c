@@ -181,6 +181,8 @@ void pl_block_incref(pl_block *blk)
 int pl_block_note_use(pl_block *blk, pl_stream *s)
 {
     const pl_backend *b = blk->b;
+    if (pl_inherited(blk->gen))
+        return PL_ERR_FORKED; /* the parent's block: its lock may have been held at fork */
     /* The per-thread default stream (2) means the deleter's own thread's stream here, not the
      * consumer's: record on the legacy default stream instead, which every per-thread default
      * stream synchronises with. */
@@ -333,6 +335,13 @@ int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo)
     if (memo && memoizable(s))
         *memo = memo_insert(blk, s);
     return PL_OK;
+}
+
+int pl_block_consumer_wait_blocks(pl_block *blk)
+{
+    if (blk->b->kind == PL_BACKEND_CUDA || pl_inherited(blk->gen))
+        return 0;
+    return blk->b->event_query(blk->ready) != PL_OK;
 }
 
 void pl_block_consumer_done(pl_block *blk, pl_stream *s)

@@ -69,6 +69,9 @@ int pl_block_wait_ready(pl_block *blk, pl_stream *s);
 int pl_block_consumer_memo(pl_block *blk, pl_stream *s);
 int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo);
 void pl_block_consumer_done(pl_block *blk, pl_stream *s);
+/* Whether pl_block_consumer_wait would block the calling thread now (host backend, copy not
+ * finished): callers release the GIL only then. A brief event query, never a wait. */
+int pl_block_consumer_wait_blocks(pl_block *blk);
 /* Process-wide counts of consumer waits issued and skipped thanks to the memo, per backend. */
 void pl_block_consumer_counters(pl_backend_kind kind, unsigned long long *waits,
                                 unsigned long long *skipped);

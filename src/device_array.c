@@ -234,7 +234,9 @@ static void da_export_release(void *owner)
 
 /* Make the consumer wait for the batch's copy, once per (block, stream) while exports to that
  * stream live. CUDA: queued on the stream, GIL kept (no blocking). Host: the CPU is the
- * consumer and blocks, GIL released. `where` prefixes an error (the leaf of export_capsules). */
+ * consumer and blocks, with the GIL released, unless the copy has finished (the usual case:
+ * the pipeline runs ahead), where releasing the GIL would only hand it to the producer thread.
+ * `where` prefixes an error (the leaf of export_capsules). */
 static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, const char *where)
 {
     if (pl_block_consumer_memo(blk, s)) {
@@ -242,8 +244,8 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, c
         return 0;
     }
     int rc;
-    if (blk->b->kind == PL_BACKEND_CUDA) {
-        rc = pl_block_consumer_wait(blk, s, memo);
+    if (!pl_block_consumer_wait_blocks(blk)) {
+        rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
     } else {
         Py_BEGIN_ALLOW_THREADS
         rc = pl_block_consumer_wait(blk, s, memo);

@@ -404,3 +404,46 @@ def test_export_capsules_from_many_threads(batch):
     w1, s1 = counters()
     assert (w1 - w0) + (s1 - s0) == 4 * 20 * len(keys)
     assert 1 <= w1 - w0 <= 4 * 20
+
+
+def test_inherited_device_array_export_fails_fast_in_a_forked_child():
+    """Issue 14 item 4: a DeviceArray taken before fork() made the child's __dlpack__ hang; the
+    consumer wait now refuses an inherited block at once (Note [fork generations])."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys, time, warnings
+import numpy as np
+import pinloader
+warnings.simplefilter("ignore", DeprecationWarning)
+pf = pinloader.AsyncPrefetcher([{"x": np.arange(5)}], device="cpu")
+b = next(iter(pf))
+pid = os.fork()
+if pid == 0:
+    code = 0
+    for f in (lambda: b["x"].__dlpack__(), lambda: pinloader._C.export_capsules([b["x"]], None)):
+        try:
+            f()
+            code = 11
+        except pinloader.CudaError as e:
+            code = code or (0 if "fork" in str(e) else 12)
+        except BaseException:
+            code = 13
+    os._exit(code)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+        break
+    time.sleep(0.01)
+else:
+    os.kill(pid, 9)
+    print("CHILD HANG", flush=True)
+print("PARENT", np.from_dlpack(b["x"]).tolist(), flush=True)
+pf.close()
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "CHILD 0" in p.stdout, (p.stdout, p.stderr)
+    assert "PARENT [0, 1, 2, 3, 4]" in p.stdout, (p.stdout, p.stderr)
