@@ -5,7 +5,11 @@
  * The data is ready once the batch's ready event (recorded on the copy stream) completes.
  * __dlpack__(stream=S) makes S wait on that event (cudaStreamWaitEvent) and returns at once:
  * the host never blocks on the GPU. On the host backend the consumer is the CPU itself, so
- * __dlpack__ waits for the event (the copy is usually long finished: the pipeline runs ahead). */
+ * __dlpack__ waits for the event (the copy is usually long finished: the pipeline runs ahead).
+ * Either way the wait is issued once per (batch, consumer stream) while exports to that stream
+ * are alive: see Note [consumer waits] in block.c. export_capsules exports a whole batch's
+ * leaves for one stream in one call, for adapters that know the consumer stream once per
+ * batch. The capsules themselves are made in dlpack.c. */
 #include "module.h"
 
 #include "block.h"
@@ -517,9 +521,12 @@ static PyMethodDef da_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))da_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Export as a DLPack capsule. For CUDA arrays, `stream` (None or 1: legacy default, 2:\n"
-     "per-thread default, a cudaStream_t, -1: no synchronisation) is made to wait for the\n"
-     "batch's copy with cudaStreamWaitEvent; the host does not block. The memory is freed in\n"
-     "stream order after that stream's use. max_version >= (1, 0) gives a versioned capsule."},
+     "per-thread default, a cudaStream_t, -1: no synchronisation; 0 is ambiguous and refused)\n"
+     "is made to wait for the batch's copy with cudaStreamWaitEvent (once per batch and stream\n"
+     "while its exports live); the host does not block. The memory is freed in stream order\n"
+     "after that stream's use. On the host backend stream must be None or -1. max_version >=\n"
+     "(1, 0) gives a versioned capsule; dl_device may only name this array's device; copy=True\n"
+     "raises BufferError (pinloader never copies on export)."},
     {"__dlpack_device__", da_dlpack_device, METH_NOARGS, "__dlpack_device__()\n--\n\n(device_type, device_id)."},
     {NULL, NULL, 0, NULL},
 };

@@ -30,6 +30,24 @@ static int is_int(PyObject *o)
     return PyLong_Check(o) && !PyBool_Check(o);
 }
 
+/* max_version and dl_device entries may also be integer-like (an IntEnum, a NumPy integer):
+ * anything with __index__, except bool. */
+static int is_index(PyObject *o)
+{
+    return PyIndex_Check(o) && !PyBool_Check(o);
+}
+
+/* An is_index() object as a long long; *overflow as PyLong_AsLongLongAndOverflow sets it. */
+static int index_value(PyObject *o, long long *v, int *overflow)
+{
+    PyObject *i = PyNumber_Index(o);
+    if (!i)
+        return -1;
+    *v = PyLong_AsLongLongAndOverflow(i, overflow);
+    Py_DECREF(i);
+    return *v == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* max_version: None, or a (major, minor) tuple. Only the major matters to pinloader; any int
  * is accepted (a consumer of DLPack 2**70 still gets our 1.x versioned capsule). */
 static int parse_max_version(PyObject *max_version, int *versioned)
@@ -38,14 +56,14 @@ static int parse_max_version(PyObject *max_version, int *versioned)
     if (max_version == Py_None)
         return 0;
     if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) != 2 ||
-        !is_int(PyTuple_GET_ITEM(max_version, 0)) || !is_int(PyTuple_GET_ITEM(max_version, 1))) {
+        !is_index(PyTuple_GET_ITEM(max_version, 0)) || !is_index(PyTuple_GET_ITEM(max_version, 1))) {
         PyErr_Format(PyExc_TypeError, "max_version must be None or a (major, minor) tuple of "
                      "ints, not %.100s", Py_TYPE(max_version)->tp_name);
         return -1;
     }
     int overflow = 0;
-    long long major = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(max_version, 0), &overflow);
-    if (major == -1 && PyErr_Occurred())
+    long long major;
+    if (index_value(PyTuple_GET_ITEM(max_version, 0), &major, &overflow) < 0)
         return -1;
     *versioned = overflow > 0 || (overflow == 0 && major >= 1);
     return 0;
@@ -55,8 +73,8 @@ static int parse_max_version(PyObject *max_version, int *versioned)
 static int device_field(PyObject *o, int32_t *out, int *out_of_range)
 {
     int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (v == -1 && PyErr_Occurred())
+    long long v;
+    if (index_value(o, &v, &overflow) < 0)
         return -1;
     if (overflow || v < INT32_MIN || v > INT32_MAX)
         *out_of_range = 1;
@@ -71,7 +89,7 @@ static int parse_dl_device(PyObject *dl_device, pl_dlpack_request *req)
     if (dl_device == Py_None)
         return 0;
     if (!PyTuple_Check(dl_device) || PyTuple_GET_SIZE(dl_device) != 2 ||
-        !is_int(PyTuple_GET_ITEM(dl_device, 0)) || !is_int(PyTuple_GET_ITEM(dl_device, 1))) {
+        !is_index(PyTuple_GET_ITEM(dl_device, 0)) || !is_index(PyTuple_GET_ITEM(dl_device, 1))) {
         PyErr_Format(PyExc_TypeError, "dl_device must be None or a (device_type, device_id) "
                      "tuple of ints, not %.100s", Py_TYPE(dl_device)->tp_name);
         return -1;

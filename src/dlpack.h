@@ -25,7 +25,8 @@ typedef struct {
 
 /* Parse max_version (None or a (major, minor) tuple of ints; any int range), dl_device (None
  * or a 2-tuple of ints; values outside int32 are BufferError: no such device can be served)
- * and copy (None or a bool). */
+ * and copy (None or a bool). "int" here is anything with __index__ except bool (an IntEnum,
+ * a NumPy integer); the stream (pl_dlpack_parse_stream) must be a plain int. */
 int pl_dlpack_parse_request(PyObject *max_version, PyObject *dl_device, PyObject *copy,
                             pl_dlpack_request *req);
 
@@ -182,7 +183,8 @@ typedef struct {
 
 /* Parse max_version (None or a (major, minor) tuple of ints; any int range), dl_device (None
  * or a 2-tuple of ints; values outside int32 are BufferError: no such device can be served)
- * and copy (None or a bool). */
+ * and copy (None or a bool). "int" here is anything with __index__ except bool (an IntEnum,
+ * a NumPy integer); the stream (pl_dlpack_parse_stream) must be a plain int. */
 int pl_dlpack_parse_request(PyObject *max_version, PyObject *dl_device, PyObject *copy,
                             pl_dlpack_request *req);
 

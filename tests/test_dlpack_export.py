@@ -150,6 +150,36 @@ def test_dlpack_accepted_arguments(device_array, pinned_buffer):
         device_array.__dlpack__(dl_device=(3, 0))
 
 
+class _BadIndex:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __index__(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize("which", ["device_array", "pinned_buffer"])
+def test_dlpack_integer_like_arguments(which, request):
+    """IntEnums and NumPy integers are ints to DLPack (torch passes its DLDeviceType enum); an
+    __index__ that raises propagates its own exception, a KeyboardInterrupt unchanged."""
+    import enum
+
+    class Dev(enum.IntEnum):
+        CPU = 1
+
+    obj = request.getfixturevalue(which)
+    assert capsule_name(obj.__dlpack__(dl_device=(Dev.CPU, np.int64(0)))) == "dltensor"
+    assert capsule_name(obj.__dlpack__(max_version=(np.int32(1), np.uint8(3)))) == "dltensor_versioned"
+    for kwargs in (dict(dl_device=(_BadIndex(ValueError("no")), 0)),
+                   dict(max_version=(_BadIndex(ValueError("no")), 0))):
+        with pytest.raises(ValueError, match="no"):
+            obj.__dlpack__(**kwargs)
+    with pytest.raises(KeyboardInterrupt):
+        obj.__dlpack__(dl_device=(1, _BadIndex(KeyboardInterrupt())))
+    with pytest.raises(TypeError):
+        obj.__dlpack__(stream=np.int64(-1))  # a stream is a plain int (a pointer)
+
+
 def test_cuda_array_interface_absent_on_host(device_array):
     with pytest.raises(AttributeError):
         device_array.__cuda_array_interface__
@@ -447,3 +477,92 @@ pf.close()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "CHILD 0" in p.stdout, (p.stdout, p.stderr)
     assert "PARENT [0, 1, 2, 3, 4]" in p.stdout, (p.stdout, p.stderr)
+
+
+# ---- the same on CUDA (run on the GPU machine: pytest -m gpu tests/test_dlpack_export.py) ----
+
+
+def cuda_counters():
+    c = _C._debug_counters()
+    return c["cuda_consumer_waits"], c["cuda_consumer_waits_skipped"]
+
+
+@pytest.fixture
+def cuda_batches():
+    if not pinloader.cuda_available():
+        pytest.skip("no CUDA device")
+    items = [make_batch(32, seed=s) for s in range(2)]
+    pf = pinloader.AsyncPrefetcher(items, device="cuda:0")
+    outs = drain(pf)
+    yield items, outs
+    pf.close()
+
+
+@pytest.mark.gpu
+def test_cuda_export_capsules_one_wait_per_batch_and_stream(cuda_batches):
+    torch = pytest.importorskip("torch")
+    items, outs = cuda_batches
+    keys = list(items[0])
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    tensors = []
+    for s in streams:  # consumer streams that change between exports of the same batches
+        for item, out in zip(items, outs):
+            w0, k0 = cuda_counters()
+            caps = _C.export_capsules([out[k] for k in keys] + ["meta"], s.cuda_stream)
+            assert cuda_counters() == (w0 + 1, k0 + len(keys) - 1)
+            assert caps[-1] == "meta"
+            with torch.cuda.stream(s):
+                ts = [torch.from_dlpack(c) for c in caps[:-1]]
+                tensors.append(ts)
+                for k, t in zip(keys, ts):
+                    assert t.is_cuda
+                    assert np.array_equal(t.cpu().numpy(), item[k])
+    # The tensors still alive keep the memo: per-leaf exports to the same stream skip the wait.
+    w0, _ = cuda_counters()
+    with torch.cuda.stream(streams[0]):
+        again = [torch.from_dlpack(outs[0][k]) for k in keys]
+    assert cuda_counters()[0] == w0
+    del again, tensors
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_default_stream_handles(cuda_batches):
+    torch = pytest.importorskip("torch")
+    items, outs = cuda_batches
+    leaves = list(outs[0].values())
+    w0, k0 = cuda_counters()
+    legacy = _C.export_capsules(leaves, None)  # the legacy default stream, memoised
+    assert cuda_counters() == (w0 + 1, k0 + len(leaves) - 1)
+    w1, k1 = cuda_counters()
+    per_thread = _C.export_capsules(leaves, 2)  # a different stream per thread: never memoised
+    assert cuda_counters() == (w1 + len(leaves), k1)
+    for caps in (legacy, per_thread):
+        for k, c in zip(items[0], caps):
+            assert np.array_equal(torch.from_dlpack(c).cpu().numpy(), items[0][k])
+    with pytest.raises(ValueError):
+        _C.export_capsules(leaves, 0)
+    with pytest.raises(ValueError):
+        _C.export_capsules(leaves, 2**70)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_big_batch_read_at_once_on_idle_stream():
+    """A large batch read immediately on an idle consumer stream: only the event wait orders the
+    read after the copy (the memo must not skip a first wait)."""
+    if not pinloader.cuda_available():
+        pytest.skip("no CUDA device")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    items = [{"a": rng.integers(0, 255, size=64 << 20, dtype=np.uint8),
+              "b": rng.integers(0, 255, size=1 << 10, dtype=np.uint8)} for _ in range(3)]
+    s = torch.cuda.Stream()
+    with pinloader.AsyncPrefetcher(items, device="cuda:0") as pf:
+        for item, out in zip(items, pf):
+            caps = _C.export_capsules([out["b"], out["a"]], s.cuda_stream)
+            with torch.cuda.stream(s):
+                a = torch.from_dlpack(caps[1])
+                total = a.sum(dtype=torch.int64)
+            s.synchronize()
+            assert int(total) == int(item["a"].sum(dtype=np.int64))
