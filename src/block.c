@@ -10,7 +10,27 @@
  * so frees never depend on a consumer stream still existing at free time, and the copy stream
  * never waits on anything but its own work (see Note [device pool] in backend_cuda.c).
  * Deleters may run on any thread, without the GIL, after the runtime began unloading: every
- * call here tolerates failure by leaking rather than crashing. */
+ * call here tolerates failure by leaking rather than crashing.
+ *
+ * Note [consumer waits]
+ * Each export to a consumer stream S must order S's reads after the batch's copy: S waits on the
+ * block's ready event (cudaStreamWaitEvent, queued; the host does not block). The ready event is
+ * recorded once, before any DeviceArray of the block reaches user code, and never again, so one
+ * wait queued on S covers every later read queued on S. A block therefore remembers, in
+ * `waited` (guarded by its spin lock mu), the streams it made wait, each with the number of live
+ * exports (capsules or the tensors made from them) that rely on that wait. A further export to
+ * the same S while that number is non-zero skips the wait (pl_block_consumer_memo); the entry is
+ * written only after the wait was queued, so a thread that finds it has the wait ordered before
+ * anything it queues on S. The count keeps the memo honest about stream handles: a consumer
+ * that destroys S must first let go of the tensors it used on S (their deleters record their
+ * use on S), after which the count is zero and a new stream that reuses the handle is made to
+ * wait again. Entries are not kept for the per-thread default stream (handle 2 is a different
+ * stream on each thread); when the table is full the wait is simply issued every time. On the
+ * host backend the consumer is the CPU (key NULL): the wait is a blocking event sync, and a
+ * memo hit means the copy is known to have completed.
+ * The memo concerns only the wait. The device-lifetime bookkeeping is unchanged by it: every
+ * export still records its use on S when its deleter runs (pl_block_note_use), so the block is
+ * freed on the release stream behind every stream's last use (Note [device lifetime]). */
 #include "block.h"
 #include "util.h"
 
@@ -32,6 +52,8 @@ static devctx ctx[2][MAX_DEVICES] = {
 };
 static atomic_size_t live_bytes[2];
 static atomic_long live_count[2];
+static atomic_ullong consumer_waits[2];   /* see pl_block_consumer_counters */
+static atomic_ullong consumer_skipped[2];
 
 static devctx *get_ctx(const pl_backend *b, int device)
 {
@@ -258,6 +280,116 @@ int pl_block_sync_ready(pl_block *blk)
     if (pl_inherited(blk->gen))
         return PL_ERR_FORKED;
     return blk->b->event_synchronize(blk->ready);
+}
+
+/* ---- consumer waits: see Note [consumer waits] ---- */
+
+static int memoizable(pl_stream *s)
+{
+    return s != (pl_stream *)(uintptr_t)2; /* the per-thread default stream differs per thread */
+}
+
+int pl_block_consumer_memo(pl_block *blk, pl_stream *s)
+{
+    if (pl_inherited(blk->gen) || !memoizable(s))
+        return 0; /* an inherited block's lock may have been held at fork time */
+    int hit = 0;
+    spin_lock(&blk->mu);
+    for (int i = 0; i < PL_BLOCK_WAIT_MEMO; i++)
+        if (blk->waited[i].live > 0 && blk->waited[i].stream == s) {
+            blk->waited[i].live++;
+            hit = 1;
+            break;
+        }
+    spin_unlock(&blk->mu);
+    if (hit)
+        atomic_fetch_add_explicit(&consumer_skipped[blk->b->kind], 1, memory_order_relaxed);
+    return hit;
+}
+
+/* Record that s waited, with one count for the caller; 0 when the table is full. */
+static int memo_insert(pl_block *blk, pl_stream *s)
+{
+    int slot = -1;
+    spin_lock(&blk->mu);
+    for (int i = 0; i < PL_BLOCK_WAIT_MEMO; i++) {
+        if (blk->waited[i].live > 0 && blk->waited[i].stream == s) {
+            slot = i; /* another thread waited on s meanwhile: share its entry */
+            break;
+        }
+        if (blk->waited[i].live == 0 && slot < 0)
+            slot = i;
+    }
+    if (slot >= 0) {
+        blk->waited[slot].stream = s;
+        blk->waited[slot].live++;
+    }
+    spin_unlock(&blk->mu);
+    return slot >= 0;
+}
+
+/* The wait itself. The default-stream handles name the stream of the current device, so the
+ * block's device is made current around the call and the caller's restored. */
+static int issue_wait(pl_block *blk, pl_stream *s)
+{
+    const pl_backend *b = blk->b;
+    if (b->kind != PL_BACKEND_CUDA)
+        return b->event_synchronize(blk->ready);
+    int prev = -1;
+    int switch_device = s == (pl_stream *)(uintptr_t)1 || s == (pl_stream *)(uintptr_t)2;
+    if (switch_device) {
+        int rc = b->get_device(&prev);
+        if (rc != PL_OK)
+            return rc;
+        if (prev != blk->device && (rc = b->set_device(blk->device)) != PL_OK)
+            return rc;
+    }
+    int rc = b->stream_wait_event(s, blk->ready);
+    if (switch_device && prev != blk->device)
+        b->set_device(prev);
+    return rc;
+}
+
+int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo)
+{
+    if (memo)
+        *memo = 0;
+    if (pl_inherited(blk->gen))
+        return PL_ERR_FORKED; /* the copy belongs to the parent: never wait for it here */
+    int rc = issue_wait(blk, s);
+    if (rc != PL_OK)
+        return rc;
+    atomic_fetch_add_explicit(&consumer_waits[blk->b->kind], 1, memory_order_relaxed);
+    if (memo && memoizable(s))
+        *memo = memo_insert(blk, s);
+    return PL_OK;
+}
+
+int pl_block_consumer_wait_blocks(pl_block *blk)
+{
+    if (blk->b->kind == PL_BACKEND_CUDA || pl_inherited(blk->gen))
+        return 0;
+    return blk->b->event_query(blk->ready) != PL_OK;
+}
+
+void pl_block_consumer_done(pl_block *blk, pl_stream *s)
+{
+    if (pl_inherited(blk->gen))
+        return;
+    spin_lock(&blk->mu);
+    for (int i = 0; i < PL_BLOCK_WAIT_MEMO; i++)
+        if (blk->waited[i].live > 0 && blk->waited[i].stream == s) {
+            blk->waited[i].live--;
+            break;
+        }
+    spin_unlock(&blk->mu);
+}
+
+void pl_block_consumer_counters(pl_backend_kind kind, unsigned long long *waits,
+                                unsigned long long *skipped)
+{
+    *waits = atomic_load(&consumer_waits[kind]);
+    *skipped = atomic_load(&consumer_skipped[kind]);
 }
 
 static void block_free(pl_block *blk)

@@ -14,6 +14,15 @@ typedef struct pl_block_use {
     pl_event *event;
 } pl_block_use;
 
+/* A consumer stream already made to wait on the ready event, and how many live exports to it
+ * rely on that wait. See Note [consumer waits] in block.c. */
+typedef struct pl_block_waited {
+    pl_stream *stream; /* NULL on the host backend: the consumer is the CPU */
+    long live;
+} pl_block_waited;
+
+enum { PL_BLOCK_WAIT_MEMO = 4 };
+
 typedef struct pl_block {
     atomic_long refcount;
     const pl_backend *b;
@@ -29,6 +38,8 @@ typedef struct pl_block {
     atomic_flag mu;
     pl_block_use *uses;
     int n_uses, cap_uses;
+    /* Streams whose wait on ready is queued and relied on by live exports; guarded by mu. */
+    pl_block_waited waited[PL_BLOCK_WAIT_MEMO];
 } pl_block;
 
 /* A block with a ready event, no memory yet; refcount 1. */
@@ -51,6 +62,25 @@ int pl_block_inherited(const pl_block *blk);
 void pl_block_atfork_child(void);
 /* Make stream s wait until the block's data is ready. */
 int pl_block_wait_ready(pl_block *blk, pl_stream *s);
+
+/* The consumer side of an export; see Note [consumer waits] in block.c.
+ * pl_block_consumer_memo: 1 if a live export already made s wait on the ready event; the
+ *   caller then holds one count on that memo entry and skips the wait. 0 otherwise.
+ * pl_block_consumer_wait: make consumer s wait. CUDA: s is a stream handle (1, the legacy
+ *   default stream, and 2, the per-thread default stream, are taken on the block's device);
+ *   queued with cudaStreamWaitEvent, the host does not block. Host backend: s is NULL and the
+ *   calling thread blocks until the copy is done (call it without the GIL). With memo non-NULL
+ *   and success, *memo = 1 when s was recorded with one count held by the caller.
+ * pl_block_consumer_done: give back a count taken by either (no Python: deleters call it). */
+int pl_block_consumer_memo(pl_block *blk, pl_stream *s);
+int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo);
+void pl_block_consumer_done(pl_block *blk, pl_stream *s);
+/* Whether pl_block_consumer_wait would block the calling thread now (host backend, copy not
+ * finished): callers release the GIL only then. A brief event query, never a wait. */
+int pl_block_consumer_wait_blocks(pl_block *blk);
+/* Process-wide counts of consumer waits issued and skipped thanks to the memo, per backend. */
+void pl_block_consumer_counters(pl_backend_kind kind, unsigned long long *waits,
+                                unsigned long long *skipped);
 /* Block the calling thread until the data is ready (host backend consumers). */
 int pl_block_sync_ready(pl_block *blk);
 

@@ -5,7 +5,11 @@
  * The data is ready once the batch's ready event (recorded on the copy stream) completes.
  * __dlpack__(stream=S) makes S wait on that event (cudaStreamWaitEvent) and returns at once:
  * the host never blocks on the GPU. On the host backend the consumer is the CPU itself, so
- * __dlpack__ waits for the event (the copy is usually long finished: the pipeline runs ahead). */
+ * __dlpack__ waits for the event (the copy is usually long finished: the pipeline runs ahead).
+ * Either way the wait is issued once per (batch, consumer stream) while exports to that stream
+ * are alive: see Note [consumer waits] in block.c. export_capsules exports a whole batch's
+ * leaves for one stream in one call, for adapters that know the consumer stream once per
+ * batch. The capsules themselves are made in dlpack.c. */
 #include "module.h"
 
 #include "block.h"
@@ -211,101 +215,75 @@ static void da_dealloc(PyObject *op)
     Py_DECREF(tp);
 }
 
+/* ---- DLPack export (capsules and deleters in dlpack.c) ---- */
+
+/* What one export holds; released by its deleter (any thread, no GIL, maybe at exit).
+ * See Note [device lifetime] and Note [consumer waits] in block.c. */
 typedef struct {
-    union {
-        DLManagedTensor legacy;
-        DLManagedTensorVersioned versioned;
-    } t;
-    pl_block *blk;
-    pl_stream *use_stream;
-    int note_use;
-    int64_t dims[]; /* shape then strides */
-} export_ctx;
+    pl_block *blk;     /* a block reference */
+    pl_stream *stream; /* the consumer: a stream handle (CUDA) or NULL (host backend) */
+    int note_use;      /* CUDA: record the consumer's use on stream when released */
+    int memo;          /* holds a count on blk's memo entry for stream */
+} da_export;
 
-/* Runs on any thread, with or without the GIL, maybe at exit: no Python here.
- * See Note [device lifetime] in block.c. */
-static void export_ctx_free(export_ctx *ctx)
+static void da_export_release(void *owner)
 {
-    if (ctx->note_use)
-        pl_block_note_use(ctx->blk, ctx->use_stream);
-    pl_block_decref(ctx->blk);
-    PyMem_RawFree(ctx);
+    da_export *e = owner;
+    if (e->note_use)
+        pl_block_note_use(e->blk, e->stream);
+    if (e->memo)
+        pl_block_consumer_done(e->blk, e->stream);
+    pl_block_decref(e->blk);
 }
 
-static void deleter_legacy(DLManagedTensor *t)
+/* Make the consumer wait for the batch's copy, once per (block, stream) while exports to that
+ * stream live. CUDA: queued on the stream, GIL kept (no blocking). Host: the CPU is the
+ * consumer and blocks, with the GIL released, unless the copy has finished (the usual case:
+ * the pipeline runs ahead), where releasing the GIL would only hand it to the producer thread.
+ * `where` prefixes an error (the leaf of export_capsules). */
+static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, const char *where)
 {
-    export_ctx_free((export_ctx *)t->manager_ctx);
-}
-
-static void deleter_versioned(DLManagedTensorVersioned *t)
-{
-    export_ctx_free((export_ctx *)t->manager_ctx);
-}
-
-static void capsule_destructor(PyObject *cap)
-{
-    if (PyCapsule_IsValid(cap, "dltensor")) {
-        DLManagedTensor *t = PyCapsule_GetPointer(cap, "dltensor");
-        t->deleter(t);
-    } else if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-        DLManagedTensorVersioned *t = PyCapsule_GetPointer(cap, "dltensor_versioned");
-        t->deleter(t);
-    }
-}
-
-/* Parse a DLPack stream argument into a CUDA stream handle. *skip = 1 for -1. */
-static int parse_stream(PyObject *stream, pl_stream **out, int *skip)
-{
-    *skip = 0;
-    if (stream == Py_None) {
-        *out = (pl_stream *)(uintptr_t)1; /* cudaStreamLegacy */
+    if (pl_block_consumer_memo(blk, s)) {
+        *memo = 1;
         return 0;
     }
-    if (!PyLong_Check(stream)) {
-        PyErr_Format(PyExc_TypeError, "stream must be an int or None, not %.100s", Py_TYPE(stream)->tp_name);
-        return -1;
+    int rc;
+    if (!pl_block_consumer_wait_blocks(blk)) {
+        rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = pl_block_consumer_wait(blk, s, memo);
+        Py_END_ALLOW_THREADS
     }
-    long long v = PyLong_AsLongLong(stream);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        unsigned long long u = PyLong_AsUnsignedLongLong(stream);
-        if (u == (unsigned long long)-1 && PyErr_Occurred())
-            return -1;
-        *out = (pl_stream *)(uintptr_t)u;
+    if (rc == PL_OK)
         return 0;
-    }
-    if (v == -1) {
-        *skip = 1;
-        *out = (pl_stream *)(uintptr_t)1;
-        return 0;
-    }
-    if (v == 0) {
-        PyErr_SetString(PyExc_ValueError, "stream=0 is ambiguous for CUDA in DLPack: pass 1 for the "
-                        "legacy default stream, 2 for the per-thread default stream, or a cudaStream_t");
-        return -1;
-    }
-    if (v < 0) {
-        PyErr_Format(PyExc_ValueError, "invalid DLPack stream %lld", v);
-        return -1;
-    }
-    *out = (pl_stream *)(uintptr_t)v;
-    return 0;
+    char what[160];
+    snprintf(what, sizeof what, "%s%s", where,
+             blk->b->kind == PL_BACKEND_CUDA ? "cudaStreamWaitEvent on the consumer's stream"
+                                             : "waiting for the batch copy");
+    pl_raise_backend(st, blk->b, rc, what);
+    return -1;
 }
 
-static int parse_major(PyObject *max_version, int *major)
+/* Export self for a parsed consumer stream: the wait, then the capsule. */
+static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const pl_dlpack_stream *s,
+                                   int versioned, const char *where)
 {
-    *major = 0;
-    if (max_version == Py_None)
-        return 0;
-    if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) != 2) {
-        PyErr_SetString(PyExc_TypeError, "max_version must be a (major, minor) tuple or None");
-        return -1;
-    }
-    long m = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
-    if (m == -1 && PyErr_Occurred())
-        return -1;
-    *major = (int)m;
-    return 0;
+    pl_block *blk = self->blk;
+    int cuda = blk->b->kind == PL_BACKEND_CUDA;
+    da_export e = {blk, cuda ? (pl_stream *)s->handle : NULL, cuda, 0};
+    /* On the host backend the CPU reads the data as soon as it has the capsule: always wait. */
+    if ((!cuda || s->kind == PL_DLPACK_SYNC) && consumer_wait(st, blk, e.stream, &e.memo, where) < 0)
+        return NULL;
+    pl_block_incref(blk);
+    pl_dlpack_view v = {
+        .data = self->nbytes && blk->ptr ? (char *)blk->ptr + self->offset : NULL,
+        .device = {self->device_type, self->device_id},
+        .dtype = self->dtype,
+        .ndim = self->ndim,
+        .shape = self->shape,
+    };
+    return pl_dlpack_export(&v, versioned, &e, sizeof e, da_export_release);
 }
 
 /* A DeviceArray that the prefetcher hands to a user constructor while it rebuilds an item has
@@ -334,91 +312,113 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         return NULL;
     if (pl_block_inherited(self->blk))
         return pl_raise_forked("DeviceArray");
-    if (dl_device != Py_None) {
-        int dt = -1, di = -1;
-        if (!PyArg_ParseTuple(dl_device, "ii", &dt, &di))
-            return NULL;
-        if (dt != self->device_type || di != self->device_id) {
-            PyErr_Format(PyExc_BufferError, "DeviceArray on (%d, %d) cannot be exported to device "
-                         "(%d, %d) without a copy", self->device_type, self->device_id, dt, di);
-            return NULL;
-        }
-    }
-    if (copy == Py_True) {
-        PyErr_SetString(PyExc_BufferError, "DeviceArray.__dlpack__(copy=True) is not supported: "
-                        "the consumer can copy the exported array itself");
+    int cuda = self->blk->b->kind == PL_BACKEND_CUDA;
+    pl_dlpack_stream s;
+    pl_dlpack_request req;
+    if (pl_dlpack_parse_stream(stream, cuda, "a host-backend DeviceArray", &s) < 0 ||
+        pl_dlpack_parse_request(max_version, dl_device, copy, &req) < 0 ||
+        pl_dlpack_check_request(&req, (DLDevice){self->device_type, self->device_id},
+                                (DLDevice){0, 0}, "DeviceArray") < 0)
         return NULL;
-    }
-    int major;
-    if (parse_major(max_version, &major) < 0)
-        return NULL;
-
-    pl_block *blk = self->blk;
-    pl_stream *s = NULL;
-    int skip = 0, note_use = 0;
-    if (blk->b->kind == PL_BACKEND_CUDA) {
-        if (parse_stream(stream, &s, &skip) < 0)
-            return NULL;
-        note_use = 1;
-        if (!skip) {
-            int rc = pl_block_wait_ready(blk, s);
-            if (rc != PL_OK)
-                return pl_raise_backend(st, blk->b, rc, "__dlpack__: cudaStreamWaitEvent on the consumer's stream");
-        }
-    } else {
-        if (stream != Py_None && !(PyLong_Check(stream) && PyLong_AsLong(stream) == -1)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_BufferError, "a host-backend DeviceArray is CPU memory: stream must be None");
-            return NULL;
-        }
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = pl_block_sync_ready(blk);
-        Py_END_ALLOW_THREADS
-        if (rc != PL_OK)
-            return pl_raise_backend(st, blk->b, rc, "__dlpack__: waiting for the batch copy");
-    }
-
-    export_ctx *ctx = PyMem_RawCalloc(1, sizeof(*ctx) + 2 * (size_t)self->ndim * sizeof(int64_t));
-    if (!ctx)
-        return PyErr_NoMemory();
-    int64_t *shape = ctx->dims, *strides = ctx->dims + self->ndim;
-    int64_t acc = 1;
-    for (int i = self->ndim - 1; i >= 0; i--) {
-        shape[i] = self->shape[i];
-        strides[i] = self->shape[i] == 1 ? 1 : acc; /* canonical for size-1 dims */
-        acc *= self->shape[i] > 0 ? self->shape[i] : 1;
-    }
-    pl_block_incref(blk);
-    ctx->blk = blk;
-    ctx->use_stream = s;
-    ctx->note_use = note_use;
-    DLTensor *t = major >= 1 ? &ctx->t.versioned.dl_tensor : &ctx->t.legacy.dl_tensor;
-    t->data = self->nbytes && blk->ptr ? (char *)blk->ptr + self->offset : NULL;
-    t->device = (DLDevice){self->device_type, self->device_id};
-    t->ndim = self->ndim;
-    t->dtype = self->dtype;
-    t->shape = self->ndim ? shape : NULL;
-    t->strides = self->ndim ? strides : NULL;
-    t->byte_offset = 0;
-    PyObject *cap;
-    if (major >= 1) {
-        ctx->t.versioned.version = (DLPackVersion){DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
-        ctx->t.versioned.manager_ctx = ctx;
-        ctx->t.versioned.deleter = deleter_versioned;
-        cap = PyCapsule_New(&ctx->t.versioned, "dltensor_versioned", capsule_destructor);
-    } else {
-        ctx->t.legacy.manager_ctx = ctx;
-        ctx->t.legacy.deleter = deleter_legacy;
-        cap = PyCapsule_New(&ctx->t.legacy, "dltensor", capsule_destructor);
-    }
-    if (!cap) {
-        ctx->note_use = 0;
-        export_ctx_free(ctx);
-        return NULL;
-    }
-    return cap;
+    return da_export_capsule(st, self, &s, req.versioned, "__dlpack__: ");
 }
+
+/* export_capsules(leaves, stream, /): see its docstring in da_module_methods. */
+static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "export_capsules() takes 2 positional arguments (leaves, "
+                     "stream), %zd given", nargs);
+        return NULL;
+    }
+    pl_state *st = pl_state_of_module(m);
+    PyObject *leaves = args[0], *stream = args[1];
+    /* A tuple snapshot: the host backend's wait releases the GIL, and a list could change. */
+    PyObject *items;
+    if (PyTuple_Check(leaves))
+        items = Py_NewRef(leaves);
+    else if (PyList_Check(leaves))
+        items = PyList_AsTuple(leaves);
+    else
+        return PyErr_Format(PyExc_TypeError, "export_capsules: leaves must be a list or tuple, "
+                            "not %.100s", Py_TYPE(leaves)->tp_name);
+    if (!items)
+        return NULL;
+    /* Parsed once per call, for each backend met (host memory takes only None and -1). */
+    pl_dlpack_stream parsed[2];
+    int have[2] = {0, 0};
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *o = PyTuple_GET_ITEM(items, i);
+        if (!Py_IS_TYPE(o, st->DeviceArray_Type)) {
+            PyList_SET_ITEM(out, i, Py_NewRef(o));
+            continue;
+        }
+        DeviceArrayObject *da = (DeviceArrayObject *)o;
+        int k = da->blk->b->kind == PL_BACKEND_CUDA;
+        char where[64];
+        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", i);
+        if (!have[k] && pl_dlpack_parse_stream(stream, k, "a host-backend DeviceArray", &parsed[k]) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+        have[k] = 1;
+        PyObject *cap = da_export_capsule(st, da, &parsed[k], 0, where);
+        if (!cap) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, cap);
+    }
+    Py_DECREF(items);
+    return out;
+}
+
+static PyObject *debug_counters(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    unsigned long long hw, hs, cw, cs;
+    pl_block_consumer_counters(PL_BACKEND_HOST, &hw, &hs);
+    pl_block_consumer_counters(PL_BACKEND_CUDA, &cw, &cs);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K}", "host_consumer_waits", hw,
+                         "host_consumer_waits_skipped", hs, "cuda_consumer_waits", cw,
+                         "cuda_consumer_waits_skipped", cs);
+}
+
+/* _dlpack_stream(stream, cuda): how __dlpack__ reads a stream argument, for tests of the CUDA
+ * rules on hosts without a GPU. Returns (synchronise, handle). */
+static PyObject *debug_dlpack_stream(PyObject *m, PyObject *args)
+{
+    (void)m;
+    PyObject *stream;
+    int cuda;
+    if (!PyArg_ParseTuple(args, "Op:_dlpack_stream", &stream, &cuda))
+        return NULL;
+    pl_dlpack_stream s;
+    if (pl_dlpack_parse_stream(stream, cuda, "this array", &s) < 0)
+        return NULL;
+    return Py_BuildValue("(ON)", s.kind == PL_DLPACK_SYNC ? Py_True : Py_False,
+                         PyLong_FromVoidPtr(s.handle));
+}
+
+static PyMethodDef da_module_methods[] = {
+    {"export_capsules", (PyCFunction)(void (*)(void))export_capsules, METH_FASTCALL,
+     "export_capsules(leaves, stream, /)\n--\n\n"
+     "Export a batch's leaves for one consumer stream in one call: a new list, the same length\n"
+     "as leaves (a list or tuple), where each DeviceArray is replaced by a legacy \"dltensor\"\n"
+     "DLPack capsule and every other object is passed through unchanged. `stream` is read as\n"
+     "DeviceArray.__dlpack__(stream=...) reads it, once for the whole batch; it is made to wait\n"
+     "on each distinct batch's copy once (later leaves find the wait already queued), and each\n"
+     "capsule's memory is freed in stream order after that stream's use. Capsules never\n"
+     "consumed release their references when they are dropped."},
+    {"_debug_counters", debug_counters, METH_NOARGS,
+     "_debug_counters()\n--\n\nProcess-wide counts of consumer waits issued and skipped (already\n"
+     "queued on the same stream for the same batch), per backend. For tests."},
+    {"_dlpack_stream", debug_dlpack_stream, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
 
 static PyObject *da_dlpack_device(PyObject *op, PyObject *noargs)
 {
@@ -505,7 +505,7 @@ static PyObject *da_get_cai(PyObject *op, void *c)
     if (pl_block_inherited(self->blk))
         return pl_raise_forked("DeviceArray");
     pl_stream *legacy = (pl_stream *)(uintptr_t)1;
-    int rc = pl_block_wait_ready(self->blk, legacy);
+    int rc = pl_block_consumer_wait(self->blk, legacy, NULL);
     if (rc != PL_OK)
         return pl_raise_backend(st, self->blk->b, rc, "__cuda_array_interface__: cudaStreamWaitEvent");
     /* The use is noted when this DeviceArray goes (da_dealloc), once the consumer's work
@@ -540,9 +540,12 @@ static PyMethodDef da_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))da_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Export as a DLPack capsule. For CUDA arrays, `stream` (None or 1: legacy default, 2:\n"
-     "per-thread default, a cudaStream_t, -1: no synchronisation) is made to wait for the\n"
-     "batch's copy with cudaStreamWaitEvent; the host does not block. The memory is freed in\n"
-     "stream order after that stream's use. max_version >= (1, 0) gives a versioned capsule."},
+     "per-thread default, a cudaStream_t, -1: no synchronisation; 0 is ambiguous and refused)\n"
+     "is made to wait for the batch's copy with cudaStreamWaitEvent (once per batch and stream\n"
+     "while its exports live); the host does not block. The memory is freed in stream order\n"
+     "after that stream's use. On the host backend stream must be None or -1. max_version >=\n"
+     "(1, 0) gives a versioned capsule; dl_device may only name this array's device; copy=True\n"
+     "raises BufferError (pinloader never copies on export)."},
     {"__dlpack_device__", da_dlpack_device, METH_NOARGS, "__dlpack_device__()\n--\n\n(device_type, device_id)."},
     {NULL, NULL, 0, NULL},
 };
@@ -579,7 +582,8 @@ static PyType_Spec da_spec = {
 int pl_device_array_init(PyObject *m, pl_state *st)
 {
     st->DeviceArray_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &da_spec, NULL);
-    if (!st->DeviceArray_Type || PyModule_AddType(m, st->DeviceArray_Type) < 0)
+    if (!st->DeviceArray_Type || PyModule_AddType(m, st->DeviceArray_Type) < 0 ||
+        PyModule_AddFunctions(m, da_module_methods) < 0)
         return -1;
     return 0;
 }

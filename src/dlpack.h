@@ -1,9 +1,86 @@
-/* The DLPack ABI (version 1.3), written from the public specification.
+/* DLPack: the ABI (version 1.3, written from the public specification) and pinloader's export
+ * side (dlpack.c), shared by every object that implements __dlpack__ (PinnedBuffer in pinned.c,
+ * DeviceArray in device_array.c).
  *
  * Only the declarations pinloader uses; layout checked by static assertions below so a
  * mismatch with the specification fails the build rather than a consumer. */
 #ifndef PL_DLPACK_H
 #define PL_DLPACK_H
+
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+/* ---- export: argument parsing (dlpack.c) ----
+ *
+ * Every function below returns 0, or -1 with an exception set: TypeError for an argument of
+ * the wrong type, ValueError for a value DLPack does not define, BufferError for a well-formed
+ * request the exporter cannot serve (as the DLPack Python specification asks). */
+
+/* What a consumer asked of __dlpack__ besides the stream. */
+typedef struct {
+    int versioned;   /* max_version's major >= 1: a "dltensor_versioned" capsule, else "dltensor" */
+    int has_device;  /* dl_device was given ... */
+    DLDevice device; /* ... as this (device_type, device_id) */
+    int copy;        /* copy=: -1 None, 0 False, 1 True */
+} pl_dlpack_request;
+
+/* Parse max_version (None or a (major, minor) tuple of ints; any int range), dl_device (None
+ * or a 2-tuple of ints; values outside int32 are BufferError: no such device can be served)
+ * and copy (None or a bool). "int" here is anything with __index__ except bool (an IntEnum,
+ * a NumPy integer); the stream (pl_dlpack_parse_stream) must be a plain int. */
+int pl_dlpack_parse_request(PyObject *max_version, PyObject *dl_device, PyObject *copy,
+                            pl_dlpack_request *req);
+
+/* Check a parsed request against the exporter's one device: dl_device must name `here` (or
+ * `alias`, when alias.device_type != 0: pinned memory answers to both kDLCUDAHost and kDLCPU),
+ * and copy=True is refused (pinloader never copies on export). `who` names the exporter in
+ * the BufferError. */
+int pl_dlpack_check_request(const pl_dlpack_request *req, DLDevice here, DLDevice alias,
+                            const char *who);
+
+/* The stream argument of __dlpack__.
+ *   kind PL_DLPACK_SYNC: make `handle` wait (CUDA: None gives the legacy default stream 1;
+ *                        2 is the per-thread default stream; >2 a cudaStream_t)
+ *   kind PL_DLPACK_NO_SYNC: stream=-1, the consumer synchronises itself
+ * For host memory (cuda == 0) only None and -1 are accepted (BufferError otherwise) and
+ * handle is NULL. stream=0 is ambiguous for CUDA and raises ValueError; so does any other
+ * negative value or one that does not fit a pointer; bool and non-int types raise TypeError. */
+typedef enum { PL_DLPACK_SYNC = 0, PL_DLPACK_NO_SYNC = 1 } pl_dlpack_stream_kind;
+typedef struct {
+    pl_dlpack_stream_kind kind;
+    void *handle;
+} pl_dlpack_stream;
+
+int pl_dlpack_parse_stream(PyObject *stream, int cuda, const char *who, pl_dlpack_stream *out);
+
+/* ---- export: capsules (dlpack.c) ---- */
+
+/* Releases what an export holds (block or region references). Called exactly once, from the
+ * consumer's deleter or the capsule's destructor: on any thread, with or without the GIL,
+ * maybe during interpreter shutdown or after the CUDA runtime began unloading. It must not
+ * touch Python and must tolerate backend failures. See Note [export deleters] in dlpack.c. */
+typedef void (*pl_dlpack_release_fn)(void *owner);
+
+/* A C-contiguous tensor to export. The capsule writes explicit canonical strides (1 for size-1
+ * dimensions) and byte_offset 0; data points at the first element (NULL for size 0). */
+typedef struct {
+    void *data;
+    DLDevice device; /* as written into the capsule */
+    DLDataType dtype;
+    int ndim;
+    const int64_t *shape; /* copied; may be NULL when ndim is 0 */
+    uint64_t flags;       /* DLPACK_FLAG_BITMASK_*, versioned capsules only */
+} pl_dlpack_view;
+
+/* A new "dltensor" (versioned == 0) or "dltensor_versioned" capsule over view. The export keeps
+ * a copy of the owner_size bytes at `owner` (the references the caller took for it) and calls
+ * release on that copy when the consumer's deleter runs, or when the capsule is dropped
+ * unconsumed. On failure returns NULL with an exception set, having called release already:
+ * either way the caller's references belong to the export once this is called. */
+PyObject *pl_dlpack_export(const pl_dlpack_view *view, int versioned, const void *owner,
+                           size_t owner_size, pl_dlpack_release_fn release);
+
+#endif
+#include <Python.h>
 
 #include <stddef.h>
 #include <stdint.h>
@@ -89,5 +166,75 @@ _Static_assert(offsetof(DLManagedTensor, deleter) == 56, "DLManagedTensor.delete
 _Static_assert(sizeof(DLManagedTensorVersioned) == 80, "DLManagedTensorVersioned layout");
 _Static_assert(offsetof(DLManagedTensorVersioned, flags) == 24, "flags offset");
 _Static_assert(offsetof(DLManagedTensorVersioned, dl_tensor) == 32, "dl_tensor offset");
+
+/* ---- export: argument parsing (dlpack.c) ----
+ *
+ * Every function below returns 0, or -1 with an exception set: TypeError for an argument of
+ * the wrong type, ValueError for a value DLPack does not define, BufferError for a well-formed
+ * request the exporter cannot serve (as the DLPack Python specification asks). */
+
+/* What a consumer asked of __dlpack__ besides the stream. */
+typedef struct {
+    int versioned;   /* max_version's major >= 1: a "dltensor_versioned" capsule, else "dltensor" */
+    int has_device;  /* dl_device was given ... */
+    DLDevice device; /* ... as this (device_type, device_id) */
+    int copy;        /* copy=: -1 None, 0 False, 1 True */
+} pl_dlpack_request;
+
+/* Parse max_version (None or a (major, minor) tuple of ints; any int range), dl_device (None
+ * or a 2-tuple of ints; values outside int32 are BufferError: no such device can be served)
+ * and copy (None or a bool). "int" here is anything with __index__ except bool (an IntEnum,
+ * a NumPy integer); the stream (pl_dlpack_parse_stream) must be a plain int. */
+int pl_dlpack_parse_request(PyObject *max_version, PyObject *dl_device, PyObject *copy,
+                            pl_dlpack_request *req);
+
+/* Check a parsed request against the exporter's one device: dl_device must name `here` (or
+ * `alias`, when alias.device_type != 0: pinned memory answers to both kDLCUDAHost and kDLCPU),
+ * and copy=True is refused (pinloader never copies on export). `who` names the exporter in
+ * the BufferError. */
+int pl_dlpack_check_request(const pl_dlpack_request *req, DLDevice here, DLDevice alias,
+                            const char *who);
+
+/* The stream argument of __dlpack__.
+ *   kind PL_DLPACK_SYNC: make `handle` wait (CUDA: None gives the legacy default stream 1;
+ *                        2 is the per-thread default stream; >2 a cudaStream_t)
+ *   kind PL_DLPACK_NO_SYNC: stream=-1, the consumer synchronises itself
+ * For host memory (cuda == 0) only None and -1 are accepted (BufferError otherwise) and
+ * handle is NULL. stream=0 is ambiguous for CUDA and raises ValueError; so does any other
+ * negative value or one that does not fit a pointer; bool and non-int types raise TypeError. */
+typedef enum { PL_DLPACK_SYNC = 0, PL_DLPACK_NO_SYNC = 1 } pl_dlpack_stream_kind;
+typedef struct {
+    pl_dlpack_stream_kind kind;
+    void *handle;
+} pl_dlpack_stream;
+
+int pl_dlpack_parse_stream(PyObject *stream, int cuda, const char *who, pl_dlpack_stream *out);
+
+/* ---- export: capsules (dlpack.c) ---- */
+
+/* Releases what an export holds (block or region references). Called exactly once, from the
+ * consumer's deleter or the capsule's destructor: on any thread, with or without the GIL,
+ * maybe during interpreter shutdown or after the CUDA runtime began unloading. It must not
+ * touch Python and must tolerate backend failures. See Note [export deleters] in dlpack.c. */
+typedef void (*pl_dlpack_release_fn)(void *owner);
+
+/* A C-contiguous tensor to export. The capsule writes explicit canonical strides (1 for size-1
+ * dimensions) and byte_offset 0; data points at the first element (NULL for size 0). */
+typedef struct {
+    void *data;
+    DLDevice device; /* as written into the capsule */
+    DLDataType dtype;
+    int ndim;
+    const int64_t *shape; /* copied; may be NULL when ndim is 0 */
+    uint64_t flags;       /* DLPACK_FLAG_BITMASK_*, versioned capsules only */
+} pl_dlpack_view;
+
+/* A new "dltensor" (versioned == 0) or "dltensor_versioned" capsule over view. The export keeps
+ * a copy of the owner_size bytes at `owner` (the references the caller took for it) and calls
+ * release on that copy when the consumer's deleter runs, or when the capsule is dropped
+ * unconsumed. On failure returns NULL with an exception set, having called release already:
+ * either way the caller's references belong to the export once this is called. */
+PyObject *pl_dlpack_export(const pl_dlpack_view *view, int versioned, const void *owner,
+                           size_t owner_size, pl_dlpack_release_fn release);
 
 #endif

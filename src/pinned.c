@@ -446,61 +446,19 @@ static PyObject *buffer_exit(PyObject *op, PyObject *args)
     return buffer_release(op, NULL);
 }
 
-/* DLPack export of the raw bytes: a 1-D uint8 tensor on the CPU. */
+/* ---- DLPack export of the raw bytes: a 1-D uint8 tensor (see dlpack.c) ---- */
+
+/* The references an export holds: one share reference, counted in dlpack_exports too. */
 typedef struct {
-    union {
-        DLManagedTensor legacy;
-        DLManagedTensorVersioned versioned;
-    } t;
-    int64_t shape[1];
-    int64_t strides[1];
     pinned_share *share;
-} buffer_ctx;
+} buffer_export;
 
 /* Any thread, no GIL needed: see Note [pinned buffer lifetime]. */
-static void buffer_ctx_free(buffer_ctx *ctx)
+static void buffer_export_release(void *owner)
 {
-    atomic_fetch_sub(&ctx->share->dlpack_exports, 1);
-    share_decref(ctx->share);
-    free(ctx);
-}
-
-static void buffer_deleter_legacy(DLManagedTensor *t)
-{
-    buffer_ctx_free((buffer_ctx *)t->manager_ctx);
-}
-
-static void buffer_deleter_versioned(DLManagedTensorVersioned *t)
-{
-    buffer_ctx_free((buffer_ctx *)t->manager_ctx);
-}
-
-static void buffer_capsule_destructor(PyObject *cap)
-{
-    if (PyCapsule_IsValid(cap, "dltensor")) {
-        DLManagedTensor *t = PyCapsule_GetPointer(cap, "dltensor");
-        t->deleter(t);
-    } else if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-        DLManagedTensorVersioned *t = PyCapsule_GetPointer(cap, "dltensor_versioned");
-        t->deleter(t);
-    }
-}
-
-/* Parse the standard __dlpack__ keywords; returns the wanted major version (0: legacy). */
-static int parse_max_version(PyObject *max_version, int *major)
-{
-    *major = 0;
-    if (max_version == NULL || max_version == Py_None)
-        return 0;
-    if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) != 2) {
-        PyErr_SetString(PyExc_TypeError, "max_version must be a (major, minor) tuple or None");
-        return -1;
-    }
-    long m = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
-    if (m == -1 && PyErr_Occurred())
-        return -1;
-    *major = (int)m;
-    return 0;
+    pinned_share *sh = ((buffer_export *)owner)->share;
+    atomic_fetch_sub(&sh->dlpack_exports, 1);
+    share_decref(sh);
 }
 
 static PyObject *buffer_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
@@ -511,60 +469,28 @@ static PyObject *buffer_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
                                      &max_version, &dl_device, &copy))
         return NULL;
     PinnedBufferObject *self = (PinnedBufferObject *)op;
-    if (buffer_check_live(self) < 0)
+    pl_dlpack_stream s;
+    pl_dlpack_request req;
+    if (buffer_check_live(self) < 0 || pl_dlpack_parse_stream(stream, 0, "PinnedBuffer", &s) < 0 ||
+        pl_dlpack_parse_request(max_version, dl_device, copy, &req) < 0)
         return NULL;
-    if (stream != Py_None) {
-        PyErr_SetString(PyExc_BufferError, "PinnedBuffer is host memory: stream must be None");
+    /* (kDLCUDAHost, 0) from __dlpack_device__ but kDLCPU in the capsule, as torch does for
+     * pinned tensors (torch rejects kDLCUDAHost capsules); dl_device may name either. */
+    if (pl_dlpack_check_request(&req, (DLDevice){kDLCUDAHost, 0}, (DLDevice){kDLCPU, 0},
+                                "PinnedBuffer") < 0)
         return NULL;
-    }
-    if (copy == Py_True) {
-        PyErr_SetString(PyExc_BufferError, "PinnedBuffer.__dlpack__ does not copy (copy=True)");
-        return NULL;
-    }
-    if (dl_device != Py_None) {
-        int dt = -1, di = -1;
-        if (!PyArg_ParseTuple(dl_device, "ii", &dt, &di))
-            return NULL;
-        if (!((dt == kDLCPU || dt == kDLCUDAHost) && di == 0)) {
-            PyErr_Format(PyExc_BufferError, "PinnedBuffer cannot be exported to device (%d, %d)", dt, di);
-            return NULL;
-        }
-    }
-    int major;
-    if (parse_max_version(max_version, &major) < 0)
-        return NULL;
-    buffer_ctx *ctx = calloc(1, sizeof(*ctx));
-    if (!ctx)
-        return PyErr_NoMemory();
-    ctx->shape[0] = (int64_t)self->region->requested;
-    ctx->strides[0] = 1;
     atomic_fetch_add(&self->share->refs, 1);
     atomic_fetch_add(&self->share->dlpack_exports, 1);
-    ctx->share = self->share;
-    DLTensor *t = major >= 1 ? &ctx->t.versioned.dl_tensor : &ctx->t.legacy.dl_tensor;
-    t->data = self->region->ptr;
-    t->device = (DLDevice){kDLCPU, 0}; /* see DLPACK.md: (3, 0) outside, kDLCPU inside */
-    t->ndim = 1;
-    t->dtype = (DLDataType){kDLUInt, 8, 1};
-    t->shape = ctx->shape;
-    t->strides = ctx->strides;
-    t->byte_offset = 0;
-    PyObject *cap;
-    if (major >= 1) {
-        ctx->t.versioned.version = (DLPackVersion){DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
-        ctx->t.versioned.manager_ctx = ctx;
-        ctx->t.versioned.deleter = buffer_deleter_versioned;
-        cap = PyCapsule_New(&ctx->t.versioned, "dltensor_versioned", buffer_capsule_destructor);
-    } else {
-        ctx->t.legacy.manager_ctx = ctx;
-        ctx->t.legacy.deleter = buffer_deleter_legacy;
-        cap = PyCapsule_New(&ctx->t.legacy, "dltensor", buffer_capsule_destructor);
-    }
-    if (!cap) {
-        buffer_ctx_free(ctx);
-        return NULL;
-    }
-    return cap;
+    buffer_export owner = {self->share};
+    int64_t shape[1] = {(int64_t)self->region->requested};
+    pl_dlpack_view v = {
+        .data = self->region->ptr,
+        .device = {kDLCPU, 0},
+        .dtype = {kDLUInt, 8, 1},
+        .ndim = 1,
+        .shape = shape,
+    };
+    return pl_dlpack_export(&v, req.versioned, &owner, sizeof owner, buffer_export_release);
 }
 
 static PyObject *buffer_dlpack_device(PyObject *op, PyObject *noargs)
