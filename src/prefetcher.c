@@ -22,6 +22,7 @@
 #include "module.h"
 
 #include "block.h"
+#include "gather.h"
 #include "np.h"
 #include "pool.h"
 #include "stager.h"
@@ -473,6 +474,21 @@ static PyObject *dlpack_leaf(flat *f, PyObject *obj, PyObject *devobj)
     return out;
 }
 
+/* ---- ArrayLoader rows: a RowGather leaf (src/gather.c) is gathered by the staging threads
+ * straight from its source, see Note [array sources] and Note [row gather] ---- */
+static PyObject *row_gather_leaf(flat *f, PyObject *obj)
+{
+    pl_row_gather_leaf g;
+    pl_row_gather_layout(obj, &g);
+    PyObject *out = add_array(f, g.src, g.ndim, g.shape, g.strides, g.dtype, 0);
+    if (out)
+        f->leaves[f->n_leaves - 1].copy.rows = g.rows;
+    if (out && add_owner(f, obj) < 0) /* keeps the rows and the source until staged */
+        Py_CLEAR(out);
+    return out;
+}
+/* ---- end of ArrayLoader rows ---- */
+
 static PyObject *flatten(flat *f, PyObject *obj, int level);
 
 static PyObject *flatten_seq(flat *f, PyObject *obj, int level, int is_list)
@@ -510,6 +526,8 @@ static PyObject *flatten(flat *f, PyObject *obj, int level)
         return leaf_error(f, PyExc_RecursionError, "nesting deeper than 256 levels");
     if (PyArray_CheckExact(obj) || PyArray_Check(obj))
         return numpy_leaf(f, (PyArrayObject *)obj);
+    if (pl_row_gather_check(f->pf->st, obj)) /* ArrayLoader rows, see row_gather_leaf */
+        return row_gather_leaf(f, obj);
     if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyLong_Check(obj) ||
         PyFloat_Check(obj) || PyBool_Check(obj) || PyComplex_Check(obj) || PyArray_IsScalar(obj, Generic))
         return Py_NewRef(obj);
