@@ -28,10 +28,12 @@ from ._C import (  # noqa: E402
     default_pinned_cap,
     device_count,
 )
+from .array_loader import ArrayLoader  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrayLoader",
     "AsyncPrefetcher",
     "CudaError",
     "DeviceArray",

@@ -14,7 +14,12 @@ class FrameworkPrefetcher:
     def __init__(self, iterable: Iterable, device: Any, depth: int,
                  convert: Callable[[DeviceArray], Any], **opts: Any) -> None:
         self._convert = convert
-        self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
+        adopt = getattr(iterable, "_pinloader_prefetcher", None)
+        if adopt is not None:
+            # An ArrayLoader already is a prefetcher: use it rather than stack a second one.
+            self._pf = adopt(device, depth, **opts)
+        else:
+            self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
 
     def __iter__(self) -> "FrameworkPrefetcher":
         iter(self._pf)

@@ -2,6 +2,7 @@
  * the container rebuild. See Note [flatten in two passes] in flatten.h. GIL held throughout. */
 #include "flatten.h"
 
+#include "gather.h"
 #include "np.h"
 #include "util.h"
 
@@ -248,6 +249,25 @@ static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
     int pinned = PyArray_IS_C_CONTIGUOUS(a) &&
                  (base_is_pinned_buffer(f->st, a) || query_pinned(f, PyArray_DATA(a), (size_t)PyArray_NBYTES(a)));
     return add_leaf(f, key, (PyObject *)a, PyArray_DATA(a), nd, shape, strides, dt, pinned);
+}
+
+/* ---- ArrayLoader rows ---- */
+
+/* A RowGather leaf (src/gather.c) is gathered by the staging threads straight from its source
+ * (see Note [array sources] in gather.c and Note [row gather] in stager.c). Its rows were
+ * validated when it was made; the RowGather, kept as the owner, keeps them and the source alive
+ * until the batch is staged. */
+static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
+{
+    pl_row_gather_leaf g;
+    pl_row_gather_layout(obj, &g);
+    int64_t shape[PL_MAX_DIMS];
+    for (int i = 0; i < g.ndim; i++)
+        shape[i] = g.shape[i];
+    if (add_leaf(f, key, obj, g.src, g.ndim, shape, g.strides, g.dtype, 0) < 0)
+        return -1;
+    f->leaves[f->n_leaves - 1].copy.rows = g.rows;
+    return 0;
 }
 
 /* ---- DLPack leaves ---- */
@@ -566,6 +586,8 @@ static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
         return leaf_error(f, PyExc_RecursionError, "nesting deeper than %d levels", MAX_NEST);
     if (PyArray_Check(obj))
         return numpy_leaf(f, key, (PyArrayObject *)obj);
+    if (pl_row_gather_check(f->st, obj))
+        return row_gather_leaf(f, key, obj);
     if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyLong_Check(obj) ||
         PyFloat_Check(obj) || PyBool_Check(obj) || PyComplex_Check(obj) || PyArray_IsScalar(obj, Generic))
         return push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0;

@@ -408,7 +408,8 @@ static int module_exec(PyObject *m)
         return -1;
 
     if (pl_pinned_init(m, st) < 0 || pl_device_array_init(m, st) < 0 ||
-        pl_prefetcher_init(m, st) < 0 || pl_prim_init(m, st) < 0)
+        pl_prefetcher_init(m, st) < 0 || pl_prim_init(m, st) < 0 ||
+        pl_gather_init(m, st) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", DLPACK_MAJOR_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "DLPACK_MINOR", DLPACK_MINOR_VERSION) < 0)
@@ -431,6 +432,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->DeviceArray_Type);
     Py_VISIT(st->AsyncPrefetcher_Type);
     Py_VISIT(st->Prim_Type);
+    Py_VISIT(st->RowGather_Type);
     Py_VISIT(st->CudaError);
     Py_VISIT(st->PoolExhausted);
     Py_VISIT(st->numpy_dtype_fn);
@@ -445,6 +447,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->DeviceArray_Type);
     Py_CLEAR(st->AsyncPrefetcher_Type);
     Py_CLEAR(st->Prim_Type);
+    Py_CLEAR(st->RowGather_Type);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->PoolExhausted);
     Py_CLEAR(st->numpy_dtype_fn);

@@ -1,5 +1,5 @@
 /* Shared declarations of the Python-facing files (module.c, pinned.c, device_array.c,
- * prefetcher.c, prim.c). */
+ * prefetcher.c, prim.c, gather.c). */
 #ifndef PL_MODULE_H
 #define PL_MODULE_H
 
@@ -23,6 +23,7 @@ typedef struct {
     PyTypeObject *DeviceArray_Type;
     PyTypeObject *AsyncPrefetcher_Type;
     PyTypeObject *Prim_Type;
+    PyTypeObject *RowGather_Type;
     PyObject *CudaError;
     PyObject *PoolExhausted;
     PyObject *numpy_dtype_fn; /* numpy.dtype */
@@ -53,6 +54,7 @@ int pl_pinned_init(PyObject *m, pl_state *st);
 int pl_device_array_init(PyObject *m, pl_state *st);
 int pl_prefetcher_init(PyObject *m, pl_state *st);
 int pl_prim_init(PyObject *m, pl_state *st);
+int pl_gather_init(PyObject *m, pl_state *st);
 void pl_prefetcher_shutdown_all(pl_state *st);
 
 /* ---- pieces shared between files ---- */

@@ -5,7 +5,19 @@
  * pieces that overlap it. Workers (and the calling thread, between reports) take pieces in
  * region order from a shared counter, so chunks finish roughly in order and the caller can
  * start the DMA of chunk i while chunk i + 1 is being staged. The calling thread reports chunk
- * i only when every piece overlapping it is done, in increasing order. */
+ * i only when every piece overlapping it is done, in increasing order.
+ *
+ * Note [row gather]
+ * A leaf with a rows table (pl_leaf_copy.rows) is a gather of whole rows of a larger source:
+ * element (i0, i1, ...) is read from src + rows[i0] * strides[0] + i1 * strides[1] + ..., so
+ * dim 0 is never dropped or merged by pl_leaf_collapse (its stride is applied through the
+ * table), while the dimensions inside a row simplify as usual. A window of L consecutive rows
+ * is the same thing with one more dimension: shape (n, L, ...), strides (s0, s0, ...), rows =
+ * the window starts. Pieces of such a leaf hold whole rows where a row fits in a piece, and
+ * within a piece the rows are read in source-address order and written to their batch
+ * positions: consecutive reads then walk a memory-mapped file forwards (the kernel's
+ * read-ahead and the page cache see a sequential scan) and share pages and TLB entries. Rows
+ * under SORT_MIN_ROW_BYTES are read in batch order: sorting them costs more than it saves. */
 #include "stager.h"
 #include "backend.h"
 #include "util.h"
@@ -18,6 +30,8 @@
 
 #define PIECE_BYTES ((size_t)1 << 20)
 #define INLINE_BYTES ((size_t)512 << 10) /* below this, one thread does it all */
+#define SORT_MIN_ROW_BYTES 64  /* see Note [row gather] */
+#define SORT_GROUP 256         /* rows sorted together, on the stack */
 
 typedef struct {
     int leaf;
@@ -52,17 +66,19 @@ struct pl_stager {
 
 void pl_leaf_collapse(pl_leaf_copy *L)
 {
-    int nd = 0;
-    for (int d = 0; d < L->ndim; d++) {
+    /* dim 0 of a row-gathered leaf stays as it is: see Note [row gather] */
+    const int keep = L->rows ? 1 : 0;
+    int nd = keep;
+    for (int d = keep; d < L->ndim; d++) {
         if (L->shape[d] == 1)
             continue;
         L->shape[nd] = L->shape[d];
         L->strides[nd] = L->strides[d];
         nd++;
     }
-    int out = 0;
-    for (int d = 0; d < nd; d++) {
-        if (out > 0 && L->strides[out - 1] == L->shape[d] * L->strides[d]) {
+    int out = keep;
+    for (int d = keep; d < nd; d++) {
+        if (out > keep && L->strides[out - 1] == L->shape[d] * L->strides[d]) {
             L->shape[out - 1] *= L->shape[d];
             L->strides[out - 1] = L->strides[d];
             continue;
@@ -98,8 +114,14 @@ static void copy_strided(char *dst, const char *src, int64_t n, int64_t stride, 
     }
 }
 
+static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count);
+
 void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
 {
+    if (L->rows) {
+        gather_rows(dst, L, start, count);
+        return;
+    }
     const int nd = L->ndim;
     const size_t isz = L->itemsize;
     int64_t idx[PL_MAX_DIMS];
@@ -128,6 +150,92 @@ void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t cou
             src += L->strides[d - 1];
         }
     }
+}
+
+/* One row of a row-gathered leaf as a plain leaf (dims 1.. of L). */
+static void row_leaf(const pl_leaf_copy *L, pl_leaf_copy *R)
+{
+    R->rows = NULL;
+    R->itemsize = L->itemsize;
+    if (L->ndim == 1) {
+        R->ndim = 1;
+        R->shape[0] = 1;
+        R->strides[0] = (int64_t)L->itemsize;
+    } else {
+        R->ndim = L->ndim - 1;
+        memcpy(R->shape, L->shape + 1, (size_t)R->ndim * sizeof(int64_t));
+        memcpy(R->strides, L->strides + 1, (size_t)R->ndim * sizeof(int64_t));
+    }
+}
+
+/* Copy elements [start, start + count) of row i. */
+static void copy_row_part(char *dst, const pl_leaf_copy *L, pl_leaf_copy *R, int contiguous,
+                          int64_t i, int64_t start, int64_t count)
+{
+    R->src = L->src + L->rows[i] * L->strides[0];
+    if (contiguous)
+        memcpy(dst, R->src + start * (int64_t)L->itemsize, (size_t)count * L->itemsize);
+    else
+        pl_leaf_gather(dst, R, start, count);
+}
+
+typedef struct {
+    int64_t key; /* source offset of the row, in stride units with the sign of the stride */
+    int64_t pos; /* batch position */
+} row_ref;
+
+static int cmp_row_ref(const void *a, const void *b)
+{
+    const row_ref *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key < y->key ? -1 : 1;
+    return x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+/* See Note [row gather]. */
+static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
+{
+    pl_leaf_copy R;
+    row_leaf(L, &R);
+    int64_t row = 1;
+    for (int d = 0; d < R.ndim; d++)
+        row *= R.shape[d];
+    const size_t isz = L->itemsize;
+    const size_t row_bytes = (size_t)row * isz;
+    const int contiguous = R.ndim == 1 && (R.shape[0] == 1 || R.strides[0] == (int64_t)isz);
+    int64_t i = start / row, off = start % row;
+    if (off && count > 0) { /* the end of a row a previous piece started */
+        int64_t n = PL_MIN(count, row - off);
+        copy_row_part(dst, L, &R, contiguous, i, off, n);
+        dst += (size_t)n * isz;
+        count -= n;
+        i++;
+    }
+    int64_t whole = count / row;
+    const int64_t sign = L->strides[0] < 0 ? -1 : 1;
+    while (whole > 0) {
+        int64_t n = PL_MIN(whole, (int64_t)SORT_GROUP);
+        if (n > 1 && row_bytes >= SORT_MIN_ROW_BYTES) {
+            row_ref refs[SORT_GROUP];
+            for (int64_t k = 0; k < n; k++) {
+                refs[k].key = L->rows[i + k] * sign;
+                refs[k].pos = k;
+            }
+            qsort(refs, (size_t)n, sizeof(row_ref), cmp_row_ref);
+            for (int64_t k = 0; k < n; k++)
+                copy_row_part(dst + (size_t)refs[k].pos * row_bytes, L, &R, contiguous,
+                              i + refs[k].pos, 0, row);
+        } else {
+            for (int64_t k = 0; k < n; k++)
+                copy_row_part(dst + (size_t)k * row_bytes, L, &R, contiguous, i + k, 0, row);
+        }
+        dst += (size_t)n * row_bytes;
+        count -= n * row;
+        whole -= n;
+        i += n;
+    }
+    if (count > 0) /* the start of a row the next piece finishes */
+        copy_row_part(dst, L, &R, contiguous, i, 0, count);
 }
 
 /* ---- workers ---- */
@@ -226,12 +334,28 @@ int pl_stager_threads(const pl_stager *s)
 
 /* ---- one job ---- */
 
-static size_t count_pieces(const pl_leaf_copy *leaves, int n, size_t piece_bytes)
+/* Elements per piece of L: whole rows of a row-gathered leaf where a row fits in a piece (see
+ * Note [row gather]). L->nbytes > 0. */
+static int64_t piece_elems(const pl_leaf_copy *L)
+{
+    int64_t per = (int64_t)PL_MAX((size_t)1, PIECE_BYTES / L->itemsize);
+    if (L->rows) {
+        int64_t row = (int64_t)(L->nbytes / L->itemsize) / L->shape[0];
+        if (row > 0 && row <= per)
+            per = per / row * row;
+    }
+    return per;
+}
+
+static size_t count_pieces(const pl_leaf_copy *leaves, int n)
 {
     size_t total = 0;
     for (int i = 0; i < n; i++)
-        if (leaves[i].nbytes)
-            total += (leaves[i].nbytes + piece_bytes - 1) / piece_bytes + 1;
+        if (leaves[i].nbytes) {
+            int64_t elems = (int64_t)(leaves[i].nbytes / leaves[i].itemsize);
+            int64_t per = piece_elems(&leaves[i]);
+            total += (size_t)((elems + per - 1) / per);
+        }
     return total;
 }
 
@@ -269,7 +393,7 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
         return rc;
     }
 
-    size_t max_pieces = count_pieces(leaves, n, PIECE_BYTES);
+    size_t max_pieces = count_pieces(leaves, n);
     piece *pieces = malloc(max_pieces * sizeof(*pieces));
     atomic_int *left = calloc(n_chunks, sizeof(*left));
     if (!pieces || !left) {
@@ -284,7 +408,7 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
             continue;
         pl_leaf_collapse(L);
         int64_t elems = (int64_t)(L->nbytes / L->itemsize);
-        int64_t per = (int64_t)PL_MAX((size_t)1, PIECE_BYTES / L->itemsize);
+        int64_t per = piece_elems(L);
         size_t leaf_off = (size_t)(L->dst - base);
         for (int64_t e = 0; e < elems; e += per) {
             piece *p = &pieces[np++];

@@ -17,6 +17,10 @@ typedef struct pl_leaf_copy {
     int64_t strides[PL_MAX_DIMS]; /* in bytes, any sign */
     size_t itemsize;
     size_t nbytes;
+    /* Optional dim-0 index table (see Note [row gather] in stager.c): when set, element
+     * (i0, i1, ...) is at src + rows[i0] * strides[0] + i1 * strides[1] + ..., and rows has
+     * shape[0] entries, each already validated against the source's extent. */
+    const int64_t *rows;
 } pl_leaf_copy;
 
 typedef struct pl_stager pl_stager;
@@ -36,9 +40,11 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
                   size_t chunk_bytes, pl_chunk_fn on_chunk, void *arg);
 
 /* Simplify a leaf in place: drop size-1 dimensions, merge dimensions that are contiguous with
- * each other. Afterwards ndim >= 1. */
+ * each other. Afterwards ndim >= 1. A leaf with a rows table keeps its dim 0 as it is and
+ * simplifies only the dimensions after it. */
 void pl_leaf_collapse(pl_leaf_copy *L);
-/* Copy elements [start, start + count) of L (row-major order) to dst. */
+/* Copy elements [start, start + count) of L (row-major order) to dst. With a rows table, whole
+ * rows in the range are read in source-address order (see Note [row gather]). */
 void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count);
 
 #endif

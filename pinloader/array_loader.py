@@ -1,0 +1,463 @@
+"""ArrayLoader: batches of rows of in-memory or memory-mapped arrays, gathered straight into
+pinned memory by the prefetcher's staging threads and copied to the device.
+
+The loader is a second kind of *source* for :class:`pinloader.AsyncPrefetcher`, not a second
+pipeline: a Python generator yields, per batch, the structure of ``arrays`` with
+:class:`pinloader._C.RowGather` leaves (one GIL acquisition per batch, no Python per sample), and
+the prefetcher's staging threads read the rows from the sources into the pinned region (the
+only host copy), then copy the batch to the device like any other.
+
+Sampling (see ``ArrayLoader.indices``)
+--------------------------------------
+* Items: the rows of the arrays, or with ``windows=L`` the ``W = N // L`` windows of ``L``
+  consecutive rows per epoch (``N`` rows in the sources). Window ``k`` of an epoch covers rows
+  ``[phase + k*L, phase + (k+1)*L)``; ``phase`` is drawn per epoch in ``[0, N - W*L]``, so the
+  window boundaries move from epoch to epoch while windows never overlap within one.
+* ``shuffle=True``: the items are visited in the order of a seeded permutation specified in
+  ``src/gather.c`` (Note [epoch permutation]: SplitMix64 keyed by ``(seed, epoch)``, Lemire's
+  unbiased bounded integers, Fisher-Yates), identical on every machine and NumPy version.
+  ``shuffle=False``: in order, ``phase = 0``.
+* Sharding (``world_size > 1``), as ``torch.utils.data.DistributedSampler`` does: with
+  ``drop_last=False`` the epoch's order is padded by wrapping around to its start until it
+  divides by ``world_size``; with ``drop_last=True`` its tail is dropped instead. Rank ``r``
+  takes items ``r, r + world_size, r + 2*world_size, ...`` of that order: the shards are
+  disjoint (up to the padding) and equal in size, and together cover the epoch.
+* Batches: consecutive runs of ``batch_size`` items of the rank's shard; ``drop_last=True``
+  also drops the last partial batch.
+* Epochs: the first iteration is epoch 0 (or the value given to :meth:`ArrayLoader.set_epoch`);
+  each later iteration is the next epoch unless ``set_epoch`` was called since.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from typing import Any, Iterator
+
+import numpy as np
+
+from ._C import AsyncPrefetcher, RowGather, permutation
+
+__all__ = ["ArrayLoader"]
+
+_DEFAULT_DEPTH = 2
+
+
+def _flatten(obj: Any, path: str, out: list) -> Any:
+    """Collect the leaves of ``obj`` into ``out`` as (path, leaf); return a template that
+    :func:`_rebuild` fills."""
+    if isinstance(obj, dict):
+        return (type(obj), [(k, _flatten(v, f"{path}[{k!r}]", out)) for k, v in obj.items()])
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return (type(obj), [_flatten(v, f"{path}.{name}", out) for name, v in zip(obj._fields, obj)])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), [_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(obj)])
+    out.append((path, obj))
+    return None
+
+
+def _rebuild(template: Any, leaves: Iterator) -> Any:
+    if template is None:
+        return next(leaves)
+    tp, items = template
+    if issubclass(tp, dict):
+        d = {k: _rebuild(t, leaves) for k, t in items}
+        return d if tp is dict else tp(d.items())
+    values = [_rebuild(t, leaves) for t in items]
+    if tp is list or tp is tuple:
+        return tp(values)
+    if issubclass(tp, tuple) and hasattr(tp, "_fields"):
+        return tp(*values)
+    return tp(values)
+
+
+def _base_chain(arr: Any) -> Iterator[Any]:
+    base = getattr(arr, "base", None)
+    for _ in range(16):
+        if base is None:
+            return
+        yield base
+        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else None
+
+
+def _is_mapped(src: Any) -> bool:
+    """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects: read-ahead helps."""
+    if isinstance(src, (mmap.mmap, np.memmap)):
+        return True
+    return isinstance(src, np.ndarray) and any(isinstance(b, mmap.mmap) for b in _base_chain(src))
+
+
+def _hold(src: Any) -> list[memoryview]:
+    """Buffer exports that keep the object under ``src`` from being closed or resized while the
+    loader lives (Python raises BufferError instead)."""
+    target = src
+    if isinstance(src, np.ndarray):
+        target = next((b for b in _base_chain(src) if not isinstance(b, np.ndarray)), None)
+    if target is None or isinstance(target, np.ndarray):
+        return []
+    try:
+        return [memoryview(target)]
+    except TypeError:
+        return []
+
+
+def _default_rank_world() -> tuple[int, int]:
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"ArrayLoader: RANK / WORLD_SIZE environment variables are not integers ({e})") from None
+
+
+def _int_arg(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"ArrayLoader: {name} must be an int, not {type(value).__name__}")
+    if value < lo:
+        raise ValueError(f"ArrayLoader: {name} must be >= {lo}, got {value}")
+    return int(value)
+
+
+class _Plan:
+    """What an epoch's generator needs; shared by the loader and the prefetcher's source (the
+    source must not reference the loader, which holds the prefetcher)."""
+
+    epoch = 0
+    cache: tuple[int, np.ndarray] | None = None
+    leaves: list = []
+    template: Any = None
+    batch_size = n_batches = num_rows = num_items = num_samples = rank = seed = 0
+    world_size = 1
+    window: int | None = None
+    shuffle = drop_last = False
+
+
+def _order(plan: _Plan, epoch: int) -> np.ndarray:
+    """The rank's item order of an epoch: see the module documentation."""
+    cache = plan.cache
+    if cache is not None and cache[0] == epoch:
+        return cache[1]
+    n, L = plan.num_items, plan.window
+    spare = 0 if L is None else plan.num_rows - n * L
+    if plan.shuffle:
+        phase, order = permutation(n, plan.seed, epoch, spare)
+    else:
+        phase, order = 0, np.arange(n, dtype=np.int64)
+    world = plan.world_size
+    if world > 1:
+        total = plan.num_samples * world
+        if total <= n:
+            order = order[:total]
+        elif n:
+            order = np.resize(order, total)  # pads by wrapping around to the start
+        order = order[plan.rank::world]
+    else:
+        order = order[:plan.num_samples]
+    if L is not None:
+        order = phase + order * L
+    order = np.ascontiguousarray(order, dtype=np.int64)
+    order.flags.writeable = False
+    plan.cache = (epoch, order)
+    return order
+
+
+class _Epochs:
+    """The re-iterable source given to the AsyncPrefetcher: each iter() is one epoch."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self._plan = plan
+
+    def __len__(self) -> int:
+        return self._plan.n_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return _epoch_batches(self._plan, self._plan.epoch)
+
+
+def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
+    order = _order(plan, epoch)
+    bs, n_batches = plan.batch_size, plan.n_batches
+    window = plan.window
+    any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
+    for b in range(n_batches):
+        lo = b * bs
+        rows = order[lo:lo + bs]
+        # Note [read-ahead] in src/gather.c: the next batch's rows (the first batch's own too)
+        ahead = order[(lo + bs if b else lo):lo + 2 * bs] if any_mapped else None
+        leaves = []
+        for path, src, mapped, shape in plan.leaves:
+            try:
+                g = RowGather(src, rows, window, ahead if mapped else None)
+            except (IndexError, ValueError, TypeError, BufferError) as e:
+                raise type(e)(f"{path}: {e}") from None
+            if g.source_shape != shape:
+                raise ValueError(f"{path}: the source changed shape from {shape} to {g.source_shape} "
+                                 "under the ArrayLoader (resized or replaced while loading)")
+            leaves.append(g)
+        yield _rebuild(plan.template, iter(leaves))
+
+
+class ArrayLoader:
+    """Shuffled, sharded batches of rows of arrays, gathered into pinned memory and copied to a
+    device by native threads: no worker processes, no collate, no Python per sample.
+
+    Parameters
+    ----------
+    arrays : array or nested tuple/list/dict/namedtuple of arrays
+        NumPy arrays, ``np.memmap`` / ``np.load(..., mmap_mode="r")`` arrays, CPU DLPack
+        exporters (torch CPU tensors...) or buffer-protocol objects, all with the same first
+        dimension (the rows). Batches have the structure of ``arrays``, each leaf holding the
+        batch's rows: shape ``(batch, *array.shape[1:])``, or with ``windows=L``
+        ``(batch, L, *array.shape[1:])``. Sources are read in place and never pinned, so a
+        memory-mapped file larger than RAM works; they are held (cannot be closed or resized)
+        until :meth:`close`.
+    batch_size : int
+        Items per batch (rows, or windows).
+    shuffle : bool, default True
+        Seeded permutation per epoch (see the module documentation); False: in order.
+    seed : int, default 0
+        Any int (taken modulo 2**64). The same ``(seed, epoch, rank, world_size)`` gives the
+        same batches on every run and machine.
+    drop_last : bool, default False
+        Drop the epoch's tail that does not divide among the ranks (instead of padding by
+        wrapping around) and the last partial batch.
+    device : default None
+        As for :class:`pinloader.AsyncPrefetcher` (None: the current CUDA device, else the
+        host backend). Under torchrun pass ``f"cuda:{LOCAL_RANK}"``.
+    depth : int, default 2
+        Batches in flight or waiting.
+    rank, world_size : int, optional
+        This process's shard. Defaults: an initialised ``torch.distributed`` process group,
+        else the ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
+    windows : int, optional
+        Sample windows of this many consecutive rows (token streams) instead of rows.
+    **prefetch_opts
+        Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``pool``,
+        ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``).
+
+    Iterating the loader runs one epoch and yields the batches as the prefetcher does
+    (DeviceArrays; ``pinloader.torch.prefetch(loader)``, ``pinloader.jax.prefetch`` and
+    ``pinloader.cupy.prefetch`` wrap this loader's own prefetcher and yield framework arrays).
+    One prefetcher is kept across epochs.
+    """
+
+    def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, device: Any = None, depth: int | None = None,
+                 rank: int | None = None, world_size: int | None = None, windows: int | None = None,
+                 **prefetch_opts: Any) -> None:
+        self._pf: AsyncPrefetcher | None = None
+        self._holds: list[memoryview] = []
+        self._closed = False
+        self.batch_size = _int_arg("batch_size", batch_size, 1)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"ArrayLoader: seed must be an int, not {type(seed).__name__}")
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self._device = device
+        self._depth = None if depth is None else _int_arg("depth", depth, 1)
+        self._opts = dict(prefetch_opts)
+
+        if rank is None or world_size is None:
+            d_rank, d_world = _default_rank_world()
+            rank = d_rank if rank is None else rank
+            world_size = d_world if world_size is None else world_size
+        self.world_size = _int_arg("world_size", world_size, 1)
+        self.rank = _int_arg("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"ArrayLoader: rank must be < world_size, got rank={self.rank}, "
+                             f"world_size={self.world_size}")
+
+        leaves: list = []
+        template = _flatten(arrays, "arrays", leaves)
+        if not leaves:
+            raise ValueError("ArrayLoader: arrays holds no array")
+        self.windows = None if windows is None else _int_arg("windows", windows, 1)
+        plan_leaves = []
+        lengths: dict[str, int] = {}
+        empty = np.empty(0, np.int64)
+        for path, src in leaves:
+            if src is None or isinstance(src, (str, bytes, int, float, complex)):
+                raise TypeError(f"{path}: ArrayLoader needs arrays, got {type(src).__name__}")
+            try:
+                probe = RowGather(src, empty)
+            except (TypeError, ValueError, BufferError) as e:
+                raise type(e)(f"{path}: {e}") from None
+            shape = probe.source_shape
+            lengths[path] = shape[0]
+            plan_leaves.append((path, src, _is_mapped(src), shape))
+        if len(set(lengths.values())) > 1:
+            detail = ", ".join(f"{p}: {n}" for p, n in lengths.items())
+            raise ValueError(f"ArrayLoader: the arrays must have the same first dimension, got {detail}")
+        self.num_rows = next(iter(lengths.values()))
+        if self.windows is not None and self.windows > self.num_rows:
+            raise ValueError(f"ArrayLoader: windows={self.windows} is longer than the arrays "
+                             f"({self.num_rows} rows)")
+        for _, src, _, _ in plan_leaves:
+            self._holds += _hold(src)
+
+        # items per epoch, per rank
+        self.num_items = self.num_rows if self.windows is None else self.num_rows // self.windows
+        if self.drop_last:
+            self.num_samples = self.num_items // self.world_size
+        else:
+            self.num_samples = -(-self.num_items // self.world_size)
+        n_batches = (self.num_samples // self.batch_size if self.drop_last
+                     else -(-self.num_samples // self.batch_size))
+
+        plan = _Plan()
+        plan.leaves = plan_leaves
+        plan.template = template
+        plan.batch_size = self.batch_size
+        plan.n_batches = n_batches
+        plan.window = self.windows
+        plan.num_rows, plan.num_items, plan.num_samples = self.num_rows, self.num_items, self.num_samples
+        plan.rank, plan.world_size, plan.seed = self.rank, self.world_size, self.seed
+        plan.shuffle, plan.drop_last = self.shuffle, self.drop_last
+        self._plan = plan
+        self._source = _Epochs(plan)
+        self._epoch: int | None = None     # the epoch of the current (last) iteration
+        self._requested: int | None = None  # set_epoch() since the last iteration
+        self._consumed = 0
+        self._done = False
+
+    # ---- sampling ----
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This rank's item order for ``epoch`` (int64, read-only): row indices, or with
+        ``windows`` the first row of each window. Batch ``b`` of the epoch is items
+        ``[b*batch_size, (b+1)*batch_size)`` of it, so a plain loop can reproduce the loader
+        exactly."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise TypeError(f"ArrayLoader: epoch must be an int, not {type(epoch).__name__}")
+        return _order(self._plan, int(epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise TypeError(f"ArrayLoader: epoch must be an int, not {type(epoch).__name__}")
+        self._requested = int(epoch)
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the current (or last) iteration; None before the first."""
+        return self._epoch
+
+    # ---- iteration ----
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("ArrayLoader is closed")
+
+    def _next_epoch(self) -> int:
+        if self._requested is not None:
+            e, self._requested = self._requested, None
+            return e
+        if self._epoch is None:
+            return 0
+        return self._epoch + 1 if (self._consumed or self._done) else self._epoch
+
+    def _make_prefetcher(self) -> AsyncPrefetcher:
+        depth = _DEFAULT_DEPTH if self._depth is None else self._depth
+        return AsyncPrefetcher(self._source, device=self._device, depth=depth, **self._opts)
+
+    def __iter__(self) -> "ArrayLoader":
+        self._check_open()
+        epoch = self._next_epoch()
+        fresh = self._pf is not None and not self._consumed and not self._done
+        if fresh and epoch != self._epoch:
+            # The prefetcher would keep its untouched epoch (Note [epochs] in
+            # src/prefetcher.c): this one must start elsewhere, so start over.
+            self._pf.close()
+            self._pf = None
+        self._epoch = self._plan.epoch = epoch
+        if self._pf is None:
+            self._pf = self._make_prefetcher()
+        else:
+            iter(self._pf)
+        self._consumed = 0
+        self._done = False
+        return self
+
+    def __next__(self) -> Any:
+        self._check_open()
+        if self._pf is None:
+            iter(self)
+        try:
+            batch = next(self._pf)
+        except StopIteration:
+            self._done = True
+            raise
+        self._consumed += 1
+        return batch
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self._plan.n_batches
+
+    # ---- the framework adapters (pinloader/_adapter.py) ----
+
+    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> "ArrayLoader":
+        """Let an adapter use this loader as its prefetcher (no second pipeline): the adapter's
+        device, depth and options fill in what the loader was not given; a conflict is an
+        error."""
+        def clash(name: str, mine: Any, theirs: Any) -> ValueError:
+            return ValueError(f"ArrayLoader was made with {name}={mine!r}, but the adapter asks for "
+                              f"{name}={theirs!r}: pass it to one of them only")
+        want_device = self._device
+        if want_device is None:
+            want_device = device
+        elif device is not None and str(device) != str(want_device) and str(device) != "cuda" \
+                and str(want_device) != "cuda":
+            raise clash("device", self._device, device)
+        want_depth = depth if self._depth is None else self._depth
+        if self._depth is not None and depth != _DEFAULT_DEPTH and depth != self._depth:
+            raise clash("depth", self._depth, depth)
+        merged = dict(self._opts)
+        for k, v in opts.items():
+            if k in merged and merged[k] != v:
+                raise clash(k, merged[k], v)
+            merged[k] = v
+        if self._pf is not None and (want_device != self._device or want_depth != self._depth
+                                     or merged != self._opts):
+            raise ValueError("ArrayLoader: already iterating with other settings; wrap it in the "
+                             "adapter before the first iteration")
+        self._device, self._depth, self._opts = want_device, want_depth, merged
+        return self
+
+    # ---- the rest ----
+
+    def stats(self) -> dict:
+        """The prefetcher's :meth:`~pinloader.AsyncPrefetcher.stats` (empty before the first
+        iteration) and the loader's epoch, rank and world size."""
+        s = dict(self._pf.stats()) if self._pf is not None else {}
+        s.update(epoch=self._epoch, rank=self.rank, world_size=self.world_size,
+                 batches_per_epoch=len(self))
+        return s
+
+    def close(self) -> None:
+        """Stop the prefetcher and release the sources. Idempotent."""
+        if self._pf is not None:
+            self._pf.close()
+        self._closed = True
+        for mv in self._holds:
+            mv.release()
+        self._holds = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "ArrayLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        w = f", windows={self.windows}" if self.windows is not None else ""
+        return (f"pinloader.ArrayLoader(rows={self.num_rows}, batch_size={self.batch_size}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}, "
+                f"world_size={self.world_size}{w}, batches={len(self)})")

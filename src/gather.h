@@ -1,0 +1,29 @@
+/* RowGather: rows of an array source (RAM or memory-mapped), a batch leaf that the staging
+ * threads gather straight into pinned memory (see Note [array sources] in gather.c and
+ * Note [row gather] in stager.c). Also the epoch permutation ArrayLoader samples with. */
+#ifndef PL_GATHER_H
+#define PL_GATHER_H
+
+#include "module.h"
+#include "np.h"
+#include "stager.h"
+
+/* The gathered leaf of a RowGather, as the prefetcher lays it out: shape (n,) + row shape, or
+ * (n, window) + row shape; strides of the source (dim 0 applied through rows). */
+typedef struct pl_row_gather_leaf {
+    const char *src; /* the source's element [0, ..., 0] */
+    int ndim;
+    npy_intp shape[PL_MAX_DIMS];
+    int64_t strides[PL_MAX_DIMS]; /* bytes */
+    DLDataType dtype;
+    const int64_t *rows; /* shape[0] validated entries, owned by the RowGather */
+} pl_row_gather_leaf;
+
+/* 1 if o is a pinloader._C.RowGather. */
+int pl_row_gather_check(pl_state *st, PyObject *o);
+
+/* The layout of RowGather o (already validated when o was made; cannot fail). Valid while o
+ * is alive. */
+void pl_row_gather_layout(PyObject *o, pl_row_gather_leaf *out);
+
+#endif
