@@ -22,6 +22,7 @@
 #include "module.h"
 
 #include "block.h"
+#include "cpus.h"
 #include "np.h"
 #include "pool.h"
 #include "stager.h"
@@ -1566,7 +1567,7 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->capsule_stream = Py_NewRef(stream_obj);
     self->max_pinned = max_pinned;
     if (!threads)
-        threads = PL_MIN(8, pl_cpu_count()); /* host memcpy bandwidth scales to ~8 threads */
+        threads = pl_default_staging_threads(); /* see Note [staging threads] in cpus.c */
 
     int rc, prev_device = -1;
     Py_BEGIN_ALLOW_THREADS
