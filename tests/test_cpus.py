@@ -3,6 +3,7 @@ PINLOADER_CGROUP_ROOT), LOCAL_WORLD_SIZE."""
 import json
 import os
 
+import numpy as np
 import pytest
 
 import pinloader
@@ -140,3 +141,31 @@ def test_affinity_mask_is_followed(run_python):
     b, threads = json.loads(out.stdout)
     assert b["affinity"] == 1
     assert b["staging_threads"] == threads == 1
+
+
+# ---- staging stores (Note [non-temporal staging stores] in src/stager.c) ----
+
+@pytest.mark.parametrize("mode", [None, "0", "1"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_staging_with_and_without_streaming_stores(monkeypatch, mode, threads):
+    if mode is None:
+        monkeypatch.delenv("PINLOADER_STAGING_NT", raising=False)
+    else:
+        monkeypatch.setenv("PINLOADER_STAGING_NT", mode)
+    rng = np.random.default_rng(threads)
+    raw = rng.integers(0, 256, size=(9 << 20) + 37, dtype=np.uint8)
+    batches = []
+    for k in range(4):
+        # unaligned starts and odd lengths, big (streamed) and small (cached) leaves, one
+        # strided leaf (gathered), in one batch
+        a = raw[1 + k:(5 << 20) + 3 + k]
+        b = raw[7:(1 << 20) + 7].view(np.uint8)
+        c = raw[11:11 + 3 * 1001].view(np.uint8)[::3]
+        d = raw[:(2 << 20)].view(np.int32)[5:-3]
+        batches.append({"a": a, "b": b, "c": c, "d": d})
+    with pinloader.AsyncPrefetcher(batches, device="cpu", staging_threads=threads) as pf:
+        for src, out in zip(batches, pf):
+            for key in src:
+                got = np.from_dlpack(out[key])
+                assert got.dtype == src[key].dtype and got.shape == src[key].shape
+                assert np.array_equal(got, src[key]), key
