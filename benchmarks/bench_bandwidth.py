@@ -414,13 +414,74 @@ def render_staging_markdown(payload):
          common.fmt_num(r.get("default_over_torch_all"), 3), "≥ 0.95"],
         ["best pinloader staging / best torch copy_",
          common.fmt_num(r.get("best_over_best_torch"), 3), "(reference)"],
-    ], align="lrr"), ""]
+    ] + ([[f"{payload['ranks']['ranks']} ranks staging at once (LOCAL_WORLD_SIZE), aggregate "
+           f"{common.fmt_num(payload['ranks'].get('aggregate_gbps'), 1)} GB/s / torch all-thread "
+           "copy_", common.fmt_num(r.get("ranks_aggregate_over_torch_all"), 3), "≥ 0.9"]]
+         if payload.get("ranks") else []), align="lrr"), ""]
     return "\n".join(lines)
+
+
+def rank_worker(args):
+    """--rank-worker R (started by --ranks): stage with the default thread count on device
+    cuda:R (or the host backend), from --start-at on; print one JSON line."""
+    import json
+    global torch
+    import torch as _torch
+    torch = _torch
+    import pinloader as pl
+    cuda = torch.cuda.is_available() and pl.cuda_available()
+    device = f"cuda:{args.rank_worker % max(1, torch.cuda.device_count())}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    src = np.empty(args.staging_bytes, dtype=np.uint8)
+    src.view(np.uint64)[:] = 0x0123456789ABCDEF
+    pool = pl.PinnedPool(max_bytes=(args.depth + 3) * args.staging_bytes)
+    staging_rate(pl, src, args.depth + 2, device, None, pool, args.depth)
+    time.sleep(max(0.0, args.start_at - time.time()))
+    t0 = time.time()
+    rec = staging_rate(pl, src, args.rank_batches, device, None, pool, args.depth)
+    rec.update(start=t0, end=time.time(), device=device, bytes=args.rank_batches * src.nbytes,
+               budget=pl._C._cpu_budget() if hasattr(pl._C, "_cpu_budget") else None)
+    pool.close()
+    print("RANK " + json.dumps(rec), flush=True)
+    return 0
+
+
+def ranks_run(args):
+    """--ranks N: N processes staging at once (LOCAL_WORLD_SIZE=N, as torchrun sets it), each
+    with the default thread count; aggregate GB/s over the common window."""
+    import json
+    import subprocess
+    env = dict(os.environ, LOCAL_WORLD_SIZE=str(args.ranks))
+    start_at = time.time() + args.rank_start_s
+    cmd = [sys.executable, os.path.abspath(__file__), "--staging-sweep",
+           "--staging-bytes", str(args.staging_bytes), "--depth", str(args.depth),
+           "--rank-batches", str(args.rank_batches), "--start-at", repr(start_at)]
+    procs = [subprocess.Popen(cmd + ["--rank-worker", str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
+    recs, errors = [], []
+    for p in procs:
+        out, err = p.communicate(timeout=args.rank_start_s + 120)
+        line = next((ln for ln in out.splitlines() if ln.startswith("RANK ")), None)
+        if p.returncode != 0 or line is None:
+            errors.append((err or out)[-500:])
+        else:
+            recs.append(json.loads(line[5:]))
+    if not recs:
+        return {"ranks": args.ranks, "errors": errors}
+    window = max(r["end"] for r in recs) - min(r["start"] for r in recs)
+    late = max(r["start"] for r in recs) - min(r["start"] for r in recs)
+    return {"ranks": args.ranks, "per_rank": recs, "errors": errors,
+            "aggregate_gbps": sum(r["bytes"] for r in recs) / window / 1e9,
+            "aggregate_staging_gbps": sum(r["staging_gbps"] or 0 for r in recs),
+            "window_s": window, "start_skew_s": late}
 
 
 def staging_sweep(args):
     """--staging-sweep: pinloader staging against torch copy_ for thread counts 1..N; runs on
     the host backend (device "cpu") when CUDA is unavailable."""
+    if args.rank_worker is not None:
+        return rank_worker(args)
     global torch
     import torch as _torch
     torch = _torch
@@ -502,8 +563,21 @@ def staging_sweep(args):
                f"torch all-thread ({all_threads}) copy_ {common.fmt_num(torch_all['summary']['median'], 1)} GB/s; "
                f"ratio {common.fmt_num(ratios['default_over_torch_all'], 3)}")
     pool.close()
+    ranks = None
+    if args.ranks > 1:
+        ranks, rerr = common.guarded(ranks_run, args)
+        ranks = ranks if rerr is None else rerr
+        if "aggregate_gbps" in ranks:
+            ratios["ranks_aggregate_over_torch_all"] = common.ratio(
+                ranks["aggregate_gbps"], torch_all["summary"]["median"])
+            common.log(f"  {args.ranks} ranks at once: aggregate {ranks['aggregate_gbps']:.1f} GB/s "
+                       f"(start skew {ranks['start_skew_s'] * 1e3:.0f} ms); / torch all-thread "
+                       f"{common.fmt_num(ratios['ranks_aggregate_over_torch_all'], 3)}")
+        else:
+            common.log(f"  ranks run failed: {ranks.get('errors') or ranks.get('error')}")
     payload = {
         "benchmark": "bandwidth_staging", "schema": 1, "machine": machine, "device": device,
+        "ranks": ranks,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "cpu_budget": budget, "pinned_destination": pinned, "threads": threads,
         "sweep": sweep, "default": default, "torch_all": torch_all, "ratios": ratios,
@@ -558,6 +632,16 @@ def build_parser():
                    help="thread counts of --staging-sweep")
     p.add_argument("--sweep-batches", type=int, default=12,
                    help="batches per --staging-sweep point (default: 12)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="with --staging-sweep: also run N processes staging at once with "
+                        "LOCAL_WORLD_SIZE=N (rank r on cuda:r), each with the default thread "
+                        "count, and report their aggregate GB/s against torch's all-thread copy_")
+    p.add_argument("--rank-batches", type=int, default=40,
+                   help="batches each rank stages in the --ranks run (default: 40)")
+    p.add_argument("--rank-start-s", type=float, default=20.0,
+                   help="seconds the --ranks processes get to start and warm up (default: 20)")
+    p.add_argument("--rank-worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true",
                    help="a small run (well under a minute): sizes up to 64M, 1 repeat")
     common.add_output_args(p, "bandwidth")

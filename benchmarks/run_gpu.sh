@@ -11,6 +11,9 @@
 #                                               the collated loop in both loop modes and the
 #                                               uint8-crops DataLoader source, at compute 1.2x copy
 #   bash benchmarks/run_gpu.sh tests perf       both in one call (about 6 minutes)
+#   bash benchmarks/run_gpu.sh ranks            on a several-GPU host: the staging sweep plus one
+#                                               process per GPU staging at once (LOCAL_WORLD_SIZE),
+#                                               aggregate against torch's all-thread copy_ (~1.5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results}
@@ -48,6 +51,10 @@ for stage in "$@"; do
       echo "== overlap: uint8 crops through 8 DataLoader workers =="
       timeout 200 $py benchmarks/bench_overlap.py --out "$out" --name overlap_crops --sources crops \
         --loops reused --compute-factors 1.2 --repeats 3 2>&1 | tail -20 || status=1 ;;
+    ranks)
+      n=$(nvidia-smi -L | wc -l)
+      timeout 300 $py benchmarks/bench_bandwidth.py --staging-sweep --ranks "$n" --out "$out" \
+        --name bandwidth_staging_ranks --repeats 3 2>&1 | tail -24 || status=1 ;;
     bench)
       timeout 580 $py benchmarks/bench_bandwidth.py --out "$out" 2>&1 | tail -30
       timeout 580 $py benchmarks/bench_overhead.py --out "$out" 2>&1 | tail -20

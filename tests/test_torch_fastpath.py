@@ -242,18 +242,19 @@ def test_cuda_consumer_streams_change_between_batches(monkeypatch):
     out = []
     with pt.prefetch(src, device="cuda") as batches:
         it = iter(batches)
-        monkeypatch.setattr(torch.cuda, "current_stream", counting)
         for i in range(len(src)):
             s = streams[i % 3]
             with torch.cuda.stream(s):
                 for _ in range(3):        # the consumer stream is busy when the batch arrives
                     m = m @ m * 1e-4
+                monkeypatch.setattr(torch.cuda, "current_stream", counting)
+                before = lookups["n"]
                 b = next(it)
+                assert lookups["n"] - before == 1   # once per batch, not once per leaf
+                monkeypatch.setattr(torch.cuda, "current_stream", real)
                 assert batches._consumer_stream() == (s.cuda_stream or 1)
                 out.append((s, b["x"].sum(), b["y"] * 1))
-        monkeypatch.setattr(torch.cuda, "current_stream", real)
     torch.cuda.synchronize()
-    assert lookups["n"] == 2 * len(src)   # once per batch, plus the assertion's own call
     for i, (s, total, y) in enumerate(out):
         assert float(total) == i * 1024 * 1024
         assert y.cpu().tolist() == list(range(i, i + 4))
