@@ -23,7 +23,9 @@ _native_export = getattr(_C, "export_capsules", None)
 def export_leaves(leaves: list, stream: Any) -> list:
     """DLPack capsules of ``leaves`` (DeviceArrays; other objects are passed through) for the
     consumer's ``stream`` (a DLPack stream handle, None for the host backend)."""
-    if _native_export is not None:
+    if _native_export is not None and stream is not None:
+        # One call for the batch: the stream waits once. Host-backend leaves (stream None) need
+        # no stream wait, so each leaf's own __dlpack__() costs as little.
         return _native_export(leaves, stream)
     return [leaf.__dlpack__(stream=stream) if type(leaf) is DeviceArray else leaf
             for leaf in leaves]

@@ -195,6 +195,25 @@ def test_export_without_native_batch_export(monkeypatch):
         _assert_same(o, r)
 
 
+def test_native_batch_export_called_once_per_batch_with_the_stream(monkeypatch):
+    # pinloader._C.export_capsules(leaves, stream), when the module has it, takes the whole
+    # batch at once for a CUDA stream; a stand-in records the calls here.
+    calls = []
+
+    def fake_native(leaves, stream):
+        calls.append((len(leaves), stream))
+        return [leaf.__dlpack__() for leaf in leaves]
+
+    monkeypatch.setattr(_adapter, "_native_export", fake_native)
+    monkeypatch.setattr(pt.TorchPrefetcher, "_consumer_stream", lambda self: 7)
+    src = [{"a": np.full(3, i), "b": [np.arange(2) + i, "x"]} for i in range(3)]
+    with pt.prefetch(src, device="cpu") as batches:
+        out = list(batches)
+    assert calls == [(2, 7)] * 3
+    assert [int(b["b"][0][1]) for b in out] == [1, 2, 3]
+    assert _adapter.export_leaves([], None) == []
+
+
 def test_export_leaves_passes_other_objects_through(monkeypatch):
     monkeypatch.setattr(_adapter, "_native_export", None)
     with pinloader.AsyncPrefetcher([np.arange(3)], device="cpu") as pf:
@@ -258,3 +277,45 @@ def test_cuda_consumer_streams_change_between_batches(monkeypatch):
     for i, (s, total, y) in enumerate(out):
         assert float(total) == i * 1024 * 1024
         assert y.cpu().tolist() == list(range(i, i + 4))
+
+
+# ---- flatten / rebuild against map_leaves (property) ----
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from pinloader._tree import map_leaves  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def device_arrays():
+    with pinloader.AsyncPrefetcher([[np.full(2, i) for i in range(4)]], device="cpu") as pf:
+        (batch,) = list(pf)
+    return batch
+
+
+def _structures(arrays):
+    leaf = st.one_of(st.sampled_from(range(len(arrays))).map(lambda i: arrays[i]),
+                     st.none(), st.integers(-3, 3), st.text(max_size=3))
+    return st.recursive(leaf, lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.lists(kids, max_size=4).map(tuple),
+        st.dictionaries(st.text(max_size=3), kids, max_size=4),
+        st.tuples(kids, kids).map(lambda t: Pair(*t)),
+        st.dictionaries(st.text(max_size=3), kids, max_size=3).map(
+            lambda d: collections.OrderedDict(sorted(d.items()))),
+    ), max_leaves=12)
+
+
+def test_flatten_rebuild_matches_map_leaves(device_arrays):
+    @settings(max_examples=150, deadline=None)
+    @given(_structures(device_arrays))
+    def check(obj):
+        leaves = []
+        spec = _adapter.flatten(obj, leaves)
+        assert all(type(x) is pinloader.DeviceArray for x in leaves)
+        tag = {id(a): i for i, a in enumerate(device_arrays)}
+        rebuilt = _adapter.rebuild(spec, iter([("leaf", tag[id(x)]) for x in leaves]))
+        expected = map_leaves(obj, lambda x: ("leaf", tag[id(x)]))
+        assert rebuilt == expected
+        _assert_same(rebuilt, expected)  # container types too, at every level
+    check()
