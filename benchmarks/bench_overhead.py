@@ -20,7 +20,16 @@ a run stays near --max-run-s (never below --min-batches).
 
 Reported ratios: dl_pin_thread / pinloader_dlpack (the target: >= 8) and, because the pin
 thread path also pays for moving every tensor between processes, dl_pin_inline /
-pinloader_dlpack, which compares pinning alone.
+pinloader_dlpack, which compares pinning alone; for the torch front door, pinloader_torch's
+host time per batch (target: <= 150 µs for 32 x 4 KiB) and dl_pin_thread / pinloader_torch
+(target: >= 3.8).
+
+Breakdown (per leaf, µs, on one batch held by the consumer): what pinloader.torch.prefetch
+pays per batch and per leaf, measured piece by piece: torch.cuda.current_stream() (once per
+batch), the batch's export for that stream (pinloader._C.export_capsules when present, else
+one __dlpack__(stream=...) per leaf), torch's import of one capsule (torch._C._from_dlpack),
+the flatten + rebuild of the batch, and for comparison torch.from_dlpack(DeviceArray) (which
+looks the current stream up again for every leaf).
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ METHOD_LABELS = {
     "blocking_to": "per-tensor blocking `.to()`",
 }
 RATIO_TARGET = 8.0
+TORCH_US_TARGET = 150.0
+TORCH_RATIO_TARGET = 3.8
 
 
 def make_ring(kind, ring):
@@ -212,6 +223,58 @@ def apply_quick(args):
         args.min_batches = min(args.min_batches, 20)
 
 
+def _per_call_us(fn, reps, setup=None):
+    """Median µs of fn(state) over ``reps`` calls; setup() makes a fresh state per call
+    outside the timing (capsules can be consumed only once)."""
+    samples = []
+    for _ in range(reps):
+        state = setup() if setup else None
+        t0 = time.perf_counter()
+        fn(state)
+        samples.append(1e6 * (time.perf_counter() - t0))
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def breakdown(kind, ring, args):
+    """Per-leaf and per-batch costs of the torch front door's pieces (see the docstring)."""
+    pinloader = common.require_pinloader_cuda()
+    from pinloader import _adapter
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    idx = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else None
+    reps = 200
+    with pinloader.AsyncPrefetcher(numpy_batches(ring, 4), device=args.device, depth=2) as pf:
+        batch = next(iter(pf))
+        leaves = list(batch.values())
+        n = len(leaves)
+        handle = (torch.cuda.current_stream(idx).cuda_stream or 1) if cuda else None
+        out = {"leaves": n, "native_export_capsules": _adapter._native_export is not None}
+        out["current_stream_us_per_batch"] = _per_call_us(
+            lambda _: torch.cuda.current_stream(idx), reps) if cuda else 0.0
+        out["export_us_per_leaf"] = _per_call_us(
+            lambda _: _adapter.export_leaves(leaves, handle), reps) / n
+        out["dlpack_per_leaf_us"] = _per_call_us(
+            lambda _: [leaf.__dlpack__(stream=handle) for leaf in leaves], reps) / n
+        out["from_capsule_us_per_leaf"] = _per_call_us(
+            lambda caps: [torch._C._from_dlpack(c) for c in caps], reps,
+            setup=lambda: _adapter.export_leaves(leaves, handle)) / n
+        out["from_dlpack_device_array_us_per_leaf"] = _per_call_us(
+            lambda _: [torch.from_dlpack(leaf) for leaf in leaves], reps) / n
+
+        def tree(_):
+            found = []
+            spec = _adapter.flatten(batch, found)
+            _adapter.rebuild(spec, iter(found))
+        out["flatten_rebuild_us_per_batch"] = _per_call_us(tree, reps)
+        batch = leaves = None  # the held batch goes back before the prefetcher closes
+    torch.cuda.synchronize()
+    out["predicted_adapter_us_per_batch"] = (
+        out["current_stream_us_per_batch"] + out["flatten_rebuild_us_per_batch"]
+        + n * (out["export_us_per_leaf"] + out["from_capsule_us_per_leaf"]))
+    return out
+
+
 def render_markdown(payload):
     cfg = payload["config"]
     lines = ["# Small-leaf overhead (`bench_overhead.py`)", ""]
@@ -242,6 +305,34 @@ def render_markdown(payload):
                   f"**{common.fmt_num(rt, 2)}×** (target ≥ {RATIO_TARGET:g}×); "
                   f"DataLoader pinning in the main process / pinloader: {common.fmt_num(ri, 2)}×.",
                   ""]
+        tu = res.get("torch_us_per_batch")
+        if tu is not None:
+            lines += [f"pinloader `torch.prefetch`: **{common.fmt_num(tu, 1)} µs** per batch "
+                      f"(target ≤ {TORCH_US_TARGET:g} µs for 32 × 4 KiB); DataLoader pin thread / "
+                      f"pinloader `torch.prefetch`: **{common.fmt_num(res.get('ratio_pin_thread_over_torch'), 2)}×** "
+                      f"(target ≥ {TORCH_RATIO_TARGET:g}×).", ""]
+        bd = res.get("breakdown")
+        if bd and "error" not in bd:
+            lines += ["Where `torch.prefetch`'s time goes (median per call, one held batch; "
+                      + ("`pinloader._C.export_capsules`" if bd["native_export_capsules"]
+                         else "no `export_capsules`: one `__dlpack__(stream=...)` per leaf")
+                      + "):", "", common.md_table(["piece", "µs"], [
+                          ["`torch.cuda.current_stream()`, once per batch",
+                           common.fmt_num(bd["current_stream_us_per_batch"], 2)],
+                          ["flatten + rebuild of the batch, per batch",
+                           common.fmt_num(bd["flatten_rebuild_us_per_batch"], 2)],
+                          ["export for the stream, per leaf", common.fmt_num(bd["export_us_per_leaf"], 2)],
+                          ["(`__dlpack__(stream=...)` alone, per leaf)",
+                           common.fmt_num(bd["dlpack_per_leaf_us"], 2)],
+                          ["torch's import of a capsule (`torch._C._from_dlpack`), per leaf",
+                           common.fmt_num(bd["from_capsule_us_per_leaf"], 2)],
+                          ["(`torch.from_dlpack(DeviceArray)`, per leaf, for comparison)",
+                           common.fmt_num(bd["from_dlpack_device_array_us_per_leaf"], 2)],
+                          ["sum for one batch (adapter only, prefetcher excluded)",
+                           common.fmt_num(bd["predicted_adapter_us_per_batch"], 1)],
+                      ], align="lr"), ""]
+        elif bd:
+            lines += [f"Breakdown failed: `{bd['error'][:200]}`", ""]
     return "\n".join(lines)
 
 
@@ -293,6 +384,17 @@ def main(argv=None):
                        ("dl_pin_inline", "ratio_pin_inline_over_pinloader")):
             if m in entry["methods"]:
                 entry[key] = entry["methods"][m]["vs_pinloader"]
+        if "pinloader_torch" in entry["methods"]:
+            tu = entry["methods"]["pinloader_torch"]["summary"]["median"]
+            entry["torch_us_per_batch"] = tu
+            if "dl_pin_thread" in entry["methods"]:
+                entry["ratio_pin_thread_over_torch"] = common.ratio(
+                    entry["methods"]["dl_pin_thread"]["summary"]["median"], tu)
+            bd, err = common.guarded(breakdown, kind, ring, args)
+            entry["breakdown"] = bd if err is None else err
+            if err is None:
+                common.log(f"  [{kind}] breakdown: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in bd.items() if isinstance(v, float)))
         results[kind] = entry
 
     payload = {

@@ -7,13 +7,26 @@ before its batch is on the GPU. The number of products (plus one partial product
 so that the compute takes a target time; by default about 1.2x and 8x the time of one pinned
 host-to-device copy of the batch, measured first.
 
-Two sources:
-  dataset   a per-sample in-RAM Dataset read through torch DataLoaders (8 worker processes,
-            prefetch_factor 3, persistent workers); the loader itself is slow here.
+Three sources:
+  dataset   a per-sample in-RAM Dataset of float32 images read through torch DataLoaders (8
+            worker processes, prefetch_factor 3, persistent workers); the loader itself is
+            slow here.
+  crops     the common case: a per-sample in-RAM Dataset of 256 x 256 uint8 images, each
+            sample a random 224 x 224 crop with a random horizontal flip, through the same
+            DataLoaders (uint8 batches, 19 MB).
   collated  pre-collated numpy batches (a ring of distinct batches, reused); the loader is not
             the bottleneck, so the copy path is. Its pin_memory DataLoader has no workers by
             default (--collated-workers), since moving 77 MB batches between processes would
             make the loader the bottleneck again.
+
+Loops (--loops), both over epochs of --epoch-steps steps (60 by default; 0: one epoch as long
+as the run):
+  reused      each row's loader object (pinloader prefetcher, the seed's wrapper, the side-stream
+              prefetcher) is created once and iterated epoch after epoch
+  per_epoch   it is created anew at the start of every epoch, as a loop written
+              `for epoch ...: batches = pt.prefetch(loader)` does (DataLoaders themselves are
+              created once, outside the loop, in both modes)
+The measured steps span epoch boundaries, so the cost of starting an epoch is in the figures.
 
 Rows (ways of getting a batch onto the GPU):
   pageable          pageable source, blocking .to(device)
@@ -64,11 +77,15 @@ torch = None  # imported by main() once the arguments are parsed
 IMAGE_SHAPE = (3, 224, 224)
 DIM = 8192
 
-SOURCES = ("dataset", "collated")
+SOURCES = ("dataset", "crops", "collated")
 SOURCE_LABELS = {
     "dataset": "per-sample in-RAM Dataset through torch DataLoader worker processes",
+    "crops": "per-sample uint8 random crops + flips through torch DataLoader worker processes",
     "collated": "pre-collated numpy batches in RAM",
 }
+LOOPS = ("reused", "per_epoch")
+LOOP_LABELS = {"reused": "loader reused across epochs", "per_epoch": "loader created per epoch"}
+CROP_SOURCE_HW = (256, 256)
 ROWS = ("pageable", "dl_pinned", "pin_inline", "seed", "apex",
         "pinloader", "pinloader_pinned", "on_gpu")
 ROW_LABELS = {
@@ -81,9 +98,9 @@ ROW_LABELS = {
     "pinloader_pinned": "pinloader, PinnedBuffer source",
     "on_gpu": "data already on the GPU (upper bound)",
 }
-NOT_APPLICABLE = {("dataset", "pinloader_pinned"):
+NOT_APPLICABLE = {(src, "pinloader_pinned"):
                   "batches are collated in worker processes, which cannot write into this "
-                  "process's PinnedBuffers"}
+                  "process's PinnedBuffers" for src in ("dataset", "crops")}
 
 
 # --------------------------------------------------------------------------- loaders under test
@@ -172,6 +189,46 @@ class InRamSamples:
         return self.images[j], self.labels[j]
 
 
+class RandomCrops:
+    """Map-style dataset of uint8 HWC images held in RAM; each item is a random crop of
+    IMAGE_SHAPE[1:] with a random horizontal flip, as a contiguous CHW uint8 tensor."""
+
+    def __init__(self, images, labels, length):
+        self.images = images
+        self.labels = labels
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        j = index % len(self.images)
+        img = self.images[j]
+        h, w = IMAGE_SHAPE[1:]
+        top = int(torch.randint(0, img.shape[0] - h + 1, ()))
+        left = int(torch.randint(0, img.shape[1] - w + 1, ()))
+        crop = img[top:top + h, left:left + w]
+        if bool(torch.randint(0, 2, ())):
+            crop = crop.flip(1)
+        return crop.permute(2, 0, 1).contiguous(), self.labels[j]
+
+
+class Epochs:
+    """A re-iterable epoch: every iteration yields ``n`` items of ``items`` (cycled)."""
+
+    def __init__(self, items, n):
+        self.items = items
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        items, n = self.items, self.n
+        for i in range(n):
+            yield items[i % len(items)]
+
+
 class CollatedBatches:
     """Map-style dataset whose items are whole batches (for DataLoader(batch_size=None))."""
 
@@ -227,7 +284,12 @@ class DatasetSource:
         return self._loader(True)
 
     def pinned_buffers(self):
-        raise RuntimeError(NOT_APPLICABLE[("dataset", "pinloader_pinned")])
+        raise RuntimeError(NOT_APPLICABLE[(self.name, "pinloader_pinned")])
+
+    def gpu_ring(self, device):
+        return [(torch.rand((self.args.batch_size, *IMAGE_SHAPE), device=device),
+                 torch.randint(0, 1000, (self.args.batch_size,), device=device))
+                for _ in range(2)]
 
     def describe(self):
         a = self.args
@@ -238,6 +300,31 @@ class DatasetSource:
     def close(self):
         self._loaders.clear()
         gc.collect()
+
+
+class CropsSource(DatasetSource):
+    """uint8 images (CROP_SOURCE_HW), random crops and flips in the DataLoader's workers."""
+
+    name = "crops"
+
+    def __init__(self, args, epoch_batches):
+        self.args = args
+        gen = torch.Generator().manual_seed(3)
+        images = torch.randint(0, 256, (args.dataset_samples, *CROP_SOURCE_HW, IMAGE_SHAPE[0]),
+                               dtype=torch.uint8, generator=gen)
+        labels = torch.randint(0, 1000, (args.dataset_samples,), generator=gen)
+        self.dataset = RandomCrops(images, labels, epoch_batches * args.batch_size)
+        self._loaders = {}
+
+    def gpu_ring(self, device):
+        return [(torch.randint(0, 256, (self.args.batch_size, *IMAGE_SHAPE), dtype=torch.uint8,
+                               device=device),
+                 torch.randint(0, 1000, (self.args.batch_size,), device=device))
+                for _ in range(2)]
+
+    def describe(self):
+        return (f"uint8 {CROP_SOURCE_HW[0]}x{CROP_SOURCE_HW[1]} images, random "
+                f"{IMAGE_SHAPE[1]}x{IMAGE_SHAPE[2]} crop + flip per sample; " + super().describe())
 
 
 class CollatedSource:
@@ -260,13 +347,12 @@ class CollatedSource:
         self._pinned_views = None
 
     def pageable(self):
-        xs, ys, n = self.xs, self.ys, self.epoch_batches
+        return Epochs(list(zip(self.xs, self.ys)), self.epoch_batches)
 
-        def batches():
-            for i in range(n):
-                yield xs[i % len(xs)], ys[i % len(ys)]
-
-        return batches()
+    def gpu_ring(self, device):
+        return [(torch.rand((self.args.batch_size, *IMAGE_SHAPE), device=device),
+                 torch.randint(0, 1000, (self.args.batch_size,), device=device))
+                for _ in range(2)]
 
     def pinned(self):
         if self._loader is None:
@@ -297,13 +383,7 @@ class CollatedSource:
                     pair.append(view)
                 views.append(tuple(pair))
             self._pinned_views = views
-        views, n = self._pinned_views, self.epoch_batches
-
-        def batches():
-            for i in range(n):
-                yield views[i % len(views)]
-
-        return batches()
+        return Epochs(self._pinned_views, self.epoch_batches)
 
     def describe(self):
         a = self.args
@@ -330,68 +410,94 @@ class CollatedSource:
 # --------------------------------------------------------------------------- feeds (rows)
 
 class Feed:
-    """An iterator of (inputs, targets) CUDA tensors usable on the current stream."""
+    """An endless iterator of (inputs, targets) CUDA tensors usable on the current stream:
+    epoch after epoch of a row's loader, created once (reused) or per epoch (per_epoch)."""
 
-    def __init__(self, iterable, owners=(), stats=None):
-        self.owners = [iterable, *owners]
-        self.iterator = iter(iterable)
-        if self.iterator is not iterable:
-            self.owners.insert(0, self.iterator)
-        self._stats = stats
+    def __init__(self, new_loader, per_epoch):
+        self._new_loader = new_loader
+        self._per_epoch = per_epoch
+        self._loader = None
+        self.epochs = 0
+        self.iterator = self._batches()
+
+    def _batches(self):
+        while True:
+            if self._loader is None or self._per_epoch:
+                self._close_loader()
+                self._loader = self._new_loader()
+            n = 0
+            for batch in self._loader:
+                n += 1
+                yield batch
+            self.epochs += 1
+            if n == 0:
+                raise RuntimeError("an epoch yielded no batches")
+
+    def _close_loader(self):
+        loader, self._loader = self._loader, None
+        return common.close_quietly(loader) if loader is not None else None
 
     def stats(self):
-        if self._stats is not None:
-            return self._stats()
-        for obj in self.owners:
-            fn = getattr(obj, "stats", None)
-            if callable(fn):
-                return fn()
-        return None
+        fn = getattr(self._loader, "stats", None)
+        return fn() if callable(fn) else None
 
     def close(self):
-        errors = [e for e in (common.close_quietly(o) for o in self.owners) if e]
-        return errors[0] if errors else None
+        self.iterator.close()
+        self._new_loader = None  # drop the source it holds (PinnedBuffer views...)
+        return self._close_loader()
 
 
 def _tensor(a):
     return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 
-def make_feed(row, source, ctx):
+class _Moved:
+    """One epoch of ``source`` with ``move`` applied to every (x, y)."""
+
+    def __init__(self, source, move):
+        self.source = source
+        self.move = move
+
+    def __iter__(self):
+        move = self.move
+        for x, y in self.source:
+            yield move(x, y)
+
+
+def loader_factory(row, source, ctx):
+    """A function returning a new loader object of ``row`` (one epoch per iteration)."""
     dev = ctx["device"]
     if row == "pageable":
-        def gen():
-            for x, y in source.pageable():
-                yield _tensor(x).to(dev), _tensor(y).to(dev)
-        return Feed(gen())
+        src = source.pageable()
+        return lambda: _Moved(src, lambda x, y: (_tensor(x).to(dev), _tensor(y).to(dev)))
     if row == "dl_pinned":
-        def gen():
-            for x, y in source.pinned():
-                yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        return Feed(gen())
+        src = source.pinned()
+        return lambda: _Moved(src, lambda x, y: (x.to(dev, non_blocking=True),
+                                                 y.to(dev, non_blocking=True)))
     if row == "pin_inline":
-        def gen():
-            for x, y in source.pageable():
-                yield (_tensor(x).pin_memory().to(dev, non_blocking=True),
-                       _tensor(y).pin_memory().to(dev, non_blocking=True))
-        return Feed(gen())
+        src = source.pageable()
+        return lambda: _Moved(src, lambda x, y: (
+            _tensor(x).pin_memory().to(dev, non_blocking=True),
+            _tensor(y).pin_memory().to(dev, non_blocking=True)))
     if row == "seed":
-        return Feed(AsyncGPUDataLoader(source.pinned(), torch.device(dev)))
+        src = source.pinned()
+        return lambda: AsyncGPUDataLoader(src, torch.device(dev))
     if row == "apex":
-        return Feed(SideStreamPrefetcher(source.pinned(), torch.device(dev)))
+        src = source.pinned()
+        return lambda: SideStreamPrefetcher(src, torch.device(dev))
     if row in ("pinloader", "pinloader_pinned"):
         common.require_pinloader_cuda()
         import pinloader.torch as pt
-        batches = source.pageable() if row == "pinloader" else source.pinned_buffers()
-        return Feed(pt.prefetch(batches, device=dev, **ctx["pinloader_opts"]))
+        src = source.pageable() if row == "pinloader" else source.pinned_buffers()
+        return lambda: pt.prefetch(src, device=dev, **ctx["pinloader_opts"])
     if row == "on_gpu":
-        ring, n = ctx["gpu_ring"], ctx["epoch_batches"]
-
-        def gen():
-            for i in range(n):
-                yield ring[i % len(ring)]
-        return Feed(gen())
+        src = Epochs(ctx["gpu_ring"], ctx["epoch_batches"])
+        return lambda: src
     raise ValueError(f"unknown row {row!r}")
+
+
+def make_feed(row, source, ctx, loop):
+    return Feed(loader_factory(row, source, ctx), per_epoch=(loop == "per_epoch"))
 
 
 # --------------------------------------------------------------------------- compute
@@ -567,13 +673,14 @@ def run_steps(feed, step, steps, warmup, max_ahead, batch_size):
     }
 
 
-def run_row(row, source, ctx, steps, warmup):
+def run_row(row, source, ctx, steps, warmup, loop):
     feed = None
     record = {}
     try:
-        feed = make_feed(row, source, ctx)
+        feed = make_feed(row, source, ctx, loop)
         record = run_steps(feed, ctx["step"], steps, warmup, ctx["max_ahead"],
                            ctx["batch_size"])
+        record["epochs_started"] = feed.epochs + 1
         try:
             stats = feed.stats()
         except Exception as exc:
@@ -612,6 +719,36 @@ def summarize_results(results):
                          else "partial" if ok else "error")
 
 
+TORCH_ROWS = ("pageable", "dl_pinned", "pin_inline", "seed", "apex")
+
+
+def target_ratios(results, levels):
+    """The issue's targets, per source, compute level and loop, from the medians of samples/s:
+    pinloader / seed (>= 1.05), pinloader / Apex-style (>= 1), per-epoch / reused pinloader
+    (>= 0.97), pinloader / best PyTorch row (>= 1.5 for the per-sample sources)."""
+    med = {}
+    for res in results:
+        m = res.get("summary", {}).get("samples_per_s", {}).get("median")
+        med[(res["source"], res["level"], res.get("loop"), res["row"])] = m
+    out = []
+    for (source, level, loop, row), v in sorted(med.items(), key=lambda kv: str(kv[0])):
+        if row != "pinloader":
+            continue
+        get = lambda r, lp=loop: med.get((source, level, lp, r))  # noqa: E731
+        torch_best = max((get(r) for r in TORCH_ROWS if get(r)), default=None)
+        out.append({
+            "source": source, "level": level, "loop": loop,
+            "target_ms": next((lv["target_ms"] for lv in levels if lv["level"] == level), None),
+            "pinloader": v,
+            "over_seed": common.ratio(v, get("seed")),
+            "over_apex": common.ratio(v, get("apex")),
+            "over_best_torch": common.ratio(v, torch_best),
+            "per_epoch_over_reused": (common.ratio(v, get("pinloader", "reused"))
+                                      if loop == "per_epoch" else None),
+        })
+    return out
+
+
 def render_markdown(payload):
     lines = ["# Copy/compute overlap (`bench_overlap.py`)", ""]
     lines += common.machine_summary_lines(payload["machine"])
@@ -623,7 +760,9 @@ def render_markdown(payload):
         f"{cfg['batch_size']} int64 labels ({copy['bytes'] / 1e6:.1f} MB). One pinned H2D copy "
         f"of it: {common.fmt_summary(copy['ms'], 3)} ms, {copy['gbps']:.1f} GB/s.",
         f"Loop: the host waits for step i-{cfg['max_ahead']}'s compute before fetching batch i "
-        f"(`--max-ahead`); pinloader options: `{cfg['pinloader_opts']}`.",
+        f"(`--max-ahead`); pinloader options: `{cfg['pinloader_opts']}`. Epochs of "
+        f"{cfg.get('epoch_steps') or 'the whole run'} steps; loop modes: "
+        + ", ".join(f"{lp} ({LOOP_LABELS[lp]})" for lp in cfg.get("loops", [])) + ".",
         "Cells: median over repeats (min–max). Repeats: "
         f"{cfg['repeats']}.",
         "",
@@ -649,7 +788,8 @@ def render_markdown(payload):
                 if res["source"] != source or res["level"] != lvl["level"]:
                     continue
                 label = ROW_LABELS[res["row"]]
-                compute = common.fmt_num(lvl["target_ms"], 1)
+                compute = common.fmt_num(lvl["target_ms"], 1) + (
+                    f", {res['loop']}" if res.get("loop") else "")
                 if res["status"] == "not applicable":
                     table.append([label, compute, "n/a", "", "", "", "", "", ""])
                     continue
@@ -670,9 +810,20 @@ def render_markdown(payload):
                     common.fmt_summary(s["cpu_ms_per_step"], 2),
                 ])
         lines.append(common.md_table(
-            ["row", "compute (ms)", "samples/s", "step (ms)", "data wait (ms)",
+            ["row", "compute (ms), loop", "samples/s", "step (ms)", "data wait (ms)",
              "host wait (ms)", "GPU idle (%)", "idle in run (%)", "host CPU (ms/step)"],
             table))
+    targets = payload.get("targets") or []
+    if targets:
+        lines += ["", "## Targets (ratios of median samples/s)", ""]
+        trows = [[t["source"], common.fmt_num(t["target_ms"], 2), t["loop"],
+                  common.fmt_num(t["pinloader"], 0), common.fmt_num(t["over_seed"], 3),
+                  common.fmt_num(t["over_apex"], 3), common.fmt_num(t["over_best_torch"], 3),
+                  common.fmt_num(t["per_epoch_over_reused"], 3)] for t in targets]
+        lines.append(common.md_table(
+            ["source", "compute (ms)", "loop", "pinloader samples/s", "/ seed (≥ 1.05)",
+             "/ Apex-style (≥ 1)", "/ best PyTorch row (≥ 1.5 per-sample)",
+             "per-epoch / reused (≥ 0.97)"], trows))
     lines += ["", "Data wait: mean gap on the compute stream between consecutive steps' compute "
               "(CUDA events). Host wait: mean host time blocked in `next()`. GPU idle: "
               "1 − compute-only / step. Idle in run: 1 − (compute time measured by events in "
@@ -694,13 +845,17 @@ def build_parser():
                    help="compute levels in ms (default: --compute-factors x pinned copy time)")
     p.add_argument("--compute-factors", type=common.csv_list(float), default=[1.2, 8.0],
                    help="compute levels as multiples of the pinned copy time (default: 1.2,8)")
+    p.add_argument("--loops", type=common.choice_list(LOOPS), default=list(LOOPS),
+                   help="comma-separated loop modes (default: all): " + ", ".join(LOOPS))
+    p.add_argument("--epoch-steps", type=int, default=60,
+                   help="batches per epoch (default: 60; 0: one epoch as long as the run)")
     p.add_argument("--repeats", type=int, default=3, help="runs of every row (default: 3)")
-    p.add_argument("--steps", type=int, default=100,
-                   help="measured steps per run, collated source (default: 100)")
+    p.add_argument("--steps", type=int, default=120,
+                   help="measured steps per run, collated source (default: 120)")
     p.add_argument("--warmup", type=int, default=10,
                    help="warm-up steps per run, collated source (default: 10)")
-    p.add_argument("--dataset-steps", type=int, default=30,
-                   help="measured steps per run, dataset source (default: 30)")
+    p.add_argument("--dataset-steps", type=int, default=60,
+                   help="measured steps per run, dataset and crops sources (default: 60)")
     p.add_argument("--dataset-warmup", type=int, default=None,
                    help="warm-up steps per run, dataset source (default: workers x "
                         "prefetch_factor + 4, so the loader's initial backlog is consumed)")
@@ -736,7 +891,8 @@ def apply_quick(args):
     if not args.quick:
         return
     args.repeats = 1
-    args.steps = min(args.steps, 20)
+    args.steps = min(args.steps, 30)
+    args.epoch_steps = min(args.epoch_steps, 15) if args.epoch_steps else 0
     args.warmup = min(args.warmup, 5)
     args.dataset_steps = min(args.dataset_steps, 10)
     args.ring = min(args.ring, 4)
@@ -752,6 +908,8 @@ def main(argv=None):
     for name in ("steps", "dataset_steps"):
         if getattr(args, name) < 2:
             common.fail(f"--{name.replace('_', '-')} must be at least 2")
+    if args.epoch_steps < 0:
+        common.fail("--epoch-steps must be at least 0")
     if args.repeats < 1 or args.max_ahead < 1 or args.batch_size < 1:
         common.fail("--repeats, --max-ahead and --batch-size must be at least 1")
     if args.batch_size > DIM:
@@ -771,10 +929,8 @@ def main(argv=None):
     targets = args.compute_ms or [f * copy_ms for f in args.compute_factors]
 
     step = SyntheticStep(args.device)
-    gpu_ring = [(torch.rand((args.batch_size, *IMAGE_SHAPE), device=args.device),
-                 torch.randint(0, 1000, (args.batch_size,), device=args.device))
-                for _ in range(2)]
-    gx, gy = gpu_ring[0]
+    gx = torch.rand((args.batch_size, *IMAGE_SHAPE), device=args.device)
+    gy = torch.randint(0, 1000, (args.batch_size,), device=args.device)
     matmul_ms = _time_back_to_back(lambda: step.w @ step.w, 50, warmup=40)
     levels = []
     for i, target in enumerate(targets):
@@ -789,56 +945,62 @@ def main(argv=None):
         pinloader_opts["staging_threads"] = args.staging_threads
     slack = args.depth + 4
     steps_cfg = {"dataset": {"steps": args.dataset_steps, "warmup": args.dataset_warmup},
+                 "crops": {"steps": args.dataset_steps, "warmup": args.dataset_warmup},
                  "collated": {"steps": args.steps, "warmup": args.warmup}}
 
     results = []
     descriptions = {}
     for source_name in args.sources:
         sc = steps_cfg[source_name]
-        epoch_batches = sc["warmup"] + sc["steps"] + slack
+        epoch_batches = args.epoch_steps or sc["warmup"] + sc["steps"] + slack
         common.log(f"source {source_name}: preparing")
-        source = (DatasetSource if source_name == "dataset" else CollatedSource)(args, epoch_batches)
+        kind = {"dataset": DatasetSource, "crops": CropsSource, "collated": CollatedSource}
+        source = kind[source_name](args, epoch_batches)
         descriptions[source_name] = source.describe()
         ctx = {"device": args.device, "step": step, "max_ahead": args.max_ahead,
                "batch_size": args.batch_size, "pinloader_opts": pinloader_opts,
-               "gpu_ring": gpu_ring, "epoch_batches": epoch_batches}
+               "gpu_ring": source.gpu_ring(args.device), "epoch_batches": epoch_batches}
         entries = {}
         for lvl in levels:
-            for row in args.rows:
-                entry = {"source": source_name, "row": row, "label": ROW_LABELS[row],
-                         "level": lvl["level"], "target_ms": lvl["target_ms"], "repeats": []}
-                if (source_name, row) in NOT_APPLICABLE:
-                    entry["not_applicable"] = NOT_APPLICABLE[(source_name, row)]
-                entries[(lvl["level"], row)] = entry
-                results.append(entry)
+            for loop in args.loops:
+                for row in args.rows:
+                    entry = {"source": source_name, "row": row, "label": ROW_LABELS[row],
+                             "loop": loop, "level": lvl["level"], "target_ms": lvl["target_ms"],
+                             "repeats": []}
+                    if (source_name, row) in NOT_APPLICABLE:
+                        entry["not_applicable"] = NOT_APPLICABLE[(source_name, row)]
+                    entries[(lvl["level"], loop, row)] = entry
+                    results.append(entry)
         try:
             for rep in range(args.repeats):
                 for lvl in levels:
                     step.configure(lvl["full_matmuls"], lvl["tail_rows"])
                     only = compute_only_ms(step, gx, gy, lvl["target_ms"])
                     lvl["compute_only_ms"].append(only)
-                    for row in args.rows:
-                        entry = entries[(lvl["level"], row)]
-                        if "not_applicable" in entry:
-                            continue
-                        rec = run_row(row, source, ctx, sc["steps"], sc["warmup"])
-                        rec["repeat"] = rep
-                        rec["compute_only_ms"] = only
-                        if "step_ms" in rec:
-                            rec["idle_pct"] = 100.0 * (1.0 - only / rec["step_ms"])
-                            common.log(f"  [{source_name} r{rep} L{lvl['level']}] {row:17s} "
-                                       f"{rec['samples_per_s']:9.0f} samples/s  step "
-                                       f"{rec['step_ms']:7.2f} ms  idle {rec['idle_pct']:5.1f}%  "
-                                       f"wait {rec['data_wait_ms']:.2f}/{rec['host_wait_ms']:.2f} ms")
-                        else:
-                            common.log(f"  [{source_name} r{rep} L{lvl['level']}] {row:17s} "
-                                       f"{rec.get('error')}")
-                        entry["repeats"].append(rec)
-                        time.sleep(args.settle_s)
+                    for loop in args.loops:
+                        for row in args.rows:
+                            entry = entries[(lvl["level"], loop, row)]
+                            if "not_applicable" in entry:
+                                continue
+                            rec = run_row(row, source, ctx, sc["steps"], sc["warmup"], loop)
+                            rec["repeat"] = rep
+                            rec["compute_only_ms"] = only
+                            tag = f"  [{source_name} r{rep} L{lvl['level']} {loop:9s}] {row:17s}"
+                            if "step_ms" in rec:
+                                rec["idle_pct"] = 100.0 * (1.0 - only / rec["step_ms"])
+                                common.log(f"{tag} {rec['samples_per_s']:9.0f} samples/s  step "
+                                           f"{rec['step_ms']:7.2f} ms  idle {rec['idle_pct']:5.1f}%  "
+                                           f"wait {rec['data_wait_ms']:.2f}/"
+                                           f"{rec['host_wait_ms']:.2f} ms")
+                            else:
+                                common.log(f"{tag} {rec.get('error')}")
+                            entry["repeats"].append(rec)
+                            time.sleep(args.settle_s)
         finally:
             source.close()
 
     summarize_results(results)
+    targets_out = target_ratios(results, levels)
     payload = {
         "benchmark": "overlap",
         "schema": 1,
@@ -852,6 +1014,7 @@ def main(argv=None):
         "matmul_ms": matmul_ms,
         "compute_levels": levels,
         "results": results,
+        "targets": targets_out,
         "elapsed_s": time.perf_counter() - started,
     }
     jpath = common.write_json(args.out, args.name, payload)

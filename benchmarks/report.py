@@ -47,15 +47,21 @@ def plot_overlap(payload, stem, out_dir):
     levels = payload["compute_levels"]
     for source in payload["sources"]:
         res = [r for r in payload["results"] if r["source"] == source]
+        loops = {r.get("loop") for r in res}
+
+        def key(r):
+            return (r["row"], r.get("loop"))
+
         rows = []
         for r in res:
-            if r["row"] not in rows:
-                rows.append(r["row"])
-        labels = {r["row"]: _short(r["label"]) for r in res}
+            if key(r) not in rows:
+                rows.append(key(r))
+        labels = {key(r): _short(r["label"]) + (f" [{r['loop']}]" if len(loops) > 1 else "")
+                  for r in res}
         fig, axes = plt.subplots(2, len(levels), figsize=(5.5 * len(levels) + 2.5, 8.5),
                                  squeeze=False, sharey="row")
         for col, lvl in enumerate(levels):
-            by_row = {r["row"]: r for r in res if r["level"] == lvl["level"]}
+            by_row = {key(r): r for r in res if r["level"] == lvl["level"]}
             only = common.summarize(lvl.get("compute_only_ms", []))["median"]
             for line, metric, ylabel in ((0, "samples_per_s", "samples/s"),
                                          (1, "idle_pct", "GPU idle (%)")):
@@ -68,8 +74,8 @@ def plot_overlap(payload, stem, out_dir):
                     meds.append(med)
                     errs[0].append(lo)
                     errs[1].append(hi)
-                    colors.append("tab:green" if row.startswith("pinloader")
-                                  else "tab:gray" if row == "on_gpu" else "tab:blue")
+                    colors.append("tab:green" if row[0].startswith("pinloader")
+                                  else "tab:gray" if row[0] == "on_gpu" else "tab:blue")
                 y = list(range(len(rows)))
                 ax.barh(y, [0 if math.isnan(m) else m for m in meds], xerr=errs,
                         color=colors, capsize=3)

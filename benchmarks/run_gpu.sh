@@ -4,6 +4,16 @@
 #   bash benchmarks/run_gpu.sh tests            build + GPU tests + the CUDA-backend primitive tests
 #   bash benchmarks/run_gpu.sh sanitize         compute-sanitizer memcheck/racecheck/synccheck over GPU tests
 #   bash benchmarks/run_gpu.sh bench            the benchmark suite
+#   bash benchmarks/run_gpu.sh perf             the persistence/staging/fast-path checks, about
+#                                               5 minutes on the 16-core H200 host: the staging
+#                                               sweep against torch copy_ (streaming stores on,
+#                                               then off), small leaves through torch.prefetch,
+#                                               the collated loop in both loop modes and the
+#                                               uint8-crops DataLoader source, at compute 1.2x copy
+#   bash benchmarks/run_gpu.sh tests perf       both in one call (about 6 minutes)
+#   bash benchmarks/run_gpu.sh ranks            on a several-GPU host: the staging sweep plus one
+#                                               process per GPU staging at once (LOCAL_WORLD_SIZE),
+#                                               aggregate against torch's all-thread copy_ (~1.5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results}
@@ -27,10 +37,28 @@ for stage in "$@"; do
           $py -m pytest -q -p no:cacheprovider -m gpu -k "not training and not flat and not big_batch and not jax" tests/test_gpu.py 2>&1 \
           | tee "$out/sanitizer_$tool.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -5 || status=1
       done ;;
+    perf)
+      echo "== staging sweep: streaming stores (default) =="
+      timeout 170 $py benchmarks/bench_bandwidth.py --staging-sweep --out "$out" --repeats 3 2>&1 | grep -v "^  threads" | tail -22 || status=1
+      echo "== staging sweep: PINLOADER_STAGING_NT=0 (memcpy) =="
+      PINLOADER_STAGING_NT=0 timeout 170 $py benchmarks/bench_bandwidth.py --staging-sweep --out "$out" \
+        --name bandwidth_staging_memcpy --repeats 3 2>&1 | grep -E "^\| |default \(" | tail -14 || status=1
+      echo "== small leaves =="
+      timeout 150 $py benchmarks/bench_overhead.py --out "$out" --kinds 32x4KiB --repeats 3 --max-run-s 1.0 2>&1 | tail -28 || status=1
+      echo "== overlap: collated, both loop modes =="
+      timeout 240 $py benchmarks/bench_overlap.py --out "$out" --name overlap_collated --sources collated \
+        --loops reused,per_epoch --compute-factors 1.2 --repeats 3 2>&1 | tail -32 || status=1
+      echo "== overlap: uint8 crops through 8 DataLoader workers =="
+      timeout 200 $py benchmarks/bench_overlap.py --out "$out" --name overlap_crops --sources crops \
+        --loops reused --compute-factors 1.2 --repeats 3 2>&1 | tail -20 || status=1 ;;
+    ranks)
+      n=$(nvidia-smi -L | wc -l)
+      timeout 300 $py benchmarks/bench_bandwidth.py --staging-sweep --ranks "$n" --out "$out" \
+        --name bandwidth_staging_ranks --repeats 3 2>&1 | tail -24 || status=1 ;;
     bench)
       timeout 580 $py benchmarks/bench_bandwidth.py --out "$out" 2>&1 | tail -30
       timeout 580 $py benchmarks/bench_overhead.py --out "$out" 2>&1 | tail -20
-      timeout 580 $py benchmarks/bench_overlap.py --out "$out" 2>&1 | tail -40 ;;
+      timeout 580 $py benchmarks/bench_overlap.py --out "$out" --loops reused 2>&1 | tail -40 ;;
   esac
 done
 exit $status

@@ -5,10 +5,12 @@ imports CuPy; ``import pinloader`` alone never does.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import cupy as _cp
 
+from . import _adapter
 from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "CupyPrefetcher"]
@@ -34,6 +36,46 @@ class CupyPrefetcher(FrameworkPrefetcher):
             device = f"cuda:{device}"
         # cupy.from_dlpack passes the current CuPy stream, which then waits on the copy.
         super().__init__(iterable, device, depth, _cp.from_dlpack, **opts)
+
+    def _import_leaves(self, leaves: list) -> list:
+        if _adapter._native_export is None:
+            # Each leaf's __dlpack__ makes CuPy's stream wait: nothing to gain by batching.
+            return super()._import_leaves(leaves)
+        # One export for the batch: CuPy's current stream, looked up once, waits once (see
+        # Note [per-batch import] in pinloader/_adapter.py); cupy.from_dlpack then takes each
+        # capsule through the protocol.
+        handle = _cp.cuda.get_current_stream().ptr or _null_stream()
+        capsules = _adapter.export_leaves(leaves, handle)
+        return [_cp.from_dlpack(_Exported(c, leaf)) for c, leaf in zip(capsules, leaves)]
+
+
+def _null_stream() -> int:
+    """CuPy's null stream in DLPack's numbering: 2 (per-thread default) in CuPy's per-thread
+    default stream mode, else 1 (legacy default)."""
+    ptds = getattr(_cp.cuda.stream, "is_ptds_enabled", None)
+    if ptds is not None:
+        return 2 if ptds() else 1
+    return 2 if os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM") == "1" else 1
+
+
+class _Exported:
+    """A capsule already exported for the consumer's stream, offered through the DLPack
+    protocol (the stream argument has been honoured by the export)."""
+
+    __slots__ = ("_capsule", "_device")
+
+    def __init__(self, capsule: Any, leaf: Any) -> None:
+        self._capsule = capsule
+        self._device = leaf.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        capsule, self._capsule = self._capsule, None
+        if capsule is None:
+            raise BufferError("this DLPack capsule was already consumed")
+        return capsule
+
+    def __dlpack_device__(self) -> tuple:
+        return self._device
 
 
 def prefetch(iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> CupyPrefetcher:

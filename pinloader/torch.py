@@ -9,11 +9,16 @@ from typing import Any, Iterable
 
 import torch as _torch
 
+from . import _adapter
 from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "TorchPrefetcher"]
 
 _warned_pin_memory = False
+
+# torch.from_dlpack of a capsule ends in torch._C._from_dlpack; calling it directly skips the
+# Python-level dispatch (the capsules come from pinloader, nothing else).
+_from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch.from_dlpack
 
 
 def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
@@ -34,7 +39,8 @@ class TorchPrefetcher(FrameworkPrefetcher):
     """Iterate a DataLoader (or any iterable) with batches delivered as torch tensors on a device.
 
     Each batch is ready on ``torch.cuda.current_stream()`` as it is when the batch is handed out:
-    that stream waits on the copy's event (no host synchronisation). Tensors stay valid for as
+    that stream is looked up once per batch and waits on the copy's event (no host
+    synchronisation). Tensors stay valid for as
     long as they are referenced; they are freed in stream order after use.
 
     Parameters
@@ -61,8 +67,22 @@ class TorchPrefetcher(FrameworkPrefetcher):
                 "pin_memory=False to the DataLoader.", UserWarning, stacklevel=3)
         pl_device, self.device = _pinloader_device(device)
         self.loader = loader
-        # torch.from_dlpack passes torch's current stream to __dlpack__, which makes it wait.
-        super().__init__(loader, pl_device, depth, _torch.from_dlpack, **opts)
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        super().__init__(loader, pl_device, depth, _from_capsule, **opts)
+
+    def _consumer_stream(self) -> Any:
+        # Once per batch (see Note [per-batch import] in pinloader/_adapter.py). torch's
+        # default stream (handle 0) is the legacy default stream, 1 in DLPack's numbering, as
+        # torch.from_dlpack itself passes it.
+        if self._cuda_index is None:
+            return None
+        handle = _torch.cuda.current_stream(self._cuda_index).cuda_stream
+        return handle if handle else 1
+
+    def _import_leaves(self, leaves: list) -> list:
+        capsules = _adapter.export_leaves(leaves, self._consumer_stream())
+        convert = self._convert
+        return [convert(c) for c in capsules]
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the loader's sampler (a DistributedSampler) when it has set_epoch."""

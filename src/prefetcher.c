@@ -47,6 +47,7 @@
 #include "module.h"
 
 #include "block.h"
+#include "cpus.h"
 #include "flatten.h"
 #include "pool.h"
 #include "stager.h"
@@ -1090,7 +1091,7 @@ static int setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
             return -1;
         }
     }
-    long threads = o->threads ? o->threads : PL_MIN(8, pl_cpu_count()); /* host memcpy bandwidth scales to ~8 threads */
+    long threads = o->threads ? o->threads : pl_default_staging_threads(); /* see Note [staging threads] in cpus.c */
     if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
         pl_raise_backend(self->st, b, rc, "starting staging threads");
         return -1;

@@ -27,11 +27,30 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define PL_HAVE_NT_STORES 1
+#endif
 
 #define PIECE_BYTES ((size_t)1 << 20)
 #define INLINE_BYTES ((size_t)512 << 10) /* below this, one thread does it all */
 #define SORT_MIN_ROW_BYTES 64  /* see Note [row gather] */
 #define SORT_GROUP 256         /* rows sorted together, on the stack */
+
+/* Note [non-temporal staging stores]
+ * The staged region is read next by the copy engine, not by a CPU, so writing it through the
+ * caches only costs: every cache line written is first read from memory (read-for-ownership)
+ * and later evicted, three memory transfers per byte where streaming stores need two. glibc's
+ * memcpy switches to streaming stores only above a threshold of about 3/4 of the shared cache
+ * (tens to hundreds of MiB), far above a 1 MiB piece. So contiguous pieces of jobs of at least
+ * NT_MIN_BYTES are copied with SSE2 streaming stores, followed by an sfence before the piece
+ * is counted done (streaming stores are weakly ordered; the fence and the release decrement
+ * make them visible before the chunk's DMA is issued). Measured on a 2-core EPYC VM, 256 MiB
+ * in 1 MiB pieces: memcpy 1.7-2.9 GB/s, streaming 3.8-6.4 GB/s. Smaller jobs keep memcpy:
+ * their lines may still be in cache when the DMA (which snoops) reads them.
+ * PINLOADER_STAGING_NT=0 / =1 turns streaming off / on for every job size (for measurement),
+ * read when a stager is created. */
+#define NT_MIN_BYTES ((size_t)4 << 20)
 
 typedef struct {
     int leaf;
@@ -47,10 +66,12 @@ typedef struct {
     atomic_int *chunk_left; /* pieces not yet done per chunk */
     size_t n_chunks, chunk_bytes;
     char *base;
+    int nt; /* see Note [non-temporal staging stores] */
 } job;
 
 struct pl_stager {
     int nthreads;
+    int nt_mode; /* -1: by job size, 0: never, 1: always; see Note [non-temporal staging stores] */
     pthread_t *workers;
     int n_workers;
     pthread_mutex_t mu;
@@ -240,10 +261,62 @@ static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t
 
 /* ---- workers ---- */
 
+/* memcpy with streaming stores; see Note [non-temporal staging stores]. */
+static void copy_streaming(char *dst, const char *src, size_t n)
+{
+#ifdef PL_HAVE_NT_STORES
+    size_t head = PL_MIN(n, (size_t)(-(uintptr_t)dst & 15));
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, n - i);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* Elements [start, start + count) of a collapsed leaf to dst; with nt, contiguous leaves go
+ * through streaming stores, fenced before returning. */
+static void stage_range(int nt, char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
+{
+    /* After pl_leaf_collapse a contiguous leaf is one dimension with unit stride. */
+    if (nt && !L->rows && L->ndim == 1 && L->strides[0] == (int64_t)L->itemsize) {
+        copy_streaming(dst, L->src + (size_t)start * L->itemsize, (size_t)count * L->itemsize);
+#ifdef PL_HAVE_NT_STORES
+        _mm_sfence();
+#endif
+    } else {
+        pl_leaf_gather(dst, L, start, count);
+    }
+}
+
+static int use_streaming(const pl_stager *s, size_t total)
+{
+#ifdef PL_HAVE_NT_STORES
+    return s->nt_mode >= 0 ? s->nt_mode : total >= NT_MIN_BYTES;
+#else
+    (void)s;
+    (void)total;
+    return 0;
+#endif
+}
+
 static void do_piece(job *j, size_t i)
 {
     piece *p = &j->pieces[i];
-    pl_leaf_gather(j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
+    stage_range(j->nt, j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
     size_t first = p->off / j->chunk_bytes, last = (p->off + p->len - 1) / j->chunk_bytes;
     for (size_t c = first; c <= last; c++)
         atomic_fetch_sub_explicit(&j->chunk_left[c], 1, memory_order_release);
@@ -291,6 +364,8 @@ int pl_stager_create(int nthreads, pl_stager **out)
     if (!s)
         return PL_ERR_NO_MEMORY;
     s->nthreads = nthreads < 1 ? 1 : nthreads;
+    const char *nt = getenv("PINLOADER_STAGING_NT");
+    s->nt_mode = nt && strcmp(nt, "0") == 0 ? 0 : nt && strcmp(nt, "1") == 0 ? 1 : -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
@@ -371,13 +446,13 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
     /* Small batches: one thread, no hand-off. */
     if (total <= INLINE_BYTES || s->n_workers == 0) {
         size_t reported = 0;
-        int rc = PL_OK;
+        int rc = PL_OK, nt = use_streaming(s, total);
         for (int i = 0; i < n; i++) {
             pl_leaf_copy *L = &leaves[i];
             if (!L->nbytes)
                 continue;
             pl_leaf_collapse(L);
-            pl_leaf_gather(L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
+            stage_range(nt, L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
             /* every chunk that ends before the next leaf's start is complete */
             size_t limit = i + 1 < n ? (size_t)(leaves[i + 1].dst - base) : total;
             while (rc == PL_OK && reported < n_chunks && (reported + 1) * chunk_bytes <= limit) {
@@ -422,7 +497,7 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
                 atomic_fetch_add_explicit(&left[c], 1, memory_order_relaxed);
         }
     }
-    job j = {leaves, pieces, np, 0, left, n_chunks, chunk_bytes, base};
+    job j = {leaves, pieces, np, 0, left, n_chunks, chunk_bytes, base, use_streaming(s, total)};
 
     pthread_mutex_lock(&s->mu);
     s->cur = &j;
