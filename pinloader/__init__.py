@@ -12,6 +12,8 @@ import atexit as _atexit
 
 from . import _cudart
 from . import _C
+from ._stats import CudaInfo, PoolStats, PrefetcherStats
+from ._version import __version__
 
 _C._set_cudart_candidates(_cudart.candidates())
 
@@ -29,15 +31,16 @@ from ._C import (  # noqa: E402
     device_count,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "AsyncPrefetcher",
     "CudaError",
+    "CudaInfo",
     "DeviceArray",
     "PinnedBuffer",
     "PinnedPool",
     "PoolExhausted",
+    "PoolStats",
+    "PrefetcherStats",
     "backend",
     "cuda_available",
     "cuda_info",

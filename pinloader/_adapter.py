@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ._C import AsyncPrefetcher, DeviceArray
+from ._stats import PrefetcherStats
 from ._tree import map_leaves
 
 
@@ -11,7 +12,7 @@ class FrameworkPrefetcher:
     """Wraps an :class:`AsyncPrefetcher`; each batch's DeviceArray leaves go through
     ``convert`` (the framework's DLPack import) as the batch is handed out."""
 
-    def __init__(self, iterable: Iterable, device: Any, depth: int,
+    def __init__(self, iterable: Iterable[Any], device: Any, depth: int,
                  convert: Callable[[DeviceArray], Any], **opts: Any) -> None:
         self._convert = convert
         self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
@@ -26,7 +27,7 @@ class FrameworkPrefetcher:
     def __len__(self) -> int:
         return len(self._pf)
 
-    def stats(self) -> dict:
+    def stats(self) -> PrefetcherStats:
         """See :meth:`pinloader.AsyncPrefetcher.stats`."""
         return self._pf.stats()
 

@@ -519,12 +519,12 @@ static PyObject *da_repr(PyObject *op)
 
 static PyMethodDef da_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))da_dlpack, METH_VARARGS | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Export as a DLPack capsule. For CUDA arrays, `stream` (None or 1: legacy default, 2:\n"
      "per-thread default, a cudaStream_t, -1: no synchronisation) is made to wait for the\n"
      "batch's copy with cudaStreamWaitEvent; the host does not block. The memory is freed in\n"
      "stream order after that stream's use. max_version >= (1, 0) gives a versioned capsule."},
-    {"__dlpack_device__", da_dlpack_device, METH_NOARGS, "__dlpack_device__()\n--\n\n(device_type, device_id)."},
+    {"__dlpack_device__", da_dlpack_device, METH_NOARGS, "__dlpack_device__($self, /)\n--\n\n(device_type, device_id)."},
     {NULL, NULL, 0, NULL},
 };
 
