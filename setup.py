@@ -1,8 +1,16 @@
 """Build the native module pinloader._C.
 
+Building needs a C compiler, Python's headers and NumPy: no CUDA toolkit. The CUDA runtime is
+loaded at run time, and src/cuda_api.h declares the part of its API that pinloader uses.
+
 Environment toggles:
-  CUDA_HOME / CUDA_PATH   where the CUDA toolkit lives (headers only are needed: the
-                          runtime library is loaded at run time)
+  PINLOADER_NVTX=auto     where the NVTX3 headers (header-only profiler ranges) come from:
+                          auto (default): the nvidia-nvtx wheel (a build requirement), else a
+                          CUDA toolkit (CUDA_HOME, CUDA_PATH, nvcc's, /usr/local/cuda), else off;
+                          wheel: only the wheel; toolkit: only a toolkit; off: no NVTX ranges;
+                          or a directory that holds nvtx3/nvToolsExt.h.
+                          The build prints which one it used.
+  PINLOADER_WERROR=1      treat compiler warnings as errors (CI sets it)
   PINLOADER_SANITIZE=1    AddressSanitizer + UndefinedBehaviorSanitizer build (-O1 -g)
   PINLOADER_SANITIZE=thread  ThreadSanitizer build
   PINLOADER_DEBUG_BUILD=1 -O0 -g3
@@ -11,54 +19,94 @@ import glob
 import os
 import shutil
 import sys
-import sysconfig
 
 import numpy
 from setuptools import Extension, setup
 
-CUDA_HEADER = "cuda_runtime_api.h"
+NVTX_HEADER = os.path.join("nvtx3", "nvToolsExt.h")
 
 
-def _cuda_include_candidates():
-    for var in ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"):
-        root = os.environ.get(var)
-        if root:
-            yield os.path.join(root, "include")
-            yield os.path.join(root, "targets", "x86_64-linux", "include")
+def _say(msg):
+    print(f"pinloader build: {msg}", file=sys.stderr, flush=True)
+
+
+def _nvtx_from_wheel():
+    """The include folder of the nvidia-nvtx wheel (nvidia/cu13/include) or of the older
+    nvidia-nvtx-cu12 wheel (nvidia/nvtx/include), if one is installed in the build environment."""
+    roots = []
+    try:
+        import nvidia  # a namespace package shared by NVIDIA's wheels
+
+        roots += list(nvidia.__path__)
+    except ImportError:
+        pass
+    roots += [os.path.join(p, "nvidia") for p in sys.path if p]
+    for root in dict.fromkeys(roots):
+        for inc in sorted(glob.glob(os.path.join(root, "cu*", "include")), reverse=True) + [
+            os.path.join(root, "nvtx", "include")
+        ]:
+            if os.path.isfile(os.path.join(inc, NVTX_HEADER)):
+                return inc
+    return None
+
+
+def _nvtx_from_toolkit():
+    roots = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:
-        root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-        yield os.path.join(root, "include")
-    yield "/usr/local/cuda/include"
-    yield from sorted(glob.glob("/usr/local/cuda-*/include"), reverse=True)
-    yield "/usr/include"
-    # Headers installed by the nvidia-cuda-runtime wheels.
-    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]} | set(sys.path):
-        if not site or not os.path.isdir(os.path.join(site, "nvidia")):
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    roots += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in roots:
+        if not root:
             continue
-        yield from sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")), reverse=True)
-        yield os.path.join(site, "nvidia", "cuda_runtime", "include")
+        for inc in (os.path.join(root, "include"), os.path.join(root, "targets", "x86_64-linux", "include")):
+            if os.path.isfile(os.path.join(inc, NVTX_HEADER)):
+                return inc
+    return None
 
 
-def find_cuda_include():
-    for inc in _cuda_include_candidates():
-        if os.path.isfile(os.path.join(inc, CUDA_HEADER)):
-            return inc
-    sys.exit(
-        "pinloader: CUDA runtime headers (cuda_runtime_api.h) not found: set CUDA_HOME, install "
-        "the CUDA toolkit, or `pip install nvidia-cuda-runtime` (headers only are needed)."
-    )
+def find_nvtx():
+    """(include dir or None, what it is). Never looks somewhere it was told not to."""
+    mode = os.environ.get("PINLOADER_NVTX", "auto").strip() or "auto"
+    if mode in ("off", "none", "0"):
+        return None, "off (PINLOADER_NVTX=off)"
+    if mode not in ("auto", "wheel", "toolkit"):
+        if not os.path.isfile(os.path.join(mode, NVTX_HEADER)):
+            sys.exit(f"pinloader build: PINLOADER_NVTX={mode!r}: no {NVTX_HEADER} there")
+        return mode, "PINLOADER_NVTX"
+    if mode in ("auto", "wheel"):
+        inc = _nvtx_from_wheel()
+        if inc:
+            return inc, "the nvidia-nvtx wheel"
+        if mode == "wheel":
+            sys.exit("pinloader build: PINLOADER_NVTX=wheel but the nvidia-nvtx wheel is not "
+                     "installed in the build environment (pip install nvidia-nvtx)")
+    inc = _nvtx_from_toolkit()
+    if inc:
+        return inc, "a CUDA toolkit"
+    if mode == "toolkit":
+        sys.exit("pinloader build: PINLOADER_NVTX=toolkit but no CUDA toolkit with nvtx3 headers "
+                 "was found (set CUDA_HOME)")
+    return None, ("off: no nvtx3 headers found (neither the nvidia-nvtx wheel nor a CUDA "
+                  "toolkit); pinloader works, but shows no NVTX ranges in a profiler")
 
 
 def extension():
-    cuda_inc = find_cuda_include()
-    extra_compile = ["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers",
+    extra_compile = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
                      "-fvisibility=hidden", "-pthread"]
+    if os.environ.get("PINLOADER_WERROR") == "1":
+        extra_compile.append("-Werror")
     extra_link = ["-pthread", "-ldl"]
     define_macros = [("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION"), ("_GNU_SOURCE", "1")]
-    nvtx = os.path.isfile(os.path.join(cuda_inc, "nvtx3", "nvToolsExt.h"))
-    if nvtx:
+    include_dirs = ["src", numpy.get_include()]
+    nvtx_inc, nvtx_what = find_nvtx()
+    if nvtx_inc:
         define_macros.append(("PL_HAVE_NVTX", "1"))
+        include_dirs.append(nvtx_inc)
+        _say(f"NVTX ranges on, headers from {nvtx_what}: {nvtx_inc}")
+    else:
+        _say(f"NVTX ranges {nvtx_what}")
+    _say("CUDA runtime API declarations: src/cuda_api.h (no CUDA header is used)")
     sanitize = os.environ.get("PINLOADER_SANITIZE", "")
     if sanitize in ("1", "address", "asan"):
         extra_compile += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -77,7 +125,7 @@ def extension():
         "pinloader._C",
         sources=sorted(glob.glob("src/*.c")),
         depends=sorted(glob.glob("src/*.h")),
-        include_dirs=["src", numpy.get_include(), cuda_inc],
+        include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,

@@ -12,6 +12,8 @@ import atexit as _atexit
 
 from . import _cudart
 from . import _C
+from ._stats import CudaInfo, PoolStats, PrefetcherStats
+from ._version import __version__
 
 _C._set_cudart_candidates(_cudart.candidates())
 
@@ -30,16 +32,17 @@ from ._C import (  # noqa: E402
 )
 from .array_loader import ArrayLoader  # noqa: E402
 
-__version__ = "0.1.0"
-
 __all__ = [
     "ArrayLoader",
     "AsyncPrefetcher",
     "CudaError",
+    "CudaInfo",
     "DeviceArray",
     "PinnedBuffer",
     "PinnedPool",
     "PoolExhausted",
+    "PoolStats",
+    "PrefetcherStats",
     "backend",
     "cuda_available",
     "cuda_info",

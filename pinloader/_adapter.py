@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 
 from . import _C
 from ._C import AsyncPrefetcher, DeviceArray
+from ._stats import PrefetcherStats
 
 _native_export = getattr(_C, "export_capsules", None)
 
@@ -116,7 +117,7 @@ class FrameworkPrefetcher:
     Subclasses that resolve the consumer's stream themselves override :meth:`_consumer_stream`
     and :meth:`_import_leaves`; see Note [per-batch import]."""
 
-    def __init__(self, iterable: Iterable, device: Any, depth: int,
+    def __init__(self, iterable: Iterable[Any], device: Any, depth: int,
                  convert: Callable[[Any], Any], **opts: Any) -> None:
         self._convert = convert
         adopt = getattr(iterable, "_pinloader_prefetcher", None)
@@ -153,7 +154,7 @@ class FrameworkPrefetcher:
     def __len__(self) -> int:
         return len(self._pf)
 
-    def stats(self) -> dict:
+    def stats(self) -> PrefetcherStats:
         """See :meth:`pinloader.AsyncPrefetcher.stats`."""
         return self._pf.stats()
 

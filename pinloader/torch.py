@@ -11,6 +11,7 @@ import torch as _torch
 
 from . import _adapter
 from ._adapter import FrameworkPrefetcher
+from ._C import backend as _pl_backend
 
 __all__ = ["prefetch", "TorchPrefetcher"]
 
@@ -22,6 +23,8 @@ _from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch.from_dlpack
 
 
 def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
+    if device is None:  # pinloader's default: the current GPU if CUDA is usable, else the host
+        device = "cuda" if _pl_backend() == "cuda" else "cpu"
     dev = _torch.device(device)
     if dev.type == "cpu":
         return "cpu", dev
@@ -48,8 +51,9 @@ class TorchPrefetcher(FrameworkPrefetcher):
     loader : iterable
         A ``torch.utils.data.DataLoader`` (use ``pin_memory=False``) or any iterable of nested
         tuples, lists, dicts, namedtuples or dataclasses of tensors and arrays.
-    device : str or torch.device, default "cuda"
-        Target device; "cpu" runs pinloader's host backend.
+    device : str or torch.device, optional
+        Target device. Default (None): torch's current CUDA device when pinloader can use CUDA,
+        else "cpu" (pinloader's host backend), as for :class:`pinloader.AsyncPrefetcher`.
     depth : int, default 2
         Batches in flight or waiting.
     **opts
@@ -57,7 +61,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
         ``pool``, ``copy_stream_priority``).
     """
 
-    def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, **opts: Any) -> None:
+    def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
         global _warned_pin_memory
         if getattr(loader, "pin_memory", False) and not _warned_pin_memory:
             _warned_pin_memory = True
@@ -93,7 +97,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
                 return
 
 
-def prefetch(loader: Iterable, device: Any = "cuda", depth: int = 2, **opts: Any) -> TorchPrefetcher:
+def prefetch(loader: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> TorchPrefetcher:
     """Wrap ``loader`` so that it yields the same structures with torch tensors on ``device``.
 
     See :class:`TorchPrefetcher`.

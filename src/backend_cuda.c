@@ -3,56 +3,25 @@
  * Loading at run time keeps `import pinloader` working on machines with no GPU, no driver and no
  * toolkit, and lets pinloader share the runtime that torch, CuPy or JAX already brought into the
  * process: a libcudart that is already loaded is preferred over any other (see
- * Note [finding libcudart]). The headers give us the types and signatures, so every function
- * pointer below has the exact type of the runtime function it stands for.
+ * Note [finding libcudart]). cuda_api.h declares the types and signatures of the functions used
+ * (see Note [our own CUDA declarations]), so every function pointer below has the exact type of
+ * the runtime function it stands for, and no CUDA header is needed to build.
  *
  * The function table is the one piece of process-wide mutable state; it is written once under
  * pthread_once and read-only afterwards. */
 #include "backend.h"
 #include "util.h"
 
-#include <cuda_runtime_api.h>
+#include "cuda_api.h"
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PL_CUDA_FUNCS(X)                  \
-    X(cudaGetErrorName)                   \
-    X(cudaGetErrorString)                 \
-    X(cudaGetLastError)                   \
-    X(cudaGetDeviceCount)                 \
-    X(cudaDriverGetVersion)               \
-    X(cudaRuntimeGetVersion)              \
-    X(cudaSetDevice)                      \
-    X(cudaGetDevice)                      \
-    X(cudaDeviceGetStreamPriorityRange)   \
-    X(cudaStreamCreateWithPriority)       \
-    X(cudaStreamDestroy)                  \
-    X(cudaStreamSynchronize)              \
-    X(cudaStreamWaitEvent)                \
-    X(cudaEventCreateWithFlags)           \
-    X(cudaEventDestroy)                   \
-    X(cudaEventRecord)                    \
-    X(cudaEventQuery)                     \
-    X(cudaEventSynchronize)               \
-    X(cudaHostRegister)                   \
-    X(cudaHostUnregister)                 \
-    X(cudaHostAlloc)                      \
-    X(cudaFreeHost)                       \
-    X(cudaPointerGetAttributes)           \
-    X(cudaMemcpyAsync)                    \
-    X(cudaMemcpy)                         \
-    X(cudaMemPoolCreate)                  \
-    X(cudaMemPoolSetAttribute)            \
-    X(cudaMallocFromPoolAsync)            \
-    X(cudaFreeAsync)                      \
-    X(cudaLaunchHostFunc)
-
 static struct {
-#define X(name) __typeof__(name) *name;
-    PL_CUDA_FUNCS(X)
+#define X(ret, name, params) ret(*name) params;
+    PL_CUDA_API(X, PL_CU_T, PL_CU_TS)
 #undef X
 } cu;
 
@@ -127,30 +96,36 @@ static void load_runtime(void)
         load_error = PL_ERR_NO_RUNTIME;
         return;
     }
-#define X(name)                                                                             \
+#define X(ret, name, params)                                                                \
     if (!(*(void **)&cu.name = dlsym(h, #name))) {                                          \
         snprintf(load_detail, sizeof load_detail, "%s lacks the symbol %s (CUDA 11.2 or newer " \
                  "is needed)", load_path, #name);                                           \
         load_error = PL_ERR_NO_RUNTIME;                                                     \
         return;                                                                             \
     }
-    PL_CUDA_FUNCS(X)
+    PL_CUDA_API(X, PL_CU_T, PL_CU_TS)
 #undef X
     cu.cudaRuntimeGetVersion(&runtime_version);
     cu.cudaDriverGetVersion(&driver_version);
-    cudaError_t rc = cu.cudaGetDeviceCount(&n_devices);
-    if (rc != cudaSuccess) {
+    pl_cudaError_t rc = cu.cudaGetDeviceCount(&n_devices);
+    if (rc != pl_cudaSuccess) {
         cu.cudaGetLastError();
         n_devices = 0;
-        snprintf(load_detail, sizeof load_detail, "%s: %s (%s); driver version %d, runtime %d",
-                 cu.cudaGetErrorName(rc), cu.cudaGetErrorString(rc), load_path, driver_version,
-                 runtime_version);
+        if (driver_version == 0)
+            /* cudaDriverGetVersion reports 0 when libcuda.so.1 cannot be loaded */
+            snprintf(load_detail, sizeof load_detail, "%s: no NVIDIA driver is installed "
+                     "(libcuda.so.1 could not be loaded; the CUDA runtime %s, version %d, was "
+                     "found)", cu.cudaGetErrorName(rc), load_path, runtime_version);
+        else
+            snprintf(load_detail, sizeof load_detail, "%s: %s (%s); driver version %d, runtime %d",
+                     cu.cudaGetErrorName(rc), cu.cudaGetErrorString(rc), load_path,
+                     driver_version, runtime_version);
         load_error = (int)rc;
         return;
     }
     if (n_devices == 0) {
-        snprintf(load_detail, sizeof load_detail, "cudaErrorNoDevice: no CUDA device is visible");
-        load_error = (int)cudaErrorNoDevice;
+        snprintf(load_detail, sizeof load_detail, "pl_cudaErrorNoDevice: no CUDA device is visible");
+        load_error = (int)pl_cudaErrorNoDevice;
         return;
     }
     load_error = PL_OK;
@@ -181,7 +156,7 @@ int pl_cuda_device_count(int *count)
 static int cuda_set_device(int device)
 {
     int cur = -1;
-    if (cu.cudaGetDevice(&cur) == cudaSuccess && cur == device)
+    if (cu.cudaGetDevice(&cur) == pl_cudaSuccess && cur == device)
         return PL_OK;
     return (int)cu.cudaSetDevice(device);
 }
@@ -194,59 +169,59 @@ static int cuda_get_device(int *device)
 static int cuda_stream_create(int high_priority, pl_stream **out)
 {
     int least = 0, greatest = 0;
-    cudaError_t rc = cu.cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (rc != cudaSuccess)
+    pl_cudaError_t rc = cu.cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (rc != pl_cudaSuccess)
         return (int)rc;
-    cudaStream_t s;
-    rc = cu.cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high_priority ? greatest : least);
-    if (rc == cudaSuccess)
+    pl_cudaStream_t s;
+    rc = cu.cudaStreamCreateWithPriority(&s, pl_cudaStreamNonBlocking, high_priority ? greatest : least);
+    if (rc == pl_cudaSuccess)
         *out = (pl_stream *)s;
     return (int)rc;
 }
 
 static int cuda_stream_destroy(pl_stream *s)
 {
-    return s ? (int)cu.cudaStreamDestroy((cudaStream_t)s) : PL_OK;
+    return s ? (int)cu.cudaStreamDestroy((pl_cudaStream_t)s) : PL_OK;
 }
 
 static int cuda_stream_synchronize(pl_stream *s)
 {
-    return (int)cu.cudaStreamSynchronize((cudaStream_t)s);
+    return (int)cu.cudaStreamSynchronize((pl_cudaStream_t)s);
 }
 
 static int cuda_stream_wait_event(pl_stream *s, pl_event *e)
 {
-    return (int)cu.cudaStreamWaitEvent((cudaStream_t)s, (cudaEvent_t)e, 0);
+    return (int)cu.cudaStreamWaitEvent((pl_cudaStream_t)s, (pl_cudaEvent_t)e, 0);
 }
 
 static int cuda_event_create(pl_event **out)
 {
-    cudaEvent_t e;
-    cudaError_t rc = cu.cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    if (rc == cudaSuccess)
+    pl_cudaEvent_t e;
+    pl_cudaError_t rc = cu.cudaEventCreateWithFlags(&e, pl_cudaEventDisableTiming);
+    if (rc == pl_cudaSuccess)
         *out = (pl_event *)e;
     return (int)rc;
 }
 
 static int cuda_event_destroy(pl_event *e)
 {
-    return e ? (int)cu.cudaEventDestroy((cudaEvent_t)e) : PL_OK;
+    return e ? (int)cu.cudaEventDestroy((pl_cudaEvent_t)e) : PL_OK;
 }
 
 static int cuda_event_record(pl_event *e, pl_stream *s)
 {
-    return (int)cu.cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s);
+    return (int)cu.cudaEventRecord((pl_cudaEvent_t)e, (pl_cudaStream_t)s);
 }
 
 static int cuda_event_query(pl_event *e)
 {
-    cudaError_t rc = cu.cudaEventQuery((cudaEvent_t)e);
-    return rc == cudaErrorNotReady ? PL_ERR_NOT_READY : (int)rc;
+    pl_cudaError_t rc = cu.cudaEventQuery((pl_cudaEvent_t)e);
+    return rc == pl_cudaErrorNotReady ? PL_ERR_NOT_READY : (int)rc;
 }
 
 static int cuda_event_synchronize(pl_event *e)
 {
-    return (int)cu.cudaEventSynchronize((cudaEvent_t)e);
+    return (int)cu.cudaEventSynchronize((pl_cudaEvent_t)e);
 }
 
 /* CUDA has no timed event wait: poll with a short, growing sleep. The sleep is capped low so a
@@ -280,16 +255,16 @@ static int cuda_host_alloc(size_t n, void **out)
     void *p = NULL;
     int rc = pl_os_alloc(n, &p);
     if (rc == PL_OK) {
-        cudaError_t crc = cu.cudaHostRegister(p, PL_ALIGN_UP(n, pl_page_size()), cudaHostRegisterPortable);
-        if (crc == cudaSuccess) {
+        pl_cudaError_t crc = cu.cudaHostRegister(p, PL_ALIGN_UP(n, pl_page_size()), pl_cudaHostRegisterPortable);
+        if (crc == pl_cudaSuccess) {
             *out = p;
             return PL_OK;
         }
         cu.cudaGetLastError();
         pl_os_free(p, n);
     }
-    cudaError_t crc = cu.cudaHostAlloc(&p, n, cudaHostAllocPortable);
-    if (crc == cudaSuccess)
+    pl_cudaError_t crc = cu.cudaHostAlloc(&p, n, pl_cudaHostAllocPortable);
+    if (crc == pl_cudaSuccess)
         *out = p;
     return (int)crc;
 }
@@ -298,12 +273,12 @@ static int cuda_host_free(void *p, size_t n)
 {
     if (!p)
         return PL_OK;
-    cudaError_t rc = cu.cudaHostUnregister(p);
-    if (rc == cudaSuccess) {
+    pl_cudaError_t rc = cu.cudaHostUnregister(p);
+    if (rc == pl_cudaSuccess) {
         pl_os_free(p, n);
         return PL_OK;
     }
-    if (rc == cudaErrorCudartUnloading)
+    if (rc == pl_cudaErrorCudartUnloading)
         return (int)rc; /* leak: the process is exiting */
     cu.cudaGetLastError();
     return (int)cu.cudaFreeHost(p);
@@ -311,14 +286,14 @@ static int cuda_host_free(void *p, size_t n)
 
 static int cuda_host_is_pinned(const void *p, int *pinned)
 {
-    struct cudaPointerAttributes attr;
-    cudaError_t rc = cu.cudaPointerGetAttributes(&attr, p);
-    if (rc != cudaSuccess) {
+    struct pl_cudaPointerAttributes attr;
+    pl_cudaError_t rc = cu.cudaPointerGetAttributes(&attr, p);
+    if (rc != pl_cudaSuccess) {
         cu.cudaGetLastError();
         *pinned = 0;
         return PL_OK;
     }
-    *pinned = attr.type == cudaMemoryTypeHost;
+    *pinned = attr.type == pl_cudaMemoryTypeHost;
     return PL_OK;
 }
 
@@ -331,33 +306,33 @@ static int cuda_host_is_pinned(const void *p, int *pinned)
  * consumer's compute. Opportunistic reuse (the free already completed) stays on. */
 enum { MAX_DEVICES = 64 };
 static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
-static cudaMemPool_t pools[MAX_DEVICES]; /* guarded by pools_mu; written once per device */
+static pl_cudaMemPool_t pools[MAX_DEVICES]; /* guarded by pools_mu; written once per device */
 
-static int device_pool(int device, cudaMemPool_t *out)
+static int device_pool(int device, pl_cudaMemPool_t *out)
 {
     if (device < 0 || device >= MAX_DEVICES)
         return PL_ERR_INVALID_DEVICE;
     pthread_mutex_lock(&pools_mu);
-    cudaMemPool_t pool = pools[device];
+    pl_cudaMemPool_t pool = pools[device];
     pthread_mutex_unlock(&pools_mu);
     if (pool) {
         *out = pool;
         return PL_OK;
     }
-    struct cudaMemPoolProps props;
+    struct pl_cudaMemPoolProps props;
     memset(&props, 0, sizeof props);
-    props.allocType = cudaMemAllocationTypePinned;
-    props.handleTypes = cudaMemHandleTypeNone;
-    props.location.type = cudaMemLocationTypeDevice;
+    props.allocType = pl_cudaMemAllocationTypePinned;
+    props.handleTypes = pl_cudaMemHandleTypeNone;
+    props.location.type = pl_cudaMemLocationTypeDevice;
     props.location.id = device;
-    cudaError_t rc = cu.cudaMemPoolCreate(&pool, &props);
-    if (rc != cudaSuccess)
+    pl_cudaError_t rc = cu.cudaMemPoolCreate(&pool, &props);
+    if (rc != pl_cudaSuccess)
         return (int)rc;
     uint64_t threshold = UINT64_MAX;
     int off = 0, on = 1;
-    if ((rc = cu.cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold)) != cudaSuccess ||
-        (rc = cu.cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &off)) != cudaSuccess ||
-        (rc = cu.cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowOpportunistic, &on)) != cudaSuccess)
+    if ((rc = cu.cudaMemPoolSetAttribute(pool, pl_cudaMemPoolAttrReleaseThreshold, &threshold)) != pl_cudaSuccess ||
+        (rc = cu.cudaMemPoolSetAttribute(pool, pl_cudaMemPoolReuseAllowInternalDependencies, &off)) != pl_cudaSuccess ||
+        (rc = cu.cudaMemPoolSetAttribute(pool, pl_cudaMemPoolReuseAllowOpportunistic, &on)) != pl_cudaSuccess)
         return (int)rc;
     pthread_mutex_lock(&pools_mu);
     if (!pools[device])
@@ -369,30 +344,30 @@ static int device_pool(int device, cudaMemPool_t *out)
 
 static int cuda_device_alloc(int device, size_t n, pl_stream *s, void **out)
 {
-    cudaMemPool_t pool = NULL;
+    pl_cudaMemPool_t pool = NULL;
     int rc = device_pool(device, &pool);
     if (rc != PL_OK)
         return rc;
-    return (int)cu.cudaMallocFromPoolAsync(out, n ? n : 1, pool, (cudaStream_t)s);
+    return (int)cu.cudaMallocFromPoolAsync(out, n ? n : 1, pool, (pl_cudaStream_t)s);
 }
 
 static int cuda_device_free(int device, void *p, pl_stream *s)
 {
     (void)device;
-    return (int)cu.cudaFreeAsync(p, (cudaStream_t)s);
+    return (int)cu.cudaFreeAsync(p, (pl_cudaStream_t)s);
 }
 
 static int cuda_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream *s)
 {
-    return (int)cu.cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)s);
+    return (int)cu.cudaMemcpyAsync(dst, src, n, pl_cudaMemcpyHostToDevice, (pl_cudaStream_t)s);
 }
 
 static int cuda_memcpy_d2h(void *dst, const void *src, size_t n)
 {
-    return (int)cu.cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost);
+    return (int)cu.cudaMemcpy(dst, src, n, pl_cudaMemcpyDeviceToHost);
 }
 
-static void CUDART_CB hold_fn(void *gate)
+static void hold_fn(void *gate)
 {
     while (!__atomic_load_n((int *)gate, __ATOMIC_ACQUIRE))
         pl_sleep_ns(100000);
@@ -400,17 +375,17 @@ static void CUDART_CB hold_fn(void *gate)
 
 static int cuda_stream_hold(pl_stream *s, volatile int *gate)
 {
-    return (int)cu.cudaLaunchHostFunc((cudaStream_t)s, hold_fn, (void *)gate);
+    return (int)cu.cudaLaunchHostFunc((pl_cudaStream_t)s, hold_fn, (void *)gate);
 }
 
 static const char *cuda_error_name(int code)
 {
-    return cu.cudaGetErrorName ? cu.cudaGetErrorName((cudaError_t)code) : "cudaErrorUnknown";
+    return cu.cudaGetErrorName ? cu.cudaGetErrorName((pl_cudaError_t)code) : "cudaErrorUnknown";
 }
 
 static const char *cuda_error_string(int code)
 {
-    return cu.cudaGetErrorString ? cu.cudaGetErrorString((cudaError_t)code) : "unknown error";
+    return cu.cudaGetErrorString ? cu.cudaGetErrorString((pl_cudaError_t)code) : "unknown error";
 }
 
 static const pl_backend cuda_backend = {

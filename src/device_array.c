@@ -538,7 +538,7 @@ static PyObject *da_repr(PyObject *op)
 
 static PyMethodDef da_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))da_dlpack, METH_VARARGS | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Export as a DLPack capsule. For CUDA arrays, `stream` (None or 1: legacy default, 2:\n"
      "per-thread default, a cudaStream_t, -1: no synchronisation; 0 is ambiguous and refused)\n"
      "is made to wait for the batch's copy with cudaStreamWaitEvent (once per batch and stream\n"
@@ -546,7 +546,7 @@ static PyMethodDef da_methods[] = {
      "after that stream's use. On the host backend stream must be None or -1. max_version >=\n"
      "(1, 0) gives a versioned capsule; dl_device may only name this array's device; copy=True\n"
      "raises BufferError (pinloader never copies on export)."},
-    {"__dlpack_device__", da_dlpack_device, METH_NOARGS, "__dlpack_device__()\n--\n\n(device_type, device_id)."},
+    {"__dlpack_device__", da_dlpack_device, METH_NOARGS, "__dlpack_device__($self, /)\n--\n\n(device_type, device_id)."},
     {NULL, NULL, 0, NULL},
 };
 

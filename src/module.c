@@ -8,9 +8,8 @@
 #define PL_NP_IMPORT
 #include "np.h"
 
-#ifdef PL_HAVE_NVTX
-#include <nvtx3/nvToolsExt.h>
-#endif
+#include "pl_nvtx.h"
+
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,8 +83,9 @@ static const pl_backend *require_cuda(pl_state *st, const char *asked)
         PyObject *name = err == PL_ERR_NO_RUNTIME || !colon
                              ? PyUnicode_FromString(pl_error_name(NULL, err))
                              : PyUnicode_FromStringAndSize(detail, colon - detail);
-        PyObject *msg = PyUnicode_FromFormat("device %s was asked for, but CUDA is not usable: %s",
-                                             asked, detail);
+        PyObject *msg = PyUnicode_FromFormat("device %s was asked for, but CUDA is not usable: "
+                                             "%s. Without a GPU, pass device=\"cpu\" to run on "
+                                             "pinloader's host backend.", asked, detail);
         set_cuda_error(st, msg, err, name);
         return NULL;
     }
@@ -137,15 +137,15 @@ int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int 
         const char *s = PyUnicode_AsUTF8(device);
         if (!s)
             return -1;
-        if (strcmp(s, "cpu") == 0 || strcmp(s, "host") == 0) {
-            kind = "cpu";
+        if (strcmp(s, "cpu") == 0 || strcmp(s, "cpu:0") == 0 || strcmp(s, "host") == 0) {
+            kind = "cpu"; /* the host backend has one device, like torch's "cpu" and "cpu:0" */
         } else if (strcmp(s, "cuda") == 0) {
             kind = "cuda";
         } else if (strncmp(s, "cuda:", 5) == 0 && parse_index(s + 5, &index) == 0) {
             kind = "cuda";
         } else {
-            PyErr_Format(PyExc_ValueError, "device must be 'cpu', 'cuda', 'cuda:N', an int or "
-                         "None, got %R", device);
+            PyErr_Format(PyExc_ValueError, "device must be 'cpu', 'cpu:0', 'cuda', 'cuda:N', an "
+                         "int or None, got %R", device);
             return -1;
         }
     } else if (PyObject_HasAttrString(device, "type")) {
@@ -177,6 +177,11 @@ int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int 
     }
 
     if (strcmp(kind, "cpu") == 0) {
+        if (index > 0) {
+            PyErr_Format(PyExc_ValueError, "the host backend has one device ('cpu' or 'cpu:0'), "
+                         "got %R", device);
+            return -1;
+        }
         *b = pl_backend_host();
         *dev = 0;
         return 0;
@@ -377,11 +382,9 @@ static int module_exec(PyObject *m)
     if (_import_array() < 0)
         return -1;
     pthread_once(&fork_once, install_fork_handler);
-#ifdef PL_HAVE_NVTX
     /* NVTX initialises lazily on first use, racily by design; do it once here, before any
      * producer thread exists. Without a profiler attached this is a no-op. */
-    nvtxInitialize(NULL);
-#endif
+    PL_NVTX_INIT();
 
     PyObject *np = PyImport_ImportModule("numpy");
     if (!np)
@@ -412,7 +415,8 @@ static int module_exec(PyObject *m)
         pl_gather_init(m, st) < 0 || pl_cpus_init(m) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", DLPACK_MAJOR_VERSION) < 0 ||
-        PyModule_AddIntConstant(m, "DLPACK_MINOR", DLPACK_MINOR_VERSION) < 0)
+        PyModule_AddIntConstant(m, "DLPACK_MINOR", DLPACK_MINOR_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "NVTX", PL_NVTX_ENABLED) < 0)
         return -1;
 #ifdef PL_SANITIZE
     if (PyModule_AddIntConstant(m, "SANITIZED", 1) < 0)

@@ -323,15 +323,15 @@ struct pl_pool *pl_pinned_pool_get(pl_state *st, PyObject *o)
 
 static PyMethodDef pool_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))pool_alloc, METH_VARARGS | METH_KEYWORDS,
-     "alloc(nbytes, timeout=None)\n--\n\n"
+     "alloc($self, /, nbytes, timeout=None)\n--\n\n"
      "Reserve a pinned region of nbytes and return it as a PinnedBuffer.\n\n"
      "When the pool is at its cap, waits (GIL released, Ctrl-C works) for regions to come\n"
      "back. Raises PoolExhausted if nbytes can never fit under the cap or timeout seconds pass."},
     {"stats", pool_stats, METH_NOARGS,
-     "stats()\n--\n\nBytes reserved in slabs, in use, peak, the cap, slab and region counts, "
+     "stats($self, /)\n--\n\nBytes reserved in slabs, in use, peak, the cap, slab and region counts, "
      "allocations served from existing slabs vs new ones, waits and wait time."},
-    {"trim", pool_trim, METH_NOARGS, "trim()\n--\n\nGive slabs with no live region back to the OS; returns bytes freed."},
-    {"close", pool_close, METH_NOARGS, "close()\n--\n\nWait for pending releases, free idle slabs, refuse new allocations. Idempotent."},
+    {"trim", pool_trim, METH_NOARGS, "trim($self, /)\n--\n\nGive slabs with no live region back to the OS; returns bytes freed."},
+    {"close", pool_close, METH_NOARGS, "close($self, /)\n--\n\nWait for pending releases, free idle slabs, refuse new allocations. Idempotent."},
     {"__enter__", pool_enter, METH_NOARGS, NULL},
     {"__exit__", pool_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
@@ -550,11 +550,11 @@ int pl_pinned_buffer_check(pl_state *st, PyObject *o)
 
 static PyMethodDef buffer_methods[] = {
     {"release", buffer_release, METH_NOARGS,
-     "release()\n--\n\nReturn the region to its pool now. Refused while buffer views or DLPack tensors of it are alive. Idempotent."},
+     "release($self, /)\n--\n\nReturn the region to its pool now. Refused while buffer views or DLPack tensors of it are alive. Idempotent."},
     {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Export the bytes as a 1-D uint8 DLPack tensor (kDLCPU in the capsule)."},
-    {"__dlpack_device__", buffer_dlpack_device, METH_NOARGS, "__dlpack_device__()\n--\n\n(kDLCUDAHost, 0): page-locked host memory."},
+    {"__dlpack_device__", buffer_dlpack_device, METH_NOARGS, "__dlpack_device__($self, /)\n--\n\n(kDLCUDAHost, 0): page-locked host memory."},
     {"__enter__", buffer_enter, METH_NOARGS, NULL},
     {"__exit__", buffer_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},

@@ -1300,9 +1300,9 @@ static PyObject *pf_get_staging_threads(PyObject *op, void *c)
 
 static PyMethodDef pf_methods[] = {
     {"close", pf_close, METH_NOARGS,
-     "close()\n--\n\nStop the producer, join it, wait for queued copies, free what is not handed out. Idempotent."},
+     "close($self, /)\n--\n\nStop the producer, join it, wait for queued copies, free what is not handed out. Idempotent."},
     {"stats", pf_stats, METH_NOARGS,
-     "stats()\n--\n\nCounters: batches, bytes (payload), padding_bytes (alignment in device blocks), h2d_gbps (delivered), consumer wait (total, mean, p99),\n"
+     "stats($self, /)\n--\n\nCounters: batches, bytes (payload), padding_bytes (alignment in device blocks), h2d_gbps (delivered), consumer wait (total, mean, p99),\n"
      "time in the source's next(), staging time, pinned and device bytes, stalls on the pinned cap."},
     {"__enter__", pf_enter, METH_NOARGS, NULL},
     {"__exit__", pf_exit, METH_VARARGS, NULL},

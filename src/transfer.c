@@ -2,20 +2,12 @@
  * No Python. See transfer.h. */
 #include "transfer.h"
 
+#include "pl_nvtx.h"
 #include "util.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef PL_HAVE_NVTX
-#include <nvtx3/nvToolsExt.h>
-#define NVTX_PUSH(name) nvtxRangePushA(name)
-#define NVTX_POP() nvtxRangePop()
-#else
-#define NVTX_PUSH(name) ((void)0)
-#define NVTX_POP() ((void)0)
-#endif
 
 /* ---- layout (see Note [batch layout]) ---- */
 
@@ -127,10 +119,10 @@ typedef struct {
 static int issue_chunk(void *arg, size_t off, size_t len)
 {
     chunk_ctx *c = arg;
-    NVTX_PUSH("pinloader.copy");
+    PL_NVTX_PUSH("pinloader.copy");
     int rc = c->x->b->memcpy_h2d_async((char *)c->blk->ptr + off, (char *)c->region->ptr + off, len,
                                        c->x->copy_stream);
-    NVTX_POP();
+    PL_NVTX_POP();
     return rc;
 }
 
@@ -160,9 +152,9 @@ static int stage(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, const pl_l
         }
     chunk_ctx c = {x, blk, region};
     size_t chunk = lay->staged >= 2 * PL_CHUNK_BYTES ? PL_CHUNK_BYTES : 0;
-    NVTX_PUSH("pinloader.stage");
+    PL_NVTX_PUSH("pinloader.stage");
     int rc = pl_stager_run(x->stager, copies, staged, region->ptr, lay->staged, chunk, issue_chunk, &c);
-    NVTX_POP();
+    PL_NVTX_POP();
     free(copies);
     return rc;
 }

@@ -126,7 +126,7 @@ def test_demo_runs_on_the_host_backend_and_prints_json():
 
 
 def test_info_command():
-    out = subprocess.run([sys.executable, "-m", "pinloader", "info"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "pinloader", "info", "--json"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)

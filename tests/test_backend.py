@@ -473,7 +473,7 @@ def test_missing_second_device_is_named(monkeypatch, make):
 
 
 BAD_DEVICES = ["gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:1.0", "CUDA", "", " cuda:0",
-               "cuda:0:1", "cuda0", "cpu:0", "cuda:0x1"]
+               "cuda:0:1", "cuda0", "cpu:1", "cuda:0x1"]
 # strtol-isms: these parse as a device index today and should not.
 LENIENT_DEVICES = ["cuda: 0", "cuda:+0"]
 

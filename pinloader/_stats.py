@@ -1,0 +1,61 @@
+"""The shapes of the dictionaries that pinloader's stats() and cuda_info() return.
+
+For annotations in user code: ``stats: pinloader.PrefetcherStats = pf.stats()``.
+"""
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+__all__ = ["CudaInfo", "PoolStats", "PrefetcherStats"]
+
+
+class CudaInfo(TypedDict):
+    """What :func:`cuda_info` found."""
+
+    usable: bool
+    library: str
+    driver_version: int
+    runtime_version: int
+    device_count: int
+    error: str
+    error_code: int
+
+class PoolStats(TypedDict):
+    """:meth:`PinnedPool.stats`: bytes, counts and the time spent waiting at the cap."""
+
+    reserved_bytes: int
+    in_use_bytes: int
+    peak_in_use_bytes: int
+    peak_reserved_bytes: int
+    max_bytes: int
+    slabs: int
+    regions: int
+    pending: int
+    allocs_cached: int
+    allocs_new: int
+    slabs_created: int
+    slabs_freed: int
+    waits: int
+    wait_s: float
+
+class PrefetcherStats(TypedDict):
+    """:meth:`AsyncPrefetcher.stats` (see the README's "Reading stats()")."""
+
+    batches: int
+    bytes: int
+    h2d_gbps: float
+    wait_s_total: float
+    wait_ms_mean: float
+    wait_ms_p99: float
+    next_s_total: float
+    staging_s_total: float
+    copy_issue_s_total: float
+    pinned_bytes_in_use: int
+    pinned_bytes_reserved: int
+    pinned_bytes_peak: int
+    pinned_cap: int
+    device_bytes_peak: int
+    pinned_stalls: int
+    pinned_stall_s: float
+    queued: int
+    backend: Literal["cuda", "host"]
