@@ -1224,13 +1224,28 @@ def test_consumer_wait_does_not_spin():
 
 def test_prefetcher_collected_on_its_own_producer_thread():
     # The cycle collector may run on the producer thread (it allocates while reading leaves)
-    # and free an unreachable prefetcher there: it must not join itself or use freed memory.
+    # and free an unreachable prefetcher there: it must not join itself or use freed memory,
+    # and the collection must really free what the prefetcher held: its threads, its device
+    # blocks (queued batches) and its pinned regions in the shared pool.
     code = """
-import gc, time, numpy as np, pinloader
+import gc, os, threading, time, numpy as np, pinloader
+from pinloader import _C
 gc.disable()
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+pool = pinloader.PinnedPool(max_bytes=64 << 20, device="cpu")
+# the process-wide host release thread, made once: create it before counting threads
+with pinloader.AsyncPrefetcher([np.zeros(4)] * 2, device="cpu") as warm:
+    list(warm)
+del warm
+gc.collect()
+base_tasks, base_blocks = tasks(), _C._live_device_blocks("host")
+collected = []
 class Leaf:
     def __dlpack_device__(self):
-        gc.collect()
+        n = gc.collect()
+        if n and threading.get_ident() != threading.main_thread().ident:
+            collected.append(n)  # something was collected on the producer thread
         return (1, 0)
     def __dlpack__(self, **kw):
         return np.zeros(1 << 16, np.float32).__dlpack__(**kw)
@@ -1238,16 +1253,40 @@ class Src:
     def __iter__(self):
         return self
     def __next__(self):
-        return {"x": Leaf()}
+        time.sleep(0.02)  # slower than the queue fills: the producer keeps reading leaves
+        return {"x": Leaf(), "y": np.ones(1 << 16, np.float32)}
 s = Src()
-pf = pinloader.AsyncPrefetcher(s, device="cpu")
+pf = pinloader.AsyncPrefetcher(s, device="cpu", pool=pool, depth=64)
 s.pf = pf
+deadline = time.monotonic() + 20
+while pf.stats()["queued"] < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+busy = _C._live_device_blocks("host")[0]
 del s, pf
-time.sleep(1.0)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    st = pool.stats()
+    if (sum(collected) and tasks() <= base_tasks and _C._live_device_blocks("host") == base_blocks
+            and st["in_use_bytes"] == 0):
+        break
+    time.sleep(0.02)
+st = pool.stats()
+print("collected", sum(collected) > 0, flush=True)
+print("tasks", tasks(), base_tasks, flush=True)
+print("blocks", busy, _C._live_device_blocks("host")[0], base_blocks[0], flush=True)
+print("pinned", st["in_use_bytes"], st["regions"], flush=True)
 print("survived", flush=True)
 """
     p = run_py(code, timeout=60)
     assert p.returncode == 0 and "survived" in p.stdout, describe(p)
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
+    assert lines["collected"] == "True", describe(p)  # collected on the producer thread
+    now, base = map(int, lines["tasks"].split())
+    assert now <= base, f"the prefetcher's threads outlived its collection\n{describe(p)}"
+    busy, now, base = map(int, lines["blocks"].split())
+    assert busy >= base + 2, f"no batches were queued when the prefetcher was dropped\n{describe(p)}"
+    assert now == base, f"device blocks of queued batches were not freed\n{describe(p)}"
+    assert lines["pinned"] == "0 0", f"pinned regions were not given back\n{describe(p)}"
 
 
 class _ForeignDeviceArray:
