@@ -472,7 +472,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(pinloader.cuda_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("make", ["prefetcher", "pool", "prim"])
-@pytest.mark.parametrize("device", ["cuda:0", "cuda", 0])
+@pytest.mark.parametrize("device", ["cuda:0", "cuda", 0, "cuda:1"])
 def test_cuda_device_without_cuda_raises_cuda_error(monkeypatch, make, device):
     monkeypatch.delenv("PINLOADER_BACKEND", raising=False)
     ctor = {"prefetcher": lambda: pinloader.AsyncPrefetcher([], device=device),
@@ -483,7 +483,7 @@ def test_cuda_device_without_cuda_raises_cuda_error(monkeypatch, make, device):
     e = ei.value
     assert isinstance(e, RuntimeError)
     msg = str(e)
-    asked = "'cuda:0'" if device in ("cuda:0", 0) else "'cuda'"
+    asked = {"cuda:0": "'cuda:0'", 0: "'cuda:0'", "cuda": "'cuda'", "cuda:1": "'cuda:1'"}[device]
     assert asked in msg, msg
     assert "CUDA is not usable" in msg, msg
     assert isinstance(e.code, int) and e.code != 0

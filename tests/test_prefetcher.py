@@ -595,6 +595,24 @@ def test_break_mid_epoch_then_iterate_again_starts_fresh():
         assert third == list(range(20))
 
 
+def test_break_repeatedly_over_a_list_then_iterate_fully():
+    # A list source: three loops broken after 7 batches each, every batch intact, then a full
+    # epoch delivers everything from the start.
+    src = [{"i": i, "x": np.full((4, 3), i, dtype=np.int64), "tag": f"b{i}"} for i in range(30)]
+    with pinloader.AsyncPrefetcher(src, device=DEVICE, depth=4) as pf:
+        for _ in range(3):
+            seen = 0
+            for b in pf:
+                assert b["i"] == seen and b["tag"] == f"b{seen}"
+                x = np.from_dlpack(b["x"])
+                assert x.shape == (4, 3) and (x == seen).all()
+                seen += 1
+                if seen == 7:
+                    break
+        out = list(pf)
+    assert [b["i"] for b in out] == list(range(30))
+
+
 def test_iter_after_exhaustion_starts_new_epoch():
     src = [np.full(2, i) for i in range(4)]
     with pinloader.AsyncPrefetcher(src, device=DEVICE) as pf:
