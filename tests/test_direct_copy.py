@@ -117,6 +117,7 @@ def test_pinned_and_staged_leaves_mixed_land_at_their_positions(batches, nest):
                 assert leaf.ptr % ALIGN == 0, f"{where}: not {ALIGN}-byte aligned"
                 # every byte, read at the address the DeviceArray reports
                 raw = exp.tobytes()
+                leaf.__dlpack__()  # waits for the batch's copy: .ptr itself is raw memory
                 assert ctypes.string_at(leaf.ptr, leaf.nbytes) == raw, f"{where}: bytes differ"
                 checked.append((leaf, raw, where))
                 ranges.append((leaf.ptr, leaf.ptr + leaf.nbytes, where))
