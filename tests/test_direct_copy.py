@@ -44,7 +44,6 @@ def test_only_pinned_leaves_need_no_pinned_region():
 
 import ctypes  # noqa: E402
 
-import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
