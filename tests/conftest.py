@@ -37,6 +37,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs a CUDA device (skipped with a reason elsewhere)")
     config.addinivalue_line("markers", "slow: long soak or stress test")
+    config.addinivalue_line(
+        "markers", "fuzz: the hostile-input fuzz target (tests/test_fuzz.py; CI also runs it under "
+        "the ASan build with PINLOADER_FUZZ_EXAMPLES and a fixed --hypothesis-seed)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    # The fuzz job reports how many inputs it tried (read from tests/test_fuzz.py's counters).
+    fuzz = sys.modules.get("test_fuzz")
+    tried = getattr(fuzz, "TRIED", None)
+    if tried and tried["examples"]:
+        terminalreporter.write_line(
+            "fuzz: {examples} examples, {items} items, {leaves} leaves tried "
+            "({delivered} items delivered, {refused} refused)".format(**tried))
 
 
 def pytest_collection_modifyitems(config, items):

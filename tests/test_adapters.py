@@ -134,11 +134,45 @@ def test_info_command():
     assert set(info) >= {"usable", "library", "device_count", "error"}
 
 
-def test_cuda_adapters_are_importable_lazily():
-    # pinloader.cupy and pinloader.jax import their framework; without it they fail cleanly.
-    for name, framework in (("pinloader.cupy", "cupy"), ("pinloader.jax", "jax")):
-        try:
-            __import__(framework)
-        except ImportError:
-            with pytest.raises(ImportError):
-                __import__(name)
+@pytest.mark.parametrize("name,framework", [("pinloader.cupy", "cupy"), ("pinloader.jax", "jax")])
+def test_cuda_adapters_are_importable_lazily(run_python, name, framework):
+    # pinloader.cupy and pinloader.jax import their framework; without it they fail cleanly
+    # with an ImportError naming it, and `import pinloader` never tried to import it. The
+    # framework is blocked in a fresh interpreter (a meta path finder that refuses it, and
+    # sys.modules[name] = None), so this asserts the same whether or not it is installed here.
+    code = f"""
+import importlib.abc, json, sys
+tried = []
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] == {framework!r}:
+            tried.append(fullname)
+            raise ImportError("blocked for the test: " + fullname, name=fullname)
+        return None
+sys.meta_path.insert(0, Block())
+import pinloader
+after_pinloader = list(tried)
+try:
+    import {name}
+    out = {{"result": "imported"}}
+except ImportError as e:
+    out = {{"result": "ImportError", "msg": str(e), "name": e.name}}
+out["after_pinloader"] = after_pinloader
+out["tried"] = tried
+out["in_modules"] = {name!r} in sys.modules
+print(json.dumps(out))
+"""
+    p = run_python(code)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["after_pinloader"] == [], f"import pinloader imported {out['after_pinloader']}"
+    assert out["result"] == "ImportError", out
+    assert framework in out["msg"], out
+    assert out["tried"] and out["tried"][0] == framework, out  # it did try to import it ...
+    assert not out["in_modules"], out  # ... and left no half-imported adapter behind
+
+    # and with the name mapped to None in sys.modules (the other way to make a module absent)
+    p = run_python(f"import sys; sys.modules[{framework!r}] = None\n"
+                   f"try:\n    import {name}\nexcept ImportError as e:\n    print('ImportError', e)")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("ImportError") and framework in p.stdout, p.stdout

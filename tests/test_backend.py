@@ -300,18 +300,55 @@ def test_round_trip_from_pageable_memory(prim, res):
 
 
 def test_device_free_is_stream_ordered_and_memory_reusable(prim, res):
-    s = res.stream()
+    # Frees are queued behind work still pending on the stream: the copies into a block and
+    # the block's free are issued while the stream is held, so a free that ran at once would
+    # let another stream's allocation reuse the block and then have the held copies write into
+    # it (and, under ASan, write freed memory).
+    s, other = res.stream(), res.stream()
     n = 1 * MiB
-    src = res.pinned_array(n)
+    rounds = 8
+    srcs = [res.pinned_array(n) for _ in range(rounds)]
+    for i, src in enumerate(srcs):
+        src[:] = i + 1
+    gate = res.hold(s)
+    after_free = res.event()
+    blocks = []
+    for i in range(rounds):
+        d = prim.device_alloc(n, s)
+        prim.copy_h2d(d, srcs[i].ctypes.data, n, s)
+        prim.device_free(d, s)  # queued behind the copy, which is queued behind the gate
+        blocks.append(d)
+    prim.record(after_free, s)
+    assert not prim.query(after_free), "the held stream ran past its gate"
+    # Meanwhile another stream allocates and fills blocks of the same size.
+    mine = []
+    pattern = res.pinned_array(n)
+    pattern[:] = 0xEE
+    for _ in range(rounds):
+        d2 = res.device_alloc(n, other)
+        prim.copy_h2d(d2, pattern.ctypes.data, n, other)
+        mine.append(d2)
+    prim.stream_synchronize(other)
+    assert not prim.query(after_free)
+    prim.open_gate(gate)
+    prim.stream_synchronize(s)
+    assert prim.query(after_free)
+    # The held copies ran after the gate opened and wrote only into their own (since freed)
+    # blocks, never into blocks another stream was handed in the meantime.
+    for d2 in mine:
+        assert (res.to_host(d2, n) == 0xEE).all(), "a queued copy wrote into a reallocated block"
+    # And the freed memory is reusable on the stream itself, round after round.
+    src = srcs[0]
     for i in range(20):
         src[:] = i + 1
         d = prim.device_alloc(n, s)
         prim.copy_h2d(d, src.ctypes.data, n, s)
+        prim.device_free(d, s)  # free queued right behind the copy, before it is read
+        check = prim.device_alloc(n, s)
+        prim.copy_h2d(check, src.ctypes.data, n, s)
         prim.stream_synchronize(s)
-        out = np.empty(n, np.uint8)
-        prim.copy_d2h(out.ctypes.data, d, n)
-        assert (out == i + 1).all()
-        prim.device_free(d, s)
+        assert (res.to_host(check, n) == i + 1).all()
+        prim.device_free(check, s)
     prim.stream_synchronize(s)
 
 
@@ -435,7 +472,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(pinloader.cuda_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("make", ["prefetcher", "pool", "prim"])
-@pytest.mark.parametrize("device", ["cuda:0", "cuda", 0])
+@pytest.mark.parametrize("device", ["cuda:0", "cuda", 0, "cuda:1"])
 def test_cuda_device_without_cuda_raises_cuda_error(monkeypatch, make, device):
     monkeypatch.delenv("PINLOADER_BACKEND", raising=False)
     ctor = {"prefetcher": lambda: pinloader.AsyncPrefetcher([], device=device),
@@ -446,7 +483,7 @@ def test_cuda_device_without_cuda_raises_cuda_error(monkeypatch, make, device):
     e = ei.value
     assert isinstance(e, RuntimeError)
     msg = str(e)
-    asked = "'cuda:0'" if device in ("cuda:0", 0) else "'cuda'"
+    asked = {"cuda:0": "'cuda:0'", 0: "'cuda:0'", "cuda": "'cuda'", "cuda:1": "'cuda:1'"}[device]
     assert asked in msg, msg
     assert "CUDA is not usable" in msg, msg
     assert isinstance(e.code, int) and e.code != 0

@@ -101,6 +101,33 @@ def test_busy_consumer_stream_sees_right_data(torch):
     torch.cuda.synchronize()
 
 
+def test_large_batch_read_at_once_on_an_idle_consumer_stream(torch):
+    """The consumer reads each 256 MiB batch the moment it is handed out, on a stream with
+    nothing queued: only the ready-event wait orders that read after the copy. (The busy-stream
+    test above queues matmuls first, so there the copy is long done before the read.) A
+    missing or misplaced wait snapshots memory the DMA has not reached yet."""
+    n = (256 << 20) // 4  # 256 MiB of int32 per batch
+    src = [np.random.default_rng(100 + i).integers(-2**31, 2**31 - 1, size=n, dtype=np.int32)
+           for i in range(3)]
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the consumer stream is idle when each batch arrives
+    snaps = []
+    with pinloader.AsyncPrefetcher(src, device="cuda:0", depth=1) as pf:
+        for b in pf:
+            with torch.cuda.stream(s):
+                t = torch.from_dlpack(b)  # s waits on the ready event; the host does not
+                snaps.append(t.clone())   # a device-side copy taken now, in s's order
+            del t, b
+    s.synchronize()
+    assert len(snaps) == len(src)
+    for i, (ref, snap) in enumerate(zip(src, snaps)):
+        got = snap.cpu().numpy()
+        if not np.array_equal(got, ref):
+            bad = np.flatnonzero(got != ref)
+            raise AssertionError(f"batch {i}: {bad.size} of {n} elements read before the copy "
+                                 f"landed (first at element {bad[0]})")
+
+
 def test_batch_held_for_50_steps_keeps_data(torch):
     src = [np.full((256, 256), i, dtype=np.int32) for i in range(60)]
     held = []

@@ -67,6 +67,8 @@ class LiveRanges:
         self.starts: list[int] = []
         self.ends: dict[int, int] = {}
         self.max_live = 0
+        self.live_bytes = 0  # bytes of the live buffers, as the users hold them
+        self.max_live_bytes = 0
 
     def add(self, ptr, n):
         with self.lock:
@@ -80,6 +82,8 @@ class LiveRanges:
             self.starts.insert(i, ptr)
             self.ends[ptr] = ptr + n
             self.max_live = max(self.max_live, len(self.starts))
+            self.live_bytes += n
+            self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
             return None
 
     def remove(self, ptr):
@@ -87,7 +91,7 @@ class LiveRanges:
             i = bisect.bisect_left(self.starts, ptr)
             assert self.starts[i] == ptr
             del self.starts[i]
-            del self.ends[ptr]
+            self.live_bytes -= self.ends.pop(ptr) - ptr
 
 
 def stamp(buf, token):
@@ -209,6 +213,12 @@ def test_stress_threads_no_overlap_no_overrun(make_pool):
     assert end["peak_in_use_bytes"] <= STRESS_CAP, end
     assert end["allocs_cached"] + end["allocs_new"] == STRESS_OPS, end
     assert live.max_live > STRESS_THREADS  # threads really did hold buffers concurrently
+    # The cap, observed from outside the pool: the bytes the threads held at once never
+    # exceeded it, and they did press against it (so the bound above was tested, not implied).
+    assert live.max_live_bytes <= STRESS_CAP, live.max_live_bytes
+    assert live.max_live_bytes > STRESS_CAP // 2, live.max_live_bytes
+    assert sum(exhausted) > 0 or end["waits"] > 0, "no allocation ever had to wait at the cap"
+    assert end["peak_in_use_bytes"] >= live.max_live_bytes, end
     # The pool still works, and is whole again, after the storm.
     with pool.alloc(STRESS_CAP // 2, timeout=JOIN_S) as b:
         assert b.nbytes == STRESS_CAP // 2

@@ -12,6 +12,7 @@ epoch restart is what they test.
 from __future__ import annotations
 
 import array
+import ctypes
 import collections
 import dataclasses
 import os
@@ -214,6 +215,73 @@ def test_large_leaf_multithreaded_chunked_staging():
         assert st["bytes"] >= 2 * (big.nbytes + strided.nbytes)
     finally:
         pf.close()
+
+
+MiB = 1 << 20
+CHUNK = 8 * MiB  # the staging chunk: batches staging >= 2 chunks are copied chunk by chunk
+
+
+def odd_bytes(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+def assert_bytes_equal(expected, leaf, where):
+    got = np.from_dlpack(leaf)
+    assert got.shape == expected.shape and got.dtype == expected.dtype, where
+    if not np.array_equal(got.view(np.uint8).reshape(-1), expected.view(np.uint8).reshape(-1)):
+        diff = np.flatnonzero(got.view(np.uint8).reshape(-1) != expected.view(np.uint8).reshape(-1))
+        raise AssertionError(f"{where}: {diff.size} bytes differ, first at byte {diff[0]} "
+                             f"of {expected.nbytes}")
+
+
+# Staged totals around and past the chunked path: the last chunk is partial unless the total is a
+# multiple of CHUNK (one thread stages inline on the calling thread: the default on 1-CPU hosts).
+# The ones that are multiples of the 256-byte alignment end exactly at the end of the staged
+# region: a short last chunk loses a data byte there, not padding.
+STAGED_SIZES = [2 * CHUNK + 256, 3 * CHUNK - 256, 2 * CHUNK + 1, 2 * CHUNK + 255, 3 * CHUNK - 3,
+                2 * CHUNK - 1, 2 * CHUNK]
+
+
+@pytest.mark.parametrize("threads,nbytes", [(1, n) for n in STAGED_SIZES] + [
+    (2, STAGED_SIZES[0]), (2, STAGED_SIZES[2]), (3, STAGED_SIZES[1]), (4, STAGED_SIZES[3])])
+def test_chunked_staging_last_partial_chunk_is_exact(threads, nbytes):
+    # A single leaf, and the same bytes through a non-contiguous view, every byte checked.
+    data = odd_bytes(nbytes, nbytes)
+    strided = np.lib.stride_tricks.as_strided(data, shape=(nbytes // 2,), strides=(2,))
+    items = [{"flat": data}, {"strided": strided}, (data[::-1],)]
+    with pinloader.AsyncPrefetcher(items, device=DEVICE, staging_threads=threads, depth=1) as pf:
+        assert pf.staging_threads == threads
+        b0 = next(pf)
+        assert_bytes_equal(data, b0["flat"], f"flat {nbytes} B, {threads} thread(s)")
+        del b0
+        b1 = next(pf)
+        assert_bytes_equal(strided, b1["strided"], f"strided {nbytes // 2} B")
+        del b1
+        b2 = next(pf)
+        assert_bytes_equal(data[::-1], b2[0], f"reversed {nbytes} B")
+        with pytest.raises(StopIteration):
+            next(pf)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_chunked_staging_multi_leaf_batch_of_odd_sizes(threads):
+    # Many leaves of odd sizes whose aligned total is >= 2 chunks and not a multiple of a chunk:
+    # leaves straddle chunk boundaries, and the last chunk is partial.
+    # (first and last end on the 256-byte alignment, so in both orders the region's last byte is data)
+    sizes = [5 * MiB + 256, 1, 3 * MiB + 255, 257, 7 * MiB + 1, 4 * MiB - 3, 12345, 0, 99, 4352]
+    leaves = [odd_bytes(i, n) for i, n in enumerate(sizes)]
+    leaves[2] = leaves[2].view(np.uint8)[::-1]  # one strided (reversed) leaf among them
+    assert sum(-(-n // ALIGN) * ALIGN for n in sizes) >= 2 * CHUNK
+    assert sum(-(-n // ALIGN) * ALIGN for n in sizes) % CHUNK
+    items = [{"leaves": list(leaves), "i": i} for i in range(2)]
+    items[1]["leaves"] = leaves[::-1]
+    with pinloader.AsyncPrefetcher(items, device=DEVICE, staging_threads=threads) as pf:
+        for exp in items:
+            got = next(pf)
+            assert got["i"] == exp["i"]
+            for j, (e, g) in enumerate(zip(exp["leaves"], got["leaves"])):
+                assert_bytes_equal(e, g, f"batch {exp['i']} leaf {j} ({e.nbytes} B, {threads} thread(s))")
+            del got
 
 
 def test_big_nested_structure_1000_leaves():
@@ -528,6 +596,24 @@ def test_break_mid_epoch_then_iterate_again_starts_fresh():
         assert third == list(range(20))
 
 
+def test_break_repeatedly_over_a_list_then_iterate_fully():
+    # A list source: three loops broken after 7 batches each, every batch intact, then a full
+    # epoch delivers everything from the start.
+    src = [{"i": i, "x": np.full((4, 3), i, dtype=np.int64), "tag": f"b{i}"} for i in range(30)]
+    with pinloader.AsyncPrefetcher(src, device=DEVICE, depth=4) as pf:
+        for _ in range(3):
+            seen = 0
+            for b in pf:
+                assert b["i"] == seen and b["tag"] == f"b{seen}"
+                x = np.from_dlpack(b["x"])
+                assert x.shape == (4, 3) and (x == seen).all()
+                seen += 1
+                if seen == 7:
+                    break
+        out = list(pf)
+    assert [b["i"] for b in out] == list(range(30))
+
+
 def test_iter_after_exhaustion_starts_new_epoch():
     src = [np.full(2, i) for i in range(4)]
     with pinloader.AsyncPrefetcher(src, device=DEVICE) as pf:
@@ -788,3 +874,49 @@ def test_depth_bounds_how_far_the_producer_runs_ahead(depth):
         assert src.pulled <= depth + 3
     finally:
         pf.close()
+
+
+# ---- the ready-event wait, made deterministic ------------------------------------------------
+
+def test_dlpack_export_waits_for_the_held_copy():
+    # pinloader._C._debug_hold_copies(True) holds the host backend's copy streams: every copy
+    # issued after it stays queued until _debug_hold_copies(False). A batch handed out while its
+    # copy is held has not been filled yet, so a consumer that skipped the ready-event wait
+    # would read unfilled memory every time, not only when a race happens to go that way.
+    hold = getattr(pinloader._C, "_debug_hold_copies", None)
+    assert hold is not None, (
+        "pinloader._C._debug_hold_copies(flag) is missing: the host-backend debug switch that "
+        "holds the copy streams (this test needs it)")
+    n = 1 << 20
+    src = np.frombuffer(os.urandom(n), dtype=np.uint8)  # fresh bytes: no stale copy can match
+    released = threading.Event()
+
+    def release():
+        released.set()  # set first: whatever the export returns must come after this
+        hold(False)
+
+    watchdog = threading.Timer(30.0, release)  # never leave the copies held, whatever fails
+    watchdog.start()
+    pf = None
+    try:
+        hold(True)
+        pf = pinloader.AsyncPrefetcher([{"x": src}], device=DEVICE, depth=1)
+        b = next(pf)
+        assert not released.is_set(), "next() waited for the held copy (it must hand out at once)"
+        leaf = b["x"]
+        assert leaf.nbytes == n
+        # .ptr is the raw block: before the release the held copy has not filled it
+        raw = ctypes.string_at(leaf.ptr, n)
+        assert raw != src.tobytes(), "the block was filled while its copy was held"
+        # the export waits for the copy: release from another thread a little later
+        threading.Timer(0.2, release).start()
+        got = np.from_dlpack(leaf)
+        assert released.is_set(), "np.from_dlpack returned before the held copy was released"
+        assert np.array_equal(got, src), "the export returned before the copy landed"
+        assert ctypes.string_at(leaf.ptr, n) == src.tobytes()
+    finally:
+        if not released.is_set():
+            release()
+        watchdog.cancel()
+        if pf is not None:
+            pf.close()
