@@ -236,25 +236,33 @@ static void da_export_release(void *owner)
     pl_block_decref(e->blk);
 }
 
+#define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
+
 /* Make the consumer wait for the batch's copy, once per (block, stream) while exports to that
  * stream live. CUDA: queued on the stream, GIL kept (no blocking). Host: the CPU is the
- * consumer and blocks, with the GIL released, unless the copy has finished (the usual case:
- * the pipeline runs ahead), where releasing the GIL would only hand it to the producer thread.
- * `where` prefixes an error (the leaf of export_capsules). */
+ * consumer and blocks until the copy is done, in slices with the GIL released and signals
+ * checked between them (Ctrl-C works); when the copy has finished already (the usual case: the
+ * pipeline runs ahead) the GIL is kept, since releasing it would only hand it to the producer
+ * thread. `where` prefixes an error (the leaf of export_capsules). */
 static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, const char *where)
 {
     if (pl_block_consumer_memo(blk, s)) {
         *memo = 1;
         return 0;
     }
-    int rc;
-    if (!pl_block_consumer_wait_blocks(blk)) {
-        rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
-    } else {
+    int rc = PL_OK;
+    while (rc == PL_OK && pl_block_consumer_wait_blocks(blk)) {
         Py_BEGIN_ALLOW_THREADS
-        rc = pl_block_consumer_wait(blk, s, memo);
+        rc = blk->b->event_wait(blk->ready, WAIT_SLICE_NS);
         Py_END_ALLOW_THREADS
+        if (rc == PL_ERR_TIMEOUT) {
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+            rc = PL_OK;
+        }
     }
+    if (rc == PL_OK)
+        rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
     if (rc == PL_OK)
         return 0;
     char what[160];

@@ -402,6 +402,21 @@ def test_export_capsules_empty_and_passthrough():
     assert _C.export_capsules((obj,), None)[0] is obj
 
 
+def test_export_right_after_handoff_waits_for_the_copy():
+    """Batches are handed out once their copy is queued, not finished: an export straight away
+    must wait (in interruptible slices, GIL released) before the data can be read."""
+    rng = np.random.default_rng(11)
+    items = [{"big": rng.integers(0, 255, size=48 << 20, dtype=np.uint8),
+              "small": np.arange(i, i + 10)} for i in range(3)]
+    with pinloader.AsyncPrefetcher(items, device="cpu", depth=1) as pf:
+        for item, out in zip(items, pf):
+            w0, s0 = counters()
+            caps = _C.export_capsules([out["small"], out["big"]], None)
+            assert counters() == (w0 + 1, s0 + 1)
+            assert np.from_dlpack(CapsuleWrapper(caps[1])).tobytes() == item["big"].tobytes()
+            assert np.from_dlpack(CapsuleWrapper(caps[0])).tolist() == item["small"].tolist()
+
+
 def test_export_capsules_outlive_the_prefetcher():
     item = make_batch(4, seed=7)
     pf = pinloader.AsyncPrefetcher([item], device="cpu")
