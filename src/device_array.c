@@ -243,8 +243,8 @@ static void da_export_release(void *owner)
  * consumer and blocks until the copy is done, in slices with the GIL released and signals
  * checked between them (Ctrl-C works); when the copy has finished already (the usual case: the
  * pipeline runs ahead) the GIL is kept, since releasing it would only hand it to the producer
- * thread. `where` prefixes an error (the leaf of export_capsules). */
-static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, const char *where)
+ * thread. An error names leaves[leaf] of export_capsules (leaf >= 0) or __dlpack__. */
+static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, Py_ssize_t leaf)
 {
     if (pl_block_consumer_memo(blk, s)) {
         *memo = 1;
@@ -265,7 +265,9 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, c
         rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
     if (rc == PL_OK)
         return 0;
-    char what[160];
+    char what[160], where[64] = "__dlpack__: ";
+    if (leaf >= 0)
+        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", leaf);
     snprintf(what, sizeof what, "%s%s", where,
              blk->b->kind == PL_BACKEND_CUDA ? "cudaStreamWaitEvent on the consumer's stream"
                                              : "waiting for the batch copy");
@@ -275,13 +277,13 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, c
 
 /* Export self for a parsed consumer stream: the wait, then the capsule. */
 static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const pl_dlpack_stream *s,
-                                   int versioned, const char *where)
+                                   int versioned, Py_ssize_t leaf)
 {
     pl_block *blk = self->blk;
     int cuda = blk->b->kind == PL_BACKEND_CUDA;
     da_export e = {blk, cuda ? (pl_stream *)s->handle : NULL, cuda, 0};
     /* On the host backend the CPU reads the data as soon as it has the capsule: always wait. */
-    if ((!cuda || s->kind == PL_DLPACK_SYNC) && consumer_wait(st, blk, e.stream, &e.memo, where) < 0)
+    if ((!cuda || s->kind == PL_DLPACK_SYNC) && consumer_wait(st, blk, e.stream, &e.memo, leaf) < 0)
         return NULL;
     pl_block_incref(blk);
     pl_dlpack_view v = {
@@ -313,7 +315,7 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         pl_dlpack_check_request(&req, (DLDevice){self->device_type, self->device_id},
                                 (DLDevice){0, 0}, "DeviceArray") < 0)
         return NULL;
-    return da_export_capsule(st, self, &s, req.versioned, "__dlpack__: ");
+    return da_export_capsule(st, self, &s, req.versioned, -1);
 }
 
 /* export_capsules(leaves, stream, /): see its docstring in da_module_methods. */
@@ -350,14 +352,12 @@ static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t 
         }
         DeviceArrayObject *da = (DeviceArrayObject *)o;
         int k = da->blk->b->kind == PL_BACKEND_CUDA;
-        char where[64];
-        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", i);
         if (!have[k] && pl_dlpack_parse_stream(stream, k, "a host-backend DeviceArray", &parsed[k]) < 0) {
             Py_CLEAR(out);
             break;
         }
         have[k] = 1;
-        PyObject *cap = da_export_capsule(st, da, &parsed[k], 0, where);
+        PyObject *cap = da_export_capsule(st, da, &parsed[k], 0, i);
         if (!cap) {
             Py_CLEAR(out);
             break;
