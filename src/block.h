@@ -69,14 +69,15 @@ int pl_block_wait_ready(pl_block *blk, pl_stream *s);
  * pl_block_consumer_wait: make consumer s wait. CUDA: s is a stream handle (1, the legacy
  *   default stream, and 2, the per-thread default stream, are taken on the block's device);
  *   queued with cudaStreamWaitEvent, the host does not block. Host backend: s is NULL and the
- *   calling thread blocks until the copy is done (call it without the GIL). With memo non-NULL
- *   and success, *memo = 1 when s was recorded with one count held by the caller.
+ *   calling thread blocks until the copy is done (see pl_block_consumer_wait_blocks). With
+ *   memo non-NULL and success, *memo = 1 when s was recorded with one count held by the caller.
  * pl_block_consumer_done: give back a count taken by either (no Python: deleters call it). */
 int pl_block_consumer_memo(pl_block *blk, pl_stream *s);
 int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo);
 void pl_block_consumer_done(pl_block *blk, pl_stream *s);
 /* Whether pl_block_consumer_wait would block the calling thread now (host backend, copy not
- * finished): callers release the GIL only then. A brief event query, never a wait. */
+ * finished, block not inherited across fork): callers then wait for the ready event in slices
+ * without the GIL first. A brief event query, never a wait. */
 int pl_block_consumer_wait_blocks(pl_block *blk);
 /* Process-wide counts of consumer waits issued and skipped thanks to the memo, per backend. */
 void pl_block_consumer_counters(pl_backend_kind kind, unsigned long long *waits,

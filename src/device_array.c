@@ -236,28 +236,38 @@ static void da_export_release(void *owner)
     pl_block_decref(e->blk);
 }
 
+#define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
+
 /* Make the consumer wait for the batch's copy, once per (block, stream) while exports to that
  * stream live. CUDA: queued on the stream, GIL kept (no blocking). Host: the CPU is the
- * consumer and blocks, with the GIL released, unless the copy has finished (the usual case:
- * the pipeline runs ahead), where releasing the GIL would only hand it to the producer thread.
- * `where` prefixes an error (the leaf of export_capsules). */
-static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, const char *where)
+ * consumer and blocks until the copy is done, in slices with the GIL released and signals
+ * checked between them (Ctrl-C works); when the copy has finished already (the usual case: the
+ * pipeline runs ahead) the GIL is kept, since releasing it would only hand it to the producer
+ * thread. An error names leaves[leaf] of export_capsules (leaf >= 0) or __dlpack__. */
+static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, Py_ssize_t leaf)
 {
     if (pl_block_consumer_memo(blk, s)) {
         *memo = 1;
         return 0;
     }
-    int rc;
-    if (!pl_block_consumer_wait_blocks(blk)) {
-        rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
-    } else {
+    int rc = PL_OK;
+    while (rc == PL_OK && pl_block_consumer_wait_blocks(blk)) {
         Py_BEGIN_ALLOW_THREADS
-        rc = pl_block_consumer_wait(blk, s, memo);
+        rc = blk->b->event_wait(blk->ready, WAIT_SLICE_NS);
         Py_END_ALLOW_THREADS
+        if (rc == PL_ERR_TIMEOUT) {
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+            rc = PL_OK;
+        }
     }
     if (rc == PL_OK)
+        rc = pl_block_consumer_wait(blk, s, memo); /* queued (CUDA) or already done (host) */
+    if (rc == PL_OK)
         return 0;
-    char what[160];
+    char what[160], where[64] = "__dlpack__: ";
+    if (leaf >= 0)
+        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", leaf);
     snprintf(what, sizeof what, "%s%s", where,
              blk->b->kind == PL_BACKEND_CUDA ? "cudaStreamWaitEvent on the consumer's stream"
                                              : "waiting for the batch copy");
@@ -267,13 +277,13 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, c
 
 /* Export self for a parsed consumer stream: the wait, then the capsule. */
 static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const pl_dlpack_stream *s,
-                                   int versioned, const char *where)
+                                   int versioned, Py_ssize_t leaf)
 {
     pl_block *blk = self->blk;
     int cuda = blk->b->kind == PL_BACKEND_CUDA;
     da_export e = {blk, cuda ? (pl_stream *)s->handle : NULL, cuda, 0};
     /* On the host backend the CPU reads the data as soon as it has the capsule: always wait. */
-    if ((!cuda || s->kind == PL_DLPACK_SYNC) && consumer_wait(st, blk, e.stream, &e.memo, where) < 0)
+    if ((!cuda || s->kind == PL_DLPACK_SYNC) && consumer_wait(st, blk, e.stream, &e.memo, leaf) < 0)
         return NULL;
     pl_block_incref(blk);
     pl_dlpack_view v = {
@@ -320,7 +330,7 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         pl_dlpack_check_request(&req, (DLDevice){self->device_type, self->device_id},
                                 (DLDevice){0, 0}, "DeviceArray") < 0)
         return NULL;
-    return da_export_capsule(st, self, &s, req.versioned, "__dlpack__: ");
+    return da_export_capsule(st, self, &s, req.versioned, -1);
 }
 
 /* export_capsules(leaves, stream, /): see its docstring in da_module_methods. */
@@ -357,14 +367,12 @@ static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t 
         }
         DeviceArrayObject *da = (DeviceArrayObject *)o;
         int k = da->blk->b->kind == PL_BACKEND_CUDA;
-        char where[64];
-        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", i);
         if (!have[k] && pl_dlpack_parse_stream(stream, k, "a host-backend DeviceArray", &parsed[k]) < 0) {
             Py_CLEAR(out);
             break;
         }
         have[k] = 1;
-        PyObject *cap = da_export_capsule(st, da, &parsed[k], 0, where);
+        PyObject *cap = da_export_capsule(st, da, &parsed[k], 0, i);
         if (!cap) {
             Py_CLEAR(out);
             break;

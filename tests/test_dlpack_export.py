@@ -7,6 +7,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pinloader
 from pinloader import _C
@@ -226,6 +228,32 @@ def test_cuda_stream_argument_rules(stream, want):
         assert _C._dlpack_stream(stream, True) == want
 
 
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(-(2**80), 2**80), st.floats(allow_nan=True),
+    st.text(max_size=3), st.just(b"\x01"), st.just(object()))
+_args = st.one_of(_scalars, st.tuples(_scalars, _scalars), st.lists(_scalars, max_size=3),
+                  st.tuples(_scalars), st.tuples(_scalars, _scalars, _scalars))
+_EXPECTED = (TypeError, ValueError, BufferError, OverflowError)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=_args, max_version=_args, dl_device=_args, copy=_args)
+def test_dlpack_arguments_fuzz(device_array, pinned_buffer, stream, max_version, dl_device, copy):
+    """Any combination of argument values: a capsule or a clean error, never SystemError."""
+    for obj in (device_array, pinned_buffer):
+        try:
+            cap = obj.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+        except _EXPECTED:
+            continue
+        assert capsule_name(cap) in ("dltensor", "dltensor_versioned")
+        np.from_dlpack(CapsuleWrapper(cap))
+    try:
+        caps = _C.export_capsules([device_array, 7], stream)
+    except _EXPECTED:
+        return
+    assert capsule_name(caps[0]) == "dltensor" and caps[1] == 7
+
+
 # ---- round trips ----
 
 
@@ -372,6 +400,21 @@ def test_export_capsules_empty_and_passthrough():
     assert _C.export_capsules((), 2**70) == []
     obj = object()
     assert _C.export_capsules((obj,), None)[0] is obj
+
+
+def test_export_right_after_handoff_waits_for_the_copy():
+    """Batches are handed out once their copy is queued, not finished: an export straight away
+    must wait (in interruptible slices, GIL released) before the data can be read."""
+    rng = np.random.default_rng(11)
+    items = [{"big": rng.integers(0, 255, size=48 << 20, dtype=np.uint8),
+              "small": np.arange(i, i + 10)} for i in range(3)]
+    with pinloader.AsyncPrefetcher(items, device="cpu", depth=1) as pf:
+        for item, out in zip(items, pf):
+            w0, s0 = counters()
+            caps = _C.export_capsules([out["small"], out["big"]], None)
+            assert counters() == (w0 + 1, s0 + 1)
+            assert np.from_dlpack(CapsuleWrapper(caps[1])).tobytes() == item["big"].tobytes()
+            assert np.from_dlpack(CapsuleWrapper(caps[0])).tolist() == item["small"].tolist()
 
 
 def test_export_capsules_outlive_the_prefetcher():
@@ -544,6 +587,33 @@ def test_cuda_default_stream_handles(cuda_batches):
         _C.export_capsules(leaves, 0)
     with pytest.raises(ValueError):
         _C.export_capsules(leaves, 2**70)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_memo_table_full_still_waits(cuda_batches):
+    """More consumer streams than the memo holds: the extra streams are made to wait for every
+    leaf (never skipped), and the data is right on all of them."""
+    torch = pytest.importorskip("torch")
+    items, outs = cuda_batches
+    keys = list(items[0])[:4]
+    leaves = [outs[0][k] for k in keys]
+    streams = [torch.cuda.Stream() for _ in range(6)]
+    held = []
+    w0, k0 = cuda_counters()
+    for s in streams:
+        caps = _C.export_capsules(leaves, s.cuda_stream)
+        with torch.cuda.stream(s):
+            held.append([torch.from_dlpack(c) for c in caps])
+    w1, k1 = cuda_counters()
+    memo = 4  # PL_BLOCK_WAIT_MEMO in src/block.h
+    assert w1 - w0 == memo * 1 + (len(streams) - memo) * len(keys)
+    assert k1 - k0 == memo * (len(keys) - 1)
+    for s, ts in zip(streams, held):
+        with torch.cuda.stream(s):
+            for k, t in zip(keys, ts):
+                assert np.array_equal(t.cpu().numpy(), items[0][k])
+    del held
     torch.cuda.synchronize()
 
 
