@@ -39,9 +39,10 @@ PTRDIFF_MAX = 2**63 - 1
 
 # ---- helpers -------------------------------------------------------------------------------
 
-def run_py(code, timeout=60):
+def run_py(code, timeout=60, env_extra=None):
     """Run `code` in a fresh interpreter (this checkout, tests/ importable); fail, not hang."""
     env = dict(os.environ)
+    env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("PINLOADER_DEBUG", None)
     code = "import faulthandler; faulthandler.dump_traceback_later(%d, exit=True)\n" % (timeout - 10) + textwrap.dedent(code)
@@ -461,14 +462,26 @@ def raising_items(where, exc):
     }[where]
 
 
-@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit, Stop])
-@pytest.mark.parametrize("where", ["__dlpack__", "__dlpack_device__", "dataclass", "namedtuple",
-                                   "_fields", "key-repr"])
-def test_base_exceptions_from_user_code_propagate_unchanged(where, exc_type):
-    raised = exc_type("from user code")
-    got, err = first_error([{"ok": np.arange(2)}, raising_items(where, raised)])
-    assert len(got) == 1
-    assert err is raised, repr(err)
+RAISE_SITES = ["__dlpack__", "__dlpack_device__", "dataclass", "namedtuple", "_fields", "key-repr"]
+
+
+def test_base_exceptions_from_user_code_propagate_unchanged():
+    # In a subprocess: a KeyboardInterrupt that escapes would otherwise stop the whole session.
+    code = """
+    import numpy as np
+    from test_hostile import RAISE_SITES, Stop, first_error, raising_items
+    for where in RAISE_SITES:
+        for exc_type in (KeyboardInterrupt, SystemExit, Stop):
+            raised = exc_type("from user code")
+            got, err = first_error([{"ok": np.arange(2)}, raising_items(where, raised)])
+            ok = len(got) == 1 and err is raised
+            print(where, exc_type.__name__, "OK" if ok else "BAD %r" % (err,), flush=True)
+    print("DONE", flush=True)
+    """
+    p = run_py(code)
+    lines = [ln for ln in p.stdout.splitlines() if ln.endswith("OK") or " BAD " in ln]
+    assert "DONE" in p.stdout and len(lines) == 3 * len(RAISE_SITES), describe(p)
+    assert all(ln.endswith(" OK") for ln in lines), describe(p)
 
 
 @pytest.mark.parametrize("where", ["__dlpack__", "dataclass", "namedtuple", "_fields"])
@@ -617,7 +630,10 @@ if pid == 0:
     os._exit(0)
 print("CHILD", wait_child(pid), flush=True)
 """
-    p = run_py(code)
+    # Under ThreadSanitizer a child of a multi-threaded process may not start threads unless
+    # told to (die_after_fork=0); starting them is the point of this test.
+    tsan = os.environ.get("TSAN_OPTIONS")
+    p = run_py(code, env_extra={"TSAN_OPTIONS": tsan + " die_after_fork=0"} if tsan else None)
     assert "CHILD 0" in p.stdout, describe(p)
     assert "REFUSED" not in p.stdout, describe(p)
     if "CHILD OK [[0, 1, 2], [0, 1, 2, 3]]" not in p.stdout:
