@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import warnings
 import weakref
@@ -519,7 +518,7 @@ def test_cycle_through_queued_batches_is_collected():
     ctx = Ctx()
     pf = pinloader.AsyncPrefetcher(WeakCtxSource(ctx, 8), device=DEVICE, depth=3)
     ctx.pf = pf
-    assert wait_for(lambda: pf.stats()["queued"] >= 2)
+    assert wait_for(lambda p=pf: p.stats()["queued"] >= 2)
     ref = weakref.ref(pf)
     del pf, ctx
     gc.collect()
@@ -544,7 +543,7 @@ def test_cycle_through_source_exception_is_collected():
     holder = Ctx()
     pf = pinloader.AsyncPrefetcher(source(holder), device=DEVICE, depth=3)
     holder.pf = pf
-    assert wait_for(lambda: pf.stats()["queued"] >= 2)
+    assert wait_for(lambda p=pf: p.stats()["queued"] >= 2)
     ref = weakref.ref(pf)
     del pf, holder
     gc.collect()
