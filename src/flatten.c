@@ -449,10 +449,11 @@ static int walk_child(pl_flat *f, PyObject *item, PyObject *key, int level, size
     return rc;
 }
 
-/* tuple, list (snapshot: user code run during the walk cannot change what is read) */
+/* tuple, list, namedtuple. A snapshot of the items, taken without calling user code, is walked:
+ * what the walk runs (a __dlpack__) cannot change what is read. */
 static int walk_seq(pl_flat *f, PyObject *obj, PyObject *key, int level, fnode_kind kind)
 {
-    PyObject *items = PySequence_Tuple(obj);
+    PyObject *items = kind == FN_LIST ? PyList_AsTuple(obj) : PyTuple_GetSlice(obj, 0, PY_SSIZE_T_MAX);
     if (!items)
         return -1;
     Py_ssize_t node = push_node(f, kind, kind == FN_NAMEDTUPLE ? (PyObject *)Py_TYPE(obj) : NULL, key);

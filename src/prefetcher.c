@@ -1344,7 +1344,8 @@ static PyType_Slot pf_slots[] = {
      "CPU DLPack exporters, buffer-protocol objects) arrive as DeviceArray views of one device\n"
      "block per batch; other leaves pass through unchanged. device: None (current CUDA device,\n"
      "else the host backend), 'cpu', 'cuda', 'cuda:N' or an int. depth: batches in flight or\n"
-     "waiting. max_pinned_bytes: cap on pinned memory (default (depth + 2) batches). output:\n"
+     "waiting. max_pinned_bytes: cap on pinned memory (default (depth + 2) batches, at most\n"
+     "default_pinned_cap()). output:\n"
      "'array' (DeviceArray leaves) or 'capsule' (DLPack capsules, `stream` made to wait first)."},
     {0, NULL},
 };
