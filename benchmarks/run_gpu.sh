@@ -39,17 +39,17 @@ for stage in "$@"; do
       done ;;
     perf)
       echo "== staging sweep: streaming stores (default) =="
-      timeout 170 $py benchmarks/bench_bandwidth.py --staging-sweep --out "$out" --repeats 3 2>&1 | grep -v "^  threads" | tail -22 || status=1
+      timeout 110 $py benchmarks/bench_bandwidth.py --staging-sweep --out "$out" --repeats 3 2>&1 | grep -v "^  threads" | tail -22 || status=1
       echo "== staging sweep: PINLOADER_STAGING_NT=0 (memcpy) =="
-      PINLOADER_STAGING_NT=0 timeout 170 $py benchmarks/bench_bandwidth.py --staging-sweep --out "$out" \
+      PINLOADER_STAGING_NT=0 timeout 90 $py benchmarks/bench_bandwidth.py --staging-sweep --out "$out" \
         --name bandwidth_staging_memcpy --repeats 3 2>&1 | grep -E "^\| |default \(" | tail -14 || status=1
       echo "== small leaves =="
-      timeout 150 $py benchmarks/bench_overhead.py --out "$out" --kinds 32x4KiB --repeats 3 --max-run-s 1.0 2>&1 | tail -28 || status=1
+      timeout 90 $py benchmarks/bench_overhead.py --out "$out" --kinds 32x4KiB --repeats 3 --max-run-s 1.0 2>&1 | tail -28 || status=1
       echo "== overlap: collated, both loop modes =="
-      timeout 240 $py benchmarks/bench_overlap.py --out "$out" --name overlap_collated --sources collated \
+      timeout 170 $py benchmarks/bench_overlap.py --out "$out" --name overlap_collated --sources collated \
         --loops reused,per_epoch --compute-factors 1.2 --repeats 3 2>&1 | tail -32 || status=1
       echo "== overlap: uint8 crops through 8 DataLoader workers =="
-      timeout 200 $py benchmarks/bench_overlap.py --out "$out" --name overlap_crops --sources crops \
+      timeout 130 $py benchmarks/bench_overlap.py --out "$out" --name overlap_crops --sources crops \
         --loops reused --compute-factors 1.2 --repeats 3 2>&1 | tail -20 || status=1 ;;
     ranks)
       n=$(nvidia-smi -L | wc -l)

@@ -53,8 +53,10 @@ def _children(values: Any, leaves: list) -> list:
 
 def flatten(obj: Any, leaves: list) -> Any:
     """Append ``obj``'s DeviceArray leaves to ``leaves`` (in order) and return the spec that
-    :func:`rebuild` turns back into the structure. Containers are handled as
-    :func:`pinloader._tree.map_leaves` handles them."""
+    :func:`rebuild` turns back into the structure. Containers are those the prefetcher
+    produces: list, tuple, namedtuple, dict, dict subclasses (rebuilt from a shallow copy, so
+    a defaultdict keeps its factory), list subclasses, dataclasses; a subtree without
+    DeviceArrays is kept as it is."""
     t = type(obj)
     if t is DeviceArray:
         leaves.append(obj)
