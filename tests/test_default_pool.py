@@ -226,7 +226,7 @@ errors = []
 def work(c):
     try:
         for i in range(100):
-            bufs = [c.alloc(cap // 8, timeout=30) for _ in range(3)]
+            bufs = [c.alloc(cap // 16, timeout=30) for _ in range(2)]  # 4 x 2 x 1/16: no hold-and-wait
             for b in bufs:
                 b.release()
     except Exception as e:
