@@ -607,8 +607,8 @@ static int reserve_once(pl_pool *p, reserve_state *rs, pl_region *r, const volat
     if (rs->size > p->max_bytes)
         return finish_locked(p, rs, PL_ERR_OVER_CAP);
     size_t room = room_locked(p);
-    if (rs->size <= room)
-        return grow_unlocks(p, rs, slab_size_for(rs->size, room));
+    if (rs->size <= room) /* a client's slabs are no larger than its cap: it bounds pinning too */
+        return grow_unlocks(p, rs, slab_size_for(rs->size, c ? PL_MIN(room, c->st.cap) : room));
     /* Fragmented but idle slabs: give them back so one big enough can be made. */
     pl_slab *idle = detach_free_slabs(p);
     if (idle) {
@@ -746,6 +746,18 @@ void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap)
     pthread_mutex_lock(&p->mu);
     c->st.cap = cap ? cap : SIZE_MAX;
     pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap)
+{
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    if (cap > c->st.cap) {
+        c->st.cap = cap;
+        pthread_cond_broadcast(&p->cv);
+    }
     pthread_mutex_unlock(&p->mu);
 }
 

@@ -93,6 +93,8 @@ int pl_pool_reserve_for(pl_pool *p, pl_pool_client *c, size_t n, int64_t timeout
 int pl_pool_client_open(pl_pool *p, size_t cap, pl_pool_client **out);
 /* Set the client's cap (0: only the pool's cap binds); wakes its waiting reserves. */
 void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap);
+/* Raise the client's cap to cap (never lowers it): the prefetcher's growing default bound. */
+void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap);
 void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stats *st);
 /* The owner lets go: no reserve for c may follow or be in progress. The pool frees c once its
  * last region is back. */

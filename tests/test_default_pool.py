@@ -106,6 +106,17 @@ def test_client_cap_is_its_own_bound_within_the_pool():
     assert pool.stats()["in_use_bytes"] == 0
 
 
+def test_client_slabs_are_no_larger_than_its_cap():
+    # A prefetcher bounded by max_pinned_bytes pins no more than that, even in a shared pool.
+    pool = pinloader.PinnedPool(max_bytes=256 * MiB, device="cpu")
+    small = pool.client(max_bytes=1 * MiB)
+    with small.alloc(1000):
+        assert pool.stats()["reserved_bytes"] <= 1 * MiB
+    big = pool.client()
+    with big.alloc(2 * MiB):             # an unbounded client gets an ordinary (64 MiB) slab
+        assert pool.stats()["reserved_bytes"] >= 65 * MiB
+
+
 def test_pool_cap_and_client_caps_hold_with_many_clients_at_once():
     cap = 6 * MiB
     pool = pinloader.PinnedPool(max_bytes=cap, device="cpu")
