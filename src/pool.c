@@ -796,7 +796,7 @@ void pl_pool_client_close(pl_pool *p, pl_pool_client *c)
  * memory, at most half of RLIMIT_MEMLOCK) divided among the local ranks that torchrun starts
  * on one host (LOCAL_WORLD_SIZE), so N ranks together stay within the one-process default.
  * Each prefetcher is bounded within it by its own client (Note [pool clients]). When it is
- * given back: trim() (PinnedPool.trim on pinloader.default_pool(device)) frees every slab with
+ * given back: trim() (PinnedPool.trim on _C.default_pool(device)) frees every slab with
  * no live region; interpreter exit (the module's atexit hook) trims every default pool after
  * the live prefetchers are closed; regions still exported then return as their last user lets
  * go, and the process exit returns the rest. A default pool is never closed. In a fork()
