@@ -289,7 +289,27 @@ static PyObject *mod_shutdown(PyObject *m, PyObject *noargs)
 {
     (void)noargs;
     pl_prefetcher_shutdown_all(pl_state_of_module(m));
+    /* Give the default pools' idle slabs back (Note [default pool] in pool.c). */
+    Py_BEGIN_ALLOW_THREADS
+    pl_pool_trim_defaults();
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *mod_default_pool(PyObject *m, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"device", NULL};
+    PyObject *device = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:default_pool", kwlist, &device))
+        return NULL;
+    return pl_default_pool(pl_state_of_module(m), device);
+}
+
+static PyObject *mod_default_pool_cap(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    return PyLong_FromSize_t(pl_pool_shared_cap());
 }
 
 static PyObject *mod_debug_violation(PyObject *m, PyObject *noargs)
@@ -340,6 +360,14 @@ static PyMethodDef module_methods[] = {
      "device_count()\n--\n\nNumber of visible CUDA devices (0 without CUDA)."},
     {"cuda_info", mod_cuda_info, METH_NOARGS,
      "cuda_info()\n--\n\nWhat was found: library path, driver and runtime versions, device count, and why CUDA is unusable if it is."},
+    {"default_pool", (PyCFunction)(void (*)(void))mod_default_pool, METH_VARARGS | METH_KEYWORDS,
+     "default_pool(device=None)\n--\n\nThe process-wide PinnedPool of device, shared by "
+     "prefetchers made without pool=. Made on first use with default_pool_cap(); its slabs outlive "
+     "the prefetchers; trim() gives idle ones back, and so does interpreter exit. It cannot be "
+     "closed."},
+    {"default_pool_cap", mod_default_pool_cap, METH_NOARGS,
+     "default_pool_cap()\n--\n\nThe default pools' cap: default_pinned_cap() divided among the "
+     "local ranks (LOCAL_WORLD_SIZE, set by torchrun)."},
     {"default_pinned_cap", mod_default_pinned_cap, METH_NOARGS,
      "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes."},
     {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
@@ -433,6 +461,8 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     pl_state *st = pl_state_of_module(m);
     Py_VISIT(st->PinnedPool_Type);
     Py_VISIT(st->PinnedBuffer_Type);
+    Py_VISIT(st->PoolClient_Type);
+    Py_VISIT(st->default_pools);
     Py_VISIT(st->DeviceArray_Type);
     Py_VISIT(st->AsyncPrefetcher_Type);
     Py_VISIT(st->Prim_Type);
@@ -448,6 +478,8 @@ static int module_clear(PyObject *m)
     pl_state *st = pl_state_of_module(m);
     Py_CLEAR(st->PinnedPool_Type);
     Py_CLEAR(st->PinnedBuffer_Type);
+    Py_CLEAR(st->PoolClient_Type);
+    Py_CLEAR(st->default_pools);
     Py_CLEAR(st->DeviceArray_Type);
     Py_CLEAR(st->AsyncPrefetcher_Type);
     Py_CLEAR(st->Prim_Type);

@@ -20,6 +20,7 @@ typedef struct pl_prefetcher_obj pl_prefetcher_obj;
 typedef struct {
     PyTypeObject *PinnedPool_Type;
     PyTypeObject *PinnedBuffer_Type;
+    PyTypeObject *PoolClient_Type;
     PyTypeObject *DeviceArray_Type;
     PyTypeObject *AsyncPrefetcher_Type;
     PyTypeObject *Prim_Type;
@@ -27,6 +28,9 @@ typedef struct {
     PyObject *CudaError;
     PyObject *PoolExhausted;
     PyObject *numpy_dtype_fn; /* numpy.dtype */
+    /* The PinnedPool objects of the default pools, by (backend name, device); made on first
+     * use. Guarded by the GIL. */
+    PyObject *default_pools;
     /* Live prefetchers, closed by _shutdown() at interpreter exit. Guarded by the GIL. */
     pl_prefetcher_obj *live;
 } pl_state;
@@ -69,6 +73,9 @@ int pl_pinned_buffer_check(pl_state *st, PyObject *o);
  * OverflowError (naming `name`) past SIZE_MAX. Returns 0 or -1. */
 int pl_parse_nbytes(PyObject *o, const char *name, size_t min, size_t *out);
 struct pl_pool *pl_pinned_pool_get(pl_state *st, PyObject *pool_obj); /* borrowed; NULL if not a pool */
+/* default_pool(device): the PinnedPool object of the process-wide default pool of device
+ * (Note [default pool] in pool.c); the same object on every call. New reference. */
+PyObject *pl_default_pool(pl_state *st, PyObject *device);
 
 /* DeviceArray: a view of `nbytes` at `offset` in blk, C-contiguous. Takes a new block
  * reference. shape may be NULL when ndim is 0. */

@@ -15,7 +15,15 @@ typedef struct {
     const pl_backend *b;
     int device;
     int closed;
+    int is_default; /* a process-wide default pool: never closed (Note [default pool], pool.c) */
 } PinnedPoolObject;
+
+/* PoolClient: a share of a pool bounded by its own cap (Note [pool clients] in pool.h). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *pool_obj; /* the PinnedPool */
+    pl_pool_client *client;
+} PoolClientObject;
 
 /* Note [pinned buffer lifetime]
  * A region handed out by PinnedPool.alloc is owned by a small refcounted share, held by the
@@ -168,7 +176,8 @@ static PyObject *pool_exhausted(pl_state *st, pl_pool *p, size_t n, const char *
     return NULL;
 }
 
-static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
+/* PinnedPool.alloc and PoolClient.alloc (client non-NULL: charged to it). */
+static PyObject *alloc_impl(PyObject *op, pl_pool_client *client, PyObject *args, PyObject *kwds)
 {
     PinnedPoolObject *self = (PinnedPoolObject *)op;
     static char *kwlist[] = {"nbytes", "timeout", NULL};
@@ -192,7 +201,7 @@ static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
             slice = PL_MAX((int64_t)0, PL_MIN(slice, timeout_ns - (pl_now_ns() - start)));
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = pl_pool_reserve(self->pool, n, slice, NULL, &r);
+        rc = pl_pool_reserve_for(self->pool, client, n, slice, NULL, &r);
         Py_END_ALLOW_THREADS
         if (rc == PL_OK)
             break;
@@ -204,7 +213,8 @@ static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
             continue;
         }
         if (rc == PL_ERR_OVER_CAP)
-            return pool_exhausted(st, self->pool, n, "can never fit under the cap");
+            return pool_exhausted(st, self->pool, n, client ? "can never fit under the client's "
+                                  "or the pool's cap" : "can never fit under the cap");
         if (rc == PL_ERR_INVALID_VALUE)
             return PyErr_Format(PyExc_ValueError, "PinnedPool is closed");
         if (rc == PL_ERR_FORKED)
@@ -228,6 +238,11 @@ static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
     buf->region = r;
     buf->buffer_exports = 0;
     return (PyObject *)buf;
+}
+
+static PyObject *pool_alloc(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    return alloc_impl(op, NULL, args, kwds);
 }
 
 static PyObject *pool_stats(PyObject *op, PyObject *noargs)
@@ -268,6 +283,11 @@ static PyObject *pool_close(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     PinnedPoolObject *self = (PinnedPoolObject *)op;
+    if (self->is_default) {
+        PyErr_SetString(PyExc_ValueError, "the default pool is shared by every prefetcher made "
+                        "without pool= and cannot be closed; trim() gives its idle slabs back");
+        return NULL;
+    }
     if (!self->closed) {
         self->closed = 1;
         Py_BEGIN_ALLOW_THREADS
@@ -275,6 +295,32 @@ static PyObject *pool_close(PyObject *op, PyObject *noargs)
         Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *pool_client(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"max_bytes", NULL};
+    PyObject *max_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:client", kwlist, &max_obj))
+        return NULL;
+    PinnedPoolObject *self = (PinnedPoolObject *)op;
+    pl_state *st = pl_state_of_type(Py_TYPE(op));
+    if (!st || pool_check_open(self) < 0)
+        return NULL;
+    size_t cap = 0;
+    if (max_obj != Py_None && pl_parse_nbytes(max_obj, "max_bytes", 1, &cap) < 0)
+        return NULL;
+    PoolClientObject *c = PyObject_New(PoolClientObject, st->PoolClient_Type);
+    if (!c)
+        return NULL;
+    c->pool_obj = Py_NewRef(op);
+    int rc = pl_pool_client_open(self->pool, cap, &c->client);
+    if (rc != PL_OK) {
+        c->client = NULL;
+        Py_DECREF(c);
+        return pl_raise_backend(st, self->b, rc, "PinnedPool.client");
+    }
+    return (PyObject *)c;
 }
 
 static PyObject *pool_enter(PyObject *op, PyObject *noargs)
@@ -330,6 +376,9 @@ static PyMethodDef pool_methods[] = {
     {"stats", pool_stats, METH_NOARGS,
      "stats($self, /)\n--\n\nBytes reserved in slabs, in use, peak, the cap, slab and region counts, "
      "allocations served from existing slabs vs new ones, waits and wait time."},
+    {"client", (PyCFunction)(void (*)(void))pool_client, METH_VARARGS | METH_KEYWORDS,
+     "client($self, /, max_bytes=None)\n--\n\nA PoolClient: allocations through it are bounded by its own "
+     "max_bytes within the pool's cap, and its stats count only its own waits."},
     {"trim", pool_trim, METH_NOARGS, "trim($self, /)\n--\n\nGive slabs with no live region back to the OS; returns bytes freed."},
     {"close", pool_close, METH_NOARGS, "close($self, /)\n--\n\nWait for pending releases, free idle slabs, refuse new allocations. Idempotent."},
     {"__enter__", pool_enter, METH_NOARGS, NULL},
@@ -363,6 +412,121 @@ static PyType_Spec pool_spec = {
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = pool_slots,
 };
+
+/* ---- PoolClient ---- */
+
+static void client_dealloc(PyObject *op)
+{
+    PoolClientObject *self = (PoolClientObject *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    if (self->client)
+        pl_pool_client_close(((PinnedPoolObject *)self->pool_obj)->pool, self->client);
+    Py_XDECREF(self->pool_obj);
+    PyObject_Free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *client_alloc(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    PoolClientObject *self = (PoolClientObject *)op;
+    return alloc_impl(self->pool_obj, self->client, args, kwds);
+}
+
+static PyObject *client_stats(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    PoolClientObject *self = (PoolClientObject *)op;
+    PinnedPoolObject *pool = (PinnedPoolObject *)self->pool_obj;
+    if (pl_pool_inherited(pool->pool))
+        return forked_error("PoolClient"), NULL;
+    pl_pool_client_stats s;
+    pl_pool_client_get_stats(pool->pool, self->client, &s);
+    return Py_BuildValue("{s:K,s:n,s:n,s:K,s:d}", "max_bytes", (unsigned long long)s.cap,
+                         "in_use_bytes", (Py_ssize_t)s.in_use, "peak_in_use_bytes",
+                         (Py_ssize_t)s.peak_in_use, "waits", (unsigned long long)s.waits,
+                         "wait_s", (double)s.wait_ns / 1e9);
+}
+
+static PyObject *client_get_pool(PyObject *op, void *c)
+{
+    (void)c;
+    return Py_NewRef(((PoolClientObject *)op)->pool_obj);
+}
+
+static PyMethodDef client_methods[] = {
+    {"alloc", (PyCFunction)(void (*)(void))client_alloc, METH_VARARGS | METH_KEYWORDS,
+     "alloc(nbytes, timeout=None)\n--\n\nAs PinnedPool.alloc, charged to this client: waits while "
+     "the client's own regions would pass its max_bytes."},
+    {"stats", client_stats, METH_NOARGS,
+     "stats()\n--\n\nThe client's cap, bytes in use (regions handed out or pending release), "
+     "peak, and its own waits."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef client_getset[] = {
+    {"pool", client_get_pool, NULL, "The PinnedPool the client draws from.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot client_slots[] = {
+    {Py_tp_dealloc, client_dealloc},
+    {Py_tp_methods, client_methods},
+    {Py_tp_getset, client_getset},
+    {Py_tp_doc, "A bounded share of a PinnedPool (made by PinnedPool.client)."},
+    {0, NULL},
+};
+
+static PyType_Spec client_spec = {
+    .name = "pinloader.PoolClient",
+    .basicsize = sizeof(PoolClientObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = client_slots,
+};
+
+/* ---- default pools (Note [default pool] in pool.c) ---- */
+
+PyObject *pl_default_pool(pl_state *st, PyObject *device)
+{
+    const pl_backend *b;
+    int dev;
+    if (pl_resolve_device(st, device, &b, &dev) < 0)
+        return NULL;
+    pl_pool *pool = NULL;
+    int rc = pl_pool_default(b, dev, &pool);
+    if (rc != PL_OK)
+        return pl_raise_backend(st, b, rc, "default_pool");
+    if (!st->default_pools && !(st->default_pools = PyDict_New())) {
+        pl_pool_decref(pool);
+        return NULL;
+    }
+    PyObject *key = Py_BuildValue("(si)", b->name, dev);
+    PyObject *cached = key ? PyDict_GetItemWithError(st->default_pools, key) : NULL;
+    if (cached && ((PinnedPoolObject *)cached)->pool == pool) {
+        Py_DECREF(key);
+        pl_pool_decref(pool);
+        return Py_NewRef(cached);
+    }
+    /* First use, or the cached object wraps the parent's pool in a fork() child. */
+    PinnedPoolObject *self = NULL;
+    if (!PyErr_Occurred() && key)
+        self = (PinnedPoolObject *)st->PinnedPool_Type->tp_alloc(st->PinnedPool_Type, 0);
+    if (!self) {
+        Py_XDECREF(key);
+        pl_pool_decref(pool);
+        return NULL;
+    }
+    self->pool = pool;
+    self->b = b;
+    self->device = dev;
+    self->is_default = 1;
+    int err = PyDict_SetItem(st->default_pools, key, (PyObject *)self);
+    Py_DECREF(key);
+    if (err < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
 
 /* ---- PinnedBuffer ---- */
 
@@ -596,6 +760,9 @@ int pl_pinned_init(PyObject *m, pl_state *st)
         return -1;
     st->PinnedBuffer_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &buffer_spec, NULL);
     if (!st->PinnedBuffer_Type || PyModule_AddType(m, st->PinnedBuffer_Type) < 0)
+        return -1;
+    st->PoolClient_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
+    if (!st->PoolClient_Type || PyModule_AddType(m, st->PoolClient_Type) < 0)
         return -1;
     return 0;
 }

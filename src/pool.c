@@ -47,6 +47,11 @@
 #define DEFAULT_SLAB_BYTES ((size_t)64 << 20)
 #define WAIT_SLICE_NS ((int64_t)1000000)
 
+struct pl_pool_client {
+    pl_pool_client_stats st; /* guarded by the pool's mu */
+    int closed;              /* guarded by the pool's mu: the owner let go */
+};
+
 typedef struct extent {
     struct extent *next;
     size_t off, size;
@@ -341,6 +346,12 @@ static void region_free_locked(pl_pool *p, pl_region *r)
     give_back(r->slab, (size_t)((char *)r->ptr - r->slab->base), r->size);
     p->st.in_use_bytes -= r->size;
     p->st.regions--;
+    pl_pool_client *c = r->client;
+    if (c) {
+        c->st.in_use -= r->size;
+        if (c->closed && c->st.in_use == 0)
+            free(c); /* see Note [pool clients] */
+    }
     r->magic = REGION_DEAD;
     if (pl_debug_enabled()) {
         pthread_mutex_lock(&q_mu);
@@ -430,19 +441,21 @@ static int check_region(pl_region *r, const char *what)
 /* The bytes to carve for a request of n (under mu), or 0 when it can never fit under the cap.
  * A request that fits under the cap is never refused because of its rounding or of the debug
  * canary: both are dropped when they would not fit. */
-static size_t request_size_locked(const pl_pool *p, size_t n)
+static size_t request_size_locked(const pl_pool *p, const pl_pool_client *c, size_t n)
 {
+    size_t limit = c ? PL_MIN(p->max_bytes, c->st.cap) : p->max_bytes;
     size_t want = n;
-    if (pl_debug_enabled() && p->max_bytes >= CANARY_BYTES && n <= p->max_bytes - CANARY_BYTES)
+    if (pl_debug_enabled() && limit >= CANARY_BYTES && n <= limit - CANARY_BYTES)
         want = n + CANARY_BYTES;
     size_t size = round_request(want ? want : 1);
-    if ((size == 0 || size > p->max_bytes) && want <= p->max_bytes)
+    if ((size == 0 || size > limit) && want <= limit)
         size = PL_MAX(want, (size_t)1);
-    return size <= p->max_bytes ? size : 0;
+    return size <= limit ? size : 0;
 }
 
 /* One reserve in progress. */
 typedef struct {
+    pl_pool_client *client; /* charged for the region; may be NULL */
     size_t n, size;       /* bytes asked for; bytes to carve */
     int64_t timeout_ns;   /* negative: no limit */
     int64_t start;        /* when the reserve began */
@@ -463,8 +476,13 @@ static int stop_requested(const atomic_int *stop)
 static int finish_locked(pl_pool *p, reserve_state *rs, int rc)
 {
     if (rs->wait_start) {
+        int64_t waited = pl_now_ns() - rs->wait_start;
         p->st.waits++;
-        p->st.wait_ns += pl_now_ns() - rs->wait_start;
+        p->st.wait_ns += waited;
+        if (rs->client) {
+            rs->client->st.waits++;
+            rs->client->st.wait_ns += waited;
+        }
         rs->wait_start = 0;
     }
     pthread_mutex_unlock(&p->mu);
@@ -478,7 +496,12 @@ static int take_from_slabs_locked(pl_pool *p, reserve_state *rs, pl_region *r)
     size_t off, taken;
     if (!carve(p, rs->size, &slab, &off, &taken))
         return 0;
-    *r = (pl_region){slab->base + off, taken, rs->n, slab, NULL, NULL, REGION_MAGIC};
+    *r = (pl_region){slab->base + off, taken, rs->n, slab, NULL, NULL, REGION_MAGIC, rs->client};
+    if (rs->client) {
+        pl_pool_client_stats *cs = &rs->client->st;
+        cs->in_use += taken;
+        cs->peak_in_use = PL_MAX(cs->peak_in_use, cs->in_use);
+    }
     p->st.in_use_bytes += taken;
     p->st.peak_in_use_bytes = PL_MAX(p->st.peak_in_use_bytes, p->st.in_use_bytes);
     p->st.regions++;
@@ -574,13 +597,18 @@ static int reserve_once(pl_pool *p, reserve_state *rs, pl_region *r, const atomi
 {
     if (p->closed)
         return finish_locked(p, rs, PL_ERR_INVALID_VALUE);
+    pl_pool_client *c = rs->client;
+    if (c && rs->size > c->st.cap)
+        return finish_locked(p, rs, PL_ERR_OVER_CAP);
+    if (c && c->st.in_use > 0 && rs->size > c->st.cap - PL_MIN(c->st.cap, c->st.in_use))
+        return wait_unlocks(p, rs, stop); /* over the client's own cap: wait for its regions */
     if (take_from_slabs_locked(p, rs, r))
         return finish_locked(p, rs, PL_OK);
     if (rs->size > p->max_bytes)
         return finish_locked(p, rs, PL_ERR_OVER_CAP);
     size_t room = room_locked(p);
-    if (rs->size <= room)
-        return grow_unlocks(p, rs, slab_size_for(rs->size, room));
+    if (rs->size <= room) /* a client's slabs are no larger than its cap: it bounds pinning too */
+        return grow_unlocks(p, rs, slab_size_for(rs->size, c ? PL_MIN(room, c->st.cap) : room));
     /* Fragmented but idle slabs: give them back so one big enough can be made. */
     pl_slab *idle = detach_free_slabs(p);
     if (idle) {
@@ -594,17 +622,23 @@ static int reserve_once(pl_pool *p, reserve_state *rs, pl_region *r, const atomi
 int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const atomic_int *stop,
                     pl_region **out)
 {
+    return pl_pool_reserve_for(p, NULL, n, timeout_ns, stop, out);
+}
+
+int pl_pool_reserve_for(pl_pool *p, pl_pool_client *c, size_t n, int64_t timeout_ns,
+                        const atomic_int *stop, pl_region **out)
+{
     if (pl_inherited(p->gen))
         return PL_ERR_FORKED;
     pthread_mutex_lock(&p->mu);
-    size_t size = request_size_locked(p, n);
+    size_t size = request_size_locked(p, c, n);
     pthread_mutex_unlock(&p->mu);
     if (size == 0)
         return PL_ERR_OVER_CAP;
     pl_region *r = malloc(sizeof(*r));
     if (!r)
         return PL_ERR_NO_MEMORY;
-    reserve_state rs = {n, size, timeout_ns, pl_now_ns(), 0, 0};
+    reserve_state rs = {c, n, size, timeout_ns, pl_now_ns(), 0, 0};
     int rc;
     do {
         pl_pool_poll(p);
@@ -689,6 +723,141 @@ int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
     p->b->stream_synchronize(s);
     pl_pool_release(p, r);
     return rc;
+}
+
+/* ---- clients (Note [pool clients] in pool.h) ---- */
+
+int pl_pool_client_open(pl_pool *p, size_t cap, pl_pool_client **out)
+{
+    if (pl_inherited(p->gen))
+        return PL_ERR_FORKED;
+    pl_pool_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        return PL_ERR_NO_MEMORY;
+    c->st.cap = cap ? cap : SIZE_MAX;
+    *out = c;
+    return PL_OK;
+}
+
+void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap)
+{
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    c->st.cap = cap ? cap : SIZE_MAX;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap)
+{
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    if (cap > c->st.cap) {
+        c->st.cap = cap;
+        pthread_cond_broadcast(&p->cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stats *st)
+{
+    if (pl_inherited(p->gen)) {
+        memset(st, 0, sizeof(*st));
+        return;
+    }
+    pl_pool_poll(p);
+    pthread_mutex_lock(&p->mu);
+    *st = c->st;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_close(pl_pool *p, pl_pool_client *c)
+{
+    if (!c || pl_inherited(p->gen))
+        return;
+    pl_pool_poll(p);
+    pthread_mutex_lock(&p->mu);
+    int idle = c->st.in_use == 0;
+    c->closed = 1;
+    pthread_mutex_unlock(&p->mu);
+    if (idle)
+        free(c); /* else region_free_locked frees it with its last region */
+}
+
+/* ---- default pools ---- */
+
+/* Note [default pool]
+ * Prefetchers given no pool share one process-wide pool per (backend, device), made on first
+ * use, so the slabs one prefetcher made serve the next (a loader made per epoch pays for
+ * pinning once per process, as torch's caching host allocator does). What is kept: slabs, up to
+ * the shared cap, pl_pool_shared_cap(): the documented default cap (a quarter of physical
+ * memory, at most half of RLIMIT_MEMLOCK) divided among the local ranks that torchrun starts
+ * on one host (LOCAL_WORLD_SIZE), so N ranks together stay within the one-process default.
+ * Each prefetcher is bounded within it by its own client (Note [pool clients]). When it is
+ * given back: trim() (PinnedPool.trim on _C.default_pool(device)) frees every slab with
+ * no live region; interpreter exit (the module's atexit hook) trims every default pool after
+ * the live prefetchers are closed; regions still exported then return as their last user lets
+ * go, and the process exit returns the rest. A default pool is never closed. In a fork()
+ * child the parent's default pools are inherited (unusable) and replaced on first use. */
+enum { MAX_DEFAULT_DEVICES = 64 };
+static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
+static pl_pool *defaults[2][MAX_DEFAULT_DEVICES]; /* guarded by defaults_mu; one reference each */
+
+size_t pl_pool_shared_cap(void)
+{
+    size_t cap = pl_pool_default_cap();
+    const char *v = getenv("LOCAL_WORLD_SIZE");
+    if (v && *v) {
+        char *end = NULL;
+        errno = 0;
+        long n = strtol(v, &end, 10);
+        if (errno == 0 && end && *end == '\0' && n > 1 && n <= 65536)
+            cap /= (size_t)n;
+    }
+    return PL_MAX(cap, (size_t)PL_ALIGN);
+}
+
+int pl_pool_default(const pl_backend *b, int device, pl_pool **out)
+{
+    if (device < 0 || device >= MAX_DEFAULT_DEVICES)
+        return PL_ERR_INVALID_DEVICE;
+    pl_pool **slot = &defaults[b->kind == PL_BACKEND_CUDA][device];
+    pthread_mutex_lock(&defaults_mu);
+    if (*slot && pl_inherited((*slot)->gen)) {
+        pl_pool_decref(*slot); /* the parent's: touches nothing but its own refcount */
+        *slot = NULL;
+    }
+    int rc = PL_OK;
+    if (!*slot)
+        rc = pl_pool_create(b, device, pl_pool_shared_cap(), slot);
+    if (rc == PL_OK) {
+        pl_pool_incref(*slot);
+        *out = *slot;
+    }
+    pthread_mutex_unlock(&defaults_mu);
+    return rc;
+}
+
+size_t pl_pool_trim_defaults(void)
+{
+    pl_pool *live[2 * MAX_DEFAULT_DEVICES];
+    int n = 0;
+    pthread_mutex_lock(&defaults_mu);
+    for (int k = 0; k < 2; k++)
+        for (int d = 0; d < MAX_DEFAULT_DEVICES; d++)
+            if (defaults[k][d] && !pl_inherited(defaults[k][d]->gen)) {
+                pl_pool_incref(defaults[k][d]);
+                live[n++] = defaults[k][d];
+            }
+    pthread_mutex_unlock(&defaults_mu);
+    size_t freed = 0;
+    for (int i = 0; i < n; i++) {
+        freed += pl_pool_trim(live[i]);
+        pl_pool_decref(live[i]);
+    }
+    return freed;
 }
 
 /* ---- stats, trim, close ---- */
@@ -780,4 +949,5 @@ void pl_pool_atfork_child(void)
 {
     pl_mutex_reset_in_child(&debug_mu);
     pl_mutex_reset_in_child(&q_mu);
+    pl_mutex_reset_in_child(&defaults_mu);
 }

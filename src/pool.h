@@ -1,6 +1,6 @@
 /* PinnedPool: page-locked host slabs carved into regions, reused, bounded, event-gated.
  * No Python here: the prefetcher's producer thread uses this API without the GIL, and
- * pinned_pool_type.c wraps it for Python. */
+ * pinned.c wraps it for Python. */
 #ifndef PL_POOL_H
 #define PL_POOL_H
 
@@ -12,6 +12,26 @@
 
 typedef struct pl_pool pl_pool;
 
+/* Note [pool clients]
+ * Several owners (prefetchers) can share one pool, each bounded within it: a client is opened
+ * on the pool with its own cap, passed to pl_pool_reserve_for, and charged for every region it
+ * reserves from the reserve until the region is finally back in its slab (after its event, for
+ * pl_pool_release_after). A reserve that would take the client past its cap waits for the
+ * client's own regions (unless it holds none: a single request no larger than the cap always
+ * proceeds), and the waits of a reserve are counted in the client's stats as well as the pool's,
+ * so an owner's stall counters count only its own waits. The pool owns the client's memory:
+ * pl_pool_client_close detaches it and the pool frees it once its last region is back, so
+ * pending releases never touch freed memory. All fields are guarded by the pool's mutex. */
+typedef struct pl_pool_client pl_pool_client;
+
+typedef struct {
+    size_t cap;        /* bytes the client may hold in regions (in use or pending) */
+    size_t in_use;     /* bytes it holds now */
+    size_t peak_in_use;
+    uint64_t waits;    /* its reserves that had to wait */
+    int64_t wait_ns;
+} pl_pool_client_stats;
+
 typedef struct pl_region {
     void *ptr;          /* PL_ALIGN-aligned start */
     size_t size;        /* bytes reserved (the request rounded up, see Note [region sizes]) */
@@ -21,6 +41,7 @@ typedef struct pl_region {
     struct pl_region *next; /* pending list link */
     pl_event *event;        /* the event gating reuse while pending */
     uint32_t magic;
+    struct pl_pool_client *client; /* charged for it until it is back (Note [pool clients]) */
 } pl_region;
 
 typedef struct {
@@ -63,6 +84,33 @@ void pl_pool_atfork_child(void);
  * is safe: sizes are computed as Note [checked sizes] in util.h says. */
 int pl_pool_reserve(pl_pool *p, size_t n, int64_t timeout_ns, const atomic_int *stop,
                     pl_region **out);
+/* The same, charged to client c (NULL: no client, as pl_pool_reserve). Also PL_ERR_OVER_CAP
+ * when n can never fit under the client's cap. See Note [pool clients]. */
+int pl_pool_reserve_for(pl_pool *p, pl_pool_client *c, size_t n, int64_t timeout_ns,
+                        const atomic_int *stop, pl_region **out);
+
+/* Open a client with a cap of cap bytes (0: only the pool's cap binds). PL_OK,
+ * PL_ERR_NO_MEMORY or PL_ERR_FORKED. */
+int pl_pool_client_open(pl_pool *p, size_t cap, pl_pool_client **out);
+/* Set the client's cap (0: only the pool's cap binds); wakes its waiting reserves. */
+void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap);
+/* Raise the client's cap to cap (never lowers it): the prefetcher's growing default bound. */
+void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap);
+void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stats *st);
+/* The owner lets go: no reserve for c may follow or be in progress. The pool frees c once its
+ * last region is back. */
+void pl_pool_client_close(pl_pool *p, pl_pool_client *c);
+
+/* Note [default pool] is in pool.c. The process-wide pool of (backend, device), made on first
+ * use with pl_pool_shared_cap(); returns a new reference (PL_OK), or PL_ERR_INVALID_DEVICE /
+ * PL_ERR_NO_MEMORY. In a fork() child the parent's default pool is replaced by a fresh one. */
+int pl_pool_default(const pl_backend *b, int device, pl_pool **out);
+/* The default pools' cap: pl_pool_default_cap() divided among the local ranks (the
+ * LOCAL_WORLD_SIZE environment variable torchrun sets; 1 when absent or invalid). */
+size_t pl_pool_shared_cap(void);
+/* Trim every default pool (interpreter exit); returns bytes freed. */
+size_t pl_pool_trim_defaults(void);
+
 /* Give the region back now. */
 void pl_pool_release(pl_pool *p, pl_region *r);
 /* Give the region back once all work queued so far on stream s has completed (an event is
