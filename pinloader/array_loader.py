@@ -81,10 +81,46 @@ def _base_chain(arr: Any) -> Iterator[Any]:
 
 
 def _is_mapped(src: Any) -> bool:
-    """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects: read-ahead helps."""
+    """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects."""
     if isinstance(src, (mmap.mmap, np.memmap)):
         return True
     return isinstance(src, np.ndarray) and any(isinstance(b, mmap.mmap) for b in _base_chain(src))
+
+
+def _mapping_bytes(src: Any) -> int:
+    """Size of the memory mapping under ``src`` (0 when it is not memory-mapped)."""
+    if isinstance(src, mmap.mmap):
+        return len(src)
+    if isinstance(src, np.ndarray):
+        for b in _base_chain(src):
+            if isinstance(b, mmap.mmap):
+                try:
+                    return len(b)
+                except ValueError:  # closed
+                    return 0
+    return 0
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _wants_readahead(src: Any, readahead: bool | None) -> bool:
+    """Note [read-ahead] in src/gather.c. Advice costs a system call per row range (a few
+    microseconds each), which pays off only when the rows must come from storage: by default
+    it is given for mappings larger than the memory available to the page cache."""
+    if readahead is not None:
+        return bool(readahead) and _is_mapped(src)
+    size = _mapping_bytes(src)
+    avail = _mem_available()
+    return size > 0 and avail is not None and size > avail
 
 
 def _hold(src: Any) -> list[memoryview]:
@@ -233,6 +269,11 @@ class ArrayLoader:
         else the ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
     windows : int, optional
         Sample windows of this many consecutive rows (token streams) instead of rows.
+    readahead : bool, optional
+        Advise the kernel (``madvise(MADV_WILLNEED)``) about the next batch's rows of
+        memory-mapped sources while the current batch is gathered. Default: only for mappings
+        larger than the memory available (``MemAvailable``), whose rows come from storage;
+        for a file the page cache holds, the advice would only cost system calls.
     **prefetch_opts
         Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``pool``,
         ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``).
@@ -246,7 +287,7 @@ class ArrayLoader:
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, device: Any = None, depth: int | None = None,
                  rank: int | None = None, world_size: int | None = None, windows: int | None = None,
-                 **prefetch_opts: Any) -> None:
+                 readahead: bool | None = None, **prefetch_opts: Any) -> None:
         self._pf: AsyncPrefetcher | None = None
         self._holds: list[memoryview] = []
         self._closed = False
@@ -287,7 +328,7 @@ class ArrayLoader:
                 raise type(e)(f"{path}: {e}") from None
             shape = probe.source_shape
             lengths[path] = shape[0]
-            plan_leaves.append((path, src, _is_mapped(src), shape))
+            plan_leaves.append((path, src, _wants_readahead(src, readahead), shape))
         if len(set(lengths.values())) > 1:
             detail = ", ".join(f"{p}: {n}" for p, n in lengths.items())
             raise ValueError(f"ArrayLoader: the arrays must have the same first dimension, got {detail}")

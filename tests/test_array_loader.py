@@ -438,6 +438,38 @@ def test_memmap_sources_and_readahead(tmp_path):
         _C.RowGather(mm, [0], readahead=[3000])
 
 
+@pytest.mark.parametrize("readahead", [None, True, False, "auto-large"])
+def test_loader_readahead_policy(tmp_path, monkeypatch, readahead):
+    import pinloader.array_loader as al
+    mm = np.memmap(tmp_path / "r.bin", dtype=np.float64, mode="w+", shape=(4096, 64))
+    mm[:] = np.arange(4096)[:, None]
+    advised = []
+    real = al.RowGather
+
+    def spy(*a, **kw):
+        g = real(*a, **kw)
+        advised.append(g.advised_bytes)
+        return g
+    monkeypatch.setattr(al, "RowGather", spy)
+    if readahead == "auto-large":  # a mapping larger than the memory available
+        monkeypatch.setattr(al, "_mem_available", lambda: 1 << 20)
+        readahead = None
+    L = pinloader.ArrayLoader((ids(4096), mm, np.zeros(4096)), 100, readahead=readahead, device=DEVICE)
+    for i, x, _ in collect(L):
+        assert np.array_equal(x[:, 0], i.astype(np.float64))
+    L.close()
+    advised = advised[3:]  # the constructor's probes
+    if readahead is False or (readahead is None and not al._mem_available() == 1 << 20):
+        assert not any(advised)
+    else:
+        # the mapped leaf of every batch but the last is advised (the next batch's rows, the
+        # first batch's own too); the in-RAM leaves are not
+        assert len(advised) == 3 * len(L)
+        assert [bool(a) for a in advised[1::3]] == [True] * (len(L) - 1) + [False]
+        assert not any(advised[0::3]) and not any(advised[2::3])
+        assert advised[1] >= 2 * 100 * 512
+
+
 def test_pinned_bytes_stay_under_cap_with_memmap_larger_than_cap(tmp_path):
     cap = 8 << 20
     n, row = 1024, 32 << 10  # a 32 MiB file, 4x the cap
