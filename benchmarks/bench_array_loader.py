@@ -119,7 +119,7 @@ def copy_ceiling(images, batch, device, repeats):
     torch.set_num_threads(os.cpu_count() or 1)
     src = torch.from_numpy(images[:batch])
     pin = device.type == "cuda"
-    dst = torch.empty_like(src, pin_memory=pin)
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
     host = []
     for _ in range(repeats + 2):
         t0 = time.perf_counter()

@@ -407,17 +407,17 @@ class ArrayLoader:
     def __iter__(self) -> "ArrayLoader":
         self._check_open()
         epoch = self._next_epoch()
-        fresh = self._pf is not None and not self._consumed and not self._done
-        if fresh and epoch != self._epoch:
+        pf = self._pf
+        if pf is not None and not self._consumed and not self._done and epoch != self._epoch:
             # The prefetcher would keep its untouched epoch (Note [epochs] in
             # src/prefetcher.c): this one must start elsewhere, so start over.
-            self._pf.close()
-            self._pf = None
+            pf.close()
+            pf = self._pf = None
         self._epoch = self._plan.epoch = epoch
-        if self._pf is None:
+        if pf is None:
             self._pf = self._make_prefetcher()
         else:
-            iter(self._pf)
+            iter(pf)
         self._consumed = 0
         self._done = False
         return self
@@ -426,6 +426,7 @@ class ArrayLoader:
         self._check_open()
         if self._pf is None:
             iter(self)
+        assert self._pf is not None
         try:
             batch = next(self._pf)
         except StopIteration:
