@@ -29,6 +29,7 @@ Sampling (see ``ArrayLoader.indices``)
 """
 from __future__ import annotations
 
+import copy
 import mmap
 import os
 import sys
@@ -47,7 +48,9 @@ def _flatten(obj: Any, path: str, out: list) -> Any:
     """Collect the leaves of ``obj`` into ``out`` as (path, leaf); return a template that
     :func:`_rebuild` fills."""
     if isinstance(obj, dict):
-        return (type(obj), [(k, _flatten(v, f"{path}[{k!r}]", out)) for k, v in obj.items()])
+        # a dict subclass is rebuilt from a shallow copy (keeps a defaultdict's factory...)
+        return (obj if type(obj) is not dict else dict,
+                [(k, _flatten(v, f"{path}[{k!r}]", out)) for k, v in obj.items()])
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return (type(obj), [_flatten(v, f"{path}.{name}", out) for name, v in zip(obj._fields, obj)])
     if isinstance(obj, (list, tuple)):
@@ -60,9 +63,13 @@ def _rebuild(template: Any, leaves: Iterator) -> Any:
     if template is None:
         return next(leaves)
     tp, items = template
-    if issubclass(tp, dict):
-        d = {k: _rebuild(t, leaves) for k, t in items}
-        return d if tp is dict else tp(d.items())
+    if tp is dict:
+        return {k: _rebuild(t, leaves) for k, t in items}
+    if isinstance(tp, dict):
+        d = copy.copy(tp)
+        d.clear()
+        d.update((k, _rebuild(t, leaves)) for k, t in items)
+        return d
     values = [_rebuild(t, leaves) for t in items]
     if tp is list or tp is tuple:
         return tp(values)
@@ -212,6 +219,17 @@ class _Epochs:
         return _epoch_batches(self._plan, self._plan.epoch)
 
 
+def _check_shape(path: str, src: Any, shape: tuple) -> None:
+    """Raise a clear error if the source no longer has the shape the loader was made for."""
+    try:
+        now = RowGather(src, ()).source_shape
+    except Exception as e:
+        raise ValueError(f"{path}: the source can no longer be read ({e})") from None
+    if now != shape:
+        raise ValueError(f"{path}: the source changed shape from {shape} to {now} under the "
+                         "ArrayLoader (resized or replaced while loading)")
+
+
 def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
     order = _order(plan, epoch)
     bs, n_batches = plan.batch_size, plan.n_batches
@@ -227,10 +245,10 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
             try:
                 g = RowGather(src, rows, window, ahead if mapped else None)
             except (IndexError, ValueError, TypeError, BufferError) as e:
+                _check_shape(path, src, shape)
                 raise type(e)(f"{path}: {e}") from None
             if g.source_shape != shape:
-                raise ValueError(f"{path}: the source changed shape from {shape} to {g.source_shape} "
-                                 "under the ArrayLoader (resized or replaced while loading)")
+                _check_shape(path, src, shape)
             leaves.append(g)
         yield _rebuild(plan.template, iter(leaves))
 
@@ -281,7 +299,9 @@ class ArrayLoader:
     Iterating the loader runs one epoch and yields the batches as the prefetcher does
     (DeviceArrays; ``pinloader.torch.prefetch(loader)``, ``pinloader.jax.prefetch`` and
     ``pinloader.cupy.prefetch`` wrap this loader's own prefetcher and yield framework arrays).
-    One prefetcher is kept across epochs.
+    One prefetcher is kept across epochs; after an error (a source closed, resized or
+    unreadable) the next iteration starts a new one, so the error is raised again rather than
+    the loader going silently empty.
     """
 
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
@@ -363,6 +383,7 @@ class ArrayLoader:
         self._requested: int | None = None  # set_epoch() since the last iteration
         self._consumed = 0
         self._done = False
+        self._failed = False
 
     # ---- sampling ----
 
@@ -408,11 +429,14 @@ class ArrayLoader:
         self._check_open()
         epoch = self._next_epoch()
         pf = self._pf
-        if pf is not None and not self._consumed and not self._done and epoch != self._epoch:
-            # The prefetcher would keep its untouched epoch (Note [epochs] in
-            # src/prefetcher.c): this one must start elsewhere, so start over.
+        if pf is not None and (self._failed or (not self._consumed and not self._done
+                                                and epoch != self._epoch)):
+            # A prefetcher whose source failed is finished for good, and one that has handed
+            # out nothing keeps its untouched epoch (Note [epochs] in src/prefetcher.c): start
+            # over with a new one.
             pf.close()
             pf = self._pf = None
+        self._failed = False
         self._epoch = self._plan.epoch = epoch
         if pf is None:
             self._pf = self._make_prefetcher()
@@ -431,6 +455,9 @@ class ArrayLoader:
             batch = next(self._pf)
         except StopIteration:
             self._done = True
+            raise
+        except BaseException:
+            self._failed = True
             raise
         self._consumed += 1
         return batch
