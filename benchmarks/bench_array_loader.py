@@ -165,6 +165,9 @@ def make_feed(row, args, images, labels, device, gpu_data):
     if row == "on_gpu":
         gx, gy = gpu_data
 
+        if len(gx) < bs:
+            raise ValueError(f"--rows ({len(gx)}) must be at least --batch-size ({bs})")
+
         def gen():
             g = torch.Generator(device=device).manual_seed(1)
             while True:
@@ -313,6 +316,8 @@ def main(argv=None):
     if args.device is None:
         args.device = "cuda:0" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
+    if args.rows < args.batch_size:
+        common.fail(f"--rows ({args.rows}) must be at least --batch-size ({args.batch_size})", 1)
     if device.type == "cuda":
         common.require_cuda(args.device)
     payload = {"machine": common.machine_info(torch if device.type == "cuda" else None, args.device),
