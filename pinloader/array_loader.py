@@ -29,6 +29,7 @@ Sampling (see ``ArrayLoader.indices``)
 """
 from __future__ import annotations
 
+import copy
 import mmap
 import os
 import sys
@@ -47,7 +48,9 @@ def _flatten(obj: Any, path: str, out: list) -> Any:
     """Collect the leaves of ``obj`` into ``out`` as (path, leaf); return a template that
     :func:`_rebuild` fills."""
     if isinstance(obj, dict):
-        return (type(obj), [(k, _flatten(v, f"{path}[{k!r}]", out)) for k, v in obj.items()])
+        # a dict subclass is rebuilt from a shallow copy (keeps a defaultdict's factory...)
+        return (obj if type(obj) is not dict else dict,
+                [(k, _flatten(v, f"{path}[{k!r}]", out)) for k, v in obj.items()])
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return (type(obj), [_flatten(v, f"{path}.{name}", out) for name, v in zip(obj._fields, obj)])
     if isinstance(obj, (list, tuple)):
@@ -60,9 +63,13 @@ def _rebuild(template: Any, leaves: Iterator) -> Any:
     if template is None:
         return next(leaves)
     tp, items = template
-    if issubclass(tp, dict):
-        d = {k: _rebuild(t, leaves) for k, t in items}
-        return d if tp is dict else tp(d.items())
+    if tp is dict:
+        return {k: _rebuild(t, leaves) for k, t in items}
+    if isinstance(tp, dict):
+        d = copy.copy(tp)
+        d.clear()
+        d.update((k, _rebuild(t, leaves)) for k, t in items)
+        return d
     values = [_rebuild(t, leaves) for t in items]
     if tp is list or tp is tuple:
         return tp(values)
@@ -81,10 +88,46 @@ def _base_chain(arr: Any) -> Iterator[Any]:
 
 
 def _is_mapped(src: Any) -> bool:
-    """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects: read-ahead helps."""
+    """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects."""
     if isinstance(src, (mmap.mmap, np.memmap)):
         return True
     return isinstance(src, np.ndarray) and any(isinstance(b, mmap.mmap) for b in _base_chain(src))
+
+
+def _mapping_bytes(src: Any) -> int:
+    """Size of the memory mapping under ``src`` (0 when it is not memory-mapped)."""
+    if isinstance(src, mmap.mmap):
+        return len(src)
+    if isinstance(src, np.ndarray):
+        for b in _base_chain(src):
+            if isinstance(b, mmap.mmap):
+                try:
+                    return len(b)
+                except ValueError:  # closed
+                    return 0
+    return 0
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _wants_readahead(src: Any, readahead: bool | None) -> bool:
+    """Note [read-ahead] in src/gather.c. Advice costs a system call per row range (a few
+    microseconds each), which pays off only when the rows must come from storage: by default
+    it is given for mappings larger than the memory available to the page cache."""
+    if readahead is not None:
+        return bool(readahead) and _is_mapped(src)
+    size = _mapping_bytes(src)
+    avail = _mem_available()
+    return size > 0 and avail is not None and size > avail
 
 
 def _hold(src: Any) -> list[memoryview]:
@@ -176,6 +219,17 @@ class _Epochs:
         return _epoch_batches(self._plan, self._plan.epoch)
 
 
+def _check_shape(path: str, src: Any, shape: tuple) -> None:
+    """Raise a clear error if the source no longer has the shape the loader was made for."""
+    try:
+        now = RowGather(src, ()).source_shape
+    except Exception as e:
+        raise ValueError(f"{path}: the source can no longer be read ({e})") from None
+    if now != shape:
+        raise ValueError(f"{path}: the source changed shape from {shape} to {now} under the "
+                         "ArrayLoader (resized or replaced while loading)")
+
+
 def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
     order = _order(plan, epoch)
     bs, n_batches = plan.batch_size, plan.n_batches
@@ -191,10 +245,10 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
             try:
                 g = RowGather(src, rows, window, ahead if mapped else None)
             except (IndexError, ValueError, TypeError, BufferError) as e:
+                _check_shape(path, src, shape)
                 raise type(e)(f"{path}: {e}") from None
             if g.source_shape != shape:
-                raise ValueError(f"{path}: the source changed shape from {shape} to {g.source_shape} "
-                                 "under the ArrayLoader (resized or replaced while loading)")
+                _check_shape(path, src, shape)
             leaves.append(g)
         yield _rebuild(plan.template, iter(leaves))
 
@@ -233,6 +287,11 @@ class ArrayLoader:
         else the ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
     windows : int, optional
         Sample windows of this many consecutive rows (token streams) instead of rows.
+    readahead : bool, optional
+        Advise the kernel (``madvise(MADV_WILLNEED)``) about the next batch's rows of
+        memory-mapped sources while the current batch is gathered. Default: only for mappings
+        larger than the memory available (``MemAvailable``), whose rows come from storage;
+        for a file the page cache holds, the advice would only cost system calls.
     **prefetch_opts
         Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``pool``,
         ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``).
@@ -240,13 +299,15 @@ class ArrayLoader:
     Iterating the loader runs one epoch and yields the batches as the prefetcher does
     (DeviceArrays; ``pinloader.torch.prefetch(loader)``, ``pinloader.jax.prefetch`` and
     ``pinloader.cupy.prefetch`` wrap this loader's own prefetcher and yield framework arrays).
-    One prefetcher is kept across epochs.
+    One prefetcher is kept across epochs; after an error (a source closed, resized or
+    unreadable) the next iteration starts a new one, so the error is raised again rather than
+    the loader going silently empty.
     """
 
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, device: Any = None, depth: int | None = None,
                  rank: int | None = None, world_size: int | None = None, windows: int | None = None,
-                 **prefetch_opts: Any) -> None:
+                 readahead: bool | None = None, **prefetch_opts: Any) -> None:
         self._pf: AsyncPrefetcher | None = None
         self._holds: list[memoryview] = []
         self._closed = False
@@ -287,7 +348,7 @@ class ArrayLoader:
                 raise type(e)(f"{path}: {e}") from None
             shape = probe.source_shape
             lengths[path] = shape[0]
-            plan_leaves.append((path, src, _is_mapped(src), shape))
+            plan_leaves.append((path, src, _wants_readahead(src, readahead), shape))
         if len(set(lengths.values())) > 1:
             detail = ", ".join(f"{p}: {n}" for p, n in lengths.items())
             raise ValueError(f"ArrayLoader: the arrays must have the same first dimension, got {detail}")
@@ -322,6 +383,7 @@ class ArrayLoader:
         self._requested: int | None = None  # set_epoch() since the last iteration
         self._consumed = 0
         self._done = False
+        self._failed = False
 
     # ---- sampling ----
 
@@ -366,17 +428,20 @@ class ArrayLoader:
     def __iter__(self) -> "ArrayLoader":
         self._check_open()
         epoch = self._next_epoch()
-        fresh = self._pf is not None and not self._consumed and not self._done
-        if fresh and epoch != self._epoch:
-            # The prefetcher would keep its untouched epoch (Note [epochs] in
-            # src/prefetcher.c): this one must start elsewhere, so start over.
-            self._pf.close()
-            self._pf = None
+        pf = self._pf
+        if pf is not None and (self._failed or (not self._consumed and not self._done
+                                                and epoch != self._epoch)):
+            # A prefetcher whose source failed is finished for good, and one that has handed
+            # out nothing keeps its untouched epoch (Note [epochs] in src/prefetcher.c): start
+            # over with a new one.
+            pf.close()
+            pf = self._pf = None
+        self._failed = False
         self._epoch = self._plan.epoch = epoch
-        if self._pf is None:
+        if pf is None:
             self._pf = self._make_prefetcher()
         else:
-            iter(self._pf)
+            iter(pf)
         self._consumed = 0
         self._done = False
         return self
@@ -385,10 +450,14 @@ class ArrayLoader:
         self._check_open()
         if self._pf is None:
             iter(self)
+        assert self._pf is not None
         try:
             batch = next(self._pf)
         except StopIteration:
             self._done = True
+            raise
+        except BaseException:
+            self._failed = True
             raise
         self._consumed += 1
         return batch

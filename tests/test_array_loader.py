@@ -305,10 +305,10 @@ def test_strided_sources(how):
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("row_shape,batch", [((3000,), 300), ((200, 11), 256), ((7,), 40000),
-                                             ((70000,), 3)], ids=str)
+                                             ((300000,), 3), ((262144,), 20)], ids=str)
 def test_large_batches_multithreaded(threads, row_shape, batch):
     # batches over the stager's inline limit: pieces of whole rows, rows sorted by address
-    # within a piece, pieces that split a row (70000 float32 > one piece), chunked copies
+    # within a piece, pieces that split a row (300000 float32 > one 1 MiB piece), chunked copies
     n = 2 * batch + 5
     a = sample((n,) + row_shape, np.float32, 5)
     rev = a[::-1]
@@ -355,11 +355,12 @@ def test_rowgather_property(data):
 
 
 def test_nested_structures():
-    from collections import OrderedDict, namedtuple
+    from collections import OrderedDict, defaultdict, namedtuple
     P = namedtuple("P", "a b")
     n = 30
     x, y, z = sample((n, 2), np.float32), sample((n,), np.int64, 1), sample((n, 3), np.uint8, 2)
-    arrays = {"p": P(x, [y, z]), "o": OrderedDict(z=z), "t": (ids(n),)}
+    dd = defaultdict(list, w=y)
+    arrays = {"p": P(x, [y, z]), "o": OrderedDict(z=z), "t": (ids(n),), "d": dd}
     with pinloader.ArrayLoader(arrays, 8, seed=5, device=DEVICE) as L:
         for b in L:
             assert isinstance(b["p"], P) and isinstance(b["p"].b, list) and isinstance(b["o"], OrderedDict)
@@ -367,6 +368,8 @@ def test_nested_structures():
             assert np.array_equal(np.from_dlpack(b["p"].a), x[idx])
             assert np.array_equal(np.from_dlpack(b["p"].b[1]), z[idx])
             assert np.array_equal(np.from_dlpack(b["o"]["z"]), z[idx])
+            assert isinstance(b["d"], defaultdict) and b["d"].default_factory is list
+            assert np.array_equal(np.from_dlpack(b["d"]["w"]), y[idx])
 
 
 def test_buffer_protocol_and_dlpack_sources():
@@ -438,6 +441,38 @@ def test_memmap_sources_and_readahead(tmp_path):
         _C.RowGather(mm, [0], readahead=[3000])
 
 
+@pytest.mark.parametrize("readahead", [None, True, False, "auto-large"])
+def test_loader_readahead_policy(tmp_path, monkeypatch, readahead):
+    import pinloader.array_loader as al
+    mm = np.memmap(tmp_path / "r.bin", dtype=np.float64, mode="w+", shape=(4096, 64))
+    mm[:] = np.arange(4096)[:, None]
+    advised = []
+    real = al.RowGather
+
+    def spy(*a, **kw):
+        g = real(*a, **kw)
+        advised.append(g.advised_bytes)
+        return g
+    monkeypatch.setattr(al, "RowGather", spy)
+    if readahead == "auto-large":  # a mapping larger than the memory available
+        monkeypatch.setattr(al, "_mem_available", lambda: 1 << 20)
+        readahead = None
+    L = pinloader.ArrayLoader((ids(4096), mm, np.zeros(4096)), 100, readahead=readahead, device=DEVICE)
+    for i, x, _ in collect(L):
+        assert np.array_equal(x[:, 0], i.astype(np.float64))
+    L.close()
+    advised = advised[3:]  # the constructor's probes
+    if readahead is False or (readahead is None and not al._mem_available() == 1 << 20):
+        assert not any(advised)
+    else:
+        # the mapped leaf of every batch but the last is advised (the next batch's rows, the
+        # first batch's own too); the in-RAM leaves are not
+        assert len(advised) == 3 * len(L)
+        assert [bool(a) for a in advised[1::3]] == [True] * (len(L) - 1) + [False]
+        assert not any(advised[0::3]) and not any(advised[2::3])
+        assert advised[1] >= 2 * 100 * 512
+
+
 def test_pinned_bytes_stay_under_cap_with_memmap_larger_than_cap(tmp_path):
     cap = 8 << 20
     n, row = 1024, 32 << 10  # a 32 MiB file, 4x the cap
@@ -486,9 +521,12 @@ def test_source_resized_under_the_loader_is_a_clear_error():
     it = iter(L)
     next(it)
     t.resize_(20, 4)  # torch allows it; the loader notices at the next batch it reads
-    with pytest.raises((ValueError, IndexError), match=r"arrays: .*(changed shape|out of range)"):
+    with pytest.raises(ValueError, match=r"arrays: the source changed shape from \(100, 4\) to \(20, 4\)"):
         for _ in range(12):
             next(it)
+    # not silently empty afterwards: the next iteration reports it again
+    with pytest.raises(ValueError, match="changed shape"):
+        list(L)
     L.close()
 
 
