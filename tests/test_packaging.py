@@ -87,7 +87,21 @@ def test_cuda_api_h_matches_the_toolkit():
     assert out.returncode == 0, out.stderr
 
 
+def _require_setuptools_77() -> None:
+    """Running setup.py in this environment (not in pip's isolated build environment, which
+    pyproject.toml gives setuptools >= 77) needs a setuptools that reads SPDX license metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("setuptools").split(".")[0])
+    except PackageNotFoundError:
+        major = 0
+    if major < 77:
+        pytest.skip("running setup.py here needs setuptools >= 77 (SPDX license metadata)")
+
+
 def _setup_py(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    _require_setuptools_77()
     e = {k: v for k, v in os.environ.items() if k not in ("PINLOADER_NVTX", "CUDA_HOME", "CUDA_PATH")}
     e.update(env)
     return subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, env=e,
@@ -123,6 +137,7 @@ def test_nvtx_flag_is_exposed():
 
 def test_sdist_carries_what_the_tests_need(tmp_path):
     pytest.importorskip("build", reason="python -m build (pip install build) makes the sdist")
+    _require_setuptools_77()
     out = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--skip-dependency-check",
                           "--outdir",
                           str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
@@ -138,3 +153,27 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
     assert need <= names, sorted(need - names)
     assert not [n for n in names if n.endswith(".so") or n.startswith("benchmarks/")]
+
+
+def test_stats_typeddicts_match_what_stats_returns():
+    """pinloader.PrefetcherStats / PoolStats / CudaInfo (what a type checker sees) name exactly
+    the keys, with the types, that the native stats() and cuda_info() return."""
+    import typing
+
+    def check(td: type, got: dict) -> None:
+        hints = typing.get_type_hints(td)
+        assert set(hints) == set(got), (td.__name__, set(hints) ^ set(got))
+        for key, hint in hints.items():
+            origin = typing.get_origin(hint)
+            want = str if origin is typing.Literal else hint
+            assert isinstance(got[key], want), (td.__name__, key, type(got[key]), hint)
+            if origin is typing.Literal:
+                assert got[key] in typing.get_args(hint), (key, got[key])
+
+    with pinloader.AsyncPrefetcher([[bytearray(100)]] * 3, device="cpu") as pf:
+        list(pf)
+        check(pinloader.PrefetcherStats, pf.stats())
+    with pinloader.PinnedPool(device="cpu") as pool:
+        pool.alloc(4096).release()
+        check(pinloader.PoolStats, pool.stats())
+    check(pinloader.CudaInfo, pinloader.cuda_info())
