@@ -10,13 +10,23 @@ from typing import Any
 from ._version import __version__
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it (or it is a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or isinstance(action, argparse._StoreTrueAction):
+            return text
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pinloader",
         description="pinloader: pinned-memory prefetching of Python batches to the GPU.")
     parser.add_argument("--version", action="version", version=f"pinloader {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _Formatter
     demo = sub.add_parser(
         "demo", formatter_class=fmt,
         help="a synthetic training loop fed by plain loading and by pinloader, side by side",

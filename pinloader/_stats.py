@@ -43,6 +43,7 @@ class PrefetcherStats(TypedDict):
 
     batches: int
     bytes: int
+    padding_bytes: int
     h2d_gbps: float
     wait_s_total: float
     wait_ms_mean: float

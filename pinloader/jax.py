@@ -36,7 +36,9 @@ class JaxPrefetcher(FrameworkPrefetcher):
     iterable : iterable
         Nested tuples, lists, dicts, namedtuples or dataclasses of NumPy/DLPack arrays.
     device : jax.Device or str, optional
-        Default: ``jax.devices()[0]``. "cuda:N"/"gpu:N" or "cpu" are accepted.
+        Default (None): JAX's default device, ``jax.devices()[0]``: its first GPU when JAX has
+        one, else the CPU (pinloader's host backend). "cuda:N"/"gpu:N", "cpu" or "cpu:0" are
+        accepted.
     depth : int, default 2
     **opts
         Passed to :class:`pinloader.AsyncPrefetcher`.

@@ -3,8 +3,9 @@
 The examples use pinloader's default device (the current GPU when CUDA is usable, else the host
 backend), so on a machine without a GPU they run on the host backend and on the GPU machine on
 the GPU, unchanged. A block that imports a framework needs it: JAX blocks run where jax is
-installed (.ci/run installs the CPU build for them), CuPy blocks need CuPy and a GPU (marked
-`gpu`)."""
+installed (.ci/packaging installs the CPU build for them), CuPy blocks need CuPy and a GPU
+(marked `gpu`). PINLOADER_REQUIRE_MODULES=torch,jax turns a missing framework from a skip into a
+failure, so that CI cannot silently skip an example."""
 from __future__ import annotations
 
 import os
@@ -33,8 +34,8 @@ def _has_module(name: str) -> bool:
 
 
 def _needs(code: str) -> set[str]:
-    return set(re.findall(r"^\s*import (torch|jax|cupy)\b", code, flags=re.M)) | set(
-        re.findall(r"^\s*import pinloader\.(torch|jax|cupy)\b", code, flags=re.M))
+    return set(re.findall(r"^\s*(?:import|from) (?:pinloader\.)?(torch|jax|cupy)\b", code,
+                          flags=re.M))
 
 
 PY_BLOCKS = _blocks("python")
@@ -57,8 +58,12 @@ def test_readme_has_the_examples():
 
 @pytest.mark.parametrize("code", _params())
 def test_readme_python_block_runs(code, tmp_path):
+    required = set(filter(None, os.environ.get("PINLOADER_REQUIRE_MODULES", "").split(",")))
     for module in sorted(_needs(code)):
         if not _has_module(module):
+            if module in required:
+                pytest.fail(f"this README example needs {module}, which is not installed "
+                            "(PINLOADER_REQUIRE_MODULES requires it)")
             pytest.skip(f"this README example needs {module}, which is not installed")
     if "cupy" in _needs(code) and not pinloader.cuda_available():
         pytest.skip("CuPy examples need a CUDA device")
@@ -78,6 +83,6 @@ def test_readme_commands():
     torch) and runs the suite."""
     bash = "\n".join(_blocks("bash"))
     lines = [ln.split("#")[0].strip() for ln in bash.splitlines() if ln.strip()]
-    assert lines[0] == "pip install . && python -m pinloader demo"
-    assert lines[1] == 'pip install ".[test]" && python -m pytest'
+    assert lines[0] == "pip install -e . && python -m pinloader demo"
+    assert lines[1] == 'pip install -e ".[test]" && python -m pytest'
     assert "torch" not in lines[1]
