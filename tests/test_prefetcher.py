@@ -12,6 +12,7 @@ epoch restart is what they test.
 from __future__ import annotations
 
 import array
+import ctypes
 import collections
 import dataclasses
 import os
@@ -874,3 +875,49 @@ def test_depth_bounds_how_far_the_producer_runs_ahead(depth):
         assert src.pulled <= depth + 3
     finally:
         pf.close()
+
+
+# ---- the ready-event wait, made deterministic ------------------------------------------------
+
+def test_dlpack_export_waits_for_the_held_copy():
+    # pinloader._C._debug_hold_copies(True) holds the host backend's copy streams: every copy
+    # issued after it stays queued until _debug_hold_copies(False). A batch handed out while its
+    # copy is held has not been filled yet, so a consumer that skipped the ready-event wait
+    # would read unfilled memory every time, not only when a race happens to go that way.
+    hold = getattr(pinloader._C, "_debug_hold_copies", None)
+    assert hold is not None, (
+        "pinloader._C._debug_hold_copies(flag) is missing: the host-backend debug switch that "
+        "holds the copy streams (this test needs it)")
+    n = 1 << 20
+    src = np.frombuffer(os.urandom(n), dtype=np.uint8)  # fresh bytes: no stale copy can match
+    released = threading.Event()
+
+    def release():
+        released.set()  # set first: whatever the export returns must come after this
+        hold(False)
+
+    watchdog = threading.Timer(30.0, release)  # never leave the copies held, whatever fails
+    watchdog.start()
+    pf = None
+    try:
+        hold(True)
+        pf = pinloader.AsyncPrefetcher([{"x": src}], device=DEVICE, depth=1)
+        b = next(pf)
+        assert not released.is_set(), "next() waited for the held copy (it must hand out at once)"
+        leaf = b["x"]
+        assert leaf.nbytes == n
+        # .ptr is the raw block: before the release the held copy has not filled it
+        raw = ctypes.string_at(leaf.ptr, n)
+        assert raw != src.tobytes(), "the block was filled while its copy was held"
+        # the export waits for the copy: release from another thread a little later
+        threading.Timer(0.2, release).start()
+        got = np.from_dlpack(leaf)
+        assert released.is_set(), "np.from_dlpack returned before the held copy was released"
+        assert np.array_equal(got, src), "the export returned before the copy landed"
+        assert ctypes.string_at(leaf.ptr, n) == src.tobytes()
+    finally:
+        if not released.is_set():
+            release()
+        watchdog.cancel()
+        if pf is not None:
+            pf.close()
