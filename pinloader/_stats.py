@@ -59,3 +59,9 @@ class PrefetcherStats(TypedDict):
     pinned_stall_s: float
     queued: int
     backend: Literal["cuda", "host"]
+    pool_bytes_reserved: int
+    pool_bytes_in_use: int
+    pool_bytes_peak: int
+    pool_cap: int
+    pool_slabs_created: int
+    pool_waits: int

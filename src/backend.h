@@ -116,8 +116,5 @@ const char *pl_error_string(const pl_backend *b, int code);
 int pl_cpu_count(void);
 int64_t pl_now_ns(void);
 void pl_sleep_ns(int64_t ns);
-/* Set in a fork() child. Only the prefetcher still reads it (it refuses to run in a child);
- * everything else compares generations: see Note [fork generations] in util.h. */
-extern volatile int pl_forked_child;
 
 #endif

@@ -389,7 +389,6 @@ static PyMethodDef module_methods[] = {
  * backend, the device blocks and the pool is re-made so that objects made in the child work. */
 static void at_fork_child(void)
 {
-    pl_forked_child = 1;
     pl_generation_bump_in_child();
     pl_host_atfork_child();
     pl_block_atfork_child();

@@ -101,8 +101,11 @@ struct pl_prefetcher_obj {
      * once, under the GIL, when the pipeline is freed) */
     PyObject *source;
     PyObject *pool_obj;
-    pl_pool *pool;
-    int own_pool;
+    pl_pool *pool;         /* the default pool of the device, the given one, or a private one */
+    pl_pool_client *client; /* this prefetcher's bound within pool (Note [pinned bound]) */
+    int own_pool;          /* a private pool: max_pinned_bytes above the shared cap */
+    int cap_follows;       /* no max_pinned_bytes and no pool: the bound follows the batches */
+    const char *bound;     /* what sets the bound, for PoolExhausted messages */
     size_t max_pinned;
     const pl_backend *b;
     int device;
@@ -456,8 +459,8 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
     if (bt->kind == B_READY) {
         bt->bytes = f->layout.payload;
         bt->padding = f->layout.staged + f->layout.direct - f->layout.payload;
-        pl_xfer x = {self->b, self->device, self->pool, self->own_pool && !self->max_pinned,
-                     self->depth, self->stager, self->copy_stream, &self->stop};
+        pl_xfer x = {self->b, self->device, self->pool, self->client, self->cap_follows,
+                     self->bound, self->depth, self->stager, self->copy_stream, &self->stop};
         pl_xfer_times tm;
         char what[256];
         int rc = pl_transfer(&x, f->leaves, f->n_leaves, &f->layout, bt->blk, &tm, what, sizeof what);
@@ -767,6 +770,7 @@ static void pf_free_resources(pl_prefetcher_obj *self)
         self->stager = NULL;
         self->copy_stream = NULL;
         self->pool = NULL;
+        self->client = NULL;
         Py_CLEAR(self->it);
         return;
     }
@@ -794,16 +798,22 @@ static void pf_free_resources(pl_prefetcher_obj *self)
     pl_stager *stager = self->stager;
     pl_stream *stream = self->copy_stream;
     pl_pool *pool = self->pool;
+    pl_pool_client *client = self->client;
     int own = self->own_pool;
     self->stager = NULL; /* before the GIL is released: other threads may read them */
     self->copy_stream = NULL;
     self->pool = NULL;
+    self->client = NULL;
     const pl_backend *b = self->b;
     Py_BEGIN_ALLOW_THREADS
     if (stager)
         pl_stager_destroy(stager);
     if (stream)
         b->stream_destroy(stream);
+    /* The producer is gone (or is this thread, past its last reserve): the client can go. Its
+     * regions still pending come back to the pool later; a default or shared pool stays open. */
+    if (pool && client)
+        pl_pool_client_close(pool, client);
     if (pool && own)
         pl_pool_close(pool);
     if (pool)
@@ -1036,11 +1046,6 @@ static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_option
                          Py_TYPE(o->pool_obj)->tp_name);
             return -1;
         }
-        if (o->max_pinned) {
-            PyErr_SetString(PyExc_ValueError, "give either pool or max_pinned_bytes, not both "
-                            "(the pool's own cap applies)");
-            return -1;
-        }
         if (pl_pool_closed(o->shared)) {
             PyErr_SetString(PyExc_ValueError, "pool is closed");
             return -1;
@@ -1077,19 +1082,40 @@ static int setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
         pl_raise_backend(self->st, b, rc, "creating the copy stream");
         return -1;
     }
+    /* The pool (see Note [default pool] in pool.c) and this prefetcher's client in it (Note
+     * [pinned bound] in transfer.c). */
+    size_t client_cap = o->max_pinned;
     if (o->shared) {
         pl_pool_incref(o->shared);
         self->pool = o->shared;
         self->pool_obj = Py_NewRef(o->pool_obj);
-    } else {
-        /* Own pool: the cap follows the batches unless fixed, see Note [private pool cap]. */
-        size_t start = PL_MIN((size_t)1 << 20, pl_pool_default_cap());
-        rc = pl_pool_create(b, dev, o->max_pinned ? o->max_pinned : start, &self->pool);
+        self->bound = o->max_pinned ? "max_pinned_bytes" : "the pool's max_bytes";
+    } else if (o->max_pinned > pl_pool_shared_cap()) {
+        /* More than the default pool may hold, asked for explicitly: a pool of its own. */
+        rc = pl_pool_create(b, dev, o->max_pinned, &self->pool);
         self->own_pool = 1;
+        self->bound = "max_pinned_bytes";
         if (rc != PL_OK) {
             pl_raise_backend(self->st, b, rc, "creating the pinned pool");
             return -1;
         }
+    } else {
+        rc = pl_pool_default(b, dev, &self->pool);
+        if (rc != PL_OK) {
+            pl_raise_backend(self->st, b, rc, "the default pinned pool");
+            return -1;
+        }
+        self->cap_follows = !o->max_pinned;
+        self->bound = o->max_pinned ? "max_pinned_bytes" :
+            "the prefetcher's default bound, at most pinloader.default_pool_cap(); pass "
+            "max_pinned_bytes or a PinnedPool to allow more";
+        if (self->cap_follows)
+            client_cap = PL_MIN((size_t)1 << 20, pl_pool_cap(self->pool));
+    }
+    if ((rc = pl_pool_client_open(self->pool, client_cap, &self->client)) != PL_OK) {
+        self->client = NULL;
+        pl_raise_backend(self->st, b, rc, "opening the prefetcher's share of the pinned pool");
+        return -1;
     }
     long threads = o->threads ? o->threads : pl_default_staging_threads(); /* see Note [staging threads] in cpus.c */
     if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
@@ -1211,25 +1237,38 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     size_t dev_peak = self->device_peak;
     int queued = self->queued;
     pthread_mutex_unlock(&self->mu);
+    /* This prefetcher's own numbers come from its client (Note [pinned bound]); the pool's,
+     * shared with other prefetchers for the default pool, under pool_* keys. */
     pl_pool_stats ps;
+    pl_pool_client_stats cs;
     memset(&ps, 0, sizeof ps);
-    if (self->pool)
+    memset(&cs, 0, sizeof cs);
+    if (self->pool) {
         pl_pool_get_stats(self->pool, &ps);
+        if (self->client)
+            pl_pool_client_get_stats(self->pool, self->client, &cs);
+    }
+    size_t cap = cs.cap ? PL_MIN(cs.cap, ps.max_bytes) : ps.max_bytes;
     double p99 = percentile(samples, ns, 0.99);
     double gbps = span > 0 && batches > 1 ? (double)bytes * (double)(batches - 1) / (double)batches / (double)span : 0.0;
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s}",
+        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s,"
+        "s:n,s:n,s:n,s:n,s:K,s:K}",
         "batches", (unsigned long long)batches, "bytes", (unsigned long long)bytes,
         "padding_bytes", (unsigned long long)padding,
         "h2d_gbps", gbps, "wait_s_total", (double)wait_total / 1e9,
         "wait_ms_mean", waits ? (double)wait_total / 1e6 / (double)waits : 0.0, "wait_ms_p99", p99,
         "next_s_total", (double)next_ns / 1e9, "staging_s_total", (double)staging_ns / 1e9,
         "copy_issue_s_total", (double)issue_ns / 1e9,
-        "pinned_bytes_in_use", (Py_ssize_t)ps.in_use_bytes, "pinned_bytes_reserved", (Py_ssize_t)ps.reserved_bytes,
-        "pinned_bytes_peak", (Py_ssize_t)ps.peak_reserved_bytes, "pinned_cap", (Py_ssize_t)ps.max_bytes,
+        "pinned_bytes_in_use", (Py_ssize_t)cs.in_use, "pinned_bytes_reserved", (Py_ssize_t)cs.peak_in_use,
+        "pinned_bytes_peak", (Py_ssize_t)cs.peak_in_use, "pinned_cap", (Py_ssize_t)cap,
         "device_bytes_peak", (Py_ssize_t)dev_peak,
         "pinned_stalls", (unsigned long long)stalls, "pinned_stall_s", (double)stall_ns / 1e9,
-        "queued", queued, "backend", self->b->name);
+        "queued", queued, "backend", self->b->name,
+        "pool_bytes_reserved", (Py_ssize_t)ps.reserved_bytes, "pool_bytes_in_use", (Py_ssize_t)ps.in_use_bytes,
+        "pool_bytes_peak", (Py_ssize_t)ps.peak_reserved_bytes, "pool_cap", (Py_ssize_t)ps.max_bytes,
+        "pool_slabs_created", (unsigned long long)ps.slabs_created,
+        "pool_waits", (unsigned long long)ps.waits);
 }
 
 static PyObject *pf_enter(PyObject *op, PyObject *noargs)
@@ -1344,8 +1383,9 @@ static PyType_Slot pf_slots[] = {
      "CPU DLPack exporters, buffer-protocol objects) arrive as DeviceArray views of one device\n"
      "block per batch; other leaves pass through unchanged. device: None (current CUDA device,\n"
      "else the host backend), 'cpu', 'cuda', 'cuda:N' or an int. depth: batches in flight or\n"
-     "waiting. max_pinned_bytes: cap on pinned memory (default (depth + 2) batches, at most\n"
-     "default_pinned_cap()). output:\n"
+     "waiting. pool: the PinnedPool to draw from (default: default_pool(device), whose slabs\n"
+     "outlive the prefetcher). max_pinned_bytes: this prefetcher's bound on pinned memory within\n"
+     "the pool (default (depth + 2) of the largest batch, at most the pool's cap). output:\n"
      "'array' (DeviceArray leaves) or 'capsule' (DLPack capsules, `stream` made to wait first)."},
     {0, NULL},
 };

@@ -11,8 +11,6 @@
 #include <time.h>
 #include <unistd.h>
 
-volatile int pl_forked_child = 0;
-
 /* See Note [fork generations] in util.h. Written only by the child's atfork handler, which runs
  * while the child has a single thread. */
 static _Atomic uint32_t generation = 0;

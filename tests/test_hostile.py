@@ -203,7 +203,7 @@ def test_private_pool_cap_saturates_at_the_default():
         (out,) = drain(pf)
         assert int(np.from_dlpack(out["x"])[n - 1]) == 7
         del out
-        assert pf.stats()["pinned_cap"] == default
+        assert pf.stats()["pinned_cap"] == pinloader._C.default_pool_cap() <= default
 
 
 DLPACK_BAD = {
