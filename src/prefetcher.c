@@ -116,6 +116,7 @@ struct pl_prefetcher_obj {
     pl_stream *copy_stream;
     pthread_t thread;
     int thread_started;
+    PyInterpreterState *interp; /* the producer's thread state belongs to it */
 
     /* GIL-protected */
     pf_state state;
@@ -303,6 +304,10 @@ typedef struct producer {
     PyObject **prev_owners;
     Py_ssize_t prev_n;
     pl_block *prev_blk;
+    /* See Note [producer thread state]. */
+    PyThreadState *ts;
+    int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
+    PyGILState_STATE gstate; /* only then */
 } producer;
 
 /* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
@@ -335,12 +340,48 @@ static void wait_direct_copy(pl_prefetcher_obj *self)
  * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
  * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
  * per step anyway, lends it the GIL right there. */
-static PyGILState_STATE producer_take_gil(pl_prefetcher_obj *self)
+/* Note [producer thread state]
+ * The producer keeps one Python thread state for its whole life instead of making and deleting
+ * one per batch (PyGILState_Ensure / Release on a thread with no state): made on its first GIL
+ * hold with PyThreadState_New (which also makes it this thread's PyGILState state, so C code the
+ * source calls that uses PyGILState_Ensure finds it), swapped in and out with
+ * PyEval_RestoreThread / PyEval_SaveThread around each hold, and cleared and deleted with the GIL
+ * held when the producer ends (producer_exit). Besides the work saved per batch, a fork() never
+ * catches the interpreter's list of thread states in the middle of a producer's churn. The
+ * producer takes the GIL only after checking pl_py_finalizing(); once finalization has started
+ * it takes nothing and leaves its state to the interpreter, which deletes every thread state as
+ * it finalizes. If the state cannot be made (out of memory), each hold falls back to
+ * PyGILState_Ensure / Release. */
+static void producer_take_gil(pl_prefetcher_obj *self, producer *p)
 {
     atomic_store(&self->gil_wanted, 1);
-    PyGILState_STATE g = PyGILState_Ensure();
+    if (!p->ts && !p->ts_failed && !(p->ts = PyThreadState_New(self->interp)))
+        p->ts_failed = 1;
+    if (p->ts)
+        PyEval_RestoreThread(p->ts);
+    else
+        p->gstate = PyGILState_Ensure();
     atomic_store(&self->gil_wanted, 0);
-    return g;
+}
+
+static void producer_give_gil(producer *p)
+{
+    if (p->ts)
+        PyEval_SaveThread();
+    else
+        PyGILState_Release(p->gstate);
+}
+
+/* The producer's last hold ends: its thread state goes with it (GIL held; releases it). */
+static void producer_give_gil_for_good(producer *p)
+{
+    if (p->ts) {
+        PyThreadState_Clear(p->ts);
+        PyThreadState_DeleteCurrent();
+        p->ts = NULL;
+    } else {
+        PyGILState_Release(p->gstate);
+    }
 }
 
 static void lend_gil_to_producer(pl_prefetcher_obj *self)
@@ -421,7 +462,7 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
 /* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
 static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
 {
-    PyGILState_STATE g = producer_take_gil(self);
+    producer_take_gil(self, p);
     self->producer_in_user = 1;
     release_previous(self, p);
     int r = atomic_load(&self->stop) ? -1 : 1;
@@ -445,7 +486,7 @@ static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t
         }
     }
     self->producer_in_user = 0;
-    PyGILState_Release(g);
+    producer_give_gil(p);
     if (r == 0)
         pl_sleep_ns(1000000); /* out of memory for the batch record: try again shortly */
     *out = bt;
@@ -497,7 +538,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
     wait_direct_copy(self);
     if (pl_py_finalizing())
         return; /* the interpreter is going away: touch nothing of it */
-    PyGILState_STATE g = PyGILState_Ensure();
+    producer_take_gil(self, p);
     release_previous(self, p);
     if (self->state == PF_DETACHED || self->state == PF_ORPHANED) {
         pf_free_resources(self);
@@ -512,7 +553,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
             Py_DECREF(self); /* the reference close() gave this thread */
         }
     }
-    PyGILState_Release(g);
+    producer_give_gil_for_good(p);
 }
 
 static void *producer_main(void *arg)
@@ -1178,6 +1219,7 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     self->st = st;
     self->gen = pl_generation();
+    self->interp = PyInterpreterState_Get();
     self->source = Py_NewRef(o.iterable);
     self->b = b;
     self->device = dev;
