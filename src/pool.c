@@ -189,22 +189,6 @@ int pl_pool_inherited(const pl_pool *p)
     return pl_inherited(p->gen);
 }
 
-void pl_pool_raise_cap(pl_pool *p, size_t max_bytes)
-{
-    if (pl_inherited(p->gen))
-        return;
-    /* Never past the documented default: a huge (or hostile) batch gets PL_ERR_OVER_CAP from
-     * reserve rather than a cap that lets it pin most of the host. */
-    max_bytes = PL_MIN(max_bytes, pl_pool_default_cap());
-    pthread_mutex_lock(&p->mu);
-    if (max_bytes > p->max_bytes) {
-        p->max_bytes = max_bytes;
-        p->st.max_bytes = max_bytes;
-        pthread_cond_broadcast(&p->cv);
-    }
-    pthread_mutex_unlock(&p->mu);
-}
-
 static void free_extents(extent *e)
 {
     while (e) {

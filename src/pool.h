@@ -69,9 +69,6 @@ void pl_pool_incref(pl_pool *p);
 void pl_pool_decref(pl_pool *p); /* the last reference syncs pending releases and frees all */
 size_t pl_pool_default_cap(void);
 size_t pl_pool_cap(const pl_pool *p);
-/* Raise the cap (never lowers it), to at most pl_pool_default_cap(). The prefetcher's private
- * pool grows its cap to fit (depth + 2) of the largest batch seen. */
-void pl_pool_raise_cap(pl_pool *p, size_t max_bytes);
 const pl_backend *pl_pool_backend(const pl_pool *p);
 /* 1 in a fork() child for a pool made before the fork: see Note [pool after fork] in pool.c. */
 int pl_pool_inherited(const pl_pool *p);
