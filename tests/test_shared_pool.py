@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,7 +74,7 @@ def test_a_prefetcher_per_epoch_reuses_the_previous_epochs_slabs():
         with pinloader.AsyncPrefetcher(items, device=DEVICE, depth=2) as pf:
             check(drain(pf), items)
             st = pf.stats()
-        assert st["pinned_stalls"] == 0 or st["pinned_bytes_peak"] <= st["pinned_cap"]
+        assert 0 < st["pinned_bytes_peak"] <= st["pinned_cap"] <= st["pool_cap"]
     after = pool.stats()
     assert after["slabs_created"] == before["slabs_created"], (before, after)
     assert after["allocs_new"] == before["allocs_new"], (before, after)
@@ -89,8 +90,6 @@ def test_per_prefetcher_bound_holds_within_the_default_pool():
     assert st["pinned_cap"] == cap
     assert 1 * MiB <= st["pinned_bytes_peak"] <= cap
     assert st["pool_cap"] == pinloader.default_pool_cap()
-    # depth 4 wants more than 3 MiB of 1 MiB batches in flight: this prefetcher waited, at its bound
-    assert st["pinned_stalls"] >= 1 and st["pinned_stall_s"] > 0, st
 
 
 def test_a_batch_over_the_bound_names_max_pinned_bytes():
@@ -170,10 +169,17 @@ def test_default_pool_cap_holds_with_several_prefetchers_at_once():
 
 
 def test_stall_counters_count_only_this_prefetchers_waits_on_the_default_pool():
-    # A waits at its own small bound; B, on the same default pool at the same time, never does.
+    # A waits at its own small bound; B, on the same default pool while A is open, never does.
     a_items = batches(20, 1 * MiB)
     b_items = batches(20, 1000, seed=3)
-    a = pinloader.AsyncPrefetcher(a_items, device=DEVICE, depth=4, max_pinned_bytes=1 * MiB + 512)
+    # Copies held: A's first region stays pending, so its second reserve must wait (its bound
+    # fits one region), deterministically.
+    pinloader._C._debug_hold_copies(True)
+    try:
+        a = pinloader.AsyncPrefetcher(a_items, device=DEVICE, depth=4, max_pinned_bytes=1 * MiB + 512)
+        time.sleep(0.2)
+    finally:
+        pinloader._C._debug_hold_copies(False)
     try:
         with pinloader.AsyncPrefetcher(b_items, device=DEVICE, depth=2) as b:
             check(drain(b), b_items)
@@ -214,6 +220,10 @@ def test_open_prefetcher_keeps_its_regions_through_trim():
         check(out, items)
 
 
+@pytest.mark.skipif("libtsan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="ThreadSanitizer cannot run threads started in the child of a "
+                    "multi-threaded fork() (it dies, or with die_after_fork=0 aborts on a reused "
+                    "thread id); the plain and ASan runs cover this test")
 def test_fork_child_of_a_running_prefetcher_makes_its_own():
     code = """
     import os, signal, sys, time
