@@ -28,6 +28,8 @@ from ._C import (  # noqa: E402
     cuda_available,
     cuda_info,
     default_pinned_cap,
+    default_pool,
+    default_pool_cap,
     device_count,
 )
 from .array_loader import ArrayLoader  # noqa: E402
@@ -47,6 +49,8 @@ __all__ = [
     "cuda_available",
     "cuda_info",
     "default_pinned_cap",
+    "default_pool",
+    "default_pool_cap",
     "device_count",
     "__version__",
 ]

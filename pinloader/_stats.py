@@ -37,6 +37,7 @@ class PoolStats(TypedDict):
     slabs_freed: int
     waits: int
     wait_s: float
+    numa_node: int
 
 class PrefetcherStats(TypedDict):
     """:meth:`AsyncPrefetcher.stats` (see the README's "Reading stats()")."""
@@ -60,3 +61,9 @@ class PrefetcherStats(TypedDict):
     pinned_stall_s: float
     queued: int
     backend: Literal["cuda", "host"]
+    pool_bytes_reserved: int
+    pool_bytes_in_use: int
+    pool_bytes_peak: int
+    pool_cap: int
+    pool_slabs_created: int
+    pool_waits: int

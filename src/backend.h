@@ -64,8 +64,11 @@ typedef struct pl_backend {
     /* Wait at most timeout_ns for e: PL_OK, PL_ERR_TIMEOUT, or an error. */
     int (*event_wait)(pl_event *e, int64_t timeout_ns);
 
-    /* Page-locked host memory of at least n bytes, page aligned, prefaulted. */
-    int (*host_alloc)(size_t n, void **out);
+    /* Page-locked host memory of at least n bytes, page aligned, prefaulted; numa_node >= 0:
+     * preferably on that node (Note [slabs on the GPU's node] in numa.c). */
+    int (*host_alloc)(size_t n, int numa_node, void **out);
+    /* The NUMA node to put device's pinned slabs on, or -1 (one node, unknown, no device). */
+    int (*numa_node)(int device);
     int (*host_free)(void *p, size_t n);
     /* *pinned = 1 if p lies in page-locked memory known to the runtime. */
     int (*host_is_pinned)(const void *p, int *pinned);
@@ -116,8 +119,5 @@ const char *pl_error_string(const pl_backend *b, int code);
 int pl_cpu_count(void);
 int64_t pl_now_ns(void);
 void pl_sleep_ns(int64_t ns);
-/* Set in a fork() child. Only the prefetcher still reads it (it refuses to run in a child);
- * everything else compares generations: see Note [fork generations] in util.h. */
-extern volatile int pl_forked_child;
 
 #endif

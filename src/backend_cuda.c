@@ -10,6 +10,7 @@
  * The function table is the one piece of process-wide mutable state; it is written once under
  * pthread_once and read-only afterwards. */
 #include "backend.h"
+#include "numa.h"
 #include "util.h"
 
 #include "cuda_api.h"
@@ -250,10 +251,10 @@ static int cuda_event_wait(pl_event *e, int64_t timeout_ns)
  * fallback when registration is refused (RLIMIT_MEMLOCK, some virtualised hosts). Both are
  * portable (usable from every device's context). host_free tells the two apart by trying
  * cudaHostUnregister first. */
-static int cuda_host_alloc(size_t n, void **out)
+static int cuda_host_alloc(size_t n, int numa_node, void **out)
 {
     void *p = NULL;
-    int rc = pl_os_alloc(n, &p);
+    int rc = pl_os_alloc(n, numa_node, &p);
     if (rc == PL_OK) {
         pl_cudaError_t crc = cu.cudaHostRegister(p, PL_ALIGN_UP(n, pl_page_size()), pl_cudaHostRegisterPortable);
         if (crc == pl_cudaSuccess) {
@@ -267,6 +268,19 @@ static int cuda_host_alloc(size_t n, void **out)
     if (crc == pl_cudaSuccess)
         *out = p;
     return (int)crc;
+}
+
+/* See Note [slabs on the GPU's node] in numa.c. The fallback (cudaHostAlloc) above places its
+ * memory where the driver chooses. */
+static int cuda_numa_node(int device)
+{
+    char bus_id[64];
+    if (cu.cudaDeviceGetPCIBusId(bus_id, (int)sizeof bus_id, device) != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        return -1;
+    }
+    bus_id[sizeof bus_id - 1] = '\0';
+    return pl_numa_node_of_pci(bus_id);
 }
 
 static int cuda_host_free(void *p, size_t n)
@@ -404,6 +418,7 @@ static const pl_backend cuda_backend = {
     .event_synchronize = cuda_event_synchronize,
     .event_wait = cuda_event_wait,
     .host_alloc = cuda_host_alloc,
+    .numa_node = cuda_numa_node,
     .host_free = cuda_host_free,
     .host_is_pinned = cuda_host_is_pinned,
     .device_alloc = cuda_device_alloc,

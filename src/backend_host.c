@@ -328,9 +328,15 @@ static int host_stream_wait_event(pl_stream *s, pl_event *e)
 
 /* ---- memory ---- */
 
-static int host_host_alloc(size_t n, void **out)
+static int host_host_alloc(size_t n, int numa_node, void **out)
 {
-    return pl_os_alloc(n, out);
+    return pl_os_alloc(n, numa_node, out);
+}
+
+static int host_numa_node(int device)
+{
+    (void)device; /* the host backend's "device" is the host itself: no placement to ask for */
+    return -1;
 }
 
 static int host_host_free(void *p, size_t n)
@@ -511,6 +517,7 @@ static const pl_backend host_backend = {
     .event_synchronize = host_event_synchronize,
     .event_wait = host_event_wait,
     .host_alloc = host_host_alloc,
+    .numa_node = host_numa_node,
     .host_free = host_host_free,
     .host_is_pinned = host_host_is_pinned,
     .device_alloc = host_device_alloc,

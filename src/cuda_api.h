@@ -121,6 +121,7 @@ typedef void (*pl_cudaHostFn_t)(void *userData);
     X(T(cudaError_t), cudaRuntimeGetVersion, (int *runtimeVersion))                                \
     X(T(cudaError_t), cudaSetDevice, (int device))                                                 \
     X(T(cudaError_t), cudaGetDevice, (int *device))                                                \
+    X(T(cudaError_t), cudaDeviceGetPCIBusId, (char *pciBusId, int len, int device))                \
     X(T(cudaError_t), cudaDeviceGetStreamPriorityRange, (int *leastPriority, int *greatestPriority)) \
     X(T(cudaError_t), cudaStreamCreateWithPriority,                                                \
       (T(cudaStream_t) *pStream, unsigned int flags, int priority))                                \

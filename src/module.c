@@ -2,6 +2,7 @@
 #include "module.h"
 
 #include "block.h"
+#include "numa.h"
 #include "pool.h"
 #include "util.h"
 
@@ -334,6 +335,16 @@ static PyObject *mod_live_device_blocks(PyObject *m, PyObject *arg)
     return Py_BuildValue("(ln)", pl_block_live_count(b), (Py_ssize_t)pl_block_live_bytes(b));
 }
 
+/* Test hook: the sysfs reading of Note [slabs on the GPU's node] in numa.c. */
+static PyObject *mod_numa_node_of_pci(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    const char *id = PyUnicode_AsUTF8(arg);
+    if (!id)
+        return NULL;
+    return PyLong_FromLong(pl_numa_node_of_pci(id));
+}
+
 static PyObject *mod_debug_hold_copies(PyObject *m, PyObject *on)
 {
     (void)m;
@@ -374,6 +385,9 @@ static PyMethodDef module_methods[] = {
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
     {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},
     {"_live_device_blocks", mod_live_device_blocks, METH_O, NULL},
+    {"_numa_node_of_pci", mod_numa_node_of_pci, METH_O,
+     "_numa_node_of_pci(bus_id)\n--\n\nTest hook: the NUMA node pinned slabs of the GPU at this PCI "
+     "bus id would be placed on (-1: one node or unknown). PINLOADER_SYSFS_ROOT stands in for /."},
     {"_debug_hold_copies", mod_debug_hold_copies, METH_O,
      "_debug_hold_copies(on)\n--\n\nTest switch, host backend only: while on, every host stream holds "
      "its queued work (copies included) and new device blocks are poisoned with 0xcd, so a reader "
@@ -389,7 +403,6 @@ static PyMethodDef module_methods[] = {
  * backend, the device blocks and the pool is re-made so that objects made in the child work. */
 static void at_fork_child(void)
 {
-    pl_forked_child = 1;
     pl_generation_bump_in_child();
     pl_host_atfork_child();
     pl_block_atfork_child();

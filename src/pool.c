@@ -65,6 +65,8 @@ typedef struct pl_slab {
     size_t live;  /* regions carved from it and not yet back; guarded by mu */
 } pl_slab;
 
+#define NUMA_UNKNOWN (-2)
+
 struct pl_pool {
     atomic_long refcount;
     const pl_backend *b;
@@ -78,6 +80,7 @@ struct pl_pool {
     pl_event **events;      /* guarded by mu: free list of reusable events */
     size_t n_events, cap_events;
     size_t creating;        /* guarded by mu: slab bytes being made outside the lock */
+    int numa_node;          /* guarded by mu: NUMA_UNKNOWN until the first slab asks the backend */
     int closed;             /* guarded by mu */
     pl_pool_stats st;       /* guarded by mu */
 };
@@ -160,6 +163,8 @@ int pl_pool_create(const pl_backend *b, int device, size_t max_bytes, pl_pool **
     p->gen = pl_generation();
     p->max_bytes = max_bytes ? max_bytes : pl_pool_default_cap();
     p->st.max_bytes = p->max_bytes;
+    p->numa_node = NUMA_UNKNOWN;
+    p->st.numa_node = -1;
     *out = p;
     return PL_OK;
 }
@@ -182,22 +187,6 @@ const pl_backend *pl_pool_backend(const pl_pool *p)
 int pl_pool_inherited(const pl_pool *p)
 {
     return pl_inherited(p->gen);
-}
-
-void pl_pool_raise_cap(pl_pool *p, size_t max_bytes)
-{
-    if (pl_inherited(p->gen))
-        return;
-    /* Never past the documented default: a huge (or hostile) batch gets PL_ERR_OVER_CAP from
-     * reserve rather than a cap that lets it pin most of the host. */
-    max_bytes = PL_MIN(max_bytes, pl_pool_default_cap());
-    pthread_mutex_lock(&p->mu);
-    if (max_bytes > p->max_bytes) {
-        p->max_bytes = max_bytes;
-        p->st.max_bytes = max_bytes;
-        pthread_cond_broadcast(&p->cv);
-    }
-    pthread_mutex_unlock(&p->mu);
 }
 
 static void free_extents(extent *e)
@@ -532,14 +521,21 @@ static size_t slab_size_for(size_t size, size_t room)
 static int grow_unlocks(pl_pool *p, reserve_state *rs, size_t slab_size)
 {
     p->creating += slab_size;
+    int node = p->numa_node;
     pthread_mutex_unlock(&p->mu);
 
     pl_slab *s = calloc(1, sizeof(*s));
     extent *e = malloc(sizeof(*e));
     void *base = NULL;
-    int rc = (s && e) ? p->b->host_alloc(slab_size, &base) : PL_ERR_NO_MEMORY;
+    int rc = (s && e) ? PL_OK : PL_ERR_NO_MEMORY;
+    if (rc == PL_OK && node == NUMA_UNKNOWN)
+        node = p->b->numa_node(p->device); /* a backend call: not under mu */
+    if (rc == PL_OK)
+        rc = p->b->host_alloc(slab_size, node, &base);
 
     pthread_mutex_lock(&p->mu);
+    if (node != NUMA_UNKNOWN)
+        p->numa_node = p->st.numa_node = node;
     p->creating -= slab_size;
     pthread_cond_broadcast(&p->cv);
     if (rc != PL_OK) {
@@ -866,6 +862,7 @@ void pl_pool_get_stats(pl_pool *p, pl_pool_stats *st)
 {
     if (pl_inherited(p->gen)) {
         memset(st, 0, sizeof(*st));
+        st->numa_node = -1;
         return;
     }
     pl_pool_poll(p);

@@ -59,6 +59,8 @@ typedef struct {
     uint64_t slabs_freed;
     uint64_t waits;         /* reserves that had to wait for a region to come back */
     int64_t wait_ns;
+    int numa_node;          /* the node new slabs are placed on (Note [slabs on the GPU's node]
+                             * in numa.c), -1 when not bound */
 } pl_pool_stats;
 
 /* max_bytes 0 means the default cap, pl_pool_default_cap(). */
@@ -67,9 +69,6 @@ void pl_pool_incref(pl_pool *p);
 void pl_pool_decref(pl_pool *p); /* the last reference syncs pending releases and frees all */
 size_t pl_pool_default_cap(void);
 size_t pl_pool_cap(const pl_pool *p);
-/* Raise the cap (never lowers it), to at most pl_pool_default_cap(). The prefetcher's private
- * pool grows its cap to fit (depth + 2) of the largest batch seen. */
-void pl_pool_raise_cap(pl_pool *p, size_t max_bytes);
 const pl_backend *pl_pool_backend(const pl_pool *p);
 /* 1 in a fork() child for a pool made before the fork: see Note [pool after fork] in pool.c. */
 int pl_pool_inherited(const pl_pool *p);

@@ -101,8 +101,11 @@ struct pl_prefetcher_obj {
      * once, under the GIL, when the pipeline is freed) */
     PyObject *source;
     PyObject *pool_obj;
-    pl_pool *pool;
-    int own_pool;
+    pl_pool *pool;         /* the default pool of the device, the given one, or a private one */
+    pl_pool_client *client; /* this prefetcher's bound within pool (Note [pinned bound]) */
+    int own_pool;          /* a private pool: max_pinned_bytes above the shared cap */
+    int cap_follows;       /* no max_pinned_bytes and no pool: the bound follows the batches */
+    const char *bound;     /* what sets the bound, for PoolExhausted messages */
     size_t max_pinned;
     const pl_backend *b;
     int device;
@@ -113,6 +116,7 @@ struct pl_prefetcher_obj {
     pl_stream *copy_stream;
     pthread_t thread;
     int thread_started;
+    PyInterpreterState *interp; /* the producer's thread state belongs to it */
 
     /* GIL-protected */
     pf_state state;
@@ -300,6 +304,10 @@ typedef struct producer {
     PyObject **prev_owners;
     Py_ssize_t prev_n;
     pl_block *prev_blk;
+    /* See Note [producer thread state]. */
+    PyThreadState *ts;
+    int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
+    PyGILState_STATE gstate; /* only then */
 } producer;
 
 /* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
@@ -332,12 +340,48 @@ static void wait_direct_copy(pl_prefetcher_obj *self)
  * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
  * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
  * per step anyway, lends it the GIL right there. */
-static PyGILState_STATE producer_take_gil(pl_prefetcher_obj *self)
+/* Note [producer thread state]
+ * The producer keeps one Python thread state for its whole life instead of making and deleting
+ * one per batch (PyGILState_Ensure / Release on a thread with no state): made on its first GIL
+ * hold with PyThreadState_New (which also makes it this thread's PyGILState state, so C code the
+ * source calls that uses PyGILState_Ensure finds it), swapped in and out with
+ * PyEval_RestoreThread / PyEval_SaveThread around each hold, and cleared and deleted with the GIL
+ * held when the producer ends (producer_exit). Besides the work saved per batch, a fork() never
+ * catches the interpreter's list of thread states in the middle of a producer's churn. The
+ * producer takes the GIL only after checking pl_py_finalizing(); once finalization has started
+ * it takes nothing and leaves its state to the interpreter, which deletes every thread state as
+ * it finalizes. If the state cannot be made (out of memory), each hold falls back to
+ * PyGILState_Ensure / Release. */
+static void producer_take_gil(pl_prefetcher_obj *self, producer *p)
 {
     atomic_store(&self->gil_wanted, 1);
-    PyGILState_STATE g = PyGILState_Ensure();
+    if (!p->ts && !p->ts_failed && !(p->ts = PyThreadState_New(self->interp)))
+        p->ts_failed = 1;
+    if (p->ts)
+        PyEval_RestoreThread(p->ts);
+    else
+        p->gstate = PyGILState_Ensure();
     atomic_store(&self->gil_wanted, 0);
-    return g;
+}
+
+static void producer_give_gil(producer *p)
+{
+    if (p->ts)
+        PyEval_SaveThread();
+    else
+        PyGILState_Release(p->gstate);
+}
+
+/* The producer's last hold ends: its thread state goes with it (GIL held; releases it). */
+static void producer_give_gil_for_good(producer *p)
+{
+    if (p->ts) {
+        PyThreadState_Clear(p->ts);
+        PyThreadState_DeleteCurrent();
+        p->ts = NULL;
+    } else {
+        PyGILState_Release(p->gstate);
+    }
 }
 
 static void lend_gil_to_producer(pl_prefetcher_obj *self)
@@ -418,7 +462,7 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
 /* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
 static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
 {
-    PyGILState_STATE g = producer_take_gil(self);
+    producer_take_gil(self, p);
     self->producer_in_user = 1;
     release_previous(self, p);
     int r = atomic_load(&self->stop) ? -1 : 1;
@@ -442,7 +486,7 @@ static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t
         }
     }
     self->producer_in_user = 0;
-    PyGILState_Release(g);
+    producer_give_gil(p);
     if (r == 0)
         pl_sleep_ns(1000000); /* out of memory for the batch record: try again shortly */
     *out = bt;
@@ -456,8 +500,8 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
     if (bt->kind == B_READY) {
         bt->bytes = f->layout.payload;
         bt->padding = f->layout.staged + f->layout.direct - f->layout.payload;
-        pl_xfer x = {self->b, self->device, self->pool, self->own_pool && !self->max_pinned,
-                     self->depth, self->stager, self->copy_stream, &self->stop};
+        pl_xfer x = {self->b, self->device, self->pool, self->client, self->cap_follows,
+                     self->bound, self->depth, self->stager, self->copy_stream, &self->stop};
         pl_xfer_times tm;
         char what[256];
         int rc = pl_transfer(&x, f->leaves, f->n_leaves, &f->layout, bt->blk, &tm, what, sizeof what);
@@ -494,7 +538,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
     wait_direct_copy(self);
     if (pl_py_finalizing())
         return; /* the interpreter is going away: touch nothing of it */
-    PyGILState_STATE g = PyGILState_Ensure();
+    producer_take_gil(self, p);
     release_previous(self, p);
     if (self->state == PF_DETACHED || self->state == PF_ORPHANED) {
         pf_free_resources(self);
@@ -509,7 +553,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
             Py_DECREF(self); /* the reference close() gave this thread */
         }
     }
-    PyGILState_Release(g);
+    producer_give_gil_for_good(p);
 }
 
 static void *producer_main(void *arg)
@@ -767,6 +811,7 @@ static void pf_free_resources(pl_prefetcher_obj *self)
         self->stager = NULL;
         self->copy_stream = NULL;
         self->pool = NULL;
+        self->client = NULL;
         Py_CLEAR(self->it);
         return;
     }
@@ -794,16 +839,22 @@ static void pf_free_resources(pl_prefetcher_obj *self)
     pl_stager *stager = self->stager;
     pl_stream *stream = self->copy_stream;
     pl_pool *pool = self->pool;
+    pl_pool_client *client = self->client;
     int own = self->own_pool;
     self->stager = NULL; /* before the GIL is released: other threads may read them */
     self->copy_stream = NULL;
     self->pool = NULL;
+    self->client = NULL;
     const pl_backend *b = self->b;
     Py_BEGIN_ALLOW_THREADS
     if (stager)
         pl_stager_destroy(stager);
     if (stream)
         b->stream_destroy(stream);
+    /* The producer is gone (or is this thread, past its last reserve): the client can go. Its
+     * regions still pending come back to the pool later; a default or shared pool stays open. */
+    if (pool && client)
+        pl_pool_client_close(pool, client);
     if (pool && own)
         pl_pool_close(pool);
     if (pool)
@@ -1036,11 +1087,6 @@ static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_option
                          Py_TYPE(o->pool_obj)->tp_name);
             return -1;
         }
-        if (o->max_pinned) {
-            PyErr_SetString(PyExc_ValueError, "give either pool or max_pinned_bytes, not both "
-                            "(the pool's own cap applies)");
-            return -1;
-        }
         if (pl_pool_closed(o->shared)) {
             PyErr_SetString(PyExc_ValueError, "pool is closed");
             return -1;
@@ -1077,19 +1123,40 @@ static int setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
         pl_raise_backend(self->st, b, rc, "creating the copy stream");
         return -1;
     }
+    /* The pool (see Note [default pool] in pool.c) and this prefetcher's client in it (Note
+     * [pinned bound] in transfer.c). */
+    size_t client_cap = o->max_pinned;
     if (o->shared) {
         pl_pool_incref(o->shared);
         self->pool = o->shared;
         self->pool_obj = Py_NewRef(o->pool_obj);
-    } else {
-        /* Own pool: the cap follows the batches unless fixed, see Note [private pool cap]. */
-        size_t start = PL_MIN((size_t)1 << 20, pl_pool_default_cap());
-        rc = pl_pool_create(b, dev, o->max_pinned ? o->max_pinned : start, &self->pool);
+        self->bound = o->max_pinned ? "max_pinned_bytes" : "the pool's max_bytes";
+    } else if (o->max_pinned > pl_pool_shared_cap()) {
+        /* More than the default pool may hold, asked for explicitly: a pool of its own. */
+        rc = pl_pool_create(b, dev, o->max_pinned, &self->pool);
         self->own_pool = 1;
+        self->bound = "max_pinned_bytes";
         if (rc != PL_OK) {
             pl_raise_backend(self->st, b, rc, "creating the pinned pool");
             return -1;
         }
+    } else {
+        rc = pl_pool_default(b, dev, &self->pool);
+        if (rc != PL_OK) {
+            pl_raise_backend(self->st, b, rc, "the default pinned pool");
+            return -1;
+        }
+        self->cap_follows = !o->max_pinned;
+        self->bound = o->max_pinned ? "max_pinned_bytes" :
+            "the prefetcher's default bound, at most pinloader.default_pool_cap(); pass "
+            "max_pinned_bytes or a PinnedPool to allow more";
+        if (self->cap_follows)
+            client_cap = PL_MIN((size_t)1 << 20, pl_pool_cap(self->pool));
+    }
+    if ((rc = pl_pool_client_open(self->pool, client_cap, &self->client)) != PL_OK) {
+        self->client = NULL;
+        pl_raise_backend(self->st, b, rc, "opening the prefetcher's share of the pinned pool");
+        return -1;
     }
     long threads = o->threads ? o->threads : pl_default_staging_threads(); /* see Note [staging threads] in cpus.c */
     if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
@@ -1152,6 +1219,7 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     self->st = st;
     self->gen = pl_generation();
+    self->interp = PyInterpreterState_Get();
     self->source = Py_NewRef(o.iterable);
     self->b = b;
     self->device = dev;
@@ -1211,25 +1279,38 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     size_t dev_peak = self->device_peak;
     int queued = self->queued;
     pthread_mutex_unlock(&self->mu);
+    /* This prefetcher's own numbers come from its client (Note [pinned bound]); the pool's,
+     * shared with other prefetchers for the default pool, under pool_* keys. */
     pl_pool_stats ps;
+    pl_pool_client_stats cs;
     memset(&ps, 0, sizeof ps);
-    if (self->pool)
+    memset(&cs, 0, sizeof cs);
+    if (self->pool) {
         pl_pool_get_stats(self->pool, &ps);
+        if (self->client)
+            pl_pool_client_get_stats(self->pool, self->client, &cs);
+    }
+    size_t cap = cs.cap ? PL_MIN(cs.cap, ps.max_bytes) : ps.max_bytes;
     double p99 = percentile(samples, ns, 0.99);
     double gbps = span > 0 && batches > 1 ? (double)bytes * (double)(batches - 1) / (double)batches / (double)span : 0.0;
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s}",
+        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s,"
+        "s:n,s:n,s:n,s:n,s:K,s:K}",
         "batches", (unsigned long long)batches, "bytes", (unsigned long long)bytes,
         "padding_bytes", (unsigned long long)padding,
         "h2d_gbps", gbps, "wait_s_total", (double)wait_total / 1e9,
         "wait_ms_mean", waits ? (double)wait_total / 1e6 / (double)waits : 0.0, "wait_ms_p99", p99,
         "next_s_total", (double)next_ns / 1e9, "staging_s_total", (double)staging_ns / 1e9,
         "copy_issue_s_total", (double)issue_ns / 1e9,
-        "pinned_bytes_in_use", (Py_ssize_t)ps.in_use_bytes, "pinned_bytes_reserved", (Py_ssize_t)ps.reserved_bytes,
-        "pinned_bytes_peak", (Py_ssize_t)ps.peak_reserved_bytes, "pinned_cap", (Py_ssize_t)ps.max_bytes,
+        "pinned_bytes_in_use", (Py_ssize_t)cs.in_use, "pinned_bytes_reserved", (Py_ssize_t)cs.peak_in_use,
+        "pinned_bytes_peak", (Py_ssize_t)cs.peak_in_use, "pinned_cap", (Py_ssize_t)cap,
         "device_bytes_peak", (Py_ssize_t)dev_peak,
         "pinned_stalls", (unsigned long long)stalls, "pinned_stall_s", (double)stall_ns / 1e9,
-        "queued", queued, "backend", self->b->name);
+        "queued", queued, "backend", self->b->name,
+        "pool_bytes_reserved", (Py_ssize_t)ps.reserved_bytes, "pool_bytes_in_use", (Py_ssize_t)ps.in_use_bytes,
+        "pool_bytes_peak", (Py_ssize_t)ps.peak_reserved_bytes, "pool_cap", (Py_ssize_t)ps.max_bytes,
+        "pool_slabs_created", (unsigned long long)ps.slabs_created,
+        "pool_waits", (unsigned long long)ps.waits);
 }
 
 static PyObject *pf_enter(PyObject *op, PyObject *noargs)
@@ -1344,8 +1425,9 @@ static PyType_Slot pf_slots[] = {
      "CPU DLPack exporters, buffer-protocol objects) arrive as DeviceArray views of one device\n"
      "block per batch; other leaves pass through unchanged. device: None (current CUDA device,\n"
      "else the host backend), 'cpu', 'cuda', 'cuda:N' or an int. depth: batches in flight or\n"
-     "waiting. max_pinned_bytes: cap on pinned memory (default (depth + 2) batches, at most\n"
-     "default_pinned_cap()). output:\n"
+     "waiting. pool: the PinnedPool to draw from (default: default_pool(device), whose slabs\n"
+     "outlive the prefetcher). max_pinned_bytes: this prefetcher's bound on pinned memory within\n"
+     "the pool (default (depth + 2) of the largest batch, at most the pool's cap). output:\n"
      "'array' (DeviceArray leaves) or 'capsule' (DLPack capsules, `stream` made to wait first)."},
     {0, NULL},
 };

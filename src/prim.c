@@ -204,11 +204,12 @@ static PyObject *p_host_alloc(PyObject *op, PyObject *args)
 {
     SELF;
     Py_ssize_t n;
-    PARSE("n", &n);
+    int node = -1;
+    PARSE("n|i", &n, &node);
     void *p = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = self->b->host_alloc((size_t)n, &p);
+    rc = self->b->host_alloc((size_t)n, node, &p);
     Py_END_ALLOW_THREADS
     if (rc != PL_OK)
         return check(op, rc, "host_alloc");

@@ -65,42 +65,58 @@ void pl_layout_finish(const pl_layout *lay, pl_xfer_leaf *leaves, int n)
 
 /* ---- the pinned region ---- */
 
-/* Note [private pool cap]
- * A prefetcher given neither a pool nor max_pinned_bytes owns a pool whose cap follows its
+/* Note [pinned bound]
+ * Each prefetcher reserves through its own client of its pool (Note [pool clients] in pool.h),
+ * so its bound holds within a pool that other prefetchers share, and its stall counters count
+ * only its own waits. A prefetcher given no max_pinned_bytes has a bound that follows its
  * batches: (depth + 2) times the largest staged batch seen, plus the pool's rounding slack (at
  * most 1/8, see Note [region sizes] in pool.c), so that depth batches in flight and the next
- * one being staged fit without waiting. The product saturates instead of wrapping, and the cap
- * never goes above pl_pool_default_cap(), the documented default cap of every PinnedPool: a
- * batch that cannot fit under it is an error at its position (PoolExhausted), never a reason to
- * page-lock more of the machine. The cap only grows (pl_pool_raise_cap). */
+ * one being staged fit without waiting. The product saturates instead of wrapping, and the
+ * bound never goes above the pool's cap (for the default pool, pl_pool_shared_cap()): a batch
+ * that cannot fit under it is an error at its position (PoolExhausted), never a reason to
+ * page-lock more of the machine. The bound only grows (pl_pool_client_raise_cap). */
 static void follow_batch_size(const pl_xfer *x, size_t staged)
 {
     size_t per, want;
     if (__builtin_add_overflow(staged, staged / 8 + PL_ALIGN, &per) ||
         __builtin_mul_overflow((size_t)x->depth + 2, per, &want))
         want = SIZE_MAX;
-    pl_pool_raise_cap(x->pool, PL_MIN(want, pl_pool_default_cap()));
+    pl_pool_client_raise_cap(x->pool, x->client, PL_MIN(want, pl_pool_cap(x->pool)));
 }
 
-/* Reserve the staged area. A first attempt does not wait, so a stall is counted only when this
- * transfer itself had to wait (the pool's own counters include every user of a shared pool). */
+/* The bound a request of the client meets: its own cap within the pool's. */
+static size_t effective_cap(const pl_xfer *x)
+{
+    size_t cap = pl_pool_cap(x->pool);
+    if (x->client) {
+        pl_pool_client_stats cs;
+        pl_pool_client_get_stats(x->pool, x->client, &cs);
+        if (cs.cap)
+            cap = PL_MIN(cap, cs.cap);
+    }
+    return cap;
+}
+
+/* Reserve the staged area, charged to the client. A wait is counted in the client's stats (and
+ * the pool's); times gets this transfer's share of them. */
 static int reserve(const pl_xfer *x, size_t n, pl_region **region, pl_xfer_times *times,
                    char *what, size_t what_len)
 {
-    if (x->cap_follows_batches)
+    if (x->cap_follows_batches && x->client)
         follow_batch_size(x, n);
-    int rc = pl_pool_reserve(x->pool, n, 0, x->stop, region);
-    if (rc == PL_ERR_TIMEOUT) {
-        int64_t t0 = pl_now_ns();
-        rc = pl_pool_reserve(x->pool, n, -1, x->stop, region);
-        times->stalled = 1;
-        times->stall_ns = pl_now_ns() - t0;
+    pl_pool_client_stats before, after;
+    if (x->client)
+        pl_pool_client_get_stats(x->pool, x->client, &before);
+    int rc = pl_pool_reserve_for(x->pool, x->client, n, -1, x->stop, region);
+    if (x->client) {
+        /* Only this transfer reserves for the client: the difference is its own wait. */
+        pl_pool_client_get_stats(x->pool, x->client, &after);
+        times->stalled = after.waits > before.waits;
+        times->stall_ns = after.wait_ns - before.wait_ns;
     }
     if (rc == PL_ERR_OVER_CAP)
         snprintf(what, what_len, "a batch of %zu bytes to stage can never fit under the pinned "
-                 "cap of %zu bytes (%s)", n, pl_pool_cap(x->pool),
-                 x->cap_follows_batches ? "the default cap, pinloader.default_pinned_cap(); pass "
-                 "max_pinned_bytes or a PinnedPool to allow more" : "max_pinned_bytes or the pool's max_bytes");
+                 "cap of %zu bytes (%s)", n, effective_cap(x), x->bound ? x->bound : "the pool's max_bytes");
     else if (rc == PL_ERR_INVALID_VALUE)
         snprintf(what, what_len, "the shared PinnedPool was closed");
     else if (rc != PL_OK)

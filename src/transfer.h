@@ -64,7 +64,9 @@ typedef struct pl_xfer {
     const pl_backend *b;
     int device;
     pl_pool *pool;
-    int cap_follows_batches; /* a private pool without a fixed cap: see Note [private pool cap] */
+    pl_pool_client *client;  /* the caller's bound within pool (Note [pool clients] in pool.h) */
+    int cap_follows_batches; /* the client's cap follows the batches: Note [pinned bound] */
+    const char *bound;       /* what sets the bound, for PoolExhausted: "max_pinned_bytes", ... */
     int depth;
     pl_stager *stager;
     pl_stream *copy_stream;

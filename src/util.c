@@ -1,6 +1,7 @@
 #include "util.h"
 
 #include "backend.h"
+#include "numa.h"
 
 #include <errno.h>
 #include <stdatomic.h>
@@ -10,8 +11,6 @@
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
-
-volatile int pl_forked_child = 0;
 
 /* See Note [fork generations] in util.h. Written only by the child's atfork handler, which runs
  * while the child has a single thread. */
@@ -126,7 +125,7 @@ static void *prefault_main(void *arg)
     return NULL;
 }
 
-int pl_os_alloc(size_t n, void **out)
+int pl_os_alloc(size_t n, int numa_node, void **out)
 {
     size_t page = pl_page_size();
     if (n == 0 || pl_align_up_checked(n, page, &n) != 0)
@@ -134,6 +133,9 @@ int pl_os_alloc(size_t n, void **out)
     void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return PL_ERR_NO_MEMORY;
+    /* Before the first touch, which places the pages (a refusal leaves them anywhere). */
+    if (numa_node >= 0)
+        (void)pl_numa_prefer(p, n, numa_node);
     /* Below a few MiB the threads cost more than the faults they share. */
     enum { MAX_THREADS = 8 };
     int nthreads = (int)PL_MIN((size_t)PL_MIN(pl_cpu_count(), MAX_THREADS), n / ((size_t)4 << 20));

@@ -39,7 +39,7 @@ static inline int pl_align_up_checked(size_t n, size_t a, size_t *out)
 
 /* Anonymous page-aligned memory with every page touched by several threads, so that pinning
  * it (cudaHostRegister) or first use does not fault page by page on one core. */
-int pl_os_alloc(size_t n, void **out);
+int pl_os_alloc(size_t n, int numa_node, void **out);
 void pl_os_free(void *p, size_t n);
 size_t pl_page_size(void);
 /* Physical memory and RLIMIT_MEMLOCK in bytes (SIZE_MAX when unlimited). */

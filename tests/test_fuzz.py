@@ -47,7 +47,7 @@ pytestmark = pytest.mark.fuzz
 
 DEVICE = "cpu"
 # max_pinned_bytes of every prefetcher here: bounds the memory a huge leaf may take (and stays
-# small: a private pool's first slab is as large as its cap, and every example makes one)
+# small: a bounded prefetcher's slabs are no larger than its bound)
 CAP = 4 << 20
 EXAMPLES = int(os.environ.get("PINLOADER_FUZZ_EXAMPLES", "150"))
 ALLOWED = (TypeError, ValueError, OverflowError, BufferError, pinloader.PoolExhausted)

@@ -129,7 +129,7 @@ def test_timeout_nan_refused_and_inf_means_no_limit():
 
 
 def test_private_pool_cap_never_raised_past_the_default():
-    # A 2**62-byte zero-stride leaf must not raise the prefetcher's private pool cap past the
+    # A 2**62-byte zero-stride leaf must not raise the prefetcher's pinned bound past the
     # documented default (it once became 2**61).
     leaf = np.broadcast_to(np.zeros((), np.uint8), (2**62,))
     with pinloader.AsyncPrefetcher([leaf], device="cpu") as pf:

@@ -924,7 +924,7 @@ def test_soak_20000_small_batches_flat_resources():
                 st = pf.stats()
                 samples[count] = dict(
                     rss=proc.memory_info().rss,
-                    reserved=st["pinned_bytes_reserved"],
+                    reserved=st["pool_bytes_reserved"],
                     blocks=live_blocks()[0] - base_blocks[0],
                     fds=count_fds(),
                     tasks=count_tasks(),
@@ -1142,10 +1142,17 @@ def test_bad_arguments(kwargs, exc, text):
     assert text in str(info.value), str(info.value)
 
 
-def test_pool_and_max_pinned_bytes_together_rejected():
-    pool = pinloader.PinnedPool(max_bytes=1 << 20, device=DEVICE)
-    with pytest.raises(ValueError, match="pool"):
-        pinloader.AsyncPrefetcher([np.zeros(1)], device=DEVICE, pool=pool, max_pinned_bytes=1 << 20)
+def test_pool_and_max_pinned_bytes_together_bound_the_prefetcher_within_the_pool():
+    pool = pinloader.PinnedPool(max_bytes=8 << 20, device=DEVICE)
+    with pinloader.AsyncPrefetcher([np.zeros(1)], device=DEVICE, pool=pool,
+                                   max_pinned_bytes=64 << 10) as pf:
+        assert pf.stats()["pinned_cap"] == 64 << 10
+        assert pf.stats()["pool_cap"] == 8 << 20
+    with pinloader.AsyncPrefetcher([{"x": np.zeros(1 << 20, np.uint8)}], device=DEVICE, pool=pool,
+                                   max_pinned_bytes=64 << 10) as pf:
+        with pytest.raises(pinloader.PoolExhausted, match="max_pinned_bytes"):
+            next(pf)
+    pool.close()
 
 
 def test_failed_construction_leaks_no_threads():
