@@ -117,13 +117,18 @@ def calibrate(step, x, y, target_ms, device):
 def copy_ceiling(images, batch, device, repeats):
     """torch copy_ of one batch into pinned memory (all threads), and one pinned H2D copy."""
     torch.set_num_threads(os.cpu_count() or 1)
-    src = torch.from_numpy(images[:batch])
+    # A different batch of the array each time: copying one batch again and again would run
+    # from the host's last-level cache (hundreds of MiB on server CPUs), not from memory.
+    n_batches = max(1, len(images) // batch)
+    srcs = [torch.from_numpy(images[i * batch:(i + 1) * batch]) for i in range(n_batches)]
+    src = srcs[0]
     pin = device.type == "cuda"
     dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
     host = []
-    for _ in range(repeats + 2):
+    for i in range(max(repeats + 2, 2 * n_batches)):
+        s = srcs[i % n_batches]
         t0 = time.perf_counter()
-        dst.copy_(src)
+        dst.copy_(s)
         host.append(time.perf_counter() - t0)
     out = {"bytes": src.nbytes, "host_copy_gbps": common.summarize(src.nbytes / t / 1e9 for t in host[2:])}
     if pin:
