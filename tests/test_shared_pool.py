@@ -22,6 +22,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"
 
+# The tests that take `device` run on the host backend here and, on the GPU machine
+# (`pytest -m gpu`), on CUDA too: the default pool of a CUDA device holds cudaHostRegister'ed
+# slabs and its regions are released behind CUDA events.
+CUDA = pinloader.cuda_available()
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA device")])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
 
 def run_py(code, timeout=120):
     env = dict(os.environ)
@@ -42,20 +54,27 @@ def batches(n, nbytes, seed=0):
     return [{"x": np.full(nbytes, (seed + i) % 251, np.uint8), "i": i} for i in range(n)]
 
 
+def host_copy(leaf):
+    if leaf.device.startswith("cuda"):
+        import torch
+        return torch.from_dlpack(leaf).cpu().numpy()
+    return np.from_dlpack(leaf)
+
+
 def check(out, items):
     assert len(out) == len(items)
     for b, it in zip(out, items):
         assert b["i"] == it["i"]
-        np.testing.assert_array_equal(np.from_dlpack(b["x"]), it["x"])
+        np.testing.assert_array_equal(host_copy(b["x"]), it["x"])
 
 
-def test_default_pool_is_exported_and_is_the_prefetchers_pool():
-    pool = pinloader.default_pool(DEVICE)
-    assert pool is pinloader._C.default_pool(DEVICE)
+def test_default_pool_is_exported_and_is_the_prefetchers_pool(device):
+    pool = pinloader.default_pool(device)
+    assert pool is pinloader._C.default_pool(device)
     assert pool.max_bytes == pinloader.default_pool_cap() <= pinloader.default_pinned_cap()
     items = batches(4, 3 * MiB + 5)
     before = pool.stats()["allocs_cached"] + pool.stats()["allocs_new"]
-    with pinloader.AsyncPrefetcher(items, device=DEVICE) as pf:
+    with pinloader.AsyncPrefetcher(items, device=device) as pf:
         check(drain(pf), items)
         st = pf.stats()
     after = pool.stats()["allocs_cached"] + pool.stats()["allocs_new"]
@@ -64,14 +83,14 @@ def test_default_pool_is_exported_and_is_the_prefetchers_pool():
     assert 0 < st["pinned_bytes_peak"] <= st["pinned_cap"] <= st["pool_cap"]
 
 
-def test_a_prefetcher_per_epoch_reuses_the_previous_epochs_slabs():
-    pool = pinloader.default_pool(DEVICE)
+def test_a_prefetcher_per_epoch_reuses_the_previous_epochs_slabs(device):
+    pool = pinloader.default_pool(device)
     items = batches(6, 5 * MiB + 123)
-    with pinloader.AsyncPrefetcher(items, device=DEVICE, depth=2) as pf:   # the first epoch
+    with pinloader.AsyncPrefetcher(items, device=device, depth=2) as pf:   # the first epoch
         check(drain(pf), items)
     before = pool.stats()
     for epoch in range(3):
-        with pinloader.AsyncPrefetcher(items, device=DEVICE, depth=2) as pf:
+        with pinloader.AsyncPrefetcher(items, device=device, depth=2) as pf:
             check(drain(pf), items)
             st = pf.stats()
         assert 0 < st["pinned_bytes_peak"] <= st["pinned_cap"] <= st["pool_cap"]
@@ -81,10 +100,10 @@ def test_a_prefetcher_per_epoch_reuses_the_previous_epochs_slabs():
     assert after["allocs_cached"] == before["allocs_cached"] + 3 * len(items)
 
 
-def test_per_prefetcher_bound_holds_within_the_default_pool():
+def test_per_prefetcher_bound_holds_within_the_default_pool(device):
     cap = 3 * MiB
     items = batches(30, 1 * MiB)
-    with pinloader.AsyncPrefetcher(items, device=DEVICE, depth=4, max_pinned_bytes=cap) as pf:
+    with pinloader.AsyncPrefetcher(items, device=device, depth=4, max_pinned_bytes=cap) as pf:
         check(drain(pf), items)
         st = pf.stats()
     assert st["pinned_cap"] == cap
@@ -133,10 +152,10 @@ def test_max_pinned_bytes_above_the_default_pools_cap_gets_a_pool_of_its_own():
     assert "DEFAULT 0" in p.stdout, describe(p)     # the default pool was not touched
 
 
-def test_default_pool_cap_holds_with_several_prefetchers_at_once():
+def test_default_pool_cap_holds_with_several_prefetchers_at_once(device):
     # Several threads, each with its own prefetcher of the default pool, at once: the pool never
     # exceeds its cap, each prefetcher stays within its own bound, and every batch arrives.
-    pool = pinloader.default_pool(DEVICE)
+    pool = pinloader.default_pool(device)
     errors = []
     results = {}
 
@@ -144,7 +163,7 @@ def test_default_pool_cap_holds_with_several_prefetchers_at_once():
         try:
             items = batches(25, (k + 1) * 512 * KiB + 77 * k, seed=k)
             bound = (k + 2) * MiB
-            with pinloader.AsyncPrefetcher(items, device=DEVICE, depth=3, max_pinned_bytes=bound) as pf:
+            with pinloader.AsyncPrefetcher(items, device=device, depth=3, max_pinned_bytes=bound) as pf:
                 out = drain(pf)
                 check(out, items)
                 del out
@@ -193,10 +212,10 @@ def test_stall_counters_count_only_this_prefetchers_waits_on_the_default_pool():
     assert a_stats["pool_waits"] >= a_stats["pinned_stalls"]
 
 
-def test_trim_returns_idle_slabs_after_prefetchers_close():
-    pool = pinloader.default_pool(DEVICE)
+def test_trim_returns_idle_slabs_after_prefetchers_close(device):
+    pool = pinloader.default_pool(device)
     items = batches(5, 9 * MiB)
-    pfs = [pinloader.AsyncPrefetcher(items, device=DEVICE) for _ in range(2)]
+    pfs = [pinloader.AsyncPrefetcher(items, device=device) for _ in range(2)]
     for pf in pfs:
         check(drain(pf), items)
     assert pool.stats()["reserved_bytes"] > 0
@@ -206,15 +225,15 @@ def test_trim_returns_idle_slabs_after_prefetchers_close():
     st = pool.stats()
     assert freed > 0 and st["reserved_bytes"] == 0 and st["in_use_bytes"] == 0, (freed, st)
     # still usable afterwards: a new prefetcher pins again
-    with pinloader.AsyncPrefetcher(items, device=DEVICE) as pf:
+    with pinloader.AsyncPrefetcher(items, device=device) as pf:
         check(drain(pf), items)
     assert pool.stats()["slabs_created"] > st["slabs_created"]
 
 
-def test_open_prefetcher_keeps_its_regions_through_trim():
-    pool = pinloader.default_pool(DEVICE)
+def test_open_prefetcher_keeps_its_regions_through_trim(device):
+    pool = pinloader.default_pool(device)
     items = batches(3, 2 * MiB)
-    with pinloader.AsyncPrefetcher(items, device=DEVICE) as pf:
+    with pinloader.AsyncPrefetcher(items, device=device) as pf:
         out = drain(pf)
         pool.trim()          # frees only slabs with no live region
         check(out, items)
