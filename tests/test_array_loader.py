@@ -659,14 +659,27 @@ def test_ddp_example_matches_plain_indexing_on_cpu():
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", "ddp_train.py"), "--cpu", "--epochs", "2", "--rows", "1001"]
-    procs = [subprocess.Popen(cmd + extra, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for extra in ([], ["--plain"])]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    lines = [o.splitlines() for o, _ in outs]
     # 1001 rows, 2 ranks: 501 rows each, 8 batches of 64, 2 epochs; both ranks' losses per line
-    assert len(lines[0]) == 2 * 8
+    expected_lines = 2 * 8
+
+    def run(extra):
+        # One retry, only for a known teardown abort of torch's gloo backend at process exit
+        # ("terminate called without an active exception", a rank killed by SIGABRT after the
+        # whole run printed): seen with and without pinloader in the loop (--plain), never
+        # before the last line. Any other failure, or the same one twice, fails the test.
+        for attempt in range(2):
+            p = subprocess.run(cmd + extra, env=env, cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+            lines = p.stdout.splitlines()
+            teardown_abort = (p.returncode != 0 and len(lines) == expected_lines
+                              and "terminate called without an active exception" in p.stderr)
+            if p.returncode == 0 or not teardown_abort or attempt == 1:
+                assert p.returncode == 0, p.stderr[-3000:]
+                return lines
+        raise AssertionError("unreachable")
+
+    lines = [run([]), run(["--plain"])]
+    assert len(lines[0]) == expected_lines
     assert lines[0] == lines[1]
     assert lines[0][-1].startswith("epoch 1 step 7 losses ") and len(lines[0][-1].split()) == 7
 
