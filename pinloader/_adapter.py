@@ -21,13 +21,14 @@ from ._stats import PrefetcherStats
 _native_export = getattr(_C, "export_capsules", None)
 
 
-def export_leaves(leaves: list, stream: Any) -> list:
+def export_leaves(leaves: list[Any], stream: Any) -> list[Any]:
     """DLPack capsules of ``leaves`` (DeviceArrays; other objects are passed through) for the
     consumer's ``stream`` (a DLPack stream handle, None for the host backend)."""
     if _native_export is not None and stream is not None:
         # One call for the batch: the stream waits once. Host-backend leaves (stream None) need
         # no stream wait, so each leaf's own __dlpack__() costs as little.
-        return _native_export(leaves, stream)
+        out: list[Any] = _native_export(leaves, stream)
+        return out
     return [leaf.__dlpack__(stream=stream) if type(leaf) is DeviceArray else leaf
             for leaf in leaves]
 
@@ -39,7 +40,7 @@ _KEEP = 0         # (_KEEP, obj, None): a subtree without DeviceArrays, returned
 _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _DICT_SUB, _LIST_SUB, _DATACLASS = range(1, 8)
 
 
-def _children(values: Any, leaves: list) -> list:
+def _children(values: Any, leaves: list[Any]) -> list[Any]:
     # DeviceArray children inline: most batches are flat dicts or tuples of arrays.
     out = []
     for v in values:
@@ -51,7 +52,7 @@ def _children(values: Any, leaves: list) -> list:
     return out
 
 
-def flatten(obj: Any, leaves: list) -> Any:
+def flatten(obj: Any, leaves: list[Any]) -> Any:
     """Append ``obj``'s DeviceArray leaves to ``leaves`` (in order) and return the spec that
     :func:`rebuild` turns back into the structure. Containers are those the prefetcher
     produces: list, tuple, namedtuple, dict, dict subclasses (rebuilt from a shallow copy, so
@@ -62,6 +63,7 @@ def flatten(obj: Any, leaves: list) -> Any:
         leaves.append(obj)
         return _LEAF
     n = len(leaves)
+    spec: tuple[int, Any, list[Any]]
     if t is dict:
         spec = (_DICT, tuple(obj), _children(obj.values(), leaves))
     elif t is list:
@@ -133,7 +135,7 @@ class FrameworkPrefetcher:
         """The DLPack stream handle the batch is handed to, looked up once per batch."""
         return None
 
-    def _import_leaves(self, leaves: list) -> list:
+    def _import_leaves(self, leaves: list[Any]) -> list[Any]:
         """The framework arrays for one batch's DeviceArray leaves (the default: ``convert``
         of each DeviceArray, which resolves the framework's stream itself)."""
         convert = self._convert
@@ -147,7 +149,7 @@ class FrameworkPrefetcher:
         batch = next(self._pf)
         if type(batch) is DeviceArray:
             return self._import_leaves([batch])[0]
-        leaves: list = []
+        leaves: list[Any] = []
         spec = flatten(batch, leaves)
         if not leaves:
             return batch
@@ -158,7 +160,8 @@ class FrameworkPrefetcher:
 
     def stats(self) -> PrefetcherStats:
         """See :meth:`pinloader.AsyncPrefetcher.stats`."""
-        return self._pf.stats()
+        st: PrefetcherStats = self._pf.stats()
+        return st
 
     def close(self) -> None:
         """Stop the producer and free what is not handed out. Idempotent."""

@@ -44,7 +44,7 @@ __all__ = ["ArrayLoader"]
 _DEFAULT_DEPTH = 2
 
 
-def _flatten(obj: Any, path: str, out: list) -> Any:
+def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
     """Collect the leaves of ``obj`` into ``out`` as (path, leaf); return a template that
     :func:`_rebuild` fills."""
     if isinstance(obj, dict):
@@ -59,7 +59,7 @@ def _flatten(obj: Any, path: str, out: list) -> Any:
     return None
 
 
-def _rebuild(template: Any, leaves: Iterator) -> Any:
+def _rebuild(template: Any, leaves: Iterator[Any]) -> Any:
     if template is None:
         return next(leaves)
     tp, items = template
@@ -169,7 +169,7 @@ class _Plan:
 
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
-    leaves: list = []
+    leaves: list[Any] = []
     template: Any = None
     batch_size = n_batches = num_rows = num_items = num_samples = rank = seed = 0
     world_size = 1
@@ -219,7 +219,7 @@ class _Epochs:
         return _epoch_batches(self._plan, self._plan.epoch)
 
 
-def _check_shape(path: str, src: Any, shape: tuple) -> None:
+def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
     """Raise a clear error if the source no longer has the shape the loader was made for."""
     try:
         now = RowGather(src, ()).source_shape
@@ -331,7 +331,7 @@ class ArrayLoader:
             raise ValueError(f"ArrayLoader: rank must be < world_size, got rank={self.rank}, "
                              f"world_size={self.world_size}")
 
-        leaves: list = []
+        leaves: list[Any] = []
         template = _flatten(arrays, "arrays", leaves)
         if not leaves:
             raise ValueError("ArrayLoader: arrays holds no array")
@@ -498,7 +498,7 @@ class ArrayLoader:
 
     # ---- the rest ----
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The prefetcher's :meth:`~pinloader.AsyncPrefetcher.stats` (empty before the first
         iteration) and the loader's epoch, rank and world size."""
         s = dict(self._pf.stats()) if self._pf is not None else {}

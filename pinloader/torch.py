@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Iterable
 
 import torch as _torch
+from torch.utils.dlpack import from_dlpack as _torch_from_dlpack
 
 from . import _adapter
 from ._adapter import FrameworkPrefetcher
@@ -19,7 +20,7 @@ _warned_pin_memory = False
 
 # torch.from_dlpack of a capsule ends in torch._C._from_dlpack; calling it directly skips the
 # Python-level dispatch (the capsules come from pinloader, nothing else).
-_from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch.from_dlpack
+_from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch_from_dlpack
 
 
 def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
@@ -83,7 +84,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
         handle = _torch.cuda.current_stream(self._cuda_index).cuda_stream
         return handle if handle else 1
 
-    def _import_leaves(self, leaves: list) -> list:
+    def _import_leaves(self, leaves: list[Any]) -> list[Any]:
         capsules = _adapter.export_leaves(leaves, self._consumer_stream())
         convert = self._convert
         return [convert(c) for c in capsules]

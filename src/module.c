@@ -386,7 +386,7 @@ static PyMethodDef module_methods[] = {
     {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},
     {"_live_device_blocks", mod_live_device_blocks, METH_O, NULL},
     {"_numa_node_of_pci", mod_numa_node_of_pci, METH_O,
-     "_numa_node_of_pci(bus_id)\n--\n\nTest hook: the NUMA node pinned slabs of the GPU at this PCI "
+     "_numa_node_of_pci(bus_id, /)\n--\n\nTest hook: the NUMA node pinned slabs of the GPU at this PCI "
      "bus id would be placed on (-1: one node or unknown). PINLOADER_SYSFS_ROOT stands in for /."},
     {"_debug_hold_copies", mod_debug_hold_copies, METH_O,
      "_debug_hold_copies(on)\n--\n\nTest switch, host backend only: while on, every host stream holds "

@@ -455,10 +455,10 @@ static PyObject *client_get_pool(PyObject *op, void *c)
 
 static PyMethodDef client_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))client_alloc, METH_VARARGS | METH_KEYWORDS,
-     "alloc(nbytes, timeout=None)\n--\n\nAs PinnedPool.alloc, charged to this client: waits while "
+     "alloc($self, /, nbytes, timeout=None)\n--\n\nAs PinnedPool.alloc, charged to this client: waits while "
      "the client's own regions would pass its max_bytes."},
     {"stats", client_stats, METH_NOARGS,
-     "stats()\n--\n\nThe client's cap, bytes in use (regions handed out or pending release), "
+     "stats($self, /)\n--\n\nThe client's cap, bytes in use (regions handed out or pending release), "
      "peak, and its own waits."},
     {NULL, NULL, 0, NULL},
 };
