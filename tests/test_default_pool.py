@@ -8,9 +8,6 @@ cap within the pool, and its wait counters count only its own waits.
 import gc
 import os
 import random
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -18,6 +15,7 @@ import pytest
 
 import pinloader
 from pinloader import _C
+from helpers import describe, run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
@@ -28,15 +26,7 @@ def run_py(code, env_extra=None, timeout=120):
     env.pop("LOCAL_WORLD_SIZE", None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"subprocess still running after {timeout}s (hang)\n{e.stdout}\n{e.stderr}")
-
-
-def describe(p):
-    return f"rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    return run_child(code, env, timeout, cwd=ROOT)
 
 
 def test_default_pool_is_one_object_per_device_and_cannot_be_closed():

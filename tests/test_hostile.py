@@ -16,8 +16,6 @@ import ctypes
 import dataclasses
 import gc
 import os
-import subprocess
-import sys
 import textwrap
 import time
 import warnings
@@ -27,7 +25,7 @@ import numpy as np
 import pytest
 
 import pinloader
-from helpers import drain
+from helpers import WAIT_CHILD, describe, drain, run_child
 from pinloader import _C
 
 DEVICE = "cpu"
@@ -45,17 +43,7 @@ def run_py(code, timeout=60, env_extra=None):
     env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("PINLOADER_DEBUG", None)
     code = "import faulthandler; faulthandler.dump_traceback_later(%d, exit=True)\n" % (timeout - 10) + textwrap.dedent(code)
-    try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"subprocess still running after {timeout}s (hang)\nstdout:\n{out}\nstderr:\n{err[-4000:]}")
-
-
-def describe(p):
-    return f"rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    return run_child(code, env, timeout)
 
 
 def first_error(items, **kw):
@@ -558,18 +546,7 @@ import os, sys, time, warnings
 import numpy as np
 import pinloader
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-
-def wait_child(pid, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "HANG"
-"""
+""" + WAIT_CHILD.format(timeout=20.0, poll=0.01) + """"""
 
 
 def test_inherited_prefetcher_fails_fast_everywhere():

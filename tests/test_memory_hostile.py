@@ -9,9 +9,6 @@ could hang or crash on a bug runs in a subprocess under a timeout.
 import ctypes
 import math
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -20,7 +17,7 @@ import pytest
 import pinloader
 from pinloader import _C
 
-from helpers import drain
+from helpers import WAIT_CHILD, describe, drain, run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,17 +31,7 @@ def run_py(code, timeout=120):
         # it the fork children below skip the part that starts host stream threads.
         env["PL_TEST_CHILD_THREADS"] = "0"
     env.pop("PINLOADER_DEBUG", None)
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"subprocess still running after {timeout}s (hang)\nstdout:\n{out}\nstderr:\n{err[-4000:]}")
-
-
-def describe(p):
-    return f"rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    return run_child(code, env, timeout, cwd=ROOT)
 
 
 # ---- sizes ----
@@ -174,18 +161,7 @@ import numpy as np
 import pinloader
 from pinloader import _C
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-
-def wait_child(pid, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.002)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "HANG"
-
+""" + WAIT_CHILD.format(timeout=10.0, poll=0.002) + """
 def child(fn):
     code = 99
     try:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 import traceback
@@ -24,7 +22,7 @@ import numpy as np
 import pytest
 
 import pinloader
-from helpers import drain
+from helpers import WAIT_CHILD, describe, drain, run_child
 from pinloader import _C
 
 DEVICE = "cpu"
@@ -76,17 +74,7 @@ def run_py(code, timeout=40, env_extra=None):
     env.pop("PINLOADER_DEBUG", None)
     if env_extra:
         env.update(env_extra)
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                              text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"subprocess still running after {timeout}s (hang)\nstdout:\n{out}\nstderr:\n{err[-4000:]}")
-
-
-def describe(p):
-    return f"rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    return run_child(code, env, timeout, cwd=None)
 
 
 def good(i):
@@ -558,18 +546,7 @@ import faulthandler, gc, os, sys, time, warnings
 import numpy as np
 import pinloader
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-
-def wait_child(pid, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "HANG"
-
+""" + WAIT_CHILD.format(timeout=5.0, poll=0.01) + """
 def drain(pf):
     out = []
     while True:
@@ -619,8 +596,6 @@ with pinloader.AsyncPrefetcher([np.arange(3)], device="cpu") as pf2:
     assert "PARENT [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in p.stdout, describe(p)
     assert "PARENT NEW [[0, 1, 2]]" in p.stdout, describe(p)
     assert p.returncode == 0, describe(p)
-
-
 
 
 @pytest.mark.parametrize("how", ["sys-exit", "del-and-collect"])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pinloader
-from helpers import drain
+from helpers import describe, drain, run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
@@ -39,15 +39,7 @@ def run_py(code, timeout=120):
     env = dict(os.environ)
     env.pop("LOCAL_WORLD_SIZE", None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"subprocess still running after {timeout}s (hang)\n{e.stdout}\n{e.stderr}")
-
-
-def describe(p):
-    return f"rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    return run_child(code, env, timeout, cwd=ROOT)
 
 
 def batches(n, nbytes, seed=0):
