@@ -37,11 +37,15 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._C import AsyncPrefetcher, RowGather, permutation
+from ._C import AsyncPrefetcher, Registration, RowGather, permutation, register_rows
 
 __all__ = ["ArrayLoader"]
 
-_DEFAULT_DEPTH = 2
+_DEFAULT_DEPTH = 3
+_GATHER_MODES = ("auto", "host", "device")
+# gather="auto" reads items of at least this many bytes with the device gather (the kernel
+# over registered host memory) and smaller ones with the host gather; see _choose_gather.
+_DEVICE_GATHER_MIN_SPAN = 1
 
 
 def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
@@ -155,6 +159,9 @@ def _default_rank_world() -> tuple[int, int]:
         raise ValueError(f"ArrayLoader: RANK / WORLD_SIZE environment variables are not integers ({e})") from None
 
 
+_UNSET: Any = object()
+
+
 def _int_arg(name: str, value: Any, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"ArrayLoader: {name} must be an int, not {type(value).__name__}")
@@ -170,6 +177,8 @@ class _Plan:
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
     leaves: list[Any] = []
+    regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
+    dtypes: dict[str, Any] = {}  # leaf path -> the source's dtype when the loader was made
     template: Any = None
     batch_size = n_batches = num_rows = num_items = num_samples = rank = seed = 0
     world_size = 1
@@ -243,12 +252,15 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
         leaves = []
         for path, src, mapped, shape in plan.leaves:
             try:
-                g = RowGather(src, rows, window, ahead if mapped else None)
+                g = RowGather(src, rows, window, ahead if mapped else None, plan.regs.get(path))
             except (IndexError, ValueError, TypeError, BufferError) as e:
                 _check_shape(path, src, shape)
                 raise type(e)(f"{path}: {e}") from None
             if g.source_shape != shape:
                 _check_shape(path, src, shape)
+            if g.dtype != plan.dtypes[path]:
+                raise ValueError(f"{path}: the source changed dtype from {plan.dtypes[path]} to "
+                                 f"{g.dtype} under the ArrayLoader")
             leaves.append(g)
         yield _rebuild(plan.template, iter(leaves))
 
@@ -287,6 +299,23 @@ class ArrayLoader:
         else the ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
     windows : int, optional
         Sample windows of this many consecutive rows (token streams) instead of rows.
+    gather : {"auto", "host", "device"}, default "auto"
+        How a batch's rows reach the device. ``"host"``: the staging threads gather them into
+        pinned memory and one DMA copies the batch (three touches of host memory per byte).
+        ``"device"``: each source is registered with the CUDA driver once (page-locked and
+        mapped, read-only where the device supports it) and a kernel on the copy stream reads
+        the rows straight from host memory into the batch (one touch, no staging threads, no
+        pinned memory for the data); a source that cannot be (rows that are not contiguous
+        spans, over ``max_registered_bytes``, refused by the driver) is an error naming the
+        leaf. ``"auto"``: the device gather on CUDA for every leaf it can serve, else the host
+        gather, with the reason in :meth:`stats` (``gather_leaves``). The host backend
+        implements ``"device"`` too (same semantics, a copy on its stream thread); ``"auto"``
+        picks ``"host"`` there. Batches, events and lifetimes are the same either way.
+    max_registered_bytes : int, optional
+        Budget of host memory this process may register for the device gather (sources
+        already page-locked do not count). Default: the default pinned pool's cap (a quarter
+        of RAM, at most half of ``RLIMIT_MEMLOCK``, divided among ``LOCAL_WORLD_SIZE``
+        ranks): a dataset that does not fit comfortably is never locked in RAM.
     readahead : bool, optional
         Advise the kernel (``madvise(MADV_WILLNEED)``) about the next batch's rows of
         memory-mapped sources while the current batch is gathered. Default: only for mappings
@@ -307,10 +336,20 @@ class ArrayLoader:
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, device: Any = None, depth: int | None = None,
                  rank: int | None = None, world_size: int | None = None, windows: int | None = None,
-                 readahead: bool | None = None, **prefetch_opts: Any) -> None:
+                 readahead: bool | None = None, gather: str = "auto",
+                 max_registered_bytes: int | None = None, **prefetch_opts: Any) -> None:
         self._pf: AsyncPrefetcher | None = None
         self._holds: list[memoryview] = []
+        self._regs: dict[str, Registration] = {}
+        self._reg_device: Any = _UNSET
+        self._gather_info: list[dict[str, Any]] = []
         self._closed = False
+        if gather not in _GATHER_MODES:
+            raise ValueError(f"ArrayLoader: gather must be one of {', '.join(map(repr, _GATHER_MODES))}, "
+                             f"not {gather!r}")
+        self.gather = gather
+        self._max_registered = (None if max_registered_bytes is None
+                                else _int_arg("max_registered_bytes", max_registered_bytes, 0))
         self.batch_size = _int_arg("batch_size", batch_size, 1)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"ArrayLoader: seed must be an int, not {type(seed).__name__}")
@@ -337,6 +376,7 @@ class ArrayLoader:
             raise ValueError("ArrayLoader: arrays holds no array")
         self.windows = None if windows is None else _int_arg("windows", windows, 1)
         plan_leaves = []
+        dtypes: dict[str, Any] = {}
         lengths: dict[str, int] = {}
         empty = np.empty(0, np.int64)
         for path, src in leaves:
@@ -348,7 +388,12 @@ class ArrayLoader:
                 raise type(e)(f"{path}: {e}") from None
             shape = probe.source_shape
             lengths[path] = shape[0]
+            # Each batch's RowGather takes its own view of the live source (Note [array sources]
+            # in src/gather.c), checked against the shape and dtype seen here: a source
+            # reshaped, retyped or resized in place since is a clear error, and changes made
+            # while a batch is being gathered cannot reach the gather.
             plan_leaves.append((path, src, _wants_readahead(src, readahead), shape))
+            dtypes[path] = probe.dtype
         if len(set(lengths.values())) > 1:
             detail = ", ".join(f"{p}: {n}" for p, n in lengths.items())
             raise ValueError(f"ArrayLoader: the arrays must have the same first dimension, got {detail}")
@@ -370,6 +415,7 @@ class ArrayLoader:
 
         plan = _Plan()
         plan.leaves = plan_leaves
+        plan.dtypes = dtypes
         plan.template = template
         plan.batch_size = self.batch_size
         plan.n_batches = n_batches
@@ -384,6 +430,53 @@ class ArrayLoader:
         self._consumed = 0
         self._done = False
         self._failed = False
+
+    # ---- the device gather ----
+
+    def _register(self, device: Any) -> None:
+        """Choose each leaf's gather for ``device`` and register the sources that the device
+        gather reads: at the first iteration, once the device is final (an adapter may set it),
+        and kept until :meth:`close`."""
+        key = str(device)
+        if self._reg_device == key:
+            return
+        self._release_registrations()
+        info = []
+        for path, src, _, _ in self._plan.leaves:
+            mode, reason = self._choose_gather(path, src, device)
+            info.append({"leaf": path, "gather": mode, "reason": reason})
+        self._gather_info = info
+        self._plan.regs = dict(self._regs)
+        self._reg_device = key
+
+    def _choose_gather(self, path: str, src: Any, device: Any) -> tuple[str, str]:
+        if self.gather == "host":
+            return "host", "gather='host'"
+        reg, why = register_rows(src, self.windows, device, self._max_registered)
+        if reg is not None and self.gather == "auto":
+            span = reg.span
+            if reg.backend != "cuda":
+                why = "the host backend: its staging threads are the host's gather"
+            elif span < _DEVICE_GATHER_MIN_SPAN:
+                why = f"items of {span} bytes: below {_DEVICE_GATHER_MIN_SPAN} the host gather is faster"
+            else:
+                why = ""
+            if why:
+                reg.close()
+                reg = None
+        if reg is None:
+            if self.gather == "device":
+                raise ValueError(f"{path}: gather='device' cannot serve this source: {why}")
+            return "host", why
+        self._regs[path] = reg
+        return "device", ""
+
+    def _release_registrations(self) -> None:
+        for reg in self._regs.values():
+            reg.close()
+        self._regs = {}
+        self._plan.regs = {}
+        self._reg_device = _UNSET
 
     # ---- sampling ----
 
@@ -423,6 +516,7 @@ class ArrayLoader:
 
     def _make_prefetcher(self) -> AsyncPrefetcher:
         depth = _DEFAULT_DEPTH if self._depth is None else self._depth
+        self._register(self._device)
         return AsyncPrefetcher(self._source, device=self._device, depth=depth, **self._opts)
 
     def __iter__(self) -> "ArrayLoader":
@@ -502,8 +596,12 @@ class ArrayLoader:
         """The prefetcher's :meth:`~pinloader.AsyncPrefetcher.stats` (empty before the first
         iteration) and the loader's epoch, rank and world size."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
+        modes = {i["gather"] for i in self._gather_info}
         s.update(epoch=self._epoch, rank=self.rank, world_size=self.world_size,
-                 batches_per_epoch=len(self))
+                 batches_per_epoch=len(self),
+                 gather=modes.pop() if len(modes) == 1 else "mixed",
+                 gather_leaves=[dict(i) for i in self._gather_info],
+                 registered_bytes=sum(r.nbytes for r in self._regs.values() if r.owned))
         return s
 
     def close(self) -> None:
@@ -511,6 +609,9 @@ class ArrayLoader:
         if self._pf is not None:
             self._pf.close()
         self._closed = True
+        # ranges are unregistered once no batch in flight reads them (Note [registered
+        # sources] in src/devgather.h); the prefetcher's close() waited for those
+        self._release_registrations()
         for mv in self._holds:
             mv.release()
         self._holds = []

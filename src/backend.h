@@ -35,6 +35,7 @@ enum {
 };
 
 typedef struct pl_stream pl_stream; /* cudaStream_t for CUDA; a worker thread for the host */
+typedef struct pl_gather_args pl_gather_args; /* devgather.h */
 typedef struct pl_event pl_event;   /* cudaEvent_t for CUDA */
 
 typedef enum { PL_BACKEND_HOST = 0, PL_BACKEND_CUDA = 1 } pl_backend_kind;
@@ -86,6 +87,21 @@ typedef struct pl_backend {
     /* Hold stream s (work queued after this call) until *gate becomes non-zero. A test facility
      * (cudaLaunchHostFunc on CUDA); never used on a data path. */
     int (*stream_hold)(pl_stream *s, volatile int *gate);
+
+    /* ---- device gather (Note [device gather] in devgather.h) ---- */
+    /* Page-lock [p, p + n) (page aligned) and map it for reads by every device, read-only
+     * where `device` supports that (*read_only says which). *dev: the address devices read p
+     * at. The host backend pins nothing: *dev = p. */
+    int (*host_register)(int device, void *p, size_t n, void **dev, int *read_only);
+    int (*host_unregister)(void *p);
+    /* Whether [p, p + n) already lies in one page-locked range known to the runtime (pinned by
+     * the user or another library): *dev its device address for p, else *dev = NULL. */
+    int (*host_mapped)(const void *p, size_t n, void **dev);
+    /* PL_OK when the gather kernel can run on `device` (loading it on first use), else an
+     * error with *why, a static sentence, saying what is missing. */
+    int (*gather_ready)(int device, const char **why);
+    /* Queue one gather (devgather.h) on stream s. */
+    int (*gather_launch)(const pl_gather_args *g, pl_stream *s);
 
     const char *(*error_name)(int code);
     const char *(*error_string)(int code);

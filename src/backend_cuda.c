@@ -10,12 +10,15 @@
  * The function table is the one piece of process-wide mutable state; it is written once under
  * pthread_once and read-only afterwards. */
 #include "backend.h"
+#include "devgather.h"
+#include "gather_kernel_image.h"
 #include "numa.h"
 #include "util.h"
 
 #include "cuda_api.h"
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +28,13 @@ static struct {
     PL_CUDA_API(X, PL_CU_T, PL_CU_TS)
 #undef X
 } cu;
+
+/* Optional functions (PL_CUDA_API_OPTIONAL): NULL when the runtime is too old for them. */
+static struct {
+#define X(ret, name, params) ret(*name) params;
+    PL_CUDA_API_OPTIONAL(X, PL_CU_T, PL_CU_TS)
+#undef X
+} cu_opt;
 
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 static int load_error = PL_ERR_NO_RUNTIME; /* written once in load_runtime */
@@ -105,6 +115,9 @@ static void load_runtime(void)
         return;                                                                             \
     }
     PL_CUDA_API(X, PL_CU_T, PL_CU_TS)
+#undef X
+#define X(ret, name, params) *(void **)&cu_opt.name = dlsym(h, #name);
+    PL_CUDA_API_OPTIONAL(X, PL_CU_T, PL_CU_TS)
 #undef X
     cu.cudaRuntimeGetVersion(&runtime_version);
     cu.cudaDriverGetVersion(&driver_version);
@@ -393,6 +406,168 @@ static int cuda_stream_hold(pl_stream *s, volatile int *gate)
     return (int)cu.cudaLaunchHostFunc((pl_cudaStream_t)s, hold_fn, (void *)gate);
 }
 
+/* ---- device gather (Note [device gather] in devgather.h) ---- */
+
+/* Registered sources are read by kernels of any device (portable), through a mapping, and
+ * only read: the read-only flag is asked for where the device supports it (it is also what a
+ * read-only file mapping, np.load(mmap_mode="r"), needs to register at all). Measured on the
+ * H200 host: 4 GiB of touched memory registered in 229 ms, 115 ms read-only. */
+static int cuda_host_register(int device, void *p, size_t n, void **dev, int *read_only)
+{
+    int rc = cuda_set_device(device);
+    if (rc != PL_OK)
+        return rc;
+    int ro = 0;
+    if (cu.cudaDeviceGetAttribute(&ro, pl_cudaDevAttrHostRegisterReadOnlySupported, device) != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        ro = 0;
+    }
+    unsigned flags = pl_cudaHostRegisterPortable | pl_cudaHostRegisterMapped;
+    pl_cudaError_t crc = cu.cudaHostRegister(p, n, flags | (ro ? pl_cudaHostRegisterReadOnly : 0));
+    if (crc != pl_cudaSuccess && ro) {
+        cu.cudaGetLastError();
+        ro = 0;
+        crc = cu.cudaHostRegister(p, n, flags);
+    }
+    if (crc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        return (int)crc;
+    }
+    void *d = NULL;
+    crc = cu.cudaHostGetDevicePointer(&d, p, 0);
+    if (crc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        cu.cudaHostUnregister(p);
+        cu.cudaGetLastError();
+        return (int)crc;
+    }
+    *dev = d;
+    *read_only = ro;
+    return PL_OK;
+}
+
+static int cuda_host_unregister(void *p)
+{
+    pl_cudaError_t rc = cu.cudaHostUnregister(p);
+    if (rc != pl_cudaSuccess)
+        cu.cudaGetLastError();
+    return (int)rc;
+}
+
+/* Both ends of the range in page-locked memory that maps them as one range: its device
+ * address. Memory pinned in two separate pieces that happen to be adjacent maps them
+ * consistently too, which is all the kernel needs. */
+static int cuda_host_mapped(const void *p, size_t n, void **dev)
+{
+    *dev = NULL;
+    struct pl_cudaPointerAttributes a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    if (cu.cudaPointerGetAttributes(&a, p) != pl_cudaSuccess ||
+        cu.cudaPointerGetAttributes(&b, (const char *)p + (n ? n - 1 : 0)) != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        return PL_OK;
+    }
+    if (a.type == pl_cudaMemoryTypeHost && b.type == pl_cudaMemoryTypeHost && a.devicePointer &&
+        b.devicePointer && (size_t)((char *)b.devicePointer - (char *)a.devicePointer) == (n ? n - 1 : 0))
+        *dev = a.devicePointer;
+    return PL_OK;
+}
+
+/* The kernels of src/gather_kernel.cu, by unit size, loaded once per process. A library is
+ * not tied to a context: the driver loads it into each device's context at its first launch
+ * there (JIT-compiling the PTX if no cubin fits the device). */
+static const char *const gather_kernel_names[5] = {"pl_gather_1", "pl_gather_2", "pl_gather_4",
+                                                   "pl_gather_8", "pl_gather_16"};
+static pthread_once_t gather_once = PTHREAD_ONCE_INIT;
+static pl_cudaKernel_t gather_kernels[5]; /* written once in load_gather */
+static int gather_error;                  /* written once in load_gather */
+static const char *gather_why;            /* written once in load_gather */
+
+static void load_gather(void)
+{
+    if (!cu_opt.cudaLibraryLoadData || !cu_opt.cudaLibraryGetKernel) {
+        gather_error = PL_ERR_NO_RUNTIME;
+        gather_why = "the CUDA runtime is older than 12.0 (no cudaLibraryLoadData)";
+        return;
+    }
+    pl_cudaLibrary_t lib = NULL;
+    pl_cudaError_t rc = cu_opt.cudaLibraryLoadData(&lib, pl_gather_image, NULL, NULL, 0, NULL, NULL, 0);
+    if (rc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        gather_error = (int)rc;
+        gather_why = "the driver could not load the gather kernel (cudaLibraryLoadData)";
+        return;
+    }
+    for (int i = 0; i < 5; i++) {
+        rc = cu_opt.cudaLibraryGetKernel(&gather_kernels[i], lib, gather_kernel_names[i]);
+        if (rc != pl_cudaSuccess) {
+            cu.cudaGetLastError();
+            gather_error = (int)rc;
+            gather_why = "the gather kernel image lacks a kernel (cudaLibraryGetKernel)";
+            return;
+        }
+    }
+    gather_error = PL_OK;
+}
+
+enum { MAX_GATHER_DEVICES = 64 };
+static atomic_int sm_count[MAX_GATHER_DEVICES]; /* 0: not read yet */
+
+static int cuda_gather_ready(int device, const char **why)
+{
+    pthread_once(&gather_once, load_gather);
+    if (gather_error != PL_OK) {
+        *why = gather_why;
+        return gather_error;
+    }
+    if (device < 0 || device >= MAX_GATHER_DEVICES) {
+        *why = "the device ordinal is out of range";
+        return PL_ERR_INVALID_DEVICE;
+    }
+    int n = 0;
+    pl_cudaError_t rc = cu.cudaDeviceGetAttribute(&n, pl_cudaDevAttrMultiProcessorCount, device);
+    if (rc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        *why = "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount) failed";
+        return (int)rc;
+    }
+    atomic_store(&sm_count[device], n > 0 ? n : 1);
+    return PL_OK;
+}
+
+static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
+{
+    const char *why;
+    int rc = cuda_gather_ready(g->device, &why);
+    if (rc != PL_OK)
+        return rc;
+    const int unit = pl_gather_unit(g);
+    const int k = __builtin_ctz((unsigned)unit);
+    char *dst = g->dst;
+    const pl_gather_pair *table = g->table;
+    const char *src = g->src;
+    long long row_stride = (long long)g->row_stride;
+    unsigned long long span_units = g->span / (size_t)unit;
+    unsigned long long total;
+    if (__builtin_mul_overflow(span_units, (unsigned long long)g->n, &total))
+        return PL_ERR_INVALID_VALUE;
+    /* 256 threads a block, at most 8 blocks per multiprocessor: each thread keeps 4 loads in
+     * flight (UNROLL in the kernel), far more than the link's bandwidth-delay product. */
+    const unsigned long long threads = 256;
+    unsigned long long blocks = (total + threads - 1) / threads;
+    unsigned long long max_blocks = (unsigned long long)atomic_load(&sm_count[g->device]) * 8;
+    if (blocks > max_blocks)
+        blocks = max_blocks;
+    void *args[] = {&dst, &table, &src, &row_stride, &span_units, &total};
+    struct pl_dim3 grid = {(unsigned)blocks, 1, 1}, block = {(unsigned)threads, 1, 1};
+    pl_cudaError_t crc = cu.cudaLaunchKernel((const void *)gather_kernels[k], grid, block, args, 0,
+                                             (pl_cudaStream_t)s);
+    if (crc != pl_cudaSuccess)
+        cu.cudaGetLastError();
+    return (int)crc;
+}
+
 static const char *cuda_error_name(int code)
 {
     return cu.cudaGetErrorName ? cu.cudaGetErrorName((pl_cudaError_t)code) : "cudaErrorUnknown";
@@ -427,6 +602,11 @@ static const pl_backend cuda_backend = {
     .memcpy_h2d_async = cuda_memcpy_h2d_async,
     .memcpy_d2h = cuda_memcpy_d2h,
     .stream_hold = cuda_stream_hold,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
+    .host_mapped = cuda_host_mapped,
+    .gather_ready = cuda_gather_ready,
+    .gather_launch = cuda_gather_launch,
     .error_name = cuda_error_name,
     .error_string = cuda_error_string,
 };

@@ -13,6 +13,7 @@
  * real background pipeline from it, and the test suite runs all pool and prefetcher logic
  * through it with real concurrency. */
 #include "backend.h"
+#include "devgather.h"
 #include "util.h"
 
 #include <errno.h>
@@ -62,7 +63,7 @@ void pl_host_hold_streams(int on)
     atomic_store(&hold_all, on ? 1 : 0);
 }
 
-typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_STOP } op_kind;
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_GATHER, OP_STOP } op_kind;
 
 typedef struct op {
     struct op *next;
@@ -84,6 +85,7 @@ struct pl_stream {
 };
 
 static void device_block_free(void *user);
+static void run_gather(const pl_gather_args *g);
 
 /* ---- events ---- */
 
@@ -208,6 +210,10 @@ static void *stream_main(void *arg)
             while (!__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 pl_sleep_ns(100000);
             break;
+        case OP_GATHER:
+            run_gather(o->dst);
+            free(o->dst);
+            break;
         case OP_STOP:
             break;
         }
@@ -324,6 +330,68 @@ static int host_stream_wait_event(pl_stream *s, pl_event *e)
     if (rc != PL_OK)
         rec_wait(r, 0); /* drops the reference */
     return rc;
+}
+
+/* ---- device gather (Note [device gather] in devgather.h) ---- */
+
+/* What the kernel does, on the stream's worker: the same table, read from the "device" block
+ * after the staged copy put it there, the same slots. */
+static void run_gather(const pl_gather_args *g)
+{
+    const size_t span = g->span;
+    for (int64_t i = 0; i < g->n; i++) {
+        const pl_gather_pair p = g->table[i];
+        memcpy(g->dst + (size_t)p.slot * span, g->src + p.row * g->row_stride, span);
+    }
+}
+
+static int host_gather_launch(const pl_gather_args *g, pl_stream *s)
+{
+    pl_gather_args *copy = malloc(sizeof(*copy));
+    if (!copy)
+        return PL_ERR_NO_MEMORY;
+    *copy = *g;
+    if (!s) {
+        run_gather(copy);
+        free(copy);
+        return PL_OK;
+    }
+    int rc = enqueue(s, OP_GATHER, copy, NULL, 0, NULL, NULL);
+    if (rc != PL_OK)
+        free(copy);
+    return rc;
+}
+
+static int host_gather_ready(int device, const char **why)
+{
+    (void)device;
+    (void)why;
+    return PL_OK;
+}
+
+/* "Registering" pins nothing on the host backend: the registry still counts the bytes against
+ * the budget, so the policy (budget, sharing, release) is the one CUDA runs. */
+static int host_host_register(int device, void *p, size_t n, void **dev, int *read_only)
+{
+    (void)device;
+    (void)n;
+    *dev = p;
+    *read_only = 1;
+    return PL_OK;
+}
+
+static int host_host_unregister(void *p)
+{
+    (void)p;
+    return PL_OK;
+}
+
+static int host_host_mapped(const void *p, size_t n, void **dev)
+{
+    (void)p;
+    (void)n;
+    *dev = NULL;
+    return PL_OK;
 }
 
 /* ---- memory ---- */
@@ -525,6 +593,11 @@ static const pl_backend host_backend = {
     .memcpy_h2d_async = host_memcpy_h2d_async,
     .memcpy_d2h = host_memcpy_d2h,
     .stream_hold = host_stream_hold,
+    .host_register = host_host_register,
+    .host_unregister = host_host_unregister,
+    .host_mapped = host_host_mapped,
+    .gather_ready = host_gather_ready,
+    .gather_launch = host_gather_launch,
     .error_name = host_error_name,
     .error_string = host_error_string,
 };

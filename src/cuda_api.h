@@ -34,6 +34,7 @@ typedef enum pl_cudaError {
     pl_cudaErrorNoDevice = 100,
     pl_cudaErrorInvalidDevice = 101,
     pl_cudaErrorNotReady = 600,
+    pl_cudaErrorHostMemoryAlreadyRegistered = 712,
     pl_cudaErrorUnknown = 999,
 } pl_cudaError_t;
 
@@ -41,10 +42,14 @@ typedef enum pl_cudaError {
 typedef struct pl_CUstream_st *pl_cudaStream_t;
 typedef struct pl_CUevent_st *pl_cudaEvent_t;
 typedef struct pl_CUmemPoolHandle_st *pl_cudaMemPool_t;
+typedef struct pl_CUlib_st *pl_cudaLibrary_t;
+typedef struct pl_CUkern_st *pl_cudaKernel_t;
 
 /* ---- flags (#defines in driver_types.h) ---- */
 #define pl_cudaHostAllocPortable 0x01
 #define pl_cudaHostRegisterPortable 0x01
+#define pl_cudaHostRegisterMapped 0x02
+#define pl_cudaHostRegisterReadOnly 0x08
 #define pl_cudaStreamNonBlocking 0x01
 #define pl_cudaEventDisableTiming 0x02
 
@@ -85,7 +90,24 @@ enum pl_cudaMemLocationType {
     pl_cudaMemLocationTypeDevice = 1,
 };
 
+/* Passed only as NULL arrays with a count of 0 (cudaLibraryLoadData). */
+enum pl_cudaJitOption {
+    pl_cudaJitMaxRegisters = 0,
+};
+enum pl_cudaLibraryOption {
+    pl_cudaLibraryHostUniversalFunctionAndDataTable = 0,
+};
+
+enum pl_cudaDeviceAttr {
+    pl_cudaDevAttrMultiProcessorCount = 16,
+    pl_cudaDevAttrHostRegisterReadOnlySupported = 113,
+};
+
 /* ---- structs ---- */
+struct pl_dim3 {
+    unsigned int x, y, z;
+};
+
 struct pl_cudaPointerAttributes {
     enum pl_cudaMemoryType type;
     int device;
@@ -153,7 +175,23 @@ typedef void (*pl_cudaHostFn_t)(void *userData);
       (void **ptr, size_t size, T(cudaMemPool_t) memPool, T(cudaStream_t) stream))                 \
     X(T(cudaError_t), cudaFreeAsync, (void *devPtr, T(cudaStream_t) hStream))                      \
     X(T(cudaError_t), cudaLaunchHostFunc,                                                          \
-      (T(cudaStream_t) stream, T(cudaHostFn_t) fn, void *userData))
+      (T(cudaStream_t) stream, T(cudaHostFn_t) fn, void *userData))                               \
+    X(T(cudaError_t), cudaHostGetDevicePointer, (void **pDevice, void *pHost, unsigned int flags)) \
+    X(T(cudaError_t), cudaDeviceGetAttribute, (int *value, enum TS(cudaDeviceAttr) attr, int device)) \
+    X(T(cudaError_t), cudaLaunchKernel,                                                            \
+      (const void *func, struct TS(dim3) gridDim, struct TS(dim3) blockDim, void **args,           \
+       size_t sharedMem, T(cudaStream_t) stream))
+
+/* Functions of newer runtimes (CUDA 12.0: library management), looked up separately: without
+ * them only the device gather is unavailable (Note [device gather] in devgather.h). */
+#define PL_CUDA_API_OPTIONAL(X, T, TS)                                                             \
+    X(T(cudaError_t), cudaLibraryLoadData,                                                         \
+      (T(cudaLibrary_t) *library, const void *code, enum TS(cudaJitOption) *jitOptions,            \
+       void **jitOptionsValues, unsigned int numJitOptions,                                        \
+       enum TS(cudaLibraryOption) *libraryOptions, void **libraryOptionValues,                     \
+       unsigned int numLibraryOptions))                                                            \
+    X(T(cudaError_t), cudaLibraryGetKernel,                                                        \
+      (T(cudaKernel_t) *pKernel, T(cudaLibrary_t) library, const char *name))
 
 /* The names this project uses: the prefixed ones. */
 #define PL_CU_T(name) pl_##name

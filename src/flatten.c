@@ -2,6 +2,7 @@
  * the container rebuild. See Note [flatten in two passes] in flatten.h. GIL held throughout. */
 #include "flatten.h"
 
+#include "devgather.h"
 #include "gather.h"
 #include "np.h"
 #include "util.h"
@@ -159,8 +160,11 @@ static int add_owner(pl_flat *f, PyObject *o)
 
 /* Add an array leaf to the layout (see Note [batch layout]) and its node. `owner` keeps the
  * memory at `data` alive. */
-static int add_leaf(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
-                    const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned)
+/* Add an array leaf; `rows` and `gather` (both optional) make it row-gathered or
+ * device-gathered (see Note [device gather] in devgather.h). */
+static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
+                         const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned,
+                         const int64_t *rows, const pl_xfer_gather *gather)
 {
     if (ndim < 0 || ndim > PL_MAX_DIMS)
         return leaf_error(f, PyExc_ValueError, "%d dimensions (at most %d are supported)", ndim, PL_MAX_DIMS);
@@ -181,6 +185,9 @@ static int add_leaf(pl_flat *f, PyObject *key, PyObject *owner, const char *data
         memcpy(L->copy.strides, strides, (size_t)ndim * sizeof(int64_t));
     }
     L->direct = pinned;
+    L->copy.rows = rows;
+    if (gather)
+        L->gather = *gather;
     int rc = pl_layout_add(&f->layout, L);
     if (rc != PL_LAYOUT_OK) {
         char st[256];
@@ -196,6 +203,12 @@ static int add_leaf(pl_flat *f, PyObject *key, PyObject *owner, const char *data
         return -1;
     f->nodes[node].leaf = f->n_leaves++;
     return 0;
+}
+
+static int add_leaf(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
+                    const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned)
+{
+    return add_leaf_rows(f, key, owner, data, ndim, shape, strides, dt, pinned, NULL, NULL);
 }
 
 /* ---- NumPy leaves ---- */
@@ -254,9 +267,10 @@ static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
 /* ---- ArrayLoader rows ---- */
 
 /* A RowGather leaf (src/gather.c) is gathered by the staging threads straight from its source
- * (see Note [array sources] in gather.c and Note [row gather] in stager.c). Its rows were
- * validated when it was made; the RowGather, kept as the owner, keeps them and the source alive
- * until the batch is staged. */
+ * (see Note [array sources] in gather.c and Note [row gather] in stager.c), or, when it carries
+ * a registration of the prefetcher's backend, by the device gather (Note [device gather] in
+ * devgather.h). Its rows were validated when it was made; the RowGather, kept as the owner,
+ * keeps them, the registration and the source alive until the batch's copy is done. */
 static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
 {
     pl_row_gather_leaf g;
@@ -264,10 +278,16 @@ static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
     int64_t shape[PL_MAX_DIMS];
     for (int i = 0; i < g.ndim; i++)
         shape[i] = g.shape[i];
-    if (add_leaf(f, key, obj, g.src, g.ndim, shape, g.strides, g.dtype, 0) < 0)
-        return -1;
-    f->leaves[f->n_leaves - 1].copy.rows = g.rows;
-    return 0;
+    pl_xfer_gather dg = {0};
+    if (g.reg) {
+        if (pl_hostreg_backend(g.reg) != f->b)
+            return leaf_error(f, PyExc_ValueError, "its source was registered for the %s backend, but the "
+                              "prefetcher copies with the %s backend", pl_hostreg_backend(g.reg)->name, f->b->name);
+        dg.src = pl_hostreg_device_ptr(g.reg, g.src);
+        dg.row_stride = g.strides[0];
+        dg.span = g.span;
+    }
+    return add_leaf_rows(f, key, obj, g.src, g.ndim, shape, g.strides, g.dtype, 0, g.rows, g.reg ? &dg : NULL);
 }
 
 /* ---- DLPack leaves ---- */

@@ -11,6 +11,10 @@
  *   first non-array object it views (the mmap.mmap under an np.memmap, a bytearray...), so
  *   closing or resizing that object while rows are in flight is refused by Python itself
  *   (BufferError); NumPy refuses to resize an array that others reference;
+ * - the array rows are read from is the RowGather's own view of the source (a new ndarray over
+ *   the same memory that nobody else references), so assigning `a.shape` or `a.dtype` on the
+ *   caller's array, from any thread, cannot change the layout the staging threads or the
+ *   device gather read later;
  * - the rows are copied into memory the RowGather owns (the caller's array may change after)
  *   and each one checked, with its window, against the source's first dimension;
  * - the gathered size is computed with checked arithmetic.
@@ -40,6 +44,7 @@
  */
 #include "gather.h"
 
+#include "devgather.h"
 #include "util.h"
 
 #include <stdlib.h>
@@ -51,7 +56,18 @@ _Static_assert(sizeof(npy_intp) == sizeof(int64_t), "npy_intp must be 64-bit");
 
 typedef struct {
     PyObject_HEAD
-    PyObject *array;      /* the ndarray rows are read from (the source or a view of it) */
+    pl_hostreg *reg;
+    const pl_backend *b;
+    int device;
+    uint32_t gen;         /* Note [fork generations] */
+    size_t span;          /* bytes per item, when registered for */
+    int64_t window;
+} RegistrationObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *array;      /* the ndarray rows are read from: the RowGather's own view */
+    PyObject *registration; /* a Registration for the device gather, or NULL */
     PyObject *source;     /* what the caller passed */
     Py_buffer held;       /* an export on the object the array views; held.obj NULL if none */
     int64_t *rows;        /* n_rows validated starts, PyMem_Malloc'd */
@@ -72,6 +88,13 @@ void pl_row_gather_layout(PyObject *o, pl_row_gather_leaf *out)
     PyArrayObject *a = (PyArrayObject *)g->array;
     int nd = PyArray_NDIM(a), k = 0;
     out->src = PyArray_DATA(a);
+    out->reg = NULL;
+    out->span = 0;
+    if (g->registration) {
+        RegistrationObject *r = (RegistrationObject *)g->registration;
+        out->reg = r->reg;
+        out->span = r->span;
+    }
     out->dtype = g->dtype;
     out->rows = g->rows;
     out->shape[k] = g->n_rows;
@@ -85,6 +108,55 @@ void pl_row_gather_layout(PyObject *o, pl_row_gather_leaf *out)
         out->strides[k] = PyArray_STRIDES(a)[d];
     }
     out->ndim = k;
+}
+
+/* ---- device gather eligibility (Note [device gather] in devgather.h) ---- */
+
+/* The bytes array a spans, [*lo, *lo + *n). Sizes were checked by NumPy when a was made;
+ * the sums are checked again here. Returns -1 for an empty array. */
+static int array_extent(PyArrayObject *a, const char **lo, size_t *n)
+{
+    const int nd = PyArray_NDIM(a);
+    int64_t below = 0, above = (int64_t)PyArray_ITEMSIZE(a);
+    for (int d = 0; d < nd; d++) {
+        int64_t dim = PyArray_DIMS(a)[d], ext;
+        if (dim == 0)
+            return -1;
+        if (__builtin_mul_overflow(dim - 1, (int64_t)PyArray_STRIDES(a)[d], &ext))
+            return -1;
+        if (ext < 0 ? __builtin_add_overflow(below, ext, &below) : __builtin_add_overflow(above, ext, &above))
+            return -1;
+    }
+    *lo = (const char *)PyArray_DATA(a) + below;
+    *n = (size_t)(above - below);
+    return 0;
+}
+
+/* The bytes of one item (a row, or `window` rows) if they are one contiguous span of the
+ * source, else 0 with *why saying why not. */
+static size_t item_span(PyArrayObject *a, int64_t window, const char **why)
+{
+    const int nd = PyArray_NDIM(a);
+    int64_t expect = (int64_t)PyArray_ITEMSIZE(a);
+    for (int d = nd - 1; d >= 1; d--) {
+        if (PyArray_DIMS(a)[d] != 1 && PyArray_STRIDES(a)[d] != expect) {
+            *why = "the source's rows are not contiguous (strided or Fortran-order inner dimensions)";
+            return 0;
+        }
+        expect *= PyArray_DIMS(a)[d];
+    }
+    if (expect == 0) {
+        *why = "the source's rows are empty";
+        return 0;
+    }
+    if (window > 1) {
+        if (PyArray_STRIDES(a)[0] != expect) {
+            *why = "a window of rows is not contiguous in the source (the row stride is not the row size)";
+            return 0;
+        }
+        expect *= window;
+    }
+    return (size_t)expect;
 }
 
 /* ---- the source ---- */
@@ -306,6 +378,43 @@ static int64_t advise_rows(const char *data, int nd, const npy_intp *shape, cons
 
 /* ---- the type ---- */
 
+static int registration_check(PyObject *o);
+
+/* Take reg for the device gather of g's rows: same fork generation, open, covering the view,
+ * and the items one contiguous span of the size it was made for. */
+static int attach_registration(RowGatherObject *g, PyObject *reg_obj)
+{
+    if (!registration_check(reg_obj)) {
+        PyErr_Format(PyExc_TypeError, "registration must be a pinloader._C.Registration or None, not %.100s",
+                     Py_TYPE(reg_obj)->tp_name);
+        return -1;
+    }
+    RegistrationObject *r = (RegistrationObject *)reg_obj;
+    if (pl_inherited(r->gen)) {
+        pl_raise_forked("Registration");
+        return -1;
+    }
+    if (!r->reg) {
+        PyErr_SetString(PyExc_ValueError, "the registration is closed");
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)g->array;
+    const char *lo, *why = NULL;
+    size_t n;
+    if (array_extent(a, &lo, &n) < 0 || !pl_hostreg_covers(r->reg, lo, n)) {
+        PyErr_SetString(PyExc_ValueError, "the source does not lie inside the registered range");
+        return -1;
+    }
+    size_t span = item_span(a, g->window, &why);
+    if (!span || span != r->span || (g->window ? g->window : 1) != (r->window ? r->window : 1)) {
+        PyErr_Format(PyExc_ValueError, "the registration was made for items of %zu bytes, not for "
+                     "these rows (%s)", r->span, why ? why : "a different item size");
+        return -1;
+    }
+    g->registration = Py_NewRef(reg_obj);
+    return 0;
+}
+
 static void rg_clear_fields(RowGatherObject *g)
 {
     if (g->held.obj)
@@ -313,25 +422,38 @@ static void rg_clear_fields(RowGatherObject *g)
     g->held.obj = NULL;
     Py_CLEAR(g->array);
     Py_CLEAR(g->source);
+    Py_CLEAR(g->registration);
     PyMem_Free(g->rows);
     g->rows = NULL;
 }
 
 static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"source", "rows", "window", "readahead", NULL};
-    PyObject *src, *rows_obj, *window_obj = Py_None, *ahead_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OO:RowGather", kwlist, &src, &rows_obj,
-                                     &window_obj, &ahead_obj))
+    static char *kwlist[] = {"source", "rows", "window", "readahead", "registration", NULL};
+    PyObject *src, *rows_obj, *window_obj = Py_None, *ahead_obj = Py_None, *reg_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOO:RowGather", kwlist, &src, &rows_obj,
+                                     &window_obj, &ahead_obj, &reg_obj))
         return NULL;
     RowGatherObject *g = (RowGatherObject *)type->tp_alloc(type, 0);
     if (!g)
         return NULL;
     g->held.obj = NULL;
     g->source = Py_NewRef(src);
-    g->array = source_array(g, src);
-    if (!g->array)
+    PyObject *arr = source_array(g, src);
+    if (!arr)
         goto error;
+    /* the RowGather's own view (Note [array sources]); a plain ndarray, so that no subclass
+     * code (np.memmap's __array_finalize__) runs */
+    Py_INCREF(PyArray_DESCR((PyArrayObject *)arr));
+    g->array = PyArray_NewFromDescr(&PyArray_Type, PyArray_DESCR((PyArrayObject *)arr),
+                                    PyArray_NDIM((PyArrayObject *)arr), PyArray_DIMS((PyArrayObject *)arr),
+                                    PyArray_STRIDES((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)arr),
+                                    PyArray_FLAGS((PyArrayObject *)arr) & ~NPY_ARRAY_WRITEABLE, NULL);
+    if (!g->array || PyArray_SetBaseObject((PyArrayObject *)g->array, arr) < 0) {
+        if (!g->array)
+            Py_DECREF(arr);
+        goto error;
+    }
     PyArrayObject *a = (PyArrayObject *)g->array;
     PyArray_Descr *d = PyArray_DESCR(a);
     const char *why = NULL;
@@ -383,6 +505,8 @@ static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_OverflowError, "the gathered rows would be larger than the address space");
         goto error;
     }
+    if (reg_obj != Py_None && attach_registration(g, reg_obj) < 0)
+        goto error;
     if (ahead_obj != Py_None) {
         int64_t *ahead;
         Py_ssize_t n_ahead;
@@ -412,6 +536,7 @@ static int rg_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(g->array);
     Py_VISIT(g->source);
+    Py_VISIT(g->registration);
     return 0;
 }
 
@@ -479,6 +604,19 @@ static PyObject *rg_get_window(PyObject *op, void *c)
     return PyLong_FromLongLong(g->window);
 }
 
+static PyObject *rg_get_array(PyObject *op, void *c)
+{
+    (void)c;
+    return Py_NewRef(((RowGatherObject *)op)->array);
+}
+
+static PyObject *rg_get_registration(PyObject *op, void *c)
+{
+    (void)c;
+    RowGatherObject *g = (RowGatherObject *)op;
+    return Py_NewRef(g->registration ? g->registration : Py_None);
+}
+
 static PyObject *rg_get_advised(PyObject *op, void *c)
 {
     (void)c;
@@ -515,6 +653,8 @@ static PyGetSetDef rg_getset[] = {
     {"dtype", rg_get_dtype, NULL, "the source's dtype", NULL},
     {"rows", rg_get_rows, NULL, "the row indices (window starts), a copy", NULL},
     {"window", rg_get_window, NULL, "rows per window, or None", NULL},
+    {"array", rg_get_array, NULL, "the RowGather's own read-only view of the source, which rows are read from", NULL},
+    {"registration", rg_get_registration, NULL, "the Registration its rows are device-gathered through, or None", NULL},
     {"nbytes", rg_get_nbytes, NULL, "bytes of the gathered leaf", NULL},
     {"advised_bytes", rg_get_advised, NULL, "bytes of read-ahead given to madvise", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -545,6 +685,227 @@ static PyType_Spec rg_spec = {
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = rg_slots,
 };
+
+/* ---- registrations (Note [registered sources] in devgather.h) ---- */
+
+static int registration_check(PyObject *o)
+{
+    pl_state *st = pl_state_of_type(Py_TYPE(o));
+    return st && PyObject_TypeCheck(o, st->Registration_Type);
+}
+
+static void reg_release(RegistrationObject *r)
+{
+    pl_hostreg *h = r->reg;
+    r->reg = NULL;
+    if (!h)
+        return;
+    if (pl_inherited(r->gen))
+        return; /* the parent's range: never unregistered in a child */
+    Py_BEGIN_ALLOW_THREADS
+    pl_hostreg_release(h);
+    Py_END_ALLOW_THREADS
+}
+
+static void reg_dealloc(PyObject *op)
+{
+    PyTypeObject *tp = Py_TYPE(op);
+    reg_release((RegistrationObject *)op);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *reg_close(PyObject *op, PyObject *noargs)
+{
+    (void)noargs;
+    reg_release((RegistrationObject *)op);
+    Py_RETURN_NONE;
+}
+
+static PyObject *reg_get_nbytes(PyObject *op, void *c)
+{
+    (void)c;
+    RegistrationObject *r = (RegistrationObject *)op;
+    return PyLong_FromSize_t(r->reg && !pl_inherited(r->gen) ? pl_hostreg_bytes(r->reg) : 0);
+}
+
+static PyObject *reg_get_flag(PyObject *op, void *c)
+{
+    RegistrationObject *r = (RegistrationObject *)op;
+    if (!r->reg || pl_inherited(r->gen))
+        Py_RETURN_FALSE;
+    int v = c ? pl_hostreg_owned(r->reg) : pl_hostreg_read_only(r->reg);
+    return PyBool_FromLong(v);
+}
+
+static PyObject *reg_get_closed(PyObject *op, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(((RegistrationObject *)op)->reg == NULL);
+}
+
+static PyObject *reg_get_span(PyObject *op, void *c)
+{
+    (void)c;
+    return PyLong_FromSize_t(((RegistrationObject *)op)->span);
+}
+
+static PyObject *reg_get_backend(PyObject *op, void *c)
+{
+    (void)c;
+    return PyUnicode_FromString(((RegistrationObject *)op)->b->name);
+}
+
+static PyObject *reg_repr(PyObject *op)
+{
+    RegistrationObject *r = (RegistrationObject *)op;
+    if (!r->reg)
+        return PyUnicode_FromString("<pinloader._C.Registration (closed)>");
+    return PyUnicode_FromFormat("<pinloader._C.Registration %s:%d, %zu bytes, %s>", r->b->name, r->device,
+                                pl_hostreg_bytes(r->reg), pl_hostreg_owned(r->reg) ? "registered by pinloader"
+                                                                                    : "already page-locked");
+}
+
+static PyMethodDef reg_methods[] = {
+    {"close", reg_close, METH_NOARGS, "Give the registration back; the range is unregistered when no "
+     "RowGather in flight uses it any more. Idempotent."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reg_getset[] = {
+    {"nbytes", reg_get_nbytes, NULL, "bytes of the page-rounded registered range (0 once closed)", NULL},
+    {"owned", reg_get_flag, NULL, "True if pinloader registered the range (False: it was already page-locked)",
+     (void *)1},
+    {"read_only", reg_get_flag, NULL, "True if the device maps the range read-only", NULL},
+    {"closed", reg_get_closed, NULL, "True once close() ran", NULL},
+    {"span", reg_get_span, NULL, "bytes per item the registration was made for", NULL},
+    {"backend", reg_get_backend, NULL, "'cuda' or 'host': the backend whose kernels read the range", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot reg_slots[] = {
+    {Py_tp_dealloc, reg_dealloc},
+    {Py_tp_methods, reg_methods},
+    {Py_tp_getset, reg_getset},
+    {Py_tp_repr, reg_repr},
+    {Py_tp_doc, (void *)"A source's host range registered for the device gather (made by register_rows)."},
+    {0, NULL},
+};
+
+static PyType_Spec reg_spec = {
+    .name = "pinloader._C.Registration",
+    .basicsize = sizeof(RegistrationObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = reg_slots,
+};
+
+PyDoc_STRVAR(register_rows_doc,
+"register_rows(source, window=None, device=None, max_bytes=None) -> (Registration | None, reason)\n--\n\n"
+"Register the host memory of `source` (anything RowGather takes) so that the device gather can\n"
+"read its rows (or windows of `window` rows) with a kernel on `device`'s copy stream: the\n"
+"Registration, with reason '', or None with the reason it cannot be (the rows are not\n"
+"contiguous spans, the range does not fit in `max_bytes` of registered memory (default: the\n"
+"default pinned pool's cap), the driver refused, no gather kernel for the device...).\n"
+"Memory already page-locked is used as it is. Registrations of one range are shared.");
+
+static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"source", "window", "device", "max_bytes", NULL};
+    PyObject *src, *window_obj = Py_None, *device_obj = Py_None, *max_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:register_rows", kwlist, &src, &window_obj,
+                                     &device_obj, &max_obj))
+        return NULL;
+    pl_state *st = pl_state_of_module(m);
+    const pl_backend *b;
+    int device;
+    if (pl_resolve_device(st, device_obj, &b, &device) < 0)
+        return NULL;
+    size_t budget = pl_hostreg_default_budget();
+    if (max_obj != Py_None) {
+        if (PyBool_Check(max_obj) || !PyLong_Check(max_obj))
+            return PyErr_Format(PyExc_TypeError, "max_bytes must be an int or None, not %.100s",
+                                Py_TYPE(max_obj)->tp_name);
+        long long v = PyLong_AsLongLong(max_obj);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        if (v < 0)
+            return PyErr_Format(PyExc_ValueError, "max_bytes must be >= 0, got %lld", v);
+        budget = (size_t)v;
+    }
+    /* the source and its layout, exactly as a RowGather over it will see them */
+    PyObject *no_rows = PyTuple_New(0);
+    if (!no_rows)
+        return NULL;
+    PyObject *kw = window_obj != Py_None ? Py_BuildValue("{s:O}", "window", window_obj) : NULL;
+    PyObject *call_args = Py_BuildValue("(OO)", src, no_rows);
+    Py_DECREF(no_rows);
+    PyObject *probe = call_args ? PyObject_Call((PyObject *)st->RowGather_Type, call_args, kw) : NULL;
+    Py_XDECREF(call_args);
+    Py_XDECREF(kw);
+    if (!probe)
+        return NULL;
+    RowGatherObject *g = (RowGatherObject *)probe;
+    PyArrayObject *a = (PyArrayObject *)g->array;
+    const char *why = NULL, *lo;
+    size_t n, span = item_span(a, g->window, &why);
+    char text[300];
+    int rc;
+    if (!span)
+        goto refuse;
+    if (array_extent(a, &lo, &n) < 0) {
+        why = "the source is empty";
+        goto refuse;
+    }
+    if ((rc = b->gather_ready(device, &why)) != PL_OK) {
+        snprintf(text, sizeof text, "%s (%s)", why, pl_error_name(b, rc));
+        why = text;
+        goto refuse;
+    }
+    pl_hostreg *h = NULL;
+    int err = PL_OK;
+    Py_BEGIN_ALLOW_THREADS
+    if ((rc = b->set_device(device)) == PL_OK)
+        rc = pl_hostreg_acquire(b, lo, n, budget, &h, &err);
+    else
+        err = rc, rc = PL_REG_REFUSED;
+    Py_END_ALLOW_THREADS
+    if (rc == PL_REG_OVER_BUDGET) {
+        snprintf(text, sizeof text, "the source's %zu bytes do not fit in the registered-memory budget "
+                 "(max_registered_bytes=%zu, %zu already registered)", n, budget, pl_hostreg_total(b));
+        why = text;
+        goto refuse;
+    }
+    if (rc == PL_REG_OVERLAP) {
+        why = "the source overlaps a registered range without lying inside it";
+        goto refuse;
+    }
+    if (rc != PL_REG_OK) {
+        snprintf(text, sizeof text, "cudaHostRegister refused the source: %s (%s)", pl_error_name(b, err),
+                 pl_error_string(b, err));
+        why = text;
+        goto refuse;
+    }
+    RegistrationObject *r = PyObject_New(RegistrationObject, st->Registration_Type);
+    if (!r) {
+        Py_BEGIN_ALLOW_THREADS
+        pl_hostreg_release(h);
+        Py_END_ALLOW_THREADS
+        Py_DECREF(probe);
+        return NULL;
+    }
+    r->reg = h;
+    r->b = b;
+    r->device = device;
+    r->gen = pl_generation();
+    r->span = span;
+    r->window = g->window;
+    Py_DECREF(probe);
+    return Py_BuildValue("(Ns)", (PyObject *)r, "");
+
+refuse:
+    Py_DECREF(probe);
+    return Py_BuildValue("(Os)", Py_None, why);
+}
 
 /* ---- the epoch permutation (Note [epoch permutation]) ---- */
 
@@ -630,6 +991,8 @@ static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
 }
 
 static PyMethodDef gather_functions[] = {
+    {"register_rows", (PyCFunction)(void (*)(void))gather_register_rows, METH_VARARGS | METH_KEYWORDS,
+     register_rows_doc},
     {"permutation", (PyCFunction)(void (*)(void))gather_permutation, METH_VARARGS | METH_KEYWORDS, permutation_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -638,6 +1001,10 @@ int pl_gather_init(PyObject *m, pl_state *st)
 {
     st->RowGather_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &rg_spec, NULL);
     if (!st->RowGather_Type || PyModule_AddObjectRef(m, "RowGather", (PyObject *)st->RowGather_Type) < 0)
+        return -1;
+    st->Registration_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &reg_spec, NULL);
+    if (!st->Registration_Type ||
+        PyModule_AddObjectRef(m, "Registration", (PyObject *)st->Registration_Type) < 0)
         return -1;
     return PyModule_AddFunctions(m, gather_functions);
 }

@@ -17,6 +17,8 @@ typedef struct pl_row_gather_leaf {
     int64_t strides[PL_MAX_DIMS]; /* bytes */
     DLDataType dtype;
     const int64_t *rows; /* shape[0] validated entries, owned by the RowGather */
+    const struct pl_hostreg *reg; /* registered for the device gather, or NULL */
+    size_t span;         /* with reg: bytes per item (Note [device gather] in devgather.h) */
 } pl_row_gather_leaf;
 
 /* 1 if o is a pinloader._C.RowGather. */

@@ -1,6 +1,8 @@
 /* pinloader._C: module initialisation, state, exceptions and backend selection. */
 #include "module.h"
 
+#include "devgather.h"
+
 #include "block.h"
 #include "numa.h"
 #include "pool.h"
@@ -407,6 +409,7 @@ static void at_fork_child(void)
     pl_host_atfork_child();
     pl_block_atfork_child();
     pl_pool_atfork_child();
+    pl_hostreg_atfork_child();
 }
 
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
@@ -480,6 +483,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->AsyncPrefetcher_Type);
     Py_VISIT(st->Prim_Type);
     Py_VISIT(st->RowGather_Type);
+    Py_VISIT(st->Registration_Type);
     Py_VISIT(st->CudaError);
     Py_VISIT(st->PoolExhausted);
     Py_VISIT(st->numpy_dtype_fn);
@@ -497,6 +501,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->AsyncPrefetcher_Type);
     Py_CLEAR(st->Prim_Type);
     Py_CLEAR(st->RowGather_Type);
+    Py_CLEAR(st->Registration_Type);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->PoolExhausted);
     Py_CLEAR(st->numpy_dtype_fn);

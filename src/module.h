@@ -25,6 +25,7 @@ typedef struct {
     PyTypeObject *AsyncPrefetcher_Type;
     PyTypeObject *Prim_Type;
     PyTypeObject *RowGather_Type;
+    PyTypeObject *Registration_Type;
     PyObject *CudaError;
     PyObject *PoolExhausted;
     PyObject *numpy_dtype_fn; /* numpy.dtype */

@@ -499,7 +499,7 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
     pl_flat *f = &p->flat;
     if (bt->kind == B_READY) {
         bt->bytes = f->layout.payload;
-        bt->padding = f->layout.staged + f->layout.direct - f->layout.payload;
+        bt->padding = pl_layout_bytes(&f->layout) - f->layout.payload;
         pl_xfer x = {self->b, self->device, self->pool, self->client, self->cap_follows,
                      self->bound, self->depth, self->stager, self->copy_stream, &self->stop};
         pl_xfer_times tm;
@@ -514,14 +514,16 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
         pthread_mutex_unlock(&self->mu);
         if (rc != PL_OK)
             fail_batch(bt, rc, what);
-        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA stay
-         * there until the copy is done. */
+        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA or by
+         * the device gather stay there until the copy is done. Only sources read by DMA make the
+         * producer wait before next() (Note [sources reusing buffers]): a device-gathered
+         * source is a RowGather's, which no source refills. */
         if (f->layout.direct && bt->kind == B_READY) {
             pl_block_incref(bt->blk);
             self->last_direct = bt->blk;
         }
         p->prev_owners = pl_flat_take_owners(f, &p->prev_n);
-        if (f->layout.direct) {
+        if (f->layout.direct || f->layout.gathered) {
             pl_block_incref(bt->blk);
             p->prev_blk = bt->blk;
         }

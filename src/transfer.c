@@ -2,6 +2,8 @@
  * No Python. See transfer.h. */
 #include "transfer.h"
 
+#include "devgather.h"
+
 #include "pl_nvtx.h"
 #include "util.h"
 
@@ -38,29 +40,45 @@ int pl_layout_add(pl_layout *lay, pl_xfer_leaf *L)
         return PL_LAYOUT_TOO_LARGE;
     /* nbytes <= PTRDIFF_MAX: rounding up to PL_ALIGN cannot wrap a size_t. */
     size_t aligned = PL_ALIGN_UP(nbytes, PL_ALIGN);
-    int direct = L->direct && nbytes >= PL_DIRECT_MIN_BYTES && leaf_contiguous(c);
-    size_t staged = lay->staged, dir = lay->direct, total, payload;
-    size_t *area = direct ? &dir : &staged;
+    const int gathered = L->gather.src != NULL;
+    int direct = !gathered && L->direct && nbytes >= PL_DIRECT_MIN_BYTES && leaf_contiguous(c);
+    size_t staged = lay->staged, dir = lay->direct, gath = lay->gathered, total, payload;
+    size_t table = 0, table_off = 0;
+    if (gathered && nbytes) {
+        /* the pair table, in the staged area (Note [device gather] in devgather.h) */
+        if (__builtin_mul_overflow((size_t)c->shape[0], sizeof(pl_gather_pair), &table) ||
+            table > PL_LAYOUT_MAX_BYTES)
+            return PL_LAYOUT_TOO_LARGE;
+        table_off = staged;
+        if (__builtin_add_overflow(staged, PL_ALIGN_UP(table, PL_ALIGN), &staged))
+            return PL_LAYOUT_TOO_LARGE;
+    }
+    size_t *area = gathered ? &gath : direct ? &dir : &staged;
     size_t off = *area;
     if (__builtin_add_overflow(*area, aligned, area) ||
-        __builtin_add_overflow(staged, dir, &total) || total > PL_LAYOUT_MAX_BYTES ||
-        __builtin_add_overflow(lay->payload, nbytes, &payload))
+        __builtin_add_overflow(staged, dir, &total) || __builtin_add_overflow(total, gath, &total) ||
+        total > PL_LAYOUT_MAX_BYTES || __builtin_add_overflow(lay->payload, nbytes, &payload))
         return PL_LAYOUT_TOO_LARGE;
     c->nbytes = nbytes;
     L->off = off;
     L->direct = direct;
+    L->gather.table_off = table_off;
     lay->staged = staged;
     lay->direct = dir;
+    lay->gathered = gath;
     lay->payload = payload;
     return PL_LAYOUT_OK;
 }
 
 void pl_layout_finish(const pl_layout *lay, pl_xfer_leaf *leaves, int n)
 {
-    /* staged + direct <= PL_LAYOUT_MAX_BYTES was checked leaf by leaf. */
-    for (int i = 0; i < n; i++)
+    /* staged + direct + gathered <= PL_LAYOUT_MAX_BYTES was checked leaf by leaf. */
+    for (int i = 0; i < n; i++) {
         if (leaves[i].direct)
             leaves[i].off += lay->staged;
+        else if (leaves[i].gather.src)
+            leaves[i].off += lay->staged + lay->direct;
+    }
 }
 
 /* ---- the pinned region ---- */
@@ -161,7 +179,7 @@ static int stage(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, const pl_l
         return PL_ERR_NO_MEMORY;
     int staged = 0;
     for (int i = 0; i < n; i++)
-        if (!leaves[i].direct) {
+        if (!leaves[i].direct && !leaves[i].gather.src) {
             copies[staged] = leaves[i].copy;
             copies[staged].dst = (char *)region->ptr + leaves[i].off;
             staged++;
@@ -175,6 +193,42 @@ static int stage(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, const pl_l
     return rc;
 }
 
+/* The device-gathered leaves' pair tables, into the pinned region (copied with the staged
+ * area). */
+static int write_tables(const pl_xfer_leaf *leaves, int n, pl_region *region)
+{
+    for (int i = 0; i < n; i++) {
+        const pl_xfer_leaf *L = &leaves[i];
+        if (!L->gather.src || !L->copy.nbytes)
+            continue;
+        pl_gather_pair *t = (pl_gather_pair *)((char *)region->ptr + L->gather.table_off);
+        int rc = pl_gather_sort(L->copy.rows, L->copy.shape[0], L->gather.row_stride < 0, t);
+        if (rc != PL_OK)
+            return rc;
+    }
+    return PL_OK;
+}
+
+/* Queue the device-gathered leaves' kernels, after the staged area's copies (their tables). */
+static int launch_gathers(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, pl_block *blk)
+{
+    for (int i = 0; i < n; i++) {
+        const pl_xfer_leaf *L = &leaves[i];
+        if (!L->gather.src || !L->copy.nbytes)
+            continue;
+        pl_gather_args g = {(char *)blk->ptr + L->off,
+                            (const pl_gather_pair *)((char *)blk->ptr + L->gather.table_off),
+                            L->gather.src, L->gather.row_stride, L->gather.span, L->copy.shape[0],
+                            x->device};
+        PL_NVTX_PUSH("pinloader.gather");
+        int rc = x->b->gather_launch(&g, x->copy_stream);
+        PL_NVTX_POP();
+        if (rc != PL_OK)
+            return rc;
+    }
+    return PL_OK;
+}
+
 int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *lay, pl_block *blk,
                 pl_xfer_times *times, char *what, size_t what_len)
 {
@@ -186,7 +240,7 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
         return rc;
     rc = b->set_device(x->device);
     if (rc == PL_OK)
-        rc = pl_block_alloc(blk, lay->staged + lay->direct, x->copy_stream);
+        rc = pl_block_alloc(blk, pl_layout_bytes(lay), x->copy_stream);
     if (rc != PL_OK) {
         if (region)
             pl_pool_release(x->pool, region);
@@ -195,7 +249,11 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
     }
     if (region) {
         int64_t t0 = pl_now_ns();
-        rc = stage(x, leaves, n, lay, region, blk);
+        rc = write_tables(leaves, n, region);
+        times->sort_ns = pl_now_ns() - t0;
+        t0 = pl_now_ns();
+        if (rc == PL_OK)
+            rc = stage(x, leaves, n, lay, region, blk);
         times->staging_ns = pl_now_ns() - t0;
         if (rc != PL_OK) {
             /* Some copies may be queued: release only after the stream passes them. */
@@ -212,6 +270,8 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
             rc = b->memcpy_h2d_async((char *)blk->ptr + L->off, L->copy.src, L->copy.nbytes,
                                      x->copy_stream);
     }
+    if (rc == PL_OK)
+        rc = launch_gathers(x, leaves, n, blk);
     if (rc == PL_OK) {
         rc = b->event_record(blk->ready, x->copy_stream);
         blk->ready_recorded = rc == PL_OK;
@@ -221,7 +281,7 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
     times->issue_ns = pl_now_ns() - t1;
     if (rc != PL_OK) {
         mark_ready_after_failure(x, blk);
-        snprintf(what, what_len, "queuing the batch copy");
+        snprintf(what, what_len, "queuing the batch copy (or its device gather)");
     }
     return rc;
 }

@@ -4,8 +4,9 @@
  *
  * No Python here: the producer runs all of it without the GIL. It knows nothing of where the
  * leaves came from, so any source that can describe its batch as leaves uses it: the
- * AsyncPrefetcher's flatten.c today; a source that gathers rows of arrays by index would add a
- * leaf kind whose staging is a row gather. */
+ * AsyncPrefetcher's flatten.c, with array leaves, row-gathered leaves (staged by the stager,
+ * Note [row gather] in stager.c) and device-gathered leaves (read by a kernel, Note [device
+ * gather] in devgather.h). */
 #ifndef PL_TRANSFER_H
 #define PL_TRANSFER_H
 
@@ -27,15 +28,26 @@
  * `base + off` never wraps, and sums of two sizes never overflow a size_t. */
 #define PL_LAYOUT_MAX_BYTES ((size_t)PTRDIFF_MAX)
 
+/* A leaf whose rows a kernel reads from registered host memory (Note [device gather]). */
+typedef struct pl_xfer_gather {
+    const char *src;    /* the device's address of the source's row 0; NULL: not device-gathered */
+    int64_t row_stride; /* bytes */
+    size_t span;        /* bytes per item (one row, or one window) */
+    size_t table_off;   /* the pair table's offset in the staged area (set by layout) */
+} pl_xfer_gather;
+
 typedef struct pl_xfer_leaf {
-    pl_leaf_copy copy; /* the source: pointer, shape, byte strides, itemsize; nbytes set by layout */
+    pl_leaf_copy copy; /* the source: pointer, shape, byte strides, itemsize; nbytes set by layout;
+                        * with gather.src, copy.rows and copy.shape[0] are the items */
     size_t off;        /* offset in the device block (final after pl_layout_finish) */
     int direct;        /* copied by DMA straight from the source (set by layout) */
+    pl_xfer_gather gather;
 } pl_xfer_leaf;
 
 /* Note [batch layout]
- * A batch's device block holds its staged leaves first, then its direct leaves; each leaf
- * starts PL_ALIGN-aligned. The pinned region holds only the staged leaves, at the same offsets.
+ * A batch's device block holds its staged leaves first, then its direct and device-gathered
+ * leaves; each leaf starts PL_ALIGN-aligned. The pinned region holds only the staged area, at
+ * the same offsets: the staged leaves and the pair tables of device-gathered leaves.
  * pl_layout_add is the one place that turns a leaf's shape and itemsize into bytes and offsets:
  * every product and sum is checked (__builtin_*_overflow) and bounded by PL_LAYOUT_MAX_BYTES,
  * before anything is allocated and before any output object exists. The caller turns a refusal
@@ -43,6 +55,7 @@ typedef struct pl_xfer_leaf {
 typedef struct pl_layout {
     size_t staged;  /* bytes of the pinned region (and the start of the direct area) */
     size_t direct;  /* bytes of the direct area */
+    size_t gathered; /* bytes of the device-gathered area, after the direct one */
     size_t payload; /* sum of the leaves' nbytes: what stats() calls bytes; the rest is padding */
 } pl_layout;
 
@@ -51,6 +64,12 @@ enum {
     PL_LAYOUT_NEGATIVE = 1,  /* a negative shape entry */
     PL_LAYOUT_TOO_LARGE = 2, /* the leaf, or the batch with it, exceeds PL_LAYOUT_MAX_BYTES */
 };
+
+/* Bytes of the batch's device block. */
+static inline size_t pl_layout_bytes(const pl_layout *lay)
+{
+    return lay->staged + lay->direct + lay->gathered;
+}
 
 /* Add leaf L (copy.ndim, copy.shape, copy.strides, copy.itemsize set; L->direct set when the
  * source is pinned memory) to the layout: sets copy.nbytes, L->off and whether it really goes
@@ -79,6 +98,7 @@ typedef struct pl_xfer_times {
     int64_t stall_ns;
     int64_t staging_ns;
     int64_t issue_ns;
+    int64_t sort_ns;    /* building the device gathers' pair tables */
 } pl_xfer_times;
 
 /* Copy the batch: reserve the pinned region, allocate blk's device memory, stage, queue the

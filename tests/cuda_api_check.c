@@ -35,6 +35,13 @@ SAME_VALUE(cudaErrorNotReady);
 SAME_VALUE(cudaErrorUnknown);
 SAME_VALUE(cudaHostAllocPortable);
 SAME_VALUE(cudaHostRegisterPortable);
+SAME_VALUE(cudaHostRegisterMapped);
+SAME_VALUE(cudaHostRegisterReadOnly);
+SAME_VALUE(cudaErrorHostMemoryAlreadyRegistered);
+SAME_VALUE(cudaJitMaxRegisters);
+SAME_VALUE(cudaLibraryHostUniversalFunctionAndDataTable);
+SAME_VALUE(cudaDevAttrMultiProcessorCount);
+SAME_VALUE(cudaDevAttrHostRegisterReadOnlySupported);
 SAME_VALUE(cudaStreamNonBlocking);
 SAME_VALUE(cudaEventDisableTiming);
 SAME_VALUE(cudaMemcpyHostToHost);
@@ -64,11 +71,20 @@ SAME_ENUM_TYPE(enum pl_cudaMemPoolAttr, enum cudaMemPoolAttr);
 SAME_ENUM_TYPE(enum pl_cudaMemAllocationType, enum cudaMemAllocationType);
 SAME_ENUM_TYPE(enum pl_cudaMemAllocationHandleType, enum cudaMemAllocationHandleType);
 SAME_ENUM_TYPE(enum pl_cudaMemLocationType, enum cudaMemLocationType);
+SAME_ENUM_TYPE(enum pl_cudaJitOption, enum cudaJitOption);
+SAME_ENUM_TYPE(enum pl_cudaLibraryOption, enum cudaLibraryOption);
+SAME_ENUM_TYPE(enum pl_cudaDeviceAttr, enum cudaDeviceAttr);
 
 /* handles */
 SAME(sizeof(pl_cudaStream_t), sizeof(cudaStream_t));
 SAME(sizeof(pl_cudaEvent_t), sizeof(cudaEvent_t));
 SAME(sizeof(pl_cudaMemPool_t), sizeof(cudaMemPool_t));
+SAME(sizeof(pl_cudaLibrary_t), sizeof(cudaLibrary_t));
+SAME(sizeof(pl_cudaKernel_t), sizeof(cudaKernel_t));
+SAME(sizeof(struct pl_dim3), sizeof(struct dim3));
+SAME_FIELD(dim3, x);
+SAME_FIELD(dim3, y);
+SAME_FIELD(dim3, z);
 
 /* structs: size and every field */
 SAME(sizeof(struct pl_cudaPointerAttributes), sizeof(struct cudaPointerAttributes));
@@ -100,6 +116,7 @@ SAME_FIELD(cudaMemPoolProps, reserved);
     _Static_assert(__builtin_types_compatible_p(__typeof__(&name), ret(*) params),                 \
                    "the signature of " #name " differs from the toolkit's");
 PL_CUDA_API(CHECK_SIGNATURE, REAL, REAL)
+PL_CUDA_API_OPTIONAL(CHECK_SIGNATURE, REAL, REAL)
 _Static_assert(__builtin_types_compatible_p(pl_cudaHostFn_t, void (*)(void *)), "cudaHostFn_t");
 _Static_assert(__builtin_types_compatible_p(cudaHostFn_t, void (*)(void *)), "cudaHostFn_t");
 
@@ -107,4 +124,5 @@ _Static_assert(__builtin_types_compatible_p(cudaHostFn_t, void (*)(void *)), "cu
 #define OURS(ret, name, params) ret(*ours_##name) params;
 struct ours {
     PL_CUDA_API(OURS, PL_CU_T, PL_CU_TS)
+    PL_CUDA_API_OPTIONAL(OURS, PL_CU_T, PL_CU_TS)
 };

@@ -1,0 +1,105 @@
+/* Device gather: rows of a source in host memory read by a GPU kernel straight into a batch's
+ * device block, and the registry of the host ranges registered for it. No Python.
+ *
+ * Note [device gather]
+ * The host gather (stager.c, Note [row gather]) touches host memory three times per byte: the
+ * staging threads read the rows and write the pinned region, then the DMA engine reads it
+ * again. When a source is registered with the driver (page-locked and mapped, pl_hostreg
+ * below), a kernel on the copy stream can read the rows itself: one touch, no staging threads,
+ * no pinned slab for the data. A device-gathered leaf of a batch takes:
+ * - its output area in the device block like any leaf (the "direct" area of the layout: no
+ *   pinned bytes, see Note [batch layout] in transfer.h);
+ * - a table of pl_gather_pair {source row, batch slot}, one per item, sorted by source row,
+ *   written by the producer into the batch's pinned region (16 bytes per item) and copied with
+ *   the staged area; the kernel reads it from the device block. Sorting makes consecutive
+ *   threads read consecutive host addresses (fewer page translations over PCIe, longer bursts)
+ *   while every item still lands in its own slot, so the batch is exactly source[rows].
+ * The kernel is queued on the copy stream after the staged area's copies and before the
+ * batch's ready event: the consumer's stream-side wait, the block's lifetime and the stats are
+ * the same as for any batch. The RowGather (and with it the registration and the source) is
+ * kept until that event has completed (Note [producer and the GIL] in prefetcher.c).
+ * An item is one span of bytes in the source: a row whose inner dimensions are C-contiguous,
+ * or with windows a run of rows when the row stride equals the row size. Any row stride
+ * (negative included) and any alignment work; the kernel moves the widest unit (16, 8, 4, 2 or
+ * 1 bytes) that divides the source address, the row stride and the span. */
+#ifndef PL_DEVGATHER_H
+#define PL_DEVGATHER_H
+
+#include "backend.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct pl_gather_pair {
+    int64_t row;  /* source row, or window start */
+    int64_t slot; /* position in the batch */
+} pl_gather_pair;
+
+/* One launch: n items of `span` bytes, item pair.slot written at dst + slot * span from the
+ * device address src + pair.row * row_stride. */
+struct pl_gather_args {
+    char *dst;                   /* device */
+    const pl_gather_pair *table; /* device, n entries */
+    const char *src;             /* the device's address of the source's row 0 */
+    int64_t row_stride;          /* bytes, any sign */
+    size_t span;                 /* bytes per item, > 0 */
+    int64_t n;                   /* items, > 0 */
+    int device;
+};
+
+/* The widest unit (16, 8, 4, 2, 1) dividing the source address, the row stride and the span. */
+int pl_gather_unit(const pl_gather_args *g);
+
+/* Fill `out` with n pairs (rows[i], i) sorted by source address (row * sign of the stride),
+ * ties by slot. Radix sort on the producer thread: O(n) for the batch sizes that matter. */
+int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out);
+
+/* ---- registered host ranges ---- */
+
+/* Note [registered sources]
+ * A source is registered once, as its page-rounded address range, and shared: loaders over the
+ * same buffer (or over views inside one registered range) take a reference on the same entry;
+ * the range is unregistered when the last reference goes. Memory that is already page-locked
+ * (a pinned torch tensor, a PinnedPool buffer, a range another library registered) is used as
+ * it is, never registered twice and never unregistered by pinloader; it does not count against
+ * the budget. The registered bytes of a process are bounded by a budget the caller passes
+ * (ArrayLoader's max_registered_bytes; default pl_hostreg_default_budget()): registering a
+ * dataset locks it in RAM, so a source that does not fit comfortably is refused and the caller
+ * falls back to the host gather. The registry's mutex is held across the driver call
+ * (registering a GiB takes ~0.1-0.2 s) so two loaders registering the same range never race;
+ * nothing on a data path takes it: readers use the entry's immutable fields. In a fork()
+ * child the parent's entries are inherited: their memory is still mapped in the child (the
+ * child can read the arrays), but they are never unregistered there, and new registrations in
+ * the child start an own registry. */
+typedef struct pl_hostreg pl_hostreg;
+
+enum {
+    PL_REG_OK = 0,
+    PL_REG_OVER_BUDGET = 1, /* the range does not fit in the budget */
+    PL_REG_OVERLAP = 2,     /* the range overlaps a registered range without lying inside it */
+    PL_REG_REFUSED = 3,     /* the driver refused (code in *err) */
+};
+
+/* Take a reference on the registration of [lo, lo + n) for backend b, registering it if
+ * needed. Returns PL_REG_OK with *out set, or a refusal (*err: the backend's code, for
+ * PL_REG_REFUSED). */
+int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t budget,
+                       pl_hostreg **out, int *err);
+void pl_hostreg_release(pl_hostreg *r);
+/* The device's address of host address p inside r. */
+const char *pl_hostreg_device_ptr(const pl_hostreg *r, const void *p);
+/* 1 if [p, p + n) lies inside r. */
+int pl_hostreg_covers(const pl_hostreg *r, const void *p, size_t n);
+const pl_backend *pl_hostreg_backend(const pl_hostreg *r);
+/* Bytes of the page-rounded range, and whether pinloader registered it (0: already pinned). */
+size_t pl_hostreg_bytes(const pl_hostreg *r);
+int pl_hostreg_owned(const pl_hostreg *r);
+int pl_hostreg_read_only(const pl_hostreg *r);
+/* Bytes pinloader holds registered for b in this process, and the default budget: the default
+ * pinned pool's shared cap (a quarter of RAM, at most half of RLIMIT_MEMLOCK, divided among
+ * LOCAL_WORLD_SIZE ranks). */
+size_t pl_hostreg_total(const pl_backend *b);
+size_t pl_hostreg_default_budget(void);
+void pl_hostreg_atfork_child(void);
+
+#endif

@@ -1,0 +1,63 @@
+/* The device gather: rows of a source in registered (page-locked, mapped) host memory, read by
+ * GPU threads straight into a batch's device block. Built by tools/gen_gather_kernels.py into
+ * src/gather_kernel_image.h (cubins for every architecture family plus PTX for the JIT), which
+ * backend_cuda.c loads at run time; setup.py never compiles this file. See Note [device gather]
+ * in src/devgather.h for how the launch is set up.
+ *
+ * One thread moves one unit of V bytes (V = 16, 8, 4, 2 or 1: the widest that divides the
+ * source's base address, its row stride and the item span, chosen by the host). Unit u of the
+ * batch belongs to pair u / span_units of the table: the pairs are sorted by source row, so
+ * consecutive threads read consecutive bytes of one row and then the next row in address
+ * order (fewer PCIe page translations, longer bursts), and each row is written to the slot the
+ * pair names. Every thread keeps UNROLL loads in flight before it stores, which is what keeps
+ * the PCIe link busy: host memory is microseconds away. */
+
+struct pl_pair {
+    long long row;  /* source row (or window start) */
+    long long slot; /* position in the batch */
+};
+
+#define UNROLL 4
+
+template <typename V>
+__device__ __forceinline__ void gather(char *__restrict__ dst, const pl_pair *__restrict__ table,
+                                       const char *__restrict__ src, long long row_stride,
+                                       unsigned long long span_units, unsigned long long total)
+{
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long span_bytes = span_units * sizeof(V);
+    for (unsigned long long base = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         base < total; base += UNROLL * step) {
+        V v[UNROLL];
+        V *out[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            const unsigned long long u = base + k * step;
+            out[k] = 0;
+            if (u < total) {
+                const unsigned long long i = u / span_units, c = u - i * span_units;
+                const pl_pair p = table[i];
+                v[k] = reinterpret_cast<const V *>(src + p.row * row_stride)[c];
+                out[k] = reinterpret_cast<V *>(dst + (unsigned long long)p.slot * span_bytes) + c;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++)
+            if (out[k])
+                *out[k] = v[k];
+    }
+}
+
+#define PL_GATHER_KERNEL(name, V)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        name(char *dst, const pl_pair *table, const char *src, long long row_stride,               \
+             unsigned long long span_units, unsigned long long total)                              \
+    {                                                                                              \
+        gather<V>(dst, table, src, row_stride, span_units, total);                                 \
+    }
+
+PL_GATHER_KERNEL(pl_gather_16, uint4)
+PL_GATHER_KERNEL(pl_gather_8, uint2)
+PL_GATHER_KERNEL(pl_gather_4, unsigned int)
+PL_GATHER_KERNEL(pl_gather_2, unsigned short)
+PL_GATHER_KERNEL(pl_gather_1, unsigned char)
