@@ -847,15 +847,15 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
     RowGatherObject *g = (RowGatherObject *)probe;
     PyArrayObject *a = (PyArrayObject *)g->array;
     const char *why = NULL, *lo;
-    size_t n, span = item_span(a, g->window, &why);
+    size_t n, span = 0;
     char text[300];
     int rc;
-    if (!span)
-        goto refuse;
     if (array_extent(a, &lo, &n) < 0) {
         why = "the source is empty";
         goto refuse;
     }
+    if (!(span = item_span(a, g->window, &why)))
+        goto refuse;
     if ((rc = b->gather_ready(device, &why)) != PL_OK) {
         snprintf(text, sizeof text, "%s (%s)", why, pl_error_name(b, rc));
         why = text;
@@ -905,6 +905,18 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
 refuse:
     Py_DECREF(probe);
     return Py_BuildValue("(Os)", Py_None, why);
+}
+
+static PyObject *gather_registered_bytes(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (!name || (strcmp(name, "host") && strcmp(name, "cuda")))
+        return PyErr_Format(PyExc_ValueError, "backend must be 'host' or 'cuda'");
+    const pl_backend *b = pl_backend_host();
+    if (!strcmp(name, "cuda") && !(b = pl_backend_cuda(NULL, NULL)))
+        return PyLong_FromLong(0);
+    return PyLong_FromSize_t(pl_hostreg_total(b));
 }
 
 /* ---- the epoch permutation (Note [epoch permutation]) ---- */
@@ -991,6 +1003,8 @@ static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
 }
 
 static PyMethodDef gather_functions[] = {
+    {"_registered_bytes", gather_registered_bytes, METH_O, "Bytes pinloader holds registered for the "
+     "device gather in this process, for backend 'host' or 'cuda'."},
     {"register_rows", (PyCFunction)(void (*)(void))gather_register_rows, METH_VARARGS | METH_KEYWORDS,
      register_rows_doc},
     {"permutation", (PyCFunction)(void (*)(void))gather_permutation, METH_VARARGS | METH_KEYWORDS, permutation_doc},
