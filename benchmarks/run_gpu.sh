@@ -11,6 +11,9 @@
 #                                               the collated loop in both loop modes and the
 #                                               uint8-crops DataLoader source, at compute 1.2x copy
 #   bash benchmarks/run_gpu.sh tests perf       both in one call (about 6 minutes)
+#   bash benchmarks/run_gpu.sh gather           the device gather: the committed kernel image against nvcc,
+#                                               its GPU tests, compute-sanitizer memcheck over them,
+#                                               then benchmarks/bench_gather.py (about 5 minutes)
 #   bash benchmarks/run_gpu.sh ranks            on a several-GPU host: the staging sweep plus one
 #                                               process per GPU staging at once (LOCAL_WORLD_SIZE),
 #                                               aggregate against torch's all-thread copy_ (~1.5 min)
@@ -51,6 +54,18 @@ for stage in "$@"; do
       echo "== overlap: uint8 crops through 8 DataLoader workers =="
       timeout 130 $py benchmarks/bench_overlap.py --out "$out" --name overlap_crops --sources crops \
         --loops reused --compute-factors 1.2 --repeats 3 2>&1 | tail -20 || status=1 ;;
+    gather)
+      echo "== kernel image against nvcc =="
+      $py tools/gen_gather_kernels.py --check || status=1
+      echo "== device gather GPU tests =="
+      timeout 300 $py -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_device_gather.py tests/test_array_loader.py 2>&1 \
+        | tee "$out/gather_gpu_tests.log" | tail -15 || status=1
+      echo "== compute-sanitizer memcheck over them =="
+      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+        $py -m pytest -q -p no:cacheprovider -m gpu -k "not fork" tests/test_device_gather.py 2>&1 \
+        | tee "$out/gather_memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -5 || status=1
+      echo "== bench_gather =="
+      timeout 400 $py benchmarks/bench_gather.py --out "$out" ${GATHER_ARGS:-} 2>&1 | tail -40 || status=1 ;;
     ranks)
       n=$(nvidia-smi -L | wc -l)
       timeout 300 $py benchmarks/bench_bandwidth.py --staging-sweep --ranks "$n" --out "$out" \
