@@ -84,112 +84,203 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
 
 /* ---- the registry (Note [registered sources]) ---- */
 
-struct pl_hostreg {
-    pl_hostreg *next;
+/* One registered (or found page-locked) page range; entries never overlap. */
+typedef struct entry {
+    struct entry *next;
     const pl_backend *b;
     char *base; /* page aligned */
     size_t len; /* page multiple */
     char *dev;  /* the device's address of base */
-    long refs;  /* guarded by reg_mu */
+    long refs;  /* guarded by reg_mu: handles using it */
     int owned;  /* pinloader registered it (else it was already page-locked) */
     int read_only;
     uint32_t gen;
+} entry;
+
+/* What a caller holds: the entries that together cover its page range. */
+struct pl_hostreg {
+    const pl_backend *b;
+    char *base;
+    size_t len;
+    char *dev; /* the device's address of base */
+    int n_parts;
+    int owned, read_only;
+    uint32_t gen;
+    entry *parts[];
 };
 
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static pl_hostreg *reg_list;  /* guarded by reg_mu */
-static size_t reg_total[2];   /* guarded by reg_mu: owned bytes per backend kind */
+static entry *reg_list;      /* guarded by reg_mu */
+static size_t reg_total[2];  /* guarded by reg_mu: owned bytes per backend kind */
+
+enum { MAX_PARTS = 64 };
+
+static int kind_of(const pl_backend *b) { return b->kind == PL_BACKEND_CUDA; }
+
+/* Register [p, p + len) as a new entry (reg_mu held). Memory that another party registered
+ * meanwhile (cudaErrorHostMemoryAlreadyRegistered) becomes an entry that is not ours. */
+static int new_entry(const pl_backend *b, char *p, size_t len, entry **out, int *err)
+{
+    entry *e = calloc(1, sizeof(*e));
+    if (!e)
+        return *err = PL_ERR_NO_MEMORY, PL_REG_REFUSED;
+    *e = (entry){NULL, b, p, len, NULL, 0, 0, 0, pl_generation()};
+    void *dev = NULL;
+    int device = 0;
+    b->get_device(&device);
+    int rc = b->host_register(device, p, len, &dev, &e->read_only);
+    if (rc == PL_OK) {
+        e->owned = 1;
+    } else if (b->host_mapped(p, len, &dev) != PL_OK || !dev) {
+        free(e);
+        *err = rc;
+        return PL_REG_REFUSED;
+    }
+    e->dev = dev;
+    e->next = reg_list;
+    reg_list = e;
+    if (e->owned)
+        reg_total[kind_of(b)] += len;
+    *out = e;
+    return PL_REG_OK;
+}
+
+static void drop_entry(entry *e)
+{
+    /* reg_mu held; e->refs reached 0 */
+    for (entry **p = &reg_list; *p; p = &(*p)->next)
+        if (*p == e) {
+            *p = e->next;
+            break;
+        }
+    if (e->owned) {
+        reg_total[kind_of(e->b)] -= e->len;
+        /* a dead runtime at exit unregisters nothing: the process's end does */
+        e->b->host_unregister(e->base);
+    }
+    free(e);
+}
+
+static int cmp_entry(const void *a, const void *b)
+{
+    const entry *x = *(entry *const *)a, *y = *(entry *const *)b;
+    return x->base < y->base ? -1 : x->base > y->base;
+}
 
 int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t budget,
                        pl_hostreg **out, int *err)
 {
     const size_t page = pl_page_size();
     uintptr_t start = (uintptr_t)lo & ~(uintptr_t)(page - 1), end;
+    *err = PL_OK;
     if (__builtin_add_overflow((uintptr_t)lo, n ? n : 1, &end) ||
         __builtin_add_overflow(end, page - 1, &end))
         return *err = PL_ERR_INVALID_VALUE, PL_REG_REFUSED;
     end &= ~(uintptr_t)(page - 1);
-    const size_t len = end - start;
-    *err = PL_OK;
+    pl_hostreg *h = calloc(1, sizeof(*h) + MAX_PARTS * sizeof(entry *));
+    if (!h)
+        return *err = PL_ERR_NO_MEMORY, PL_REG_REFUSED;
+    *h = (pl_hostreg){b, (char *)start, end - start, NULL, 0, 0, 1, pl_generation()};
     pthread_mutex_lock(&reg_mu);
-    int rc = PL_REG_OK;
-    pl_hostreg *r = NULL;
-    for (pl_hostreg *e = reg_list; e; e = e->next) {
+    /* the entries the range already overlaps, in address order */
+    entry *found[MAX_PARTS];
+    int nf = 0, rc = PL_REG_OK;
+    for (entry *e = reg_list; e; e = e->next) {
         if (e->b != b || pl_inherited(e->gen))
             continue;
         uintptr_t es = (uintptr_t)e->base, ee = es + e->len;
-        if (start >= es && end <= ee) {
-            r = e;
-            break;
+        if (start < ee && end > es) {
+            if (nf == MAX_PARTS) {
+                rc = PL_REG_OVERLAP;
+                break;
+            }
+            found[nf++] = e;
         }
-        if (start < ee && end > es)
-            rc = PL_REG_OVERLAP;
     }
-    if (r) {
-        r->refs++;
-        *out = r;
-        pthread_mutex_unlock(&reg_mu);
-        return PL_REG_OK;
+    qsort(found, (size_t)nf, sizeof(entry *), cmp_entry);
+    void *pinned = NULL;
+    if (rc == PL_REG_OK && nf == 0 && b->host_mapped((void *)start, end - start, &pinned) == PL_OK && pinned) {
+        /* already page-locked by someone else: used as it is, never counted or unregistered */
+        entry *e = calloc(1, sizeof(*e));
+        if (!e)
+            rc = PL_REG_REFUSED, *err = PL_ERR_NO_MEMORY;
+        else {
+            *e = (entry){reg_list, b, (char *)start, end - start, pinned, 0, 0, 0, pl_generation()};
+            reg_list = e;
+            found[nf++] = e;
+        }
+    } else if (rc == PL_REG_OK) {
+        /* register the gaps between the entries found (Note [registered sources]) */
+        size_t gap_bytes = 0;
+        uintptr_t at = start;
+        for (int i = 0; i <= nf; i++) {
+            uintptr_t next = i < nf ? (uintptr_t)found[i]->base : end;
+            if (next > at)
+                gap_bytes += next - at;
+            if (i < nf)
+                at = PL_MAX(at, (uintptr_t)found[i]->base + found[i]->len);
+        }
+        if (pl_sat_add(reg_total[kind_of(b)], gap_bytes) > budget)
+            rc = PL_REG_OVER_BUDGET;
+        at = start;
+        int n_old = nf;
+        for (int i = 0; rc == PL_REG_OK && i <= n_old; i++) {
+            uintptr_t next = i < n_old ? (uintptr_t)found[i]->base : end;
+            if (next > at) {
+                entry *e = NULL;
+                if (nf == MAX_PARTS)
+                    rc = PL_REG_OVERLAP;
+                else if ((rc = new_entry(b, (char *)at, next - at, &e, err)) == PL_REG_OK)
+                    found[nf++] = e;
+            }
+            if (i < n_old)
+                at = PL_MAX(at, (uintptr_t)found[i]->base + found[i]->len);
+        }
+        if (rc != PL_REG_OK) {
+            for (int i = n_old; i < nf; i++)
+                drop_entry(found[i]);
+            nf = n_old;
+        }
+        qsort(found, (size_t)nf, sizeof(entry *), cmp_entry);
+    }
+    if (rc == PL_REG_OK && nf > 1) {
+        /* pieces read as one range: only where every device address is the host address */
+        for (int i = 0; i < nf; i++)
+            if (found[i]->dev != found[i]->base)
+                rc = PL_REG_OVERLAP;
     }
     if (rc != PL_REG_OK) {
+        for (int i = 0; i < nf; i++)
+            if (found[i]->refs == 0)
+                drop_entry(found[i]); /* made just now for this call */
         pthread_mutex_unlock(&reg_mu);
+        free(h);
         return rc;
     }
-    r = calloc(1, sizeof(*r));
-    if (!r) {
-        pthread_mutex_unlock(&reg_mu);
-        return *err = PL_ERR_NO_MEMORY, PL_REG_REFUSED;
+    h->dev = found[0]->dev + (start - (uintptr_t)found[0]->base);
+    for (int i = 0; i < nf; i++) {
+        found[i]->refs++;
+        h->parts[h->n_parts++] = found[i];
+        h->owned |= found[i]->owned;
+        h->read_only &= found[i]->read_only;
     }
-    *r = (pl_hostreg){NULL, b, (char *)start, len, NULL, 1, 0, 1, pl_generation()};
-    void *dev = NULL;
-    int crc = b->host_mapped(r->base, len, &dev);
-    int device = 0;
-    b->get_device(&device);
-    if (crc == PL_OK && dev) {
-        r->dev = dev; /* already page-locked: used as it is, Note [registered sources] */
-    } else if (pl_sat_add(reg_total[b->kind == PL_BACKEND_CUDA], len) > budget) {
-        rc = PL_REG_OVER_BUDGET;
-    } else if ((crc = b->host_register(device, r->base, len, &dev, &r->read_only)) != PL_OK) {
-        *err = crc;
-        rc = PL_REG_REFUSED;
-    } else {
-        r->dev = dev;
-        r->owned = 1;
-        reg_total[b->kind == PL_BACKEND_CUDA] += len;
-    }
-    if (rc != PL_REG_OK) {
-        free(r);
-        pthread_mutex_unlock(&reg_mu);
-        return rc;
-    }
-    r->next = reg_list;
-    reg_list = r;
-    *out = r;
     pthread_mutex_unlock(&reg_mu);
+    *out = h;
     return PL_REG_OK;
 }
 
-void pl_hostreg_release(pl_hostreg *r)
+void pl_hostreg_release(pl_hostreg *h)
 {
-    if (!r || pl_inherited(r->gen))
+    if (!h)
+        return;
+    if (pl_inherited(h->gen))
         return; /* the parent's: Note [registered sources] */
     pthread_mutex_lock(&reg_mu);
-    if (--r->refs > 0) {
-        pthread_mutex_unlock(&reg_mu);
-        return;
-    }
-    for (pl_hostreg **p = &reg_list; *p; p = &(*p)->next)
-        if (*p == r) {
-            *p = r->next;
-            break;
-        }
-    if (r->owned) {
-        reg_total[r->b->kind == PL_BACKEND_CUDA] -= r->len;
-        /* a dead runtime at exit unregisters nothing: the process's end does */
-        r->b->host_unregister(r->base);
-    }
+    for (int i = 0; i < h->n_parts; i++)
+        if (--h->parts[i]->refs == 0)
+            drop_entry(h->parts[i]);
     pthread_mutex_unlock(&reg_mu);
-    free(r);
+    free(h);
 }
 
 const char *pl_hostreg_device_ptr(const pl_hostreg *r, const void *p)
@@ -211,7 +302,7 @@ int pl_hostreg_read_only(const pl_hostreg *r) { return r->read_only; }
 size_t pl_hostreg_total(const pl_backend *b)
 {
     pthread_mutex_lock(&reg_mu);
-    size_t n = reg_total[b->kind == PL_BACKEND_CUDA];
+    size_t n = reg_total[kind_of(b)];
     pthread_mutex_unlock(&reg_mu);
     return n;
 }

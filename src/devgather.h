@@ -59,7 +59,14 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
 /* Note [registered sources]
  * A source is registered once, as its page-rounded address range, and shared: loaders over the
  * same buffer (or over views inside one registered range) take a reference on the same entry;
- * the range is unregistered when the last reference goes. Memory that is already page-locked
+ * the range is unregistered when the last reference goes. Page rounding reaches bytes that
+ * are not the source's (a small array shares its first and last pages with its heap
+ * neighbours), so registrations are writable (read-only only where the memory cannot be
+ * registered otherwise: a read-only file mapping), since a read-only registration would make
+ * every later copy into a neighbour on those pages fail; and a range that overlaps existing
+ * entries takes references on them and registers only the gaps between them, as new entries
+ * (the pieces are read as one range where devices use the host's addresses, as every device
+ * with unified addressing on Linux does; otherwise such a source is refused). Memory that is already page-locked
  * (a pinned torch tensor, a PinnedPool buffer, a range another library registered) is used as
  * it is, never registered twice and never unregistered by pinloader; it does not count against
  * the budget. The registered bytes of a process are bounded by a budget the caller passes
