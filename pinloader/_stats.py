@@ -51,16 +51,16 @@ class PrefetcherStats(TypedDict):
     keys are the whole pool it draws from, shared with other prefetchers, and are the pool's own
     :class:`PoolStats` under prefetcher-style names:
 
-    ==========================  ==============================
-    ``AsyncPrefetcher.stats()`` ``PinnedPool.stats()``
-    ==========================  ==============================
-    ``pool_bytes_reserved``     ``reserved_bytes``
-    ``pool_bytes_in_use``       ``in_use_bytes``
-    ``pool_bytes_peak``         ``peak_reserved_bytes``
-    ``pool_cap``                ``max_bytes``
-    ``pool_slabs_created``      ``slabs_created``
-    ``pool_waits``              ``waits``
-    ==========================  ==============================
+    ============================  ==============================
+    ``AsyncPrefetcher.stats()``   ``PinnedPool.stats()``
+    ============================  ==============================
+    ``pool_bytes_reserved``       ``reserved_bytes``
+    ``pool_bytes_in_use``         ``in_use_bytes``
+    ``pool_bytes_peak``           ``peak_reserved_bytes``
+    ``pool_cap``                  ``max_bytes``
+    ``pool_slabs_created``        ``slabs_created``
+    ``pool_waits``                ``waits``
+    ============================  ==============================
 
     ``pinned_bytes_in_use``, ``pinned_bytes_peak`` and ``pinned_cap`` have no pool counterpart:
     they count this prefetcher's reservations only.

@@ -296,6 +296,8 @@ class ArrayLoader:
         Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``pool``,
         ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``).
 
+    Notes
+    -----
     Iterating the loader runs one epoch and yields the batches as the prefetcher does
     (DeviceArrays; ``pinloader.torch.prefetch(loader)``, ``pinloader.jax.prefetch`` and
     ``pinloader.cupy.prefetch`` wrap this loader's own prefetcher and yield framework arrays).
