@@ -4,6 +4,7 @@ and, for the C types, the extension's own docstrings), so the extension must be 
 generated at build time from the committed JSON in benchmarks/results/ (docs/_bench.py)."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -34,8 +35,9 @@ except ImportError:  # the docs extra brings furo; the built-in theme works too
     html_theme = "alabaster"
 
 autodoc_member_order = "bysource"
-# the JAX and CuPy front doors import their framework at import time; the reference needs neither
-autodoc_mock_imports = ["jax", "cupy"]
+# The front doors import their framework at import time; the reference needs none of them, so
+# a framework that is not installed is stood in for while the docstrings are read.
+autodoc_mock_imports = [m for m in ("torch", "jax", "cupy") if importlib.util.find_spec(m) is None]
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True}
 napoleon_numpy_docstring = True
