@@ -76,7 +76,7 @@ def _ratio_bars(ax, names, triples, colors, ref_name, log=False):
     top = max([b for _, _, b in triples if not math.isnan(b)] or [1.0])
     for yi, (m, a, b) in zip(y, triples):
         if math.isnan(m):
-            ax.text(0.01 if log else 0, yi, "  missing", va="center", fontsize=8, color="tab:red")
+            ax.text(0.01 if log else 0, yi, "  not run in this benchmark", va="center", fontsize=8, color="tab:gray")
             continue
         rng = f" ({a:.2f}–{b:.2f})" if b - a >= 0.005 else ""
         txt = f"{m:.3f}×{rng}" if m >= 0.1 else f"{m:.3f}×{rng}"
