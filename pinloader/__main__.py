@@ -69,6 +69,13 @@ def info_dict() -> dict[str, Any]:
                 nvtx=bool(_C.NVTX))
 
 
+CUDA_EXTRA_HINT = ('no CUDA runtime library (libcudart) was found: on a GPU host with only the '
+                   'NVIDIA driver (no toolkit, no torch/CuPy/JAX), pip install "pinloader[cuda]" '
+                   'brings it (the nvidia-cuda-runtime wheel, CUDA 13, driver 580 or newer; '
+                   '"pinloader[cuda12]" for CUDA 12, driver 525 or newer), or set '
+                   'PINLOADER_CUDART=/path/to/libcudart.so')
+
+
 def _print_info(info: dict[str, Any]) -> None:
     print(f"pinloader {info['version']}")
     if info["backend"] == "cuda":
@@ -77,10 +84,20 @@ def _print_info(info: dict[str, Any]) -> None:
         print("  backend:   host (no usable CUDA device: device=None and 'cpu' run on the host "
               "backend)")
     print(f"  libcudart: {info['library'] or 'not found'}")
-    print(f"  runtime:   CUDA {_version_str(info['runtime_version'])}")
-    print(f"  driver:    CUDA {_version_str(info['driver_version'])}")
+    if info["runtime_version"]:
+        print(f"  runtime:   CUDA {_version_str(info['runtime_version'])}")
+    else:
+        print("  runtime:   no CUDA runtime loaded")
+    if info["driver_version"]:
+        print(f"  driver:    supports CUDA {_version_str(info['driver_version'])}")
+    elif info["library"]:
+        print("  driver:    no CUDA driver found (libcuda.so.1 could not be loaded)")
+    else:
+        print("  driver:    not checked (no CUDA runtime to ask)")
     if info["error"]:
         print(f"  why not:   {info['error']}")
+    if not info["library"]:
+        print(f"  hint:      {CUDA_EXTRA_HINT}")
     print(f"  NVTX:      {'ranges pinloader.stage and pinloader.copy' if info['nvtx'] else 'off (built without nvtx3 headers)'}")
 
 

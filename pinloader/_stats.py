@@ -21,7 +21,12 @@ class CudaInfo(TypedDict):
     error_code: int
 
 class PoolStats(TypedDict):
-    """:meth:`PinnedPool.stats`: bytes, counts and the time spent waiting at the cap."""
+    """:meth:`PinnedPool.stats`: bytes, counts and the time spent waiting at the cap.
+
+    The same pool seen from a prefetcher: :meth:`AsyncPrefetcher.stats` repeats some of these
+    figures under ``pool_*`` names (``pool.stats()["in_use_bytes"]`` is
+    ``pf.stats()["pool_bytes_in_use"]``); see :class:`PrefetcherStats` for the mapping.
+    """
 
     reserved_bytes: int
     in_use_bytes: int
@@ -40,7 +45,26 @@ class PoolStats(TypedDict):
     numa_node: int
 
 class PrefetcherStats(TypedDict):
-    """:meth:`AsyncPrefetcher.stats` (see the README's "Reading stats()")."""
+    """:meth:`AsyncPrefetcher.stats` (see the README's "Reading stats()").
+
+    ``pinned_*`` keys are this prefetcher's own share of its pool (its client bound); ``pool_*``
+    keys are the whole pool it draws from, shared with other prefetchers, and are the pool's own
+    :class:`PoolStats` under prefetcher-style names:
+
+    ============================  ==============================
+    ``AsyncPrefetcher.stats()``   ``PinnedPool.stats()``
+    ============================  ==============================
+    ``pool_bytes_reserved``       ``reserved_bytes``
+    ``pool_bytes_in_use``         ``in_use_bytes``
+    ``pool_bytes_peak``           ``peak_reserved_bytes``
+    ``pool_cap``                  ``max_bytes``
+    ``pool_slabs_created``        ``slabs_created``
+    ``pool_waits``                ``waits``
+    ============================  ==============================
+
+    ``pinned_bytes_in_use``, ``pinned_bytes_peak`` and ``pinned_cap`` have no pool counterpart:
+    they count this prefetcher's reservations only.
+    """
 
     batches: int
     bytes: int

@@ -325,12 +325,21 @@ class ArrayLoader:
         Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``pool``,
         ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``).
 
+    Notes
+    -----
     Iterating the loader runs one epoch and yields the batches as the prefetcher does
     (DeviceArrays; ``pinloader.torch.prefetch(loader)``, ``pinloader.jax.prefetch`` and
     ``pinloader.cupy.prefetch`` wrap this loader's own prefetcher and yield framework arrays).
     One prefetcher is kept across epochs; after an error (a source closed, resized or
     unreadable) the next iteration starts a new one, so the error is raised again rather than
     the loader going silently empty.
+
+    The loader is its own iterator: ``iter(loader)`` starts the next epoch and returns the
+    loader itself (like a file object, unlike a ``DataLoader``). So two loops over one loader at
+    the same time share one stream of batches: ``zip(loader, loader)`` or a loop nested in
+    another over the same loader splits one epoch between them (each gets every other batch),
+    and a ``break`` followed by a new ``for`` starts a new epoch. Use one ``ArrayLoader`` per
+    independent stream of batches.
     """
 
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,

@@ -17,7 +17,9 @@ what such a run can and cannot show.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -32,10 +34,61 @@ CALIBRATION_REPEATS = 5  # each try, and the final measurement, is a median of t
 
 
 def _cpus() -> int:
+    """The CPUs this process may use: its affinity mask, capped by the cgroup CPU quota (rounded
+    up), as pinloader's own staging default counts them (``pinloader._C._cpu_budget()``)."""
+    try:
+        budget = pinloader._C._cpu_budget()
+        n = int(budget["affinity"]) or int(budget["online"])
+        quota = budget.get("quota")
+        if quota:
+            n = min(n, max(1, math.ceil(float(quota))))
+        return max(1, n)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        pass
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+class DeviceError(Exception):
+    """The requested device cannot run the demo (the message says why)."""
+
+
+def _resolve_device(requested: str | None, have_torch: bool, torch_cuda: bool) -> tuple[str, str | None]:
+    """(device, note): the device the demo runs on and, when it is not the one asked for, why.
+
+    ``requested`` is ``None`` (the current GPU when pinloader and torch can use CUDA, else the
+    host backend), ``"cpu"``/``"cpu:0"``, ``"cuda"`` or ``"cuda:N"``; anything else raises
+    :class:`DeviceError`. CUDA asked for where it cannot be used (no usable GPU for pinloader,
+    or a torch built without CUDA) falls back to the host backend, saying so.
+    """
+    text = None if requested is None else str(requested).strip().lower()
+    if text in ("cpu", "cpu:0"):
+        return "cpu", None
+    if text is not None and not re.fullmatch(r"cuda(:\d+)?", text):
+        raise DeviceError(f"unknown device {requested!r}: use 'cpu', 'cuda' or 'cuda:N' (N a "
+                          f"device index)")
+    if pinloader.backend() != "cuda":
+        why = pinloader.cuda_info().get("error") or "no usable CUDA device"
+        if text is None:
+            return "cpu", None
+        return "cpu", (f"{requested} was asked for, but pinloader cannot use CUDA here ({why}): "
+                       f"running on the host backend instead")
+    if text is not None and text != "cuda":
+        index = int(text.split(":")[1])
+        if index >= pinloader.device_count():
+            raise DeviceError(f"{requested}: there are {pinloader.device_count()} CUDA device(s) "
+                              f"here (indices 0 to {pinloader.device_count() - 1})")
+    if have_torch and not torch_cuda:
+        note = ("torch is installed without CUDA (a CPU-only build), so the GPU demo cannot run: "
+                "running on the host backend instead (install a CUDA build of torch for the GPU "
+                "demo)")
+        return "cpu", note
+    if not have_torch:
+        return "cpu", ("the GPU demo needs torch (pip install torch): running on the host "
+                       "backend with NumPy instead")
+    return text or "cuda", None
 
 
 class _Progress:
@@ -138,15 +191,15 @@ def _timed(label: str, it: Iterator[Any], get: Callable[[Any], tuple[Any, Any]],
            compute_ms: float, quiet: bool) -> dict[str, float]:
     total = args.warmup + args.steps
     bar = _Progress(f"{label} ({args.warmup} warm-up + {args.steps} timed)", total, quiet)
-    wait = 0.0
+    waits: list[float] = []
     t0 = c0 = 0.0
     for i in range(total):
         if i == args.warmup:
             sync()
-            wait, t0, c0 = 0.0, time.perf_counter(), time.process_time()
+            waits, t0, c0 = [], time.perf_counter(), time.process_time()
         tw = time.perf_counter()
         x, y = get(next(it))
-        wait += time.perf_counter() - tw
+        waits.append(time.perf_counter() - tw)
         step(x, y)
         bar.update()
     sync()
@@ -156,10 +209,20 @@ def _timed(label: str, it: Iterator[Any], get: Callable[[Any], tuple[Any, Any]],
     return {
         "samples_per_s": args.steps * args.batch_size / wall,
         "step_ms": step_ms,
-        "data_wait_ms": wait / args.steps * 1e3,
+        "data_wait_ms": sum(waits) / args.steps * 1e3,
+        # the timed steps only: the warm-up's first batch waits for the pipeline to fill
+        "data_wait_ms_p99": _percentile(waits, 99) * 1e3,
         "idle_pct": min(100.0, max(0.0, 100.0 * (1.0 - compute_ms / step_ms))),
         "host_cpu_ms_per_step": (time.process_time() - c0) / args.steps * 1e3,
     }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-th percentile of values (nearest rank), 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def _threads(cuda: bool, requested: int | None) -> tuple[int, int]:
@@ -234,7 +297,7 @@ def _run_torch(args: Any, device_str: str, quiet: bool) -> dict[str, Any]:
         nonlocal acc
         acc += compute(x, reps) + y.float().mean() * 0
 
-    src = _Source(batches, args.steps + args.warmup + 1)
+    src = _Source(batches, args.steps + args.warmup)
     rows: dict[str, dict[str, float]] = {}
     if cuda:
         rows["plain .to()"] = _timed(
@@ -288,7 +351,7 @@ def _run_numpy(args: Any, quiet: bool) -> dict[str, Any]:
     def step(x: np.ndarray, y: np.ndarray) -> None:
         compute(x, reps)
 
-    src = _Source(batches, args.steps + args.warmup + 1)
+    src = _Source(batches, args.steps + args.warmup)
     rows = {"plain copy (.copy())": _timed(
         "plain copy (.copy())", iter(src), lambda b: (b[0].copy(), b[1].copy()), step,
         lambda: None, args, compute_ms, quiet)}
@@ -336,14 +399,19 @@ def run(args: Any) -> int:
         print("--warmup must be >= 0, --compute-ms > 0 and --staging-threads >= 1", file=sys.stderr)
         return 2
     try:
-        import torch  # noqa: F401
+        import torch
         have_torch = True
+        torch_cuda = bool(torch.backends.cuda.is_built()) and torch.cuda.is_available()
     except ImportError:
-        have_torch = False
-    device = args.device
-    if device is None:
-        device = "cuda" if pinloader.backend() == "cuda" else "cpu"
+        have_torch = torch_cuda = False
+    try:
+        device, fallback = _resolve_device(args.device, have_torch, torch_cuda)
+    except DeviceError as exc:
+        print(f"pinloader demo: {exc}", file=sys.stderr)
+        return 2
     cuda = device.startswith("cuda")
+    if fallback:
+        print(f"pinloader demo: {fallback}", file=sys.stderr, flush=True)
     if not quiet:
         where = f"GPU {device}" if cuda else "the CPU (pinloader's host backend: no usable GPU)" \
             if pinloader.backend() == "host" else "the CPU (pinloader's host backend)"
@@ -352,11 +420,10 @@ def run(args: Any) -> int:
               f"method runs {args.warmup} warm-up + {args.steps} timed steps", flush=True)
     if have_torch:
         result = _run_torch(args, device, quiet)
-    elif cuda:
-        print("the GPU demo needs torch: pip install torch", file=sys.stderr)
-        return 2
     else:
         result = _run_numpy(args, quiet)
+    if fallback:
+        result["fallback"] = fallback
     result["backend"] = pinloader.backend()
     result["cpu_count"] = _cpus()
     result["note"] = _gpu_note(result) if cuda else _host_note(result)
@@ -371,8 +438,11 @@ def run(args: Any) -> int:
     for name, r in result["rows"].items():
         print(f"| {name:<26} | {r['samples_per_s']:>10,.0f} | {r['data_wait_ms']:>17.2f} | {r['idle_pct']:>14.1f} |")
     s = result["pinloader_stats"]
-    print(f"\npinloader: {s['batches']} batches, {s['h2d_gbps']:.1f} GB/s delivered, wait p99 "
-          f"{s['wait_ms_p99']:.2f} ms, pinned peak {s['pinned_bytes_peak'] / 1e6:.0f} MB, "
+    timed = result["rows"]["pinloader"]
+    print(f"\npinloader: {s['batches']} batches copied ({args.warmup} warm-up + {args.steps} "
+          f"timed), {s['h2d_gbps']:.1f} GB/s delivered, data wait p99 over the timed steps "
+          f"{timed['data_wait_ms_p99']:.2f} ms (the first warm-up batch, which waits for the "
+          f"pipeline to fill, is not counted), pinned peak {s['pinned_bytes_peak'] / 1e6:.0f} MB, "
           f"{result['staging_threads']} staging thread(s)\n")
     import textwrap
 

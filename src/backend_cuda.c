@@ -103,7 +103,9 @@ static void load_runtime(void)
     if (!h) {
         snprintf(load_detail, sizeof load_detail,
                  "no CUDA runtime library found (tried an already loaded libcudart, "
-                 "PINLOADER_CUDART, the loader's search path and the nvidia-cuda-runtime wheels)");
+                 "PINLOADER_CUDART, the loader's search path and the nvidia-cuda-runtime wheels; "
+                 "on a host with only the NVIDIA driver, pip install \"pinloader[cuda]\" "
+                 "brings one)");
         load_error = PL_ERR_NO_RUNTIME;
         return;
     }
