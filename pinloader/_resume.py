@@ -15,6 +15,7 @@ state of the last item it handed out. Loading a state discards everything prefet
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -61,21 +62,27 @@ def state_of(loader: Any) -> dict[str, Any]:
     consumed = 0
     if loader._requested is not None:  # set_epoch() (or a load) not yet followed by an iteration
         epoch = loader._requested
-        position = loader._resume_at[1] if _pending_applies(loader, epoch) else 0
+        if _pending_applies(loader, epoch):
+            _, position, consumed = loader._resume_at
+        else:
+            position = 0
     elif loader._epoch is None:        # never iterated: the first epoch's start
         epoch, position = 0, 0
     else:
         epoch = loader._epoch
         resumed = loader._resumed_iter
-        base, shard, n_batches = resumed if resumed is not None else (0, len(loader.indices(epoch)),
-                                                                      len(loader))
+        if resumed is None:
+            base, shard, n_batches, before = 0, len(loader.indices(epoch)), len(loader), 0
+        else:
+            base, shard, n_batches, before = resumed
         if loader._done or loader._consumed >= n_batches:
             epoch, position = epoch + 1, 0
         else:
-            consumed = min(loader._consumed * loader.batch_size, shard)
-            # Every rank has consumed as many items (DDP's lockstep): together the first
-            # base + consumed * world items of the epoch's (resumed) order.
-            position = min(base + consumed * world, n)
+            items = min(loader._consumed * loader.batch_size, shard)
+            # Every rank has taken as many items (DDP's lockstep): together the first
+            # base + items * world items of the epoch's (resumed) order.
+            position = min(base + items * world, n)
+            consumed = before + items
     out = {"format": FORMAT, "version": VERSION, "epoch": int(epoch), "position": int(position),
            "consumed": int(consumed)}
     out.update(_settings(loader))
@@ -134,7 +141,7 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
     missing = [k for k in KEYS if k not in state]
     if missing:
         raise ValueError(f"{where}: the state lacks the field(s) {missing}")
-    for k in ("epoch", "position", "world_size"):
+    for k in ("epoch", "position", "consumed", "world_size"):
         v = state[k]
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (k != "epoch" and v < 0):
             raise ValueError(f"{where}: {k}: {v!r} is not a valid value")
@@ -221,9 +228,10 @@ def _pending_applies(loader: Any, epoch: int) -> bool:
     return not ran
 
 
-def begin_epoch(loader: Any, epoch: int) -> tuple[int, int, int] | None:
+def begin_epoch(loader: Any, epoch: int) -> tuple[int, int, int, int] | None:
     """Called as an iteration of ``epoch`` begins: whether it is the resumed epoch's (then its
-    position, the rank's item count and batch count), or a whole epoch (None)."""
+    position, the rank's item and batch counts, and the state's ``consumed``), or a whole
+    epoch's (None)."""
     pend = loader._resume_at
     if pend is None:
         return None
@@ -237,7 +245,7 @@ def begin_epoch(loader: Any, epoch: int) -> tuple[int, int, int] | None:
     order = resumed_order(plan, epoch, pend[1])
     n_batches = batches_of(plan, len(order))
     src.resume = (epoch, order, n_batches)
-    return (min(pend[1], plan.num_items), len(order), n_batches)
+    return (min(pend[1], plan.num_items), len(order), n_batches, pend[2])
 
 
 def load(loader: Any, state: Any, allow_changed: Iterable[str]) -> None:
@@ -255,7 +263,12 @@ def load(loader: Any, state: Any, allow_changed: Iterable[str]) -> None:
     if position >= loader.num_items and loader.num_items:  # (a changed source) nothing is left
         epoch, position = epoch + 1, 0
     loader._requested = epoch
-    loader._resume_at = (epoch, position) if position else None
+    if not position:
+        loader._resume_at = None
+        return
+    # this rank's items of the epoch so far, as far as it is known (informational)
+    consumed = state["consumed"] if state["world_size"] == loader.world_size else position // loader.world_size
+    loader._resume_at = (epoch, position, int(consumed))
 
 
 # ---- a prefetcher over a stateful source ----
@@ -276,12 +289,20 @@ class _Stamped:
 
     def __init__(self, source: Any) -> None:
         self._source = source
+        self._fresh: Any = None
 
     def __len__(self) -> int:
         return len(self._source)
 
     def __iter__(self) -> Iterator[Any]:
-        return _stamped(self._source, iter(self._source))
+        # The AsyncPrefetcher calls iter() on its source twice as it starts an epoch (the first
+        # to tell a one-shot iterator), but a stateful source's iter() is an epoch (and a
+        # DataLoader's starts its workers): a generator not yet started is given again.
+        fresh = self._fresh
+        if fresh is not None and inspect.getgeneratorstate(fresh) == inspect.GEN_CREATED:
+            return fresh  # type: ignore[no-any-return]
+        self._fresh = _stamped(self._source, iter(self._source))
+        return self._fresh  # type: ignore[no-any-return]
 
 
 def _stamped(source: Any, it: Iterator[Any]) -> Iterator[Any]:

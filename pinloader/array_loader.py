@@ -560,8 +560,8 @@ class ArrayLoader:
 
     # ---- checkpoint and resume (pinloader/_resume.py; Resuming in the module documentation) ----
 
-    _resume_at: tuple[int, int] | None = None           # a loaded (epoch, position) not yet run
-    _resumed_iter: tuple[int, int, int] | None = None   # this iteration's (position, items, batches)
+    _resume_at: tuple[int, int, int] | None = None  # a loaded (epoch, position, consumed) to run
+    _resumed_iter: tuple[int, int, int, int] | None = None  # the resumed iteration's (pinloader/_resume.py)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as the training loop sees it: a small dict that JSON, torch.save
@@ -569,8 +569,8 @@ class ArrayLoader:
 
         Keys: ``format``, ``version``; ``epoch`` (the epoch the next batch comes from) and
         ``position`` (items of that epoch's order the ranks together were handed, see Resuming
-        in the module documentation), ``consumed`` (items this rank was handed in the current
-        iteration); the settings ``seed``, ``shuffle``, ``drop_last``, ``batch_size``,
+        in the module documentation), ``consumed`` (items this rank was handed of that epoch,
+        informational: with another world size resumed, ``position // world_size``); the settings ``seed``, ``shuffle``, ``drop_last``, ``batch_size``,
         ``windows``, ``rank``, ``world_size``; ``sources`` (rows, and each leaf's path, shape and
         dtype). Only batches handed out count: those prefetched since are not part of it. A
         ``set_epoch`` not yet followed by an iteration is recorded as that epoch's start, and
