@@ -634,4 +634,6 @@ def test_ddp_example_resumes_mid_epoch_with_identical_losses(tmp_path):
     first = run(["--checkpoint", ckpt, "--stop-after", "5"], 5)
     rest = run(["--resume", ckpt], 11)
     assert first == whole[:5] and rest == whole[5:]
+    # plain indexing of the resumed epoch's items (indices_after) trains the same
+    assert run(["--resume", ckpt, "--plain"], 11) == rest
     assert rest[0].startswith("epoch 0 step 5 losses ")
