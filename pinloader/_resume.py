@@ -330,6 +330,13 @@ class StatefulPrefetcher:
     state describes. The framework doors (``pinloader.torch.prefetch``...) use this class for a
     stateful source by themselves. States are not copied: a source whose ``state_dict()``
     returns an object it later mutates must return a copy.
+
+    Cost, besides the source's own ``state_dict()`` per item: the item travels as
+    ``(item, state)`` and is unpacked by a Python ``__next__``. Measured on the host backend
+    with 16-byte batches of a trivial stateful source (2 cores): about 10 us per batch for the
+    AsyncPrefetcher, 17 us with the state (medians of 15 runs of 20000 batches); through
+    ``pinloader.torch.prefetch`` 12.7 and 16.5 us. The Python work on the producer's side is
+    0.25 us; the rest is the extra tuple walked per batch and the thread hand-offs.
     """
 
     def __init__(self, source: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
