@@ -12,6 +12,11 @@ it runs on the CPU with the gloo backend and pinloader's host backend.
 
 ``--plain`` trains the same way with plain NumPy indexing in the same index order
 (``loader.indices(epoch)``): the printed losses are identical, bit for bit.
+
+Checkpoint and resume: ``--checkpoint PATH`` saves the model, the optimizer and the loader's
+state (``loader.state_dict()``: the epoch and the items handed out, not those prefetched) after
+every step, ``--stop-after N`` stops after N steps, and ``--resume PATH`` continues from the
+checkpoint, mid-epoch: the losses printed are those the uninterrupted run prints from there on.
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true", help="plain indexing in the same index order")
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU exists")
+    ap.add_argument("--checkpoint", help="save a checkpoint to this file after every step")
+    ap.add_argument("--stop-after", type=int, help="stop after this many steps")
+    ap.add_argument("--resume", help="continue from this checkpoint")
     args = ap.parse_args()
 
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -66,17 +74,31 @@ def main() -> None:
     loader = pinloader.ArrayLoader((x, y), args.batch_size, seed=args.seed)
     batches = pinloader.torch.prefetch(loader, device=device)
 
+    start_epoch, start_step, resume_position = 0, 0, 0
+    if args.resume:
+        ckpt = torch.load(args.resume, map_location=device)
+        model.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        # rank 0's loader state resumes every rank: the position is global (DDP's lockstep)
+        loader.load_state_dict(ckpt["loader"])
+        start_epoch, resume_position = ckpt["loader"]["epoch"], ckpt["loader"]["position"]
+        start_step = ckpt["step"] + 1 if start_epoch == ckpt["epoch"] else 0
+    steps = 0
+
     def plain_batches(epoch: int):
-        order = loader.indices(epoch)
-        for b in range(len(loader)):
-            rows = order[b * args.batch_size:(b + 1) * args.batch_size]
+        # a resumed epoch's items: loader.indices_after(epoch, position); else indices(epoch)
+        position = resume_position if epoch == start_epoch else 0
+        order = loader.indices_after(epoch, position)
+        for lo in range(0, len(order), args.batch_size):
+            rows = order[lo:lo + args.batch_size]
             yield (torch.from_numpy(x[rows]).to(device, non_blocking=True),
                    torch.from_numpy(y[rows]).to(device, non_blocking=True))
 
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         batches.set_epoch(epoch)
         it = plain_batches(epoch) if args.plain else batches
-        for step, (xb, yb) in enumerate(it):
+        first = start_step if epoch == start_epoch else 0
+        for step, (xb, yb) in enumerate(it, first):
             loss = nn.functional.mse_loss(model(xb), yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -87,6 +109,16 @@ def main() -> None:
             if rank == 0:
                 shown = " ".join(repr(v.item()) for v in losses)
                 print(f"epoch {epoch} step {step} losses {shown}", flush=True)
+            steps += 1
+            if args.checkpoint and rank == 0:
+                # the loader's state as of this step's batch, whatever is prefetched
+                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                            "loader": batches.state_dict(), "epoch": epoch, "step": step},
+                           args.checkpoint)
+            if args.stop_after is not None and steps == args.stop_after:
+                break
+        if args.stop_after is not None and steps == args.stop_after:
+            break
     batches.close()
     dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ from ._C import (  # noqa: E402
     device_count,
 )
 from .array_loader import ArrayLoader  # noqa: E402
+from ._resume import StatefulPrefetcher  # noqa: E402
 
 __all__ = [
     "ArrayLoader",
@@ -45,6 +46,7 @@ __all__ = [
     "PoolExhausted",
     "PoolStats",
     "PrefetcherStats",
+    "StatefulPrefetcher",
     "backend",
     "cuda_available",
     "cuda_info",

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 from typing import Any, Callable, Iterable
 
-from . import _C
+from . import _C, _resume
 from ._C import AsyncPrefetcher, DeviceArray
 from ._stats import PrefetcherStats
 
@@ -128,6 +128,10 @@ class FrameworkPrefetcher:
         if adopt is not None:
             # An ArrayLoader already is a prefetcher: use it rather than stack a second one.
             self._pf = adopt(device, depth, **opts)
+        elif _resume.is_stateful(iterable):
+            # Each item travels with the source's state (Note [consumer-side position] in
+            # pinloader/_resume.py), so state_dict() is as of the last batch handed out.
+            self._pf = _resume.StatefulPrefetcher(iterable, device=device, depth=depth, **opts)
         else:
             self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
 
@@ -157,6 +161,27 @@ class FrameworkPrefetcher:
 
     def __len__(self) -> int:
         return len(self._pf)
+
+    def state_dict(self) -> Any:
+        """The state as of the last batch handed out (torch's ``Stateful`` protocol): an
+        ArrayLoader's :meth:`~pinloader.ArrayLoader.state_dict`, or a stateful source's own
+        state (a torchdata ``StatefulDataLoader``...; see
+        :class:`pinloader.StatefulPrefetcher`)."""
+        fn = getattr(self._pf, "state_dict", None)
+        if fn is None:
+            raise TypeError(f"{type(self).__name__}.state_dict: the source has no state_dict(); "
+                            "iterate an ArrayLoader or a source with state_dict() / "
+                            "load_state_dict() (torchdata's StatefulDataLoader...) to checkpoint it")
+        return fn()
+
+    def load_state_dict(self, state: Any, **kwargs: Any) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`); what was prefetched is discarded.
+        Keyword arguments go to the ArrayLoader's ``load_state_dict`` (``allow_changed``)."""
+        fn = getattr(self._pf, "load_state_dict", None)
+        if fn is None:
+            raise TypeError(f"{type(self).__name__}.load_state_dict: the source has no "
+                            "load_state_dict()")
+        fn(state, **kwargs)
 
     def stats(self) -> PrefetcherStats:
         """See :meth:`pinloader.AsyncPrefetcher.stats`."""

@@ -26,6 +26,31 @@ Sampling (see ``ArrayLoader.indices``)
   also drops the last partial batch.
 * Epochs: the first iteration is epoch 0 (or the value given to :meth:`ArrayLoader.set_epoch`);
   each later iteration is the next epoch unless ``set_epoch`` was called since.
+
+Resuming (``ArrayLoader.state_dict`` / ``ArrayLoader.load_state_dict``)
+-----------------------------------------------------------------------
+* Let ``O`` be an epoch's order of its ``n`` items before sharding (the order of the loader
+  with ``world_size=1``), and ``P[i] = O[i mod n]`` its cyclic continuation: the loader's
+  sharded epoch is ``P[0:S*W]`` dealt round-robin to the ``W`` ranks (``S`` items each;
+  ``drop_last=True`` cuts ``P`` at ``S*W <= n`` instead of padding).
+* A state records the epoch the next batch comes from and its *position* ``g``: how many items
+  of ``P`` the ranks together were handed, counted where the training loop takes the batches
+  (batches prefetched but not yet handed out do not count). Each rank counts its own ``c``
+  items handed out and records ``g = c*W``: this assumes every rank took as many batches as
+  the others, as DistributedDataParallel's lockstep does, so every rank's state holds the same
+  position and any one of them (rank 0's) can resume all ranks. Items, not batches, are
+  counted, so a state also resumes a loader with another ``batch_size``.
+* Resuming at position ``g`` with ``W'`` ranks (``W' = W`` or any other world size): the
+  epoch's remaining items are ``P[g:n]`` (``O`` minus the items the ranks took). With
+  ``drop_last=False`` they are padded by continuing ``P`` (wrapping around to the epoch's
+  first items) to the next multiple of ``W'``; with ``drop_last=True`` they are cut to the
+  multiple of ``W'`` below. Rank ``r`` takes items ``r, r + W', r + 2*W', ...`` of that, in
+  batches of ``batch_size`` (``drop_last=True`` drops the last partial batch). The shares are
+  disjoint up to the padding, equal in size and together cover the remaining items; with
+  ``W' = W`` they are exactly what the uninterrupted run would have handed out next, since
+  ``P[g:S*W]`` is where its shards were headed. :meth:`ArrayLoader.indices_after` gives a
+  rank's share. A position at the epoch's end (``g >= n``) resumes at the next epoch's start.
+* The following epochs are sharded as usual (``indices(epoch)``).
 """
 from __future__ import annotations
 
@@ -37,6 +62,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import _resume
 from ._C import AsyncPrefetcher, Registration, RowGather, permutation, register_rows
 
 __all__ = ["ArrayLoader"]
@@ -531,6 +557,7 @@ class ArrayLoader:
     def __iter__(self) -> "ArrayLoader":
         self._check_open()
         epoch = self._next_epoch()
+        self._resumed_iter = _resume.begin_epoch(self, epoch)  # the resumed epoch's, or None
         pf = self._pf
         if pf is not None and (self._failed or (not self._consumed and not self._done
                                                 and epoch != self._epoch)):
@@ -640,3 +667,51 @@ class ArrayLoader:
         return (f"pinloader.ArrayLoader(rows={self.num_rows}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}, "
                 f"world_size={self.world_size}{w}, batches={len(self)})")
+
+    # ---- checkpoint and resume (pinloader/_resume.py; Resuming in the module documentation) ----
+
+    _resume_at: tuple[int, int, int] | None = None  # a loaded (epoch, position, consumed) to run
+    _resumed_iter: tuple[int, int, int, int] | None = None  # the resumed iteration's (pinloader/_resume.py)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is, as the training loop sees it: a small dict that JSON, torch.save
+        and ``torch.distributed.checkpoint`` all store (torch's ``Stateful`` protocol).
+
+        Keys: ``format``, ``version``; ``epoch`` (the epoch the next batch comes from) and
+        ``position`` (items of that epoch's order the ranks together were handed, see Resuming
+        in the module documentation), ``consumed`` (items this rank was handed of that epoch,
+        informational: with another world size resumed, ``position // world_size``); the settings ``seed``, ``shuffle``, ``drop_last``, ``batch_size``,
+        ``windows``, ``rank``, ``world_size``; ``sources`` (rows, and each leaf's path, shape and
+        dtype). Only batches handed out count: those prefetched since are not part of it. A
+        ``set_epoch`` not yet followed by an iteration is recorded as that epoch's start, and
+        an epoch whose batches were all handed out as the next epoch's start."""
+        return _resume.state_of(self)
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed: Any = ()) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, possibly of another process, rank
+        or world size): the next iteration hands out exactly the batches that would have come
+        next, and what was prefetched is discarded. A ``set_epoch`` of the state's epoch (as a
+        training loop calls it) keeps the resume; another epoch starts that epoch whole.
+
+        The state must have been saved for the same sources (shapes and dtypes), ``seed``,
+        ``shuffle``, ``windows``, ``drop_last`` and ``batch_size``, else ``ValueError`` names
+        the field. ``allow_changed`` (a set of those names) accepts a change on purpose: the
+        loader keeps its own value and continues at the state's epoch and position (items,
+        not batches), which is exact for ``batch_size``; for the others the remaining items
+        are this loader's order from that position on. ``world_size`` may always differ: the
+        remaining items are re-sharded (Resuming, in the module documentation); ``rank`` is
+        not checked, since every rank's state holds the same position."""
+        self._check_open()
+        _resume.load(self, state, allow_changed)
+
+    def indices_after(self, epoch: int, position: int) -> np.ndarray:
+        """This rank's item order for what is left of ``epoch`` once the ranks together were
+        handed its first ``position`` items (the state's ``epoch`` and ``position``): what a
+        loader resumed there hands out, in batches of ``batch_size``. ``indices_after(e, 0)``
+        equals ``indices(e)``."""
+        for name, v in (("epoch", epoch), ("position", position)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"ArrayLoader: {name} must be an int, not {type(v).__name__}")
+        if position < 0:
+            raise ValueError(f"ArrayLoader: position must be >= 0, got {position}")
+        return _resume.resumed_order(self._plan, int(epoch), int(position))
