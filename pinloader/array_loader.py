@@ -108,6 +108,59 @@ def _mapping_bytes(src: Any) -> int:
     return 0
 
 
+def _maps_entry(addr: int) -> tuple[int, str] | None:
+    """(file offset of ``addr``, path) from /proc/self/maps, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                lo, _, hi = parts[0].partition("-")
+                if int(lo, 16) <= addr < int(hi, 16) and len(parts) == 6:
+                    return int(parts[2], 16) + addr - int(lo, 16), parts[5].strip()
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _owners(src: Any) -> Iterator[Any]:
+    """``src`` and what it views: array bases, and the object under a memoryview."""
+    for _ in range(32):
+        yield src
+        if isinstance(src, np.ndarray):
+            src = src.base
+        elif isinstance(src, memoryview):
+            try:
+                src = src.obj
+            except ValueError:  # released
+                return
+        else:
+            return
+        if src is None:
+            return
+
+
+def _file_mapping(src: Any) -> tuple[mmap.mmap, int, str] | None:
+    """The file mapping under ``src``: (its mmap, the file size it needs, the file's name), or
+    None when ``src`` maps no file. Note [truncated mappings]."""
+    m = next((b for b in _owners(src) if isinstance(b, mmap.mmap)), None)
+    if m is None:
+        return None
+    try:
+        if m.closed or len(m) == 0:
+            return None
+        m.size()  # an anonymous mapping has no file: OSError
+    except (OSError, ValueError):
+        return None
+    mm = next((b for b in _owners(src) if isinstance(b, np.memmap) and b._mmap is m), None)
+    if mm is not None and isinstance(getattr(mm, "offset", None), int):
+        start = mm.offset - mm.offset % mmap.ALLOCATIONGRANULARITY
+        return m, start + len(m), str(mm.filename)
+    addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    where = _maps_entry(addr)
+    start, name = where if where is not None else (0, "(unknown file)")
+    return m, start + len(m), name
+
+
 def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
@@ -230,12 +283,38 @@ def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
                          "ArrayLoader (resized or replaced while loading)")
 
 
+def _truncated(path: str, m: mmap.mmap, need: int, name: str) -> ValueError:
+    try:
+        now = f"{m.size()} bytes"
+    except (OSError, ValueError) as e:
+        now = f"unreadable ({e})"
+    return ValueError(f"{path}: the memory-mapped file {name} was truncated on disk while "
+                      f"loading: it is now {now}, the mapping needs {need} (the dataset was "
+                      "rewritten or cut short under the ArrayLoader)")
+
+
 def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
+    # Note [truncated mappings]
+    # Rows of a mapping past the end of its file fault with SIGBUS when a staging thread reads
+    # them, which kills the process: another job may rewrite or cut the dataset at any time.
+    # Before each batch (with the GIL, before its RowGathers exist) each file-mapped leaf's
+    # file size is checked (mmap.size(): one fstat) against the end of its mapping, and a
+    # shorter file is an error naming the leaf and the file. A file cut while a batch is being
+    # staged, after its check, is not caught: the check narrows the window to one batch.
     order = _order(plan, epoch)
     bs, n_batches = plan.batch_size, plan.n_batches
     window = plan.window
     any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
+    files = [(path, *fm) for path, src, _, _ in plan.leaves
+             if (fm := _file_mapping(src)) is not None]
     for b in range(n_batches):
+        for path, m, need, name in files:
+            try:
+                ok = m.size() >= need
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                raise _truncated(path, m, need, name)
         lo = b * bs
         rows = order[lo:lo + bs]
         # Note [read-ahead] in src/gather.c: the next batch's rows (the first batch's own too)
