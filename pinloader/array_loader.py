@@ -241,16 +241,20 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
         phase, order = permutation(n, plan.seed, epoch, spare)
     else:
         phase, order = 0, np.arange(n, dtype=np.int64)
-    world = plan.world_size
-    if world > 1:
-        total = plan.num_samples * world
-        if total <= n:
-            order = order[:total]
-        elif n:
-            order = np.resize(order, total)  # pads by wrapping around to the start
-        order = order[plan.rank::world]
+    world, count = plan.world_size, plan.num_samples
+    if world > 1 and count:
+        # Items rank, rank + world, ... of the epoch's order padded by wrapping around to its
+        # start (or cut) to num_samples * world items: item j of that is order[j % n]. Only
+        # the rank's own num_samples positions are made, whatever world_size is.
+        if count == 1:
+            pos = np.array([plan.rank % n], dtype=np.int64)
+        else:  # world < n here, so the positions stay below 2 * n
+            pos = np.arange(count, dtype=np.int64) * world + plan.rank
+            if pos[-1] >= n:
+                pos %= n
+        order = order[pos]
     else:
-        order = order[:plan.num_samples]
+        order = order[:count]
     if L is not None:
         order = phase + order * L
     order = np.ascontiguousarray(order, dtype=np.int64)

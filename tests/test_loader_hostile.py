@@ -125,3 +125,76 @@ def test_anonymous_mmap_and_file_that_grew_are_fine(tmp_path):
     L = pinloader.ArrayLoader((np.frombuffer(anon, np.uint8).reshape(64, -1), mm), 8, device=DEVICE)
     assert sum(1 for _ in L) == 8
     L.close()
+
+
+# ---- sharding: the rank's shard is computed directly ---------------------------------------
+
+def old_order(plan, epoch):
+    """The formula ArrayLoader used before: pad the whole epoch to num_samples * world_size,
+    then slice the rank's items out of it (memory grew with world_size)."""
+    n, L = plan.num_items, plan.window
+    spare = 0 if L is None else plan.num_rows - n * L
+    phase, order = (_C.permutation(n, plan.seed, epoch, spare) if plan.shuffle
+                    else (0, np.arange(n, dtype=np.int64)))
+    world = plan.world_size
+    if world > 1:
+        total = plan.num_samples * world
+        if total <= n:
+            order = order[:total]
+        elif n:
+            order = np.resize(order, total)
+        order = order[plan.rank::world]
+    else:
+        order = order[:plan.num_samples]
+    return order if L is None else phase + order * L
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("window", [None, 2])
+def test_shard_equals_the_padded_formula_on_small_inputs(drop_last, window):
+    for n_rows in [0, 1, 2, 3, 5, 7, 12, 13]:
+        if window and n_rows < window:
+            continue
+        for world in [1, 2, 3, 4, 7, 13, 20]:
+            for rank in range(world):
+                L = pinloader.ArrayLoader(np.zeros((n_rows, 1)) if n_rows else np.zeros((0, 1)), 2,
+                                          rank=rank, world_size=world, drop_last=drop_last,
+                                          seed=n_rows, windows=window, device=DEVICE)
+                for epoch in (0, 3):
+                    L._plan.cache = None
+                    new = L.indices(epoch)
+                    ref = old_order(L._plan, epoch)
+                    assert new.tolist() == np.asarray(ref).tolist(), (n_rows, world, rank, epoch)
+                L.close()
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_huge_world_size_takes_memory_of_the_shard_only(drop_last):
+    # before: the epoch was padded to num_samples * world_size items first (a 2**40-item
+    # array: an empty MemoryError)
+    data = np.arange(10, dtype=np.int64)
+    L = pinloader.ArrayLoader(data, 4, rank=2**40 - 3, world_size=2**40, drop_last=drop_last,
+                              device=DEVICE, seed=1)
+    idx = L.indices(0)
+    if drop_last:
+        assert len(L) == 0 and idx.tolist() == []
+    else:
+        perm = _C.permutation(10, 1, 0)[1]
+        assert idx.tolist() == [perm[(2**40 - 3) % 10]] and len(L) == 1
+        assert [values(b).tolist() for b in L] == [[data[perm[(2**40 - 3) % 10]]]]
+    L.close()
+
+
+def test_drop_last_with_world_size_every_batch_full():
+    # 103 rows over 4 ranks: 25 each (the last 3 dropped), batches of 4: 6 full, the 7th dropped
+    data = np.arange(103, dtype=np.int64)
+    seen = []
+    for rank in range(4):
+        L = pinloader.ArrayLoader(data, 4, rank=rank, world_size=4, drop_last=True, device=DEVICE)
+        assert L.num_samples == 25 and len(L) == 6
+        got = [values(b) for b in L]
+        assert len(got) == 6 and all(g.shape == (4,) for g in got)
+        assert np.concatenate(got).tolist() == L.indices(0)[:24].tolist()
+        seen += L.indices(0).tolist()
+        L.close()
+    assert len(seen) == len(set(seen)) == 100  # disjoint shards, the tail dropped
