@@ -263,6 +263,19 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
     return order
 
 
+def _same_device(running: str, wanted: Any) -> bool:
+    """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted`` (as
+    the prefetcher reads it: None, 'cuda' and an index name CUDA devices)."""
+    if wanted is None:
+        return True
+    if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool):
+        return running == f"cuda:{int(wanted)}"
+    text = str(wanted)
+    if text in ("cpu", "cpu:0", "host"):
+        return running == "cpu"
+    return text == running or (text == "cuda" and running.startswith("cuda:"))
+
+
 class _Epochs:
     """The re-iterable source given to the AsyncPrefetcher: each iter() is one epoch."""
 
@@ -572,8 +585,8 @@ class ArrayLoader:
             if k in merged and merged[k] != v:
                 raise clash(k, merged[k], v)
             merged[k] = v
-        if self._pf is not None and (want_device != self._device or want_depth != self._depth
-                                     or merged != self._opts):
+        if self._pf is not None and (not _same_device(self._pf.device, want_device)
+                                     or want_depth != self._pf.depth or merged != self._opts):
             raise ValueError("ArrayLoader: already iterating with other settings; wrap it in the "
                              "adapter before the first iteration")
         self._device, self._depth, self._opts = want_device, want_depth, merged

@@ -198,3 +198,26 @@ def test_drop_last_with_world_size_every_batch_full():
         seen += L.indices(0).tolist()
         L.close()
     assert len(seen) == len(set(seen)) == 100  # disjoint shards, the tail dropped
+
+
+# ---- the adapters adopt a loader that already ran with the same settings -------------------
+
+def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
+    torch_ = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    data = np.arange(40, dtype=np.float32).reshape(20, 2)
+    L = pinloader.ArrayLoader(data, 5, device="cpu", shuffle=False)
+    plain = [values(b) for b in L]
+    T = pt.prefetch(L)  # same device (cpu) and depth (the default): accepted
+    got = [t.numpy().copy() for t in T]
+    assert all(isinstance(t, np.ndarray) for t in got)
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(plain))
+    L.close()
+    # other settings than the running prefetcher's are still refused
+    L2 = pinloader.ArrayLoader(data, 5, device="cpu")
+    assert len([values(b) for b in L2]) == 4
+    for opts in ({"depth": 3}, {"max_pinned_bytes": 1 << 20}):
+        with pytest.raises(ValueError, match="already iterating with other settings"):
+            pt.prefetch(L2, **opts)
+    L2.close()
+    assert torch_ is not None
