@@ -221,3 +221,121 @@ def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
             pt.prefetch(L2, **opts)
     L2.close()
     assert torch_ is not None
+
+
+# ---- user code on the producer thread re-entering the prefetcher ---------------------------
+
+REENTRY = """
+import collections, dataclasses, sys, numpy as np, pinloader
+from pinloader import _C
+from helpers import CapsuleWrapper
+holder = {}
+
+def poke(mode, leaf):
+    pf = holder["pf"]
+    try:
+        if mode == "next": next(pf)
+        elif mode == "iter": iter(pf)
+        elif mode == "stats": pf.stats()
+        elif mode == "export":
+            caps = _C.export_capsules([leaf], None)
+            np.from_dlpack(CapsuleWrapper(caps[0])).sum()  # a null data pointer crashes here
+        elif mode == "dlpack": np.from_dlpack(leaf)
+        return "returned"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+class NT(collections.namedtuple("NT", ["a"])):
+    def __new__(cls, a):
+        if isinstance(a, pinloader.DeviceArray):
+            holder["seen"].append(poke(holder["mode"], a))
+        return super().__new__(cls, a)
+
+@dataclasses.dataclass
+class DC:
+    a: object
+    def __post_init__(self):
+        if isinstance(self.a, pinloader.DeviceArray):
+            holder["seen"].append(poke(holder["mode"], self.a))
+
+class Leaf:  # a CPU DLPack exporter whose __dlpack__ re-enters
+    def __init__(self):
+        self.x = np.arange(4.0)
+    def __dlpack_device__(self):
+        return (1, 0)
+    def __dlpack__(self, **kw):
+        holder["seen"].append(poke(holder["mode"], None))
+        return self.x.__dlpack__(**kw)
+
+def gen():  # a source whose next() re-enters
+    for _ in range(3):
+        holder["seen"].append(poke(holder["mode"], None))
+        yield np.arange(4)
+
+for kind in ("nt", "dc", "dlpack", "source"):
+    for mode in ("next", "iter", "stats", "export", "dlpack"):
+        if kind in ("dlpack", "source") and mode in ("export", "dlpack"):
+            continue
+        holder.update(mode=mode, seen=[])
+        if kind == "source":
+            src = gen()
+        else:
+            make = {"nt": lambda: NT(np.arange(4)), "dc": lambda: DC(np.arange(4)), "dlpack": Leaf}[kind]
+            src = [tuple.__new__(NT, (np.arange(4),)) if kind == "nt" else make() for _ in range(3)]
+        pf = holder["pf"] = pinloader.AsyncPrefetcher(src, device="cpu")
+        try:
+            n = len([b for b in pf])
+        except Exception as e:
+            n = f"{type(e).__name__}: {e}"
+        pf.close()
+        print("RESULT", kind, mode, n, "|", holder["seen"][0] if holder["seen"] else None, flush=True)
+"""
+
+
+def test_user_code_on_the_producer_thread_reentering_gets_clean_errors():
+    p = run_py(REENTRY, timeout=90)
+    assert p.returncode == 0, describe(p)
+    res = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            kind, mode, rest = line.split(" ", 3)[1:]
+            res[kind, mode] = rest
+    assert len(res) == 16, describe(p)
+    for (kind, mode), rest in res.items():
+        n, seen = rest.split(" | ", 1)
+        if mode in ("next", "iter"):
+            # refused, not a wait on itself (next) or an epoch restarted per item (iter)
+            assert seen.startswith(f"RuntimeError: AsyncPrefetcher: {mode}() was called on the "
+                                   "prefetcher's own producer thread"), (kind, mode, rest)
+        elif mode == "stats":
+            assert seen == "returned" and n == "3", (kind, mode, rest)
+        else:  # export_capsules and __dlpack__ of the batch being built: the same refusal
+            assert seen.startswith("BufferError: ") and "still being prepared" in seen, (kind, mode, rest)
+            assert n == "3", (kind, mode, rest)
+    assert res["nt", "export"].split(" | ")[1].startswith("BufferError: export_capsules: leaves[0]: ")
+
+
+def test_array_loader_container_constructor_calling_next_on_the_loader():
+    code = """
+    import collections, numpy as np, pinloader
+    box = {}
+    class Pair(collections.namedtuple("Pair", ["x", "y"])):
+        def __new__(cls, x, y):
+            if isinstance(x, pinloader._C.RowGather) and "L" in box:
+                try:
+                    next(box["L"])
+                    box["seen"] = "returned"
+                except Exception as e:
+                    box["seen"] = f"{type(e).__name__}: {e}"
+            return super().__new__(cls, x, y)
+    data = np.arange(40.0).reshape(20, 2)
+    L = box["L"] = pinloader.ArrayLoader(Pair(data, data[:, 0]), 5, device="cpu")
+    print("BATCHES", len(list(L)), flush=True)
+    print("SEEN", box.get("seen"), flush=True)
+    L.close()
+    """
+    p = run_py(code)
+    assert p.returncode == 0, describe(p)
+    assert "BATCHES 4" in p.stdout, describe(p)
+    assert "SEEN RuntimeError: AsyncPrefetcher: next() was called on the prefetcher's own producer" \
+        in p.stdout, describe(p)
