@@ -803,15 +803,7 @@ static pl_pool *defaults[2][MAX_DEFAULT_DEVICES]; /* guarded by defaults_mu; one
 
 size_t pl_pool_shared_cap(void)
 {
-    size_t cap = pl_pool_default_cap();
-    const char *v = getenv("LOCAL_WORLD_SIZE");
-    if (v && *v) {
-        char *end = NULL;
-        errno = 0;
-        long n = strtol(v, &end, 10);
-        if (errno == 0 && end && *end == '\0' && n > 1 && n <= 65536)
-            cap /= (size_t)n;
-    }
+    size_t cap = pl_pool_default_cap() / (size_t)pl_local_world_size();
     return PL_MAX(cap, (size_t)PL_ALIGN);
 }
 

@@ -339,3 +339,79 @@ def test_array_loader_container_constructor_calling_next_on_the_loader():
     assert "BATCHES 4" in p.stdout, describe(p)
     assert "SEEN RuntimeError: AsyncPrefetcher: next() was called on the prefetcher's own producer" \
         in p.stdout, describe(p)
+
+
+# ---- errors that say what happened ---------------------------------------------------------
+
+def test_permutation_too_large_says_what():
+    with pytest.raises(MemoryError, match=r"permutation: n = 4611686018427387904 is too large: it "
+                                          r"needs 4611686018427387904 \* 8 bytes"):
+        _C.permutation(2**62, 0, 0)
+    with pytest.raises(MemoryError, match=r"n = 576460752303423488 is too large: it needs "
+                                          r"4611686018427387904 bytes"):
+        _C.permutation(2**59, 0, 0)
+
+
+def closed_sources():
+    m = mmap.mmap(-1, 4096)
+    m.close()
+    mv = memoryview(bytearray(64))
+    mv.release()
+    return [(m, "the mmap.mmap cannot be read: mmap closed or invalid"),
+            (mv, "the memoryview cannot be read: operation forbidden on released memoryview")]
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_closed_mmap_and_released_memoryview_say_so(case):
+    src, what = closed_sources()[case]
+    # before: "object arrays cannot be copied (dtype object)"
+    with pytest.raises(ValueError, match=f"^source: {what}"):
+        _C.RowGather(src, [0])
+    with pytest.raises(ValueError, match=rf"^arrays\[1\]: source: {what}"):
+        pinloader.ArrayLoader((np.zeros(4), src), 1, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"^item\[0\]: {what}"):
+        with pinloader.AsyncPrefetcher([(src,)], device=DEVICE) as pf:
+            drain(pf)
+
+
+def test_strided_buffer_exporters_are_still_read():
+    # an exporter that refuses only a contiguous export is read through its strides
+    a = np.arange(20, dtype=np.int32)
+    mv = memoryview(a)[::2]
+    g = _C.RowGather(mv, [0, 3])
+    assert g.source_shape == (10,)
+    with pinloader.AsyncPrefetcher([(mv,)], device=DEVICE) as pf:
+        (b,) = drain(pf)
+    np.testing.assert_array_equal(values(b[0]), a[::2])
+
+
+@pytest.mark.parametrize("device", [True, False])
+def test_bool_device_is_refused(device):
+    # before: True was read as 'cuda:1' and False as 'cuda:0'
+    with pytest.raises(TypeError, match="device must be a str, an int or None, not bool"):
+        pinloader.AsyncPrefetcher([np.arange(3)], device=device)
+    with pytest.raises(TypeError, match="not bool"):
+        pinloader.PinnedPool(max_bytes=1 << 20, device=device)
+    # the loader makes its prefetcher on the first iteration
+    L = pinloader.ArrayLoader(np.arange(3), 1, device=device)
+    with pytest.raises(TypeError, match="not bool"):
+        iter(L)
+    L.close()
+
+
+def test_bool_device_is_refused_by_the_torch_adapter():
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    with pytest.raises(TypeError, match=r"pinloader.torch.prefetch: device must be .* not bool"):
+        pt.prefetch([np.arange(3)], device=True)
+
+
+@pytest.mark.parametrize("value, ranks", [("4", 4), (" 3 ", 3), ("1", 1), ("0", 1), ("-2", 1),
+                                          ("", 1), ("x", 1), ("2x", 1), ("65536", 65536),
+                                          ("65537", 1), ("100000", 1), ("99999999999999999999", 1)])
+def test_local_world_size_is_read_alike_for_the_pool_and_the_staging_threads(monkeypatch, value, ranks):
+    # before: the pool accepted 2..65536 and the staging threads 1..2**20
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert _C._cpu_budget()["local_ranks"] == ranks
+    full = _C.default_pinned_cap()
+    assert _C.default_pool_cap() == max(full // ranks, 256)
