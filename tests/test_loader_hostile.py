@@ -415,3 +415,43 @@ def test_local_world_size_is_read_alike_for_the_pool_and_the_staging_threads(mon
     assert _C._cpu_budget()["local_ranks"] == ranks
     full = _C.default_pinned_cap()
     assert _C.default_pool_cap() == max(full // ranks, 256)
+
+
+# ---- Lemire's rejection step (Note [epoch permutation], src/gather.c) ----------------------
+
+# (bound = phase_range + 1, seed, rejections the reference makes, phase, perm of 6): bounds just
+# above 2**62 and at 3 * 2**61 (near 2**63) and 2**64 / 3, where a quarter to a third of the
+# draws are rejected; the counts include repeated rejections (a `while` read as an `if`, or a
+# wrong threshold t, changes the phase and every later draw).
+LEMIRE_CASES = [
+    (2**62 + 1, 8, 2, 2569297520966558801, [4, 3, 2, 1, 0, 5]),
+    (2**62 + 1, 1, 1, 1929241123449960082, [0, 3, 1, 4, 5, 2]),
+    (3 * 2**61, 6, 4, 3198488007021353553, [4, 1, 0, 5, 2, 3]),
+    (3 * 2**61, 14, 3, 6828530171798318487, [1, 3, 0, 2, 5, 4]),
+    (2**64 // 3 + 1, 3, 3, 2977766631039090612, [2, 3, 0, 4, 1, 5]),
+]
+
+
+def counted_phase(bound, seed, epoch=0):
+    """The reference's phase draw (tests/test_array_loader.py), counting rejected draws."""
+    from test_array_loader import M64, RefStream
+    r = RefStream(seed, epoch)
+    rejected = 0
+    m = r.next() * bound
+    if (m & M64) < bound:
+        t = ((1 << 64) - bound) % bound
+        while (m & M64) < t:
+            rejected += 1
+            m = r.next() * bound
+    return m >> 64, rejected
+
+
+@pytest.mark.parametrize("bound, seed, rejections, phase, perm", LEMIRE_CASES)
+def test_permutation_rejection_step_near_2_62_and_2_63(bound, seed, rejections, phase, perm):
+    from test_array_loader import ref_permutation
+    ref_phase, n_rejected = counted_phase(bound, seed)
+    assert n_rejected == rejections  # the case exercises the rejection loop
+    assert ref_phase == phase
+    assert ref_permutation(6, seed, 0, bound - 1) == (phase, perm)
+    got_phase, got = _C.permutation(6, seed, 0, bound - 1)
+    assert (got_phase, got.tolist()) == (phase, perm)
