@@ -466,6 +466,7 @@ static int finish_locked(pl_pool *p, reserve_state *rs, int rc)
 {
     if (rs->wait_start) {
         int64_t waited = pl_now_ns() - rs->wait_start;
+        p->st.waiting--;
         p->st.waits++;
         p->st.wait_ns += waited;
         if (rs->client) {
@@ -561,8 +562,10 @@ static int grow_unlocks(pl_pool *p, reserve_state *rs, size_t slab_size)
 static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
 {
     int64_t now = pl_now_ns();
-    if (!rs->wait_start)
+    if (!rs->wait_start) {
         rs->wait_start = now;
+        p->st.waiting++;
+    }
     int64_t slice = WAIT_SLICE_NS;
     if (rs->timeout_ns >= 0) {
         int64_t left = rs->timeout_ns - (now - rs->start);

@@ -455,3 +455,94 @@ def test_permutation_rejection_step_near_2_62_and_2_63(bound, seed, rejections, 
     assert ref_permutation(6, seed, 0, bound - 1) == (phase, perm)
     got_phase, got = _C.permutation(6, seed, 0, bound - 1)
     assert (got_phase, got.tolist()) == (phase, perm)
+
+
+# ---- held copies: the stall counter and the pool's own guarantees ---------------------------
+
+MiB = 1 << 20
+
+
+def wait_until(cond, what, timeout=30.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_stall_counted_once_per_reserve_that_waited():
+    # The second (large) batch cannot fit next to the first, whose copy is held: its reserve
+    # waits (seen as the pool's `waiting`) until the copy is let go. The small batches after it
+    # always fit (each batch is exported, so at most depth + 1 copies are outstanding): exactly
+    # one stall, whatever the timing.
+    pool = pinloader.PinnedPool(max_bytes=8 * MiB, device="cpu")
+    big = [np.full(MiB, i, dtype=np.uint8) for i in range(2)]
+    small = [np.full(16 << 10, 10 + i, dtype=np.uint8) for i in range(20)]
+    items = big + small
+    _C._debug_hold_copies(True)
+    try:
+        pf = pinloader.AsyncPrefetcher(items, device="cpu", pool=pool, depth=2,
+                                       max_pinned_bytes=3 * MiB // 2)
+        first = next(pf)  # queued; its copy is held, so its region stays pending
+        wait_until(lambda: pool.stats()["waiting"] == 1, "the second batch's reserve to wait")
+        assert pf.stats()["pinned_stalls"] == 0
+    finally:
+        _C._debug_hold_copies(False)
+    out = [values(first)] + [values(b) for b in drain(pf)]
+    assert [o[0] for o in out] == [0, 1] + [10 + i for i in range(20)]
+    st = pf.stats()
+    assert st["pinned_stalls"] == 1, st
+    assert pool.stats()["waits"] == 1 and pool.stats()["waiting"] == 0
+    pf.close()
+    pool.close()
+
+
+def test_pool_trim_frees_nothing_pending_and_pending_regions_are_not_reused():
+    pool = pinloader.PinnedPool(max_bytes=2 * MiB, device="cpu")
+    _C._debug_hold_copies(True)
+    try:
+        pf = pinloader.AsyncPrefetcher([np.ones(MiB + MiB // 2, np.uint8)], device="cpu", pool=pool,
+                                       depth=1)
+        batch = next(pf)
+        wait_until(lambda: pool.stats()["pending"] == 1, "the staged region to be pending")
+        st = pool.stats()
+        assert st["regions"] == 1 and st["in_use_bytes"] >= MiB + MiB // 2, st
+        # trim() gives back only slabs with no live region: the pending one's slab stays
+        assert pool.trim() == 0
+        assert pool.stats()["slabs"] == st["slabs"] and pool.stats()["pending"] == 1
+        # the pending region is neither reused nor counted as free: no room for another
+        with pytest.raises(pinloader.PoolExhausted):
+            pool.alloc(MiB, timeout=0.05)
+        assert pool.stats()["pending"] == 1
+    finally:
+        _C._debug_hold_copies(False)
+    np.testing.assert_array_equal(values(batch), np.ones(MiB + MiB // 2, np.uint8))
+    pf.close()
+    wait_until(lambda: pool.stats()["pending"] == 0, "the region to come back")
+    buf = pool.alloc(MiB, timeout=5)  # room again once the copy is done
+    buf.release()
+    assert pool.trim() > 0 and pool.stats()["slabs"] == 0
+    pool.close()
+
+
+def test_pool_client_never_exceeds_its_bound():
+    import threading
+    pool = pinloader.PinnedPool(max_bytes=8 * MiB, device="cpu")
+    c = pool.client(max_bytes=MiB)
+    a = c.alloc(MiB - 4096)
+    # the pool has room, the client has not: its request waits for its own regions
+    with pytest.raises(pinloader.PoolExhausted):
+        c.alloc(64 << 10, timeout=0.05)
+    other = pool.alloc(4 * MiB, timeout=1)  # the pool itself still serves others
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.alloc(64 << 10, timeout=30)))
+    t.start()
+    wait_until(lambda: pool.stats()["waiting"] == 1, "the client's reserve to wait")
+    assert not got and c.stats()["in_use_bytes"] <= MiB
+    a.release()
+    t.join(30)
+    assert got and c.stats()["peak_in_use_bytes"] <= MiB, c.stats()
+    assert c.stats()["waits"] >= 2  # the timed-out request and the one that waited
+    got[0].release()
+    other.release()
+    pool.close()
