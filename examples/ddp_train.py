@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import numpy as np
 import torch
@@ -87,8 +88,18 @@ def main() -> None:
             if rank == 0:
                 shown = " ".join(repr(v.item()) for v in losses)
                 print(f"epoch {epoch} step {step} losses {shown}", flush=True)
+    # A deterministic shutdown: the prefetcher first, then every rank meets the others (no rank
+    # tears its gloo pairs down while another still talks to it), then the process group, then
+    # the process ends without the interpreter's teardown, where torch's gloo backend can abort
+    # ("terminate called without an active exception") when its threads' C++ objects are
+    # destroyed at exit.
     batches.close()
+    loader.close()
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
