@@ -79,6 +79,9 @@ def test_file_truncated_during_the_epoch(tmp_path):
     it = iter(L)
     first = next(it)
     assert (np.from_dlpack(first[0])[:, 0] == np.arange(100)).all()
+    import time
+    while L.stats()["queued"] < 1:  # the next batch is staged: the producer waits for room
+        time.sleep(0.001)
     os.truncate(path, 1000)  # less than one row
     try:
         for b in it:
