@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import numpy as np
 import torch
@@ -119,8 +120,18 @@ def main() -> None:
                 break
         if args.stop_after is not None and steps == args.stop_after:
             break
+    # A deterministic shutdown: the prefetcher first, then every rank meets the others (no rank
+    # tears its gloo pairs down while another still talks to it), then the process group, then
+    # the process ends without the interpreter's teardown, where torch's gloo backend can abort
+    # ("terminate called without an active exception") when its threads' C++ objects are
+    # destroyed at exit.
     batches.close()
+    loader.close()
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ from ._stats import PrefetcherStats
 _native_export = getattr(_C, "export_capsules", None)
 
 
+def refuse_bool_device(who: str, device: Any) -> None:
+    """bool is an int to Python, and True would name device 1 ('cuda:1'): refuse it."""
+    if isinstance(device, bool):
+        raise TypeError(f"{who}: device must be a str, an int, a device object or None, not bool "
+                        f"({device!r})")
+
+
 def export_leaves(leaves: list[Any], stream: Any) -> list[Any]:
     """DLPack capsules of ``leaves`` (DeviceArrays; other objects are passed through) for the
     consumer's ``stream`` (a DLPack stream handle, None for the host backend)."""

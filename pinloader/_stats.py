@@ -42,6 +42,7 @@ class PoolStats(TypedDict):
     slabs_freed: int
     waits: int
     wait_s: float
+    waiting: int
     numa_node: int
 
 class PrefetcherStats(TypedDict):

@@ -67,7 +67,8 @@ from ._C import AsyncPrefetcher, Registration, RowGather, permutation, register_
 
 __all__ = ["ArrayLoader"]
 
-_DEFAULT_DEPTH = 3
+_DEFAULT_DEPTH = 3  # a third batch in flight lets loader-bound large batches reach the DMA ceiling
+_ADAPTER_DEFAULT_DEPTH = 2  # pinloader.torch / jax / cupy .prefetch(depth=2)
 _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
 # over registered host memory) and smaller ones with the host gather; see _choose_gather.
@@ -136,6 +137,59 @@ def _mapping_bytes(src: Any) -> int:
                 except ValueError:  # closed
                     return 0
     return 0
+
+
+def _maps_entry(addr: int) -> tuple[int, str] | None:
+    """(file offset of ``addr``, path) from /proc/self/maps, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                lo, _, hi = parts[0].partition("-")
+                if int(lo, 16) <= addr < int(hi, 16) and len(parts) == 6:
+                    return int(parts[2], 16) + addr - int(lo, 16), parts[5].strip()
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _owners(src: Any) -> Iterator[Any]:
+    """``src`` and what it views: array bases, and the object under a memoryview."""
+    for _ in range(32):
+        yield src
+        if isinstance(src, np.ndarray):
+            src = src.base
+        elif isinstance(src, memoryview):
+            try:
+                src = src.obj
+            except ValueError:  # released
+                return
+        else:
+            return
+        if src is None:
+            return
+
+
+def _file_mapping(src: Any) -> tuple[mmap.mmap, int, str] | None:
+    """The file mapping under ``src``: (its mmap, the file size it needs, the file's name), or
+    None when ``src`` maps no file. Note [truncated mappings]."""
+    m = next((b for b in _owners(src) if isinstance(b, mmap.mmap)), None)
+    if m is None:
+        return None
+    try:
+        if m.closed or len(m) == 0:
+            return None
+        m.size()  # an anonymous mapping has no file: OSError
+    except (OSError, ValueError):
+        return None
+    mm = next((b for b in _owners(src) if isinstance(b, np.memmap) and b._mmap is m), None)
+    if mm is not None and isinstance(getattr(mm, "offset", None), int):
+        start = mm.offset - mm.offset % mmap.ALLOCATIONGRANULARITY
+        return m, start + len(m), str(mm.filename)
+    addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    where = _maps_entry(addr)
+    start, name = where if where is not None else (0, "(unknown file)")
+    return m, start + len(m), name
 
 
 def _mem_available() -> int | None:
@@ -223,22 +277,39 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
         phase, order = permutation(n, plan.seed, epoch, spare)
     else:
         phase, order = 0, np.arange(n, dtype=np.int64)
-    world = plan.world_size
-    if world > 1:
-        total = plan.num_samples * world
-        if total <= n:
-            order = order[:total]
-        elif n:
-            order = np.resize(order, total)  # pads by wrapping around to the start
-        order = order[plan.rank::world]
+    world, count = plan.world_size, plan.num_samples
+    if world > 1 and count:
+        # Items rank, rank + world, ... of the epoch's order padded by wrapping around to its
+        # start (or cut) to num_samples * world items: item j of that is order[j % n]. Only
+        # the rank's own num_samples positions are made, whatever world_size is.
+        if count == 1:
+            pos = np.array([plan.rank % n], dtype=np.int64)
+        else:  # world < n here, so the positions stay below 2 * n
+            pos = np.arange(count, dtype=np.int64) * world + plan.rank
+            if pos[-1] >= n:
+                pos %= n
+        order = order[pos]
     else:
-        order = order[:plan.num_samples]
+        order = order[:count]
     if L is not None:
         order = phase + order * L
     order = np.ascontiguousarray(order, dtype=np.int64)
     order.flags.writeable = False
     plan.cache = (epoch, order)
     return order
+
+
+def _same_device(running: str, wanted: Any) -> bool:
+    """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted`` (as
+    the prefetcher reads it: None, 'cuda' and an index name CUDA devices)."""
+    if wanted is None:
+        return True
+    if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool):
+        return running == f"cuda:{int(wanted)}"
+    text = str(wanted)
+    if text in ("cpu", "cpu:0", "host"):
+        return running == "cpu"
+    return text == running or (text == "cuda" and running.startswith("cuda:"))
 
 
 class _Epochs:
@@ -265,12 +336,38 @@ def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
                          "ArrayLoader (resized or replaced while loading)")
 
 
+def _truncated(path: str, m: mmap.mmap, need: int, name: str) -> ValueError:
+    try:
+        now = f"{m.size()} bytes"
+    except (OSError, ValueError) as e:
+        now = f"unreadable ({e})"
+    return ValueError(f"{path}: the memory-mapped file {name} was truncated on disk while "
+                      f"loading: it is now {now}, the mapping needs {need} (the dataset was "
+                      "rewritten or cut short under the ArrayLoader)")
+
+
 def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
+    # Note [truncated mappings]
+    # Rows of a mapping past the end of its file fault with SIGBUS when a staging thread reads
+    # them, which kills the process: another job may rewrite or cut the dataset at any time.
+    # Before each batch (with the GIL, before its RowGathers exist) each file-mapped leaf's
+    # file size is checked (mmap.size(): one fstat) against the end of its mapping, and a
+    # shorter file is an error naming the leaf and the file. A file cut while a batch is being
+    # staged, after its check, is not caught: the check narrows the window to one batch.
     order = _order(plan, epoch)
     bs, n_batches = plan.batch_size, plan.n_batches
     window = plan.window
     any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
+    files = [(path, *fm) for path, src, _, _ in plan.leaves
+             if (fm := _file_mapping(src)) is not None]
     for b in range(n_batches):
+        for path, m, need, name in files:
+            try:
+                ok = m.size() >= need
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                raise _truncated(path, m, need, name)
         lo = b * bs
         rows = order[lo:lo + bs]
         # Note [read-ahead] in src/gather.c: the next batch's rows (the first batch's own too)
@@ -611,16 +708,18 @@ class ArrayLoader:
         elif device is not None and str(device) != str(want_device) and str(device) != "cuda" \
                 and str(want_device) != "cuda":
             raise clash("device", self._device, device)
-        want_depth = depth if self._depth is None else self._depth
-        if self._depth is not None and depth != _DEFAULT_DEPTH and depth != self._depth:
+        # the doors' default depth means "not given": the loader's own default applies
+        given = depth != _ADAPTER_DEFAULT_DEPTH
+        want_depth = self._depth if self._depth is not None else depth if given else _DEFAULT_DEPTH
+        if self._depth is not None and given and depth != self._depth:
             raise clash("depth", self._depth, depth)
         merged = dict(self._opts)
         for k, v in opts.items():
             if k in merged and merged[k] != v:
                 raise clash(k, merged[k], v)
             merged[k] = v
-        if self._pf is not None and (want_device != self._device or want_depth != self._depth
-                                     or merged != self._opts):
+        if self._pf is not None and (not _same_device(self._pf.device, want_device)
+                                     or want_depth != self._pf.depth or merged != self._opts):
             raise ValueError("ArrayLoader: already iterating with other settings; wrap it in the "
                              "adapter before the first iteration")
         self._device, self._depth, self._opts = want_device, want_depth, merged

@@ -30,6 +30,7 @@ class CupyPrefetcher(FrameworkPrefetcher):
     """
 
     def __init__(self, iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> None:
+        _adapter.refuse_bool_device("pinloader.cupy.prefetch", device)
         if device is None:
             device = _cp.cuda.Device().id
         if isinstance(device, int):

@@ -9,12 +9,14 @@ from typing import Any, Iterable
 import jax as _jax
 import jax.dlpack as _jdl
 
+from . import _adapter
 from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "JaxPrefetcher"]
 
 
 def _resolve(device: Any) -> tuple[str, Any]:
+    _adapter.refuse_bool_device("pinloader.jax.prefetch", device)
     if device is None:
         device = _jax.devices()[0]
     if isinstance(device, str):

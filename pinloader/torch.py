@@ -24,6 +24,7 @@ _from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch_from_dlpack
 
 
 def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
+    _adapter.refuse_bool_device("pinloader.torch.prefetch", device)
     if device is None:  # pinloader's default: the current GPU if CUDA is usable, else the host
         device = "cuda" if _pl_backend() == "cuda" else "cpu"
     dev = _torch.device(device)

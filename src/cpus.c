@@ -221,19 +221,6 @@ static double cgroup_quota(void)
 
 /* ---- the budget ---- */
 
-static int local_ranks(void)
-{
-    const char *v = getenv("LOCAL_WORLD_SIZE");
-    if (!v || !*v)
-        return 1;
-    char *end;
-    errno = 0;
-    long n = strtol(v, &end, 10);
-    if (errno || *end || n < 1 || n > 1 << 20)
-        return 1;
-    return (int)n;
-}
-
 void pl_cpu_budget_read(pl_cpu_budget *out)
 {
     long online = sysconf(_SC_NPROCESSORS_ONLN);
@@ -241,7 +228,7 @@ void pl_cpu_budget_read(pl_cpu_budget *out)
     int aff = affinity_count();
     out->affinity = aff > 0 ? aff : out->online;
     out->quota = cgroup_quota();
-    out->local_ranks = local_ranks();
+    out->local_ranks = pl_local_world_size();
 
     int cpus = out->affinity;
     if (out->quota > 0 && out->quota < (double)cpus) {

@@ -296,14 +296,22 @@ static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const 
     return pl_dlpack_export(&v, versioned, &e, sizeof e, da_export_release);
 }
 
-/* A DeviceArray that the prefetcher hands to a user constructor while it rebuilds an item has
- * no device memory yet (see Note [flatten in two passes] in flatten.h): refuse to export it
- * rather than hand out a null pointer. */
-static int check_allocated(DeviceArrayObject *self)
+/* What every export of a DeviceArray requires (__dlpack__, __cuda_array_interface__ and each
+ * leaf of export_capsules), checked in one place:
+ * - its batch has device memory: a DeviceArray that the prefetcher hands to a user constructor
+ *   while it rebuilds an item has none yet (see Note [flatten in two passes] in flatten.h), so
+ *   it is refused rather than exported with a null pointer;
+ * - it was made in this process, not inherited through fork().
+ * `where` names the entry point (and leaf) in the message. */
+static int check_exportable(DeviceArrayObject *self, const char *where)
 {
     if (self->nbytes && !self->blk->ptr) {
-        PyErr_SetString(PyExc_BufferError, "this DeviceArray's batch is still being prepared (it "
-                        "cannot be exported inside a constructor the prefetcher calls)");
+        PyErr_Format(PyExc_BufferError, "%sthis DeviceArray's batch is still being prepared (it "
+                     "cannot be exported inside a constructor the prefetcher calls)", where);
+        return -1;
+    }
+    if (pl_block_inherited(self->blk)) {
+        pl_raise_forked("DeviceArray");
         return -1;
     }
     return 0;
@@ -318,10 +326,8 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         return NULL;
     DeviceArrayObject *self = (DeviceArrayObject *)op;
     pl_state *st = pl_state_of_type(Py_TYPE(op));
-    if (!st || check_allocated(self) < 0)
+    if (!st || check_exportable(self, "") < 0)
         return NULL;
-    if (pl_block_inherited(self->blk))
-        return pl_raise_forked("DeviceArray");
     int cuda = self->blk->b->kind == PL_BACKEND_CUDA;
     pl_dlpack_stream s;
     pl_dlpack_request req;
@@ -366,6 +372,12 @@ static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t 
             continue;
         }
         DeviceArrayObject *da = (DeviceArrayObject *)o;
+        char where[64];
+        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", i);
+        if (check_exportable(da, where) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
         int k = da->blk->b->kind == PL_BACKEND_CUDA;
         if (!have[k] && pl_dlpack_parse_stream(stream, k, "a host-backend DeviceArray", &parsed[k]) < 0) {
             Py_CLEAR(out);
@@ -508,10 +520,8 @@ static PyObject *da_get_cai(PyObject *op, void *c)
         PyErr_SetString(PyExc_AttributeError, "__cuda_array_interface__ exists only for CUDA device arrays");
         return NULL;
     }
-    if (check_allocated(self) < 0)
+    if (check_exportable(self, "") < 0)
         return NULL;
-    if (pl_block_inherited(self->blk))
-        return pl_raise_forked("DeviceArray");
     pl_stream *legacy = (pl_stream *)(uintptr_t)1;
     int rc = pl_block_consumer_wait(self->blk, legacy, NULL);
     if (rc != PL_OK)

@@ -633,6 +633,24 @@ static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
     if (has)
         return has < 0 ? -1 : 0;
     if (PyObject_CheckBuffer(obj)) {
+        /* An exporter that refuses (a closed mmap, a released memoryview) says why: NumPy
+         * would read it as a 0-d object array instead. */
+        Py_buffer probe;
+        if (PyObject_GetBuffer(obj, &probe, PyBUF_FULL_RO) < 0) {
+            if (pending_is_base_only())
+                return -1;
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            char why[200];
+            int rc = value ? text_of(value, 0, why, sizeof why) : (snprintf(why, sizeof why, "?"), 0);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (rc < 0)
+                return -1;
+            return leaf_error(f, PyExc_ValueError, "the %.100s cannot be read: %s", Py_TYPE(obj)->tp_name, why);
+        }
+        PyBuffer_Release(&probe);
         PyObject *arr = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
         if (!arr) {
             if (pending_is_base_only())

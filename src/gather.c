@@ -227,10 +227,33 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
         return arr;
     }
     if (PyObject_CheckBuffer(src)) {
-        /* Hold the export first, so the object cannot change between here and the array. */
+        /* Hold the export first, so the object cannot change between here and the array. An
+         * exporter that refuses every request (a closed mmap, a released memoryview) says why:
+         * NumPy would read it as a 0-d object array instead. One that refuses only a simple
+         * (contiguous) export is read by NumPy through its strides, unheld. */
         if (PyObject_GetBuffer(src, &g->held, PyBUF_SIMPLE) < 0) {
-            PyErr_Clear();
             g->held.obj = NULL;
+            PyErr_Clear();
+            Py_buffer probe;
+            if (PyObject_GetBuffer(src, &probe, PyBUF_FULL_RO) == 0) {
+                PyBuffer_Release(&probe);
+            } else if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
+                       PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyObject *type_, *value, *tb;
+                PyErr_Fetch(&type_, &value, &tb);
+                PyObject *msg = value ? PyObject_Str(value) : NULL;
+                const char *why = msg ? PyUnicode_AsUTF8(msg) : NULL;
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "source: the %.100s cannot be read: %s", Py_TYPE(src)->tp_name,
+                             why ? why : "it exports no buffer");
+                Py_XDECREF(msg);
+                Py_XDECREF(type_);
+                Py_XDECREF(value);
+                Py_XDECREF(tb);
+                return NULL;
+            } else {
+                return NULL;
+            }
         }
         PyObject *arr = PyArray_FromAny(src, NULL, 0, 0, 0, NULL);
         if (!arr) {
@@ -981,11 +1004,18 @@ static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
     if (n < 0 || phase_range < 0)
         return PyErr_Format(PyExc_ValueError, "n and phase_range must be >= 0, got %lld and %lld", n, phase_range);
     if ((unsigned long long)n > (unsigned long long)PY_SSIZE_T_MAX / sizeof(int64_t))
-        return PyErr_NoMemory();
+        return PyErr_Format(PyExc_MemoryError, "permutation: n = %lld is too large: it needs %lld * 8 "
+                            "bytes (one int64 per item), more than the address space", n, n);
     npy_intp dim = (npy_intp)n;
     PyObject *arr = PyArray_SimpleNew(1, &dim, NPY_INT64);
-    if (!arr)
+    if (!arr) {
+        if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_MemoryError, "permutation: n = %lld is too large: it needs %lld bytes "
+                         "(one int64 per item), which could not be allocated", n, n * 8);
+        }
         return NULL;
+    }
     int64_t *p = PyArray_DATA((PyArrayObject *)arr);
     uint64_t s = mix64(seed) ^ mix64(epoch + GAMMA), phase;
     Py_BEGIN_ALLOW_THREADS

@@ -126,6 +126,10 @@ int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int 
             return 0;
         }
         kind = "cuda";
+    } else if (PyBool_Check(device)) {
+        /* an int subclass: True would read as 'cuda:1' */
+        PyErr_Format(PyExc_TypeError, "device must be a str, an int or None, not bool (%R)", device);
+        return -1;
     } else if (PyLong_Check(device)) {
         long v = PyLong_AsLong(device);
         if (v == -1 && PyErr_Occurred())

@@ -254,7 +254,7 @@ static PyObject *pool_stats(PyObject *op, PyObject *noargs)
     pl_pool_stats s;
     pl_pool_get_stats(self->pool, &s);
     return Py_BuildValue(
-        "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:d,s:i}",
+        "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:d,s:n,s:i}",
         "reserved_bytes", (Py_ssize_t)s.reserved_bytes, "in_use_bytes", (Py_ssize_t)s.in_use_bytes,
         "peak_in_use_bytes", (Py_ssize_t)s.peak_in_use_bytes,
         "peak_reserved_bytes", (Py_ssize_t)s.peak_reserved_bytes, "max_bytes", (Py_ssize_t)s.max_bytes,
@@ -263,7 +263,7 @@ static PyObject *pool_stats(PyObject *op, PyObject *noargs)
         "allocs_new", (unsigned long long)s.allocs_new,
         "slabs_created", (unsigned long long)s.slabs_created,
         "slabs_freed", (unsigned long long)s.slabs_freed, "waits", (unsigned long long)s.waits,
-        "wait_s", (double)s.wait_ns / 1e9, "numa_node", s.numa_node);
+        "wait_s", (double)s.wait_ns / 1e9, "waiting", (Py_ssize_t)s.waiting, "numa_node", s.numa_node);
 }
 
 static PyObject *pool_trim(PyObject *op, PyObject *noargs)

@@ -466,6 +466,7 @@ static int finish_locked(pl_pool *p, reserve_state *rs, int rc)
 {
     if (rs->wait_start) {
         int64_t waited = pl_now_ns() - rs->wait_start;
+        p->st.waiting--;
         p->st.waits++;
         p->st.wait_ns += waited;
         if (rs->client) {
@@ -561,8 +562,10 @@ static int grow_unlocks(pl_pool *p, reserve_state *rs, size_t slab_size)
 static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
 {
     int64_t now = pl_now_ns();
-    if (!rs->wait_start)
+    if (!rs->wait_start) {
         rs->wait_start = now;
+        p->st.waiting++;
+    }
     int64_t slice = WAIT_SLICE_NS;
     if (rs->timeout_ns >= 0) {
         int64_t left = rs->timeout_ns - (now - rs->start);
@@ -803,15 +806,7 @@ static pl_pool *defaults[2][MAX_DEFAULT_DEVICES]; /* guarded by defaults_mu; one
 
 size_t pl_pool_shared_cap(void)
 {
-    size_t cap = pl_pool_default_cap();
-    const char *v = getenv("LOCAL_WORLD_SIZE");
-    if (v && *v) {
-        char *end = NULL;
-        errno = 0;
-        long n = strtol(v, &end, 10);
-        if (errno == 0 && end && *end == '\0' && n > 1 && n <= 65536)
-            cap /= (size_t)n;
-    }
+    size_t cap = pl_pool_default_cap() / (size_t)pl_local_world_size();
     return PL_MAX(cap, (size_t)PL_ALIGN);
 }
 

@@ -59,6 +59,7 @@ typedef struct {
     uint64_t slabs_freed;
     uint64_t waits;         /* reserves that had to wait for a region to come back */
     int64_t wait_ns;
+    size_t waiting;         /* reserves waiting now (counted in waits when they end) */
     int numa_node;          /* the node new slabs are placed on (Note [slabs on the GPU's node]
                              * in numa.c), -1 when not bound */
 } pl_pool_stats;

@@ -624,10 +624,32 @@ static int check_usable(pl_prefetcher_obj *self)
     return 0;
 }
 
+/* Note [re-entry from the producer]
+ * The producer runs user code with the GIL: the source's next(), and what flatten calls for an
+ * item (a __dlpack__, a namedtuple's or dataclass's constructor, a finalizer). That code may
+ * reach this very prefetcher. next() there would wait for a batch that only the waiting thread
+ * can make (for ever: signals are delivered to the main thread only, so not even Ctrl-C ends
+ * it), and iter() would restart the epoch from inside it, so that each item starts a new
+ * epoch. Both are refused with a RuntimeError, which reaches the consumer as that item's error.
+ * What does not wait on the producer stays allowed there: stats(), and close(), which detaches
+ * the producer (Note [stuck producers]). A DeviceArray of the batch being built refuses to be
+ * exported (check_exportable in device_array.c). */
+static int check_not_producer(pl_prefetcher_obj *self, const char *what, const char *why)
+{
+    if (self->thread_started && pthread_equal(self->thread, pthread_self())) {
+        PyErr_Format(PyExc_RuntimeError, "AsyncPrefetcher: %s was called on the prefetcher's own "
+                     "producer thread, by user code it runs for an item (the source's next(), a "
+                     "__dlpack__, a container's constructor): %s", what, why);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *pf_iter(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (check_usable(self) < 0)
+    if (check_usable(self) < 0 || check_not_producer(self, "iter()", "it would restart the epoch "
+                                                                  "being read") < 0)
         return NULL;
     if (self->state == PF_FAILED || (self->consumed_in_epoch == 0 && self->state == PF_OPEN))
         return Py_NewRef(op); /* finished for good, or the current epoch is still fresh */
@@ -719,7 +741,8 @@ static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj);
 static PyObject *pf_next(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (check_usable(self) < 0)
+    if (check_usable(self) < 0 || check_not_producer(self, "next()", "it would wait for a batch "
+                                                                  "only this thread can make") < 0)
         return NULL;
     if (self->state != PF_OPEN)
         return NULL; /* StopIteration */

@@ -170,3 +170,20 @@ void pl_os_free(void *p, size_t n)
     if (p)
         munmap(p, PL_ALIGN_UP(n, pl_page_size()));
 }
+
+int pl_local_world_size(void)
+{
+    const char *v = getenv("LOCAL_WORLD_SIZE");
+    if (!v)
+        return 1;
+    char *end = NULL;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (end == v || errno)
+        return 1;
+    while (*end == ' ' || *end == '\t' || *end == '\n')
+        end++;
+    if (*end || n < 1 || n > PL_LOCAL_RANKS_MAX)
+        return 1;
+    return (int)n;
+}

@@ -50,6 +50,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             "fuzz: {examples} examples, {items} items, {leaves} leaves tried "
             "({delivered} items delivered, {refused} refused)".format(**tried))
+    loader = getattr(fuzz, "TRIED_LOADER", None)
+    if loader and loader["examples"]:
+        terminalreporter.write_line(
+            "fuzz: {examples} ArrayLoader examples, {batches} batches checked, {refused} "
+            "refused cleanly".format(**loader))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -663,20 +663,9 @@ def test_ddp_example_matches_plain_indexing_on_cpu():
     expected_lines = 2 * 8
 
     def run(extra):
-        # One retry, only for a known teardown abort of torch's gloo backend at process exit
-        # ("terminate called without an active exception", a rank killed by SIGABRT after the
-        # whole run printed): seen with and without pinloader in the loop (--plain), never
-        # before the last line. Any other failure, or the same one twice, fails the test.
-        for attempt in range(2):
-            p = subprocess.run(cmd + extra, env=env, cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-            lines = p.stdout.splitlines()
-            teardown_abort = (p.returncode != 0 and len(lines) == expected_lines
-                              and "terminate called without an active exception" in p.stderr)
-            if p.returncode == 0 or not teardown_abort or attempt == 1:
-                assert p.returncode == 0, p.stderr[-3000:]
-                return lines
-        raise AssertionError("unreachable")
+        p = subprocess.run(cmd + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout.splitlines()
 
     lines = [run([]), run(["--plain"])]
     assert len(lines[0]) == expected_lines

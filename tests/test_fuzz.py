@@ -558,3 +558,180 @@ def test_hostile_items_are_refused_cleanly_or_delivered_exactly(specs, depth):
             del got
     finally:
         pf.close()
+
+
+# ---- ArrayLoader and RowGather -----------------------------------------------------------------
+#
+# Random sources (dtypes; shapes with zero rows and zero-size rows; C, Fortran, reversed and
+# strided layouts; np.memmap files), random batch_size / windows / rank / world_size /
+# drop_last / shuffle, and files truncated on disk before the epoch. Every epoch must give
+# exactly NumPy indexing of loader.indices(epoch), or a clean error that names the leaf
+# ("arrays..."). Sources mutated in place from another thread run in a child process
+# (test_array_loader_sources_mutated_in_place below).
+
+TRIED_LOADER = {"examples": 0, "batches": 0, "refused": 0}
+LOADER_DTYPES = ["int8", "uint16", "int32", "int64", "float16", "float32", "float64",
+                 "complex64", "bool"]
+
+
+@st.composite
+def loader_sources(draw):
+    n_rows = draw(st.integers(0, 40))
+    leaves = []
+    for _ in range(draw(st.integers(1, 3))):
+        dtype = np.dtype(draw(st.sampled_from(LOADER_DTYPES)))
+        row = draw(st.sampled_from([(), (3,), (0,), (2, 0), (2, 3), (1, 5)]))
+        layout = draw(st.sampled_from(["c", "fortran", "reversed", "strided", "memmap"]))
+        leaves.append((dtype.str, row, layout))
+    return n_rows, leaves
+
+
+def make_source(n_rows, dtype, row, layout, tmp, k):
+    base = (np.arange(int(np.prod((n_rows,) + row, dtype=np.int64)) or 0) % 251).astype(dtype)
+    a = base.reshape((n_rows,) + row)
+    if layout == "fortran":
+        a = np.asfortranarray(a)
+    elif layout == "reversed":
+        a = np.ascontiguousarray(a)[::-1]
+    elif layout == "strided":
+        b = np.zeros((2 * n_rows,) + row, dtype)
+        b[::2] = a
+        a = b[::2]
+    elif layout == "memmap":
+        if a.nbytes == 0:
+            return a, None  # an empty file cannot be mapped
+        path = os.path.join(tmp, f"leaf{k}.bin")
+        m = np.memmap(path, dtype=dtype, mode="w+", shape=a.shape)
+        m[...] = a
+        m.flush()
+        return np.memmap(path, dtype=dtype, mode="r", shape=a.shape), path
+    return a, None
+
+
+@FUZZ_SETTINGS
+@given(src=loader_sources(), batch_size=st.integers(1, 8), windows=st.one_of(st.none(), st.integers(1, 4)),
+       world=st.integers(1, 4), rank_frac=st.floats(0, 0.999), drop_last=st.booleans(),
+       shuffle=st.booleans(), seed=st.integers(-(2**64), 2**64), truncate=st.booleans(),
+       epochs=st.integers(1, 2))
+def test_array_loader_batches_equal_numpy_indexing_or_clean_errors(
+        src, batch_size, windows, world, rank_frac, drop_last, shuffle, seed, truncate, epochs, tmp_path_factory):
+    if LOG:
+        with open(LOG, "w") as f:
+            f.write(repr(("array_loader", src, batch_size, windows, world, rank_frac, drop_last,
+                          shuffle, seed, truncate, epochs)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    TRIED_LOADER["examples"] += 1
+    n_rows, specs = src
+    tmp = str(tmp_path_factory.mktemp("fuzz"))
+    made = [make_source(n_rows, np.dtype(d), row, layout, tmp, k) for k, (d, row, layout) in enumerate(specs)]
+    arrays = {f"leaf{k}": a for k, (a, _) in enumerate(made)}
+    rank = int(rank_frac * world)
+    try:
+        L = pinloader.ArrayLoader(arrays, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                  device=DEVICE, rank=rank, world_size=world, windows=windows,
+                                  max_pinned_bytes=CAP)
+    except ALLOWED as e:
+        # only a window longer than the arrays is refused here
+        assert windows is not None and windows > n_rows and "windows=" in str(e), repr(e)
+        TRIED_LOADER["refused"] += 1
+        return
+    cut = [p for _, p in made if p] if truncate else []
+    for p in cut:
+        os.truncate(p, os.path.getsize(p) // 2)
+    # the NumPy copy of each source, read before any truncation could matter
+    plain = {k: np.array(np.asarray(v) if not cut else v[: 0]) for k, v in arrays.items()}
+    try:
+        for epoch in range(epochs):
+            order = L.indices(epoch)
+            got = []
+            try:
+                for b in L:
+                    got.append({k: np.from_dlpack(v).copy() for k, v in b.items()})
+            except ALLOWED as e:
+                assert cut, f"a clean source was refused: {e!r}"
+                assert str(e).startswith("arrays['leaf"), f"the error does not name the leaf: {e!r}"
+                assert "truncated on disk" in str(e), repr(e)
+                TRIED_LOADER["refused"] += 1
+                return
+            assert len(got) == len(L)
+            if cut:
+                assert len(L) == 0, "batches were read from a truncated file without an error"
+                continue
+            for bi, batch in enumerate(got):
+                rows = order[bi * batch_size:(bi + 1) * batch_size]
+                if drop_last:
+                    assert len(rows) == batch_size
+                for k, v in plain.items():
+                    exp = v[rows] if windows is None else np.stack([v[r:r + windows] for r in rows]) \
+                        if len(rows) else np.empty((0, windows) + v.shape[1:], v.dtype)
+                    assert batch[k].shape == exp.shape, (k, batch[k].shape, exp.shape)
+                    assert batch[k].tobytes() == np.ascontiguousarray(exp).tobytes(), (k, bi)
+                TRIED_LOADER["batches"] += 1
+    finally:
+        L.close()
+
+
+MUTATION_CHILD = r"""
+import faulthandler, os, sys, threading
+import numpy as np, pinloader
+faulthandler.enable()
+trials = int(sys.argv[1])
+rng = np.random.default_rng(int(sys.argv[2]))
+stats = {"trials": 0, "batches": 0, "refused": 0}
+for t in range(trials):
+    n = int(rng.integers(4, 60))
+    width = int(rng.choice([2, 4, 6]))
+    a = (np.arange(n * width) % 251).astype(rng.choice(["float64", "int32", "uint8"])).reshape(n, width)
+    ref = a.copy()
+    L = pinloader.ArrayLoader({"x": a}, int(rng.integers(1, 9)), device="cpu",
+                              windows=None if rng.random() < 0.5 else int(rng.integers(1, 4)),
+                              seed=t, world_size=int(rng.integers(1, 3)), rank=0)
+    stop = threading.Event()
+    views = [(n * width,), (n * width // 2, 2), (n, width)]
+    other = {"float64": "int64", "int32": "float32", "uint8": "int8"}[a.dtype.name]
+    def mutate():
+        while not stop.is_set():
+            for shape in views:
+                try:
+                    a.shape = shape
+                    a.dtype = other
+                    a.dtype = ref.dtype
+                except (AttributeError, ValueError, TypeError):
+                    pass
+            a.shape = (n, width)
+    th = threading.Thread(target=mutate)
+    th.start()
+    try:
+        order = L.indices(0)
+        for bi, b in enumerate(L):
+            got = np.from_dlpack(b["x"])
+            rows = order[bi * L.batch_size:(bi + 1) * L.batch_size]
+            exp = ref[rows] if L.windows is None else np.stack([ref[r:r + L.windows] for r in rows])
+            assert got.tobytes() == exp.tobytes(), ("wrong bytes delivered", t, bi)
+            stats["batches"] += 1
+    except (ValueError, TypeError, IndexError, BufferError) as e:
+        assert str(e).startswith("arrays['x']"), ("the error does not name the leaf", repr(e))
+        stats["refused"] += 1
+    finally:
+        stop.set()
+        th.join()
+        a.shape = (n, width)
+        L.close()
+    stats["trials"] += 1
+print("MUTATION", stats, flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=False, reason="sources reshaped or retyped in place under a RowGather: "
+                   "fixed when RowGather reads through its own view of each source")
+def test_array_loader_sources_mutated_in_place():
+    # In a child: a crash there fails this test only. The budget follows the fuzz profile.
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pinloader.__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-c", MUTATION_CHILD, str(max(20, EXAMPLES // 10)), "18"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    TRIED_LOADER["mutation"] = p.stdout.strip()
+    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
