@@ -778,7 +778,7 @@ def main(argv=None):
     machine = C.machine_info(None if args.smoke else real_torch, args.device)
     with contextlib.suppress(OSError):
         machine["dev_shm_free_gib"] = round(shutil.disk_usage("/dev/shm").free / C.GiB, 2)
-    payload = {"machine": machine, "args": {k: v for k, v in vars(args).items()},
+    payload = {"benchmark": "models", "machine": machine, "args": {k: v for k, v in vars(args).items()},
                "row_labels": ROW_LABELS, "models": {}, "rows_built": {}}
     hw = args.image_size
     payload["workload"] = (
