@@ -555,7 +555,7 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
     const int k = __builtin_ctz((unsigned)unit);
     char *dst = g->dst;
     const pl_gather_pair *table = g->table;
-    const char *src = g->src;
+    const char *src = g->src, *edge = g->edge;
     long long row_stride = (long long)g->row_stride;
     unsigned long long span_units = g->span / (size_t)unit;
     unsigned long long total;
@@ -568,7 +568,7 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
     unsigned long long max_blocks = (unsigned long long)atomic_load(&sm_count[g->device]) * 8;
     if (blocks > max_blocks)
         blocks = max_blocks;
-    void *args[] = {&dst, &table, &src, &row_stride, &span_units, &total};
+    void *args[] = {&dst, &table, &src, &edge, &row_stride, &span_units, &total};
     struct pl_dim3 grid = {(unsigned)blocks, 1, 1}, block = {(unsigned)threads, 1, 1};
     pl_cudaError_t crc = cu.cudaLaunchKernel((const void *)gather_kernels[k], grid, block, args, 0,
                                              (pl_cudaStream_t)s);

@@ -341,7 +341,8 @@ static void run_gather(const pl_gather_args *g)
     const size_t span = g->span;
     for (int64_t i = 0; i < g->n; i++) {
         const pl_gather_pair p = g->table[i];
-        memcpy(g->dst + (size_t)p.slot * span, g->src + p.row * g->row_stride, span);
+        const char *from = p.row >= 0 ? g->src + p.row * g->row_stride : g->edge + (size_t)(-1 - p.row) * span;
+        memcpy(g->dst + (size_t)p.slot * span, from, span);
     }
 }
 

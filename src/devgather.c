@@ -13,7 +13,8 @@
 
 int pl_gather_unit(const pl_gather_args *g)
 {
-    uint64_t bits = (uint64_t)(uintptr_t)g->src | (uint64_t)g->row_stride | (uint64_t)g->span | 16u;
+    uint64_t bits = (uint64_t)(uintptr_t)g->src | (uint64_t)g->row_stride | (uint64_t)g->span |
+                    (uint64_t)(uintptr_t)g->edge | 16u;
     return 1 << __builtin_ctzll(bits);
 }
 
@@ -80,6 +81,63 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
     for (int64_t i = 0; i < n; i++)
         out[i].row = descending ? hi - out[i].row : out[i].row + lo;
     return PL_OK;
+}
+
+/* ---- edge items (Note [device gather]) ---- */
+
+static int inside(const char *a, size_t span, const char *lo, const char *hi)
+{
+    return a >= lo && a <= hi && (size_t)(hi - a) >= span;
+}
+
+int64_t pl_gather_edge_items(const char *src, int64_t stride, size_t span, int64_t n_items,
+                             const char *lo, const char *hi)
+{
+    if (n_items <= 0)
+        return 0;
+    /* items inside form one run of rows (addresses are monotonic in the row): find it */
+    if (stride == 0)
+        return inside(src, span, lo, hi) ? 0 : n_items;
+    const intptr_t s = (intptr_t)stride, base = (intptr_t)src;
+    /* the first and last rows whose start lies in [lo, hi - span] */
+    intptr_t a_lo = (intptr_t)lo - base, a_hi = (intptr_t)hi - (intptr_t)span - base;
+    if (a_hi < a_lo)
+        return n_items;
+    intptr_t r0, r1;
+    if (s > 0) {
+        r0 = a_lo <= 0 ? 0 : (a_lo + s - 1) / s;
+        r1 = a_hi < 0 ? -1 : a_hi / s;
+    } else {
+        intptr_t m = -s;
+        r0 = a_hi >= 0 ? 0 : (-a_hi + m - 1) / m;
+        r1 = a_lo > 0 ? -1 : -a_lo / m;
+    }
+    if (r0 < 0)
+        r0 = 0;
+    if (r1 > n_items - 1)
+        r1 = n_items - 1;
+    int64_t in = r1 >= r0 ? (int64_t)(r1 - r0 + 1) : 0;
+    return n_items - in;
+}
+
+int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, const char *src, int64_t stride,
+                              size_t span, const char *lo, const char *hi, char *edge, int64_t cap)
+{
+    int64_t k = 0, last_row = -1, last_k = -1;
+    for (int64_t i = 0; i < n; i++) {
+        const char *a = src + t[i].row * stride;
+        if (inside(a, span, lo, hi))
+            continue;
+        if (t[i].row != last_row) {
+            if (k == cap)
+                return -1;
+            memcpy(edge + (size_t)k * span, a, span);
+            last_row = t[i].row;
+            last_k = k++;
+        }
+        t[i].row = -1 - last_k;
+    }
+    return k;
 }
 
 /* ---- the registry (Note [registered sources]) ---- */
@@ -285,7 +343,9 @@ void pl_hostreg_release(pl_hostreg *h)
 
 const char *pl_hostreg_device_ptr(const pl_hostreg *r, const void *p)
 {
-    return r->dev + ((const char *)p - r->base);
+    /* p may lie before the range (a source's row 0 in its unregistered first page): integer
+     * arithmetic, the result is only ever offset back into the range by the kernel */
+    return (const char *)((uintptr_t)r->dev + ((uintptr_t)p - (uintptr_t)r->base));
 }
 
 int pl_hostreg_covers(const pl_hostreg *r, const void *p, size_t n)
@@ -295,6 +355,7 @@ int pl_hostreg_covers(const pl_hostreg *r, const void *p, size_t n)
 }
 
 const pl_backend *pl_hostreg_backend(const pl_hostreg *r) { return r->b; }
+const char *pl_hostreg_base(const pl_hostreg *r) { return r->base; }
 size_t pl_hostreg_bytes(const pl_hostreg *r) { return r->len; }
 int pl_hostreg_owned(const pl_hostreg *r) { return r->owned; }
 int pl_hostreg_read_only(const pl_hostreg *r) { return r->read_only; }

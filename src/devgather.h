@@ -18,6 +18,10 @@
  * batch's ready event: the consumer's stream-side wait, the block's lifetime and the stats are
  * the same as for any batch. The RowGather (and with it the registration and the source) is
  * kept until that event has completed (Note [producer and the GIL] in prefetcher.c).
+ * Only whole pages that lie inside the source are registered (Note [registered sources]); the
+ * few items that reach into its first or last partial page (at most the items touching one
+ * page at each end) are copied by the producer into the staged area after the table, once
+ * each however often the batch repeats them, and their pairs name that copy (row = -1 - k).
  * An item is one span of bytes in the source: a row whose inner dimensions are C-contiguous,
  * or with windows a run of rows when the row stride equals the row size. Any row stride
  * (negative included) and any alignment work; the kernel moves the widest unit (16, 8, 4, 2 or
@@ -41,6 +45,7 @@ struct pl_gather_args {
     char *dst;                   /* device */
     const pl_gather_pair *table; /* device, n entries */
     const char *src;             /* the device's address of the source's row 0 */
+    const char *edge;            /* device: the staged edge items (pair.row = -1 - k) */
     int64_t row_stride;          /* bytes, any sign */
     size_t span;                 /* bytes per item, > 0 */
     int64_t n;                   /* items, > 0 */
@@ -54,19 +59,34 @@ int pl_gather_unit(const pl_gather_args *g);
  * ties by slot. Radix sort on the producer thread: O(n) for the batch sizes that matter. */
 int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out);
 
+/* Items of a source (n_items of `span` bytes, row 0 at host address src, rows `stride` apart)
+ * that do not lie inside the registered host range [lo, hi): the most edge copies a batch can
+ * need. */
+int64_t pl_gather_edge_items(const char *src, int64_t stride, size_t span, int64_t n_items,
+                             const char *lo, const char *hi);
+/* Mark the pairs whose items lie outside [lo, hi) as edge items and copy each distinct one
+ * (pairs sorted by row: repeats are adjacent) to edge + k * span. Returns the number of
+ * distinct edge items, or -1 if more than cap. */
+int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, const char *src, int64_t stride,
+                              size_t span, const char *lo, const char *hi, char *edge, int64_t cap);
+
 /* ---- registered host ranges ---- */
 
 /* Note [registered sources]
  * A source is registered once, as its page-rounded address range, and shared: loaders over the
  * same buffer (or over views inside one registered range) take a reference on the same entry;
- * the range is unregistered when the last reference goes. Page rounding reaches bytes that
- * are not the source's (a small array shares its first and last pages with its heap
- * neighbours), so registrations are writable (read-only only where the memory cannot be
- * registered otherwise: a read-only file mapping), since a read-only registration would make
- * every later copy into a neighbour on those pages fail; and a range that overlaps existing
- * entries takes references on them and registers only the gaps between them, as new entries
- * (the pieces are read as one range where devices use the host's addresses, as every device
- * with unified addressing on Linux does; otherwise such a source is refused). Memory that is already page-locked
+ * the range is unregistered when the last reference goes. Only the whole pages inside the
+ * source are registered, never the partial pages at its ends: those may hold other data (a
+ * small array shares them with its heap neighbours), and a registration reaching into them
+ * makes the driver treat a neighbour's buffer that starts there as page-locked memory, so
+ * that a later copy into it that runs past the registered page fails (seen on the H200 as
+ * torch's .cpu() failing with cudaErrorInvalidValue). Items in the partial pages take the
+ * staged path of Note [device gather]. Registrations are writable; read-only only where the
+ * memory registers no other way (a read-only file mapping). A range that overlaps existing
+ * entries (views of one buffer) takes references on them and registers only the gaps between
+ * them, as new entries (the pieces are read as one range where devices use the host's
+ * addresses, as every device with unified addressing on Linux does; otherwise such a source is
+ * refused). Memory that is already page-locked
  * (a pinned torch tensor, a PinnedPool buffer, a range another library registered) is used as
  * it is, never registered twice and never unregistered by pinloader; it does not count against
  * the budget. The registered bytes of a process are bounded by a budget the caller passes
@@ -98,6 +118,8 @@ const char *pl_hostreg_device_ptr(const pl_hostreg *r, const void *p);
 /* 1 if [p, p + n) lies inside r. */
 int pl_hostreg_covers(const pl_hostreg *r, const void *p, size_t n);
 const pl_backend *pl_hostreg_backend(const pl_hostreg *r);
+/* The host range the handle covers (page aligned). */
+const char *pl_hostreg_base(const pl_hostreg *r);
 /* Bytes of the page-rounded range, and whether pinloader registered it (0: already pinned). */
 size_t pl_hostreg_bytes(const pl_hostreg *r);
 int pl_hostreg_owned(const pl_hostreg *r);

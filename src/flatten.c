@@ -283,9 +283,15 @@ static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
         if (pl_hostreg_backend(g.reg) != f->b)
             return leaf_error(f, PyExc_ValueError, "its source was registered for the %s backend, but the "
                               "prefetcher copies with the %s backend", pl_hostreg_backend(g.reg)->name, f->b->name);
+        /* the kernel reads rows at device addresses computed from row 0's, which need not lie
+         * in the registered range (only the items that do are read there: Note [device
+         * gather] in devgather.h) */
         dg.src = pl_hostreg_device_ptr(g.reg, g.src);
         dg.row_stride = g.strides[0];
         dg.span = g.span;
+        dg.lo = pl_hostreg_base(g.reg);
+        dg.hi = dg.lo + pl_hostreg_bytes(g.reg);
+        dg.edge_items = pl_gather_edge_items(g.src, g.strides[0], g.span, g.n_items, dg.lo, dg.hi);
     }
     return add_leaf_rows(f, key, obj, g.src, g.ndim, shape, g.strides, g.dtype, 0, g.rows, g.reg ? &dg : NULL);
 }

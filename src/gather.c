@@ -62,6 +62,8 @@ typedef struct {
     uint32_t gen;         /* Note [fork generations] */
     size_t span;          /* bytes per item, when registered for */
     int64_t window;
+    const char *lo;       /* the source's bytes, [lo, lo + n): what RowGathers may read */
+    size_t n;
 } RegistrationObject;
 
 typedef struct {
@@ -90,6 +92,7 @@ void pl_row_gather_layout(PyObject *o, pl_row_gather_leaf *out)
     out->src = PyArray_DATA(a);
     out->reg = NULL;
     out->span = 0;
+    out->n_items = PyArray_DIMS(a)[0] - (g->window ? g->window - 1 : 0);
     if (g->registration) {
         RegistrationObject *r = (RegistrationObject *)g->registration;
         out->reg = r->reg;
@@ -424,7 +427,7 @@ static int attach_registration(RowGatherObject *g, PyObject *reg_obj)
     PyArrayObject *a = (PyArrayObject *)g->array;
     const char *lo, *why = NULL;
     size_t n;
-    if (array_extent(a, &lo, &n) < 0 || !pl_hostreg_covers(r->reg, lo, n)) {
+    if (array_extent(a, &lo, &n) < 0 || lo < r->lo || n > r->n || (size_t)(lo - r->lo) > r->n - n) {
         PyErr_SetString(PyExc_ValueError, "the source does not lie inside the registered range");
         return -1;
     }
@@ -884,11 +887,18 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
         why = text;
         goto refuse;
     }
+    /* only the whole pages inside the source (Note [registered sources] in devgather.h) */
+    const uintptr_t page = (uintptr_t)pl_page_size();
+    uintptr_t in_lo = ((uintptr_t)lo + page - 1) & ~(page - 1), in_hi = ((uintptr_t)lo + n) & ~(page - 1);
+    if (in_hi <= in_lo) {
+        why = "the source holds no whole page of memory (smaller than a page, or not aligned so)";
+        goto refuse;
+    }
     pl_hostreg *h = NULL;
     int err = PL_OK;
     Py_BEGIN_ALLOW_THREADS
     if ((rc = b->set_device(device)) == PL_OK)
-        rc = pl_hostreg_acquire(b, lo, n, budget, &h, &err);
+        rc = pl_hostreg_acquire(b, (const void *)in_lo, in_hi - in_lo, budget, &h, &err);
     else
         err = rc, rc = PL_REG_REFUSED;
     Py_END_ALLOW_THREADS
@@ -922,6 +932,8 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
     r->gen = pl_generation();
     r->span = span;
     r->window = g->window;
+    r->lo = lo;
+    r->n = n;
     Py_DECREF(probe);
     return Py_BuildValue("(Ns)", (PyObject *)r, "");
 

@@ -19,6 +19,7 @@ typedef struct pl_row_gather_leaf {
     const int64_t *rows; /* shape[0] validated entries, owned by the RowGather */
     const struct pl_hostreg *reg; /* registered for the device gather, or NULL */
     size_t span;         /* with reg: bytes per item (Note [device gather] in devgather.h) */
+    int64_t n_items;     /* items in the source: its rows, less window - 1 */
 } pl_row_gather_leaf;
 
 /* 1 if o is a pinloader._C.RowGather. */

@@ -10,10 +10,13 @@
  * consecutive threads read consecutive bytes of one row and then the next row in address
  * order (fewer PCIe page translations, longer bursts), and each row is written to the slot the
  * pair names. Every thread keeps UNROLL loads in flight before it stores, which is what keeps
- * the PCIe link busy: host memory is microseconds away. */
+ * the PCIe link busy: host memory is microseconds away. Items that reach into the source's
+ * first or last partial page, which is not registered (Note [registered sources] in
+ * src/devgather.h), were copied by the host into the batch's staged area: a pair whose row is
+ * -1 - k reads the k-th of them, at edge + k * span, from device memory. */
 
 struct pl_pair {
-    long long row;  /* source row (or window start) */
+    long long row;  /* source row (or window start); -1 - k: the k-th staged edge item */
     long long slot; /* position in the batch */
 };
 
@@ -21,8 +24,9 @@ struct pl_pair {
 
 template <typename V>
 __device__ __forceinline__ void gather(char *__restrict__ dst, const pl_pair *__restrict__ table,
-                                       const char *__restrict__ src, long long row_stride,
-                                       unsigned long long span_units, unsigned long long total)
+                                       const char *__restrict__ src, const char *__restrict__ edge,
+                                       long long row_stride, unsigned long long span_units,
+                                       unsigned long long total)
 {
     const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long span_bytes = span_units * sizeof(V);
@@ -37,7 +41,9 @@ __device__ __forceinline__ void gather(char *__restrict__ dst, const pl_pair *__
             if (u < total) {
                 const unsigned long long i = u / span_units, c = u - i * span_units;
                 const pl_pair p = table[i];
-                v[k] = reinterpret_cast<const V *>(src + p.row * row_stride)[c];
+                const char *from = p.row >= 0 ? src + p.row * row_stride
+                                              : edge + (unsigned long long)(-1 - p.row) * span_bytes;
+                v[k] = reinterpret_cast<const V *>(from)[c];
                 out[k] = reinterpret_cast<V *>(dst + (unsigned long long)p.slot * span_bytes) + c;
             }
         }
@@ -50,10 +56,10 @@ __device__ __forceinline__ void gather(char *__restrict__ dst, const pl_pair *__
 
 #define PL_GATHER_KERNEL(name, V)                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        name(char *dst, const pl_pair *table, const char *src, long long row_stride,               \
-             unsigned long long span_units, unsigned long long total)                              \
+        name(char *dst, const pl_pair *table, const char *src, const char *edge,                   \
+             long long row_stride, unsigned long long span_units, unsigned long long total)        \
     {                                                                                              \
-        gather<V>(dst, table, src, row_stride, span_units, total);                                 \
+        gather<V>(dst, table, src, edge, row_stride, span_units, total);                           \
     }
 
 PL_GATHER_KERNEL(pl_gather_16, uint4)

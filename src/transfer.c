@@ -44,13 +44,21 @@ int pl_layout_add(pl_layout *lay, pl_xfer_leaf *L)
     int direct = !gathered && L->direct && nbytes >= PL_DIRECT_MIN_BYTES && leaf_contiguous(c);
     size_t staged = lay->staged, dir = lay->direct, gath = lay->gathered, total, payload;
     size_t table = 0, table_off = 0;
+    size_t edge_off = 0, edges = 0;
+    int64_t edge_cap = 0;
     if (gathered && nbytes) {
-        /* the pair table, in the staged area (Note [device gather] in devgather.h) */
+        /* the pair table and the edge items, in the staged area (Note [device gather] in
+         * devgather.h) */
+        edge_cap = PL_MIN(c->shape[0], L->gather.edge_items);
         if (__builtin_mul_overflow((size_t)c->shape[0], sizeof(pl_gather_pair), &table) ||
-            table > PL_LAYOUT_MAX_BYTES)
+            table > PL_LAYOUT_MAX_BYTES ||
+            __builtin_mul_overflow((size_t)edge_cap, L->gather.span, &edges) || edges > PL_LAYOUT_MAX_BYTES)
             return PL_LAYOUT_TOO_LARGE;
         table_off = staged;
         if (__builtin_add_overflow(staged, PL_ALIGN_UP(table, PL_ALIGN), &staged))
+            return PL_LAYOUT_TOO_LARGE;
+        edge_off = staged;
+        if (__builtin_add_overflow(staged, PL_ALIGN_UP(edges, PL_ALIGN), &staged))
             return PL_LAYOUT_TOO_LARGE;
     }
     size_t *area = gathered ? &gath : direct ? &dir : &staged;
@@ -63,6 +71,8 @@ int pl_layout_add(pl_layout *lay, pl_xfer_leaf *L)
     L->off = off;
     L->direct = direct;
     L->gather.table_off = table_off;
+    L->gather.edge_off = edge_off;
+    L->gather.edge_cap = edge_cap;
     lay->staged = staged;
     lay->direct = dir;
     lay->gathered = gath;
@@ -205,6 +215,10 @@ static int write_tables(const pl_xfer_leaf *leaves, int n, pl_region *region)
         int rc = pl_gather_sort(L->copy.rows, L->copy.shape[0], L->gather.row_stride < 0, t);
         if (rc != PL_OK)
             return rc;
+        if (pl_gather_stage_edges(t, L->copy.shape[0], L->copy.src, L->gather.row_stride, L->gather.span,
+                                  L->gather.lo, L->gather.hi, (char *)region->ptr + L->gather.edge_off,
+                                  L->gather.edge_cap) < 0)
+            return PL_ERR_INVALID_VALUE; /* cannot happen: edge_cap bounds the distinct edges */
     }
     return PL_OK;
 }
@@ -218,8 +232,8 @@ static int launch_gathers(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, p
             continue;
         pl_gather_args g = {(char *)blk->ptr + L->off,
                             (const pl_gather_pair *)((char *)blk->ptr + L->gather.table_off),
-                            L->gather.src, L->gather.row_stride, L->gather.span, L->copy.shape[0],
-                            x->device};
+                            L->gather.src, (const char *)blk->ptr + L->gather.edge_off,
+                            L->gather.row_stride, L->gather.span, L->copy.shape[0], x->device};
         PL_NVTX_PUSH("pinloader.gather");
         int rc = x->b->gather_launch(&g, x->copy_stream);
         PL_NVTX_POP();

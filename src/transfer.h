@@ -33,7 +33,11 @@ typedef struct pl_xfer_gather {
     const char *src;    /* the device's address of the source's row 0; NULL: not device-gathered */
     int64_t row_stride; /* bytes */
     size_t span;        /* bytes per item (one row, or one window) */
+    const char *lo, *hi; /* the registered host range: items outside it are staged edges */
+    int64_t edge_items; /* the most distinct items of the source outside [lo, hi) */
     size_t table_off;   /* the pair table's offset in the staged area (set by layout) */
+    size_t edge_off;    /* the staged edge items' offset (set by layout) */
+    int64_t edge_cap;   /* room for this many edge items there (set by layout) */
 } pl_xfer_gather;
 
 typedef struct pl_xfer_leaf {

@@ -54,8 +54,8 @@ DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.float16, np.int32
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_equal_numpy_indexing_for_every_dtype(device, dtype):
     rng = np.random.default_rng(1)
-    src = (rng.standard_normal((257, 5)) * 50).astype(dtype)
-    L = pinloader.ArrayLoader(src, 32, device=device, gather="device", seed=5)
+    src = (rng.standard_normal((4099, 5)) * 50).astype(dtype)
+    L = pinloader.ArrayLoader(src, 512, device=device, gather="device", seed=5)
     got = batches(L)
     assert L.stats()["gather"] == "device"
     assert len(got) == len(L) == 9
@@ -71,11 +71,12 @@ def test_values_equal_numpy_indexing_for_every_dtype(device, dtype):
 def test_every_row_size_and_alignment(device, row_shape, dtype):
     # 1-, 3-, 8-, 28-, 64-, 2048- and 1683-byte rows: every unit width of the kernel, and
     # sources whose base address is not aligned to the row size (an offset view).
-    src = np.arange(401 * int(np.prod(row_shape, dtype=np.int64)) + 3, dtype=np.uint8)
-    src = (src[3:].view(np.uint8) if dtype == np.uint8 else
-           np.arange(401 * int(np.prod(row_shape, dtype=np.int64)) + 1, dtype=dtype)[1:])
-    src = src.reshape((401,) + row_shape)
-    L = pinloader.ArrayLoader(src, 50, device=device, gather="device", seed=2)
+    rows = 9001
+    size = rows * int(np.prod(row_shape, dtype=np.int64))
+    src = (np.arange(size + 3, dtype=np.uint8)[3:] if dtype == np.uint8 else
+           np.arange(size + 1, dtype=dtype)[1:])
+    src = src.reshape((rows,) + row_shape)
+    L = pinloader.ArrayLoader(src, 1000, device=device, gather="device", seed=2)
     for b, x in enumerate(batches(L)):
         np.testing.assert_array_equal(x, expected(src, L, 0, b))
     assert L.stats()["gather"] == "device"
@@ -85,8 +86,8 @@ def test_every_row_size_and_alignment(device, row_shape, dtype):
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("windows", [1, 7, 64])
 def test_token_windows_are_one_span_each(device, windows):
-    tokens = np.random.default_rng(3).integers(0, 50257, 10_001).astype(np.uint16)
-    L = pinloader.ArrayLoader(tokens, 16, windows=windows, device=device, gather="device", seed=9)
+    tokens = np.random.default_rng(3).integers(0, 50257, 30_001).astype(np.uint16)
+    L = pinloader.ArrayLoader(tokens, 64, windows=windows, device=device, gather="device", seed=9)
     assert L.stats()["gather"] in ("device", "mixed", "host")  # before the first iteration
     for epoch in range(2):
         for b, x in enumerate(batches(L)):
@@ -97,9 +98,9 @@ def test_token_windows_are_one_span_each(device, windows):
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_negative_row_stride_is_device_gathered(device):
-    base = np.arange(300 * 6, dtype=np.float32).reshape(300, 6)
+    base = np.arange(3000 * 6, dtype=np.float32).reshape(3000, 6)
     src = base[::-1]
-    L = pinloader.ArrayLoader(src, 40, device=device, gather="device", shuffle=True, seed=4)
+    L = pinloader.ArrayLoader(src, 400, device=device, gather="device", shuffle=True, seed=4)
     for b, x in enumerate(batches(L)):
         np.testing.assert_array_equal(x, expected(src, L, 0, b))
     assert L.stats()["gather"] == "device"
@@ -239,6 +240,7 @@ def test_rowgather_refuses_a_registration_of_another_source():
 
 def test_register_rows_reasons():
     assert _C.register_rows(np.zeros((0, 4)), device="cpu") == (None, "the source is empty")
+    assert "no whole page" in _C.register_rows(np.zeros((10, 4)), device="cpu")[1]
     assert _C.register_rows(np.zeros((5, 0)), device="cpu")[1] == "the source is empty"
     assert "not contiguous" in _C.register_rows(np.zeros((5, 4)).T, device="cpu")[1]
     with pytest.raises(ValueError, match="max_bytes must be >= 0"):
@@ -250,10 +252,11 @@ def test_register_rows_reasons():
 @pytest.mark.parametrize("device", BACKENDS)
 def test_duplicate_and_descending_rows_land_in_their_slots(device):
     # sorting the pair table must keep every slot: duplicates, descending runs, one row
-    src = np.arange(64 * 5, dtype=np.int64).reshape(64, 5)
+    src = np.arange(640 * 5, dtype=np.int64).reshape(640, 5)[1:]  # 639 rows, no row page aligned
     reg, why = _C.register_rows(src, device=device)
     assert why == ""
-    rows = np.array([63, 63, 0, 5, 5, 5, 62, 1, 0, 63] * 20)
+    # the first and last rows lie in partial pages (staged edges), 5 and 300 inside
+    rows = np.array([638, 638, 0, 5, 5, 5, 637, 1, 0, 638, 300] * 20)
     pf = pinloader.AsyncPrefetcher([_C.RowGather(src, rows, registration=reg),
                                     _C.RowGather(src, rows[::-1].copy(), registration=reg),
                                     _C.RowGather(src, [7], registration=reg)], device=device)
@@ -266,8 +269,34 @@ def test_duplicate_and_descending_rows_land_in_their_slots(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("offset", [0, 1, 100, 4095])
+def test_rows_in_the_partial_first_and_last_pages(device, offset):
+    # Only whole pages inside the source are registered: the rows at both ends are staged
+    # edge items; every alignment of the source against the pages, windows crossing them.
+    buf = np.random.default_rng(offset).integers(0, 255, 64 * 1024 + offset + 777, dtype=np.uint8)
+    src = buf[offset:offset + 66200].reshape(-1, 100)  # 662 rows of 100 bytes
+    reg, why = _C.register_rows(src, device=device)
+    assert why == "" and reg.nbytes < src.nbytes
+    n = src.shape[0]
+    rows = np.array([0, n - 1, 1, n - 2, 40, 0, n - 1, n - 1, 200, 2])
+    flat = buf[offset:offset + 66200]
+    reg_w, why_w = _C.register_rows(flat, window=300, device=device)
+    assert why_w == ""
+    starts = np.array([0, len(flat) - 300, 1, 4000, len(flat) - 301, 0])
+    pf = pinloader.AsyncPrefetcher([(_C.RowGather(src, rows, registration=reg),
+                                     _C.RowGather(flat, starts, window=300, registration=reg_w))],
+                                   device=device)
+    (a, w), = [(to_numpy(x), to_numpy(y)) for x, y in pf]
+    np.testing.assert_array_equal(a, src[rows])
+    np.testing.assert_array_equal(w, np.stack([flat[s:s + 300] for s in starts]))
+    pf.close()
+    reg.close()
+    reg_w.close()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_sharded_drop_last_and_padding(device):
-    src = np.arange(1003 * 3, dtype=np.float64).reshape(1003, 3)
+    src = np.arange(1003 * 3, dtype=np.float64).reshape(1003, 3)  # 24 KB: edge rows in most batches
     for world in (1, 3, 4):
         for drop_last in (False, True):
             for rank in range(world):
