@@ -71,8 +71,12 @@ _DEFAULT_DEPTH = 3  # a third batch in flight lets loader-bound large batches re
 _ADAPTER_DEFAULT_DEPTH = 2  # pinloader.torch / jax / cupy .prefetch(depth=2)
 _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
-# over registered host memory) and smaller ones with the host gather; see _choose_gather.
-_DEVICE_GATHER_MIN_SPAN = 1
+# over registered host memory) and smaller ones with the host gather. Measured on the H200
+# (benchmarks/bench_gather.py, loader-bound, 4 MiB batches, medians of 3 interleaved rounds):
+# host / device GB/s 8.3 / 2.2 at 64-byte rows, 9.5 / 4.7 at 128, 10.0 / 10.7 at 256,
+# 14.5 / 24.8 at 512, 18.2 / 42.1 at 4 KiB. At 256 bytes they are even, and the device gather
+# costs the host a third of the CPU and a third of the memory traffic: it starts there.
+_DEVICE_GATHER_MIN_SPAN = 256
 
 
 def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
@@ -430,8 +434,9 @@ class ArrayLoader:
         the rows straight from host memory into the batch (one touch, no staging threads, no
         pinned memory for the data); a source that cannot be (rows that are not contiguous
         spans, over ``max_registered_bytes``, refused by the driver) is an error naming the
-        leaf. ``"auto"``: the device gather on CUDA for every leaf it can serve, else the host
-        gather, with the reason in :meth:`stats` (``gather_leaves``). The host backend
+        leaf. ``"auto"``: the device gather on CUDA for every leaf it can serve whose items
+        are at least 256 bytes (below that the host gather was faster on the H200), else the
+        host gather, with the reason in :meth:`stats` (``gather_leaves``). The host backend
         implements ``"device"`` too (same semantics, a copy on its stream thread); ``"auto"``
         picks ``"host"`` there. Batches, events and lifetimes are the same either way.
     max_registered_bytes : int, optional
@@ -590,7 +595,8 @@ class ArrayLoader:
             if reg.backend != "cuda":
                 why = "the host backend: its staging threads are the host's gather"
             elif span < _DEVICE_GATHER_MIN_SPAN:
-                why = f"items of {span} bytes: below {_DEVICE_GATHER_MIN_SPAN} the host gather is faster"
+                why = (f"items of {span} bytes: below {_DEVICE_GATHER_MIN_SPAN} bytes the host gather "
+                       "is faster")
             else:
                 why = ""
             if why:

@@ -89,10 +89,11 @@ typedef struct pl_backend {
     int (*stream_hold)(pl_stream *s, volatile int *gate);
 
     /* ---- device gather (Note [device gather] in devgather.h) ---- */
-    /* Page-lock [p, p + n) (page aligned) and map it for reads by every device, read-only
-     * where `device` supports that (*read_only says which). *dev: the address devices read p
-     * at. The host backend pins nothing: *dev = p. */
-    int (*host_register)(int device, void *p, size_t n, void **dev, int *read_only);
+    /* Page-lock [p, p + n) (page aligned) and map it for reads by every device; read-only
+     * first if prefer_read_only (and `device` supports it), else only where nothing else
+     * registers (*read_only says which). *dev: the address devices read p at. The host
+     * backend pins nothing: *dev = p. */
+    int (*host_register)(int device, void *p, size_t n, int prefer_read_only, void **dev, int *read_only);
     int (*host_unregister)(void *p);
     /* Whether [p, p + n) already lies in one page-locked range known to the runtime (pinned by
      * the user or another library): *dev its device address for p, else *dev = NULL. */

@@ -372,10 +372,11 @@ static int host_gather_ready(int device, const char **why)
 
 /* "Registering" pins nothing on the host backend: the registry still counts the bytes against
  * the budget, so the policy (budget, sharing, release) is the one CUDA runs. */
-static int host_host_register(int device, void *p, size_t n, void **dev, int *read_only)
+static int host_host_register(int device, void *p, size_t n, int prefer_read_only, void **dev, int *read_only)
 {
     (void)device;
     (void)n;
+    (void)prefer_read_only;
     *dev = p;
     *read_only = 1;
     return PL_OK;

@@ -177,7 +177,7 @@ static int kind_of(const pl_backend *b) { return b->kind == PL_BACKEND_CUDA; }
 
 /* Register [p, p + len) as a new entry (reg_mu held). Memory that another party registered
  * meanwhile (cudaErrorHostMemoryAlreadyRegistered) becomes an entry that is not ours. */
-static int new_entry(const pl_backend *b, char *p, size_t len, entry **out, int *err)
+static int new_entry(const pl_backend *b, char *p, size_t len, int prefer_ro, entry **out, int *err)
 {
     entry *e = calloc(1, sizeof(*e));
     if (!e)
@@ -186,7 +186,7 @@ static int new_entry(const pl_backend *b, char *p, size_t len, entry **out, int 
     void *dev = NULL;
     int device = 0;
     b->get_device(&device);
-    int rc = b->host_register(device, p, len, &dev, &e->read_only);
+    int rc = b->host_register(device, p, len, prefer_ro, &dev, &e->read_only);
     if (rc == PL_OK) {
         e->owned = 1;
     } else if (b->host_mapped(p, len, &dev) != PL_OK || !dev) {
@@ -226,7 +226,7 @@ static int cmp_entry(const void *a, const void *b)
 }
 
 int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t budget,
-                       pl_hostreg **out, int *err)
+                       int prefer_read_only, pl_hostreg **out, int *err)
 {
     const size_t page = pl_page_size();
     uintptr_t start = (uintptr_t)lo & ~(uintptr_t)(page - 1), end;
@@ -288,7 +288,7 @@ int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t bud
                 entry *e = NULL;
                 if (nf == MAX_PARTS)
                     rc = PL_REG_OVERLAP;
-                else if ((rc = new_entry(b, (char *)at, next - at, &e, err)) == PL_REG_OK)
+                else if ((rc = new_entry(b, (char *)at, next - at, prefer_read_only, &e, err)) == PL_REG_OK)
                     found[nf++] = e;
             }
             if (i < n_old)

@@ -111,7 +111,7 @@ enum {
  * needed. Returns PL_REG_OK with *out set, or a refusal (*err: the backend's code, for
  * PL_REG_REFUSED). */
 int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t budget,
-                       pl_hostreg **out, int *err);
+                       int prefer_read_only, pl_hostreg **out, int *err);
 void pl_hostreg_release(pl_hostreg *r);
 /* The device's address of host address p inside r. */
 const char *pl_hostreg_device_ptr(const pl_hostreg *r, const void *p);

@@ -76,6 +76,7 @@ typedef struct {
     Py_ssize_t n_rows;
     int64_t window;       /* 0: single rows */
     int64_t advised;      /* bytes given to madvise (Note [read-ahead]) */
+    int writeable;        /* NumPy says the source may be written */
     DLDataType dtype;
 } RowGatherObject;
 
@@ -481,6 +482,7 @@ static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto error;
     }
     PyArrayObject *a = (PyArrayObject *)g->array;
+    g->writeable = PyArray_ISWRITEABLE((PyArrayObject *)arr);
     PyArray_Descr *d = PyArray_DESCR(a);
     const char *why = NULL;
     if (pl_dtype_from_numpy(d->kind, (int)PyDataType_ELSIZE(d), d->type_num, d->byteorder, &g->dtype, &why) < 0) {
@@ -898,7 +900,7 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
     int err = PL_OK;
     Py_BEGIN_ALLOW_THREADS
     if ((rc = b->set_device(device)) == PL_OK)
-        rc = pl_hostreg_acquire(b, (const void *)in_lo, in_hi - in_lo, budget, &h, &err);
+        rc = pl_hostreg_acquire(b, (const void *)in_lo, in_hi - in_lo, budget, !g->writeable, &h, &err);
     else
         err = rc, rc = PL_REG_REFUSED;
     Py_END_ALLOW_THREADS

@@ -113,10 +113,10 @@ def test_negative_row_stride_is_device_gathered(device):
     (lambda a: a[:, ::2], "not contiguous"),
 ])
 def test_layouts_it_cannot_serve_fall_back_in_auto_and_are_refused_in_device(device, make, why):
-    src = make(np.arange(200 * 8, dtype=np.int32).reshape(200, 8))
+    src = make(np.arange(2000 * 128, dtype=np.int32).reshape(2000, 128))
     with pytest.raises(ValueError, match=rf"arrays: gather='device' cannot serve this source: .*{why}"):
-        iter(pinloader.ArrayLoader(src, 10, device=device, gather="device"))
-    L = pinloader.ArrayLoader({"ok": np.zeros((200, 4)), "bad": src}, 10, device=device, seed=1)
+        iter(pinloader.ArrayLoader(src, 100, device=device, gather="device"))
+    L = pinloader.ArrayLoader({"ok": np.zeros((2000, 64)), "bad": src}, 100, device=device, seed=1)
     got = batches(L)
     st = L.stats()
     info = {i["leaf"]: i for i in st["gather_leaves"]}
@@ -344,8 +344,9 @@ def test_fork_children_read_registered_sources(device, run_python):
 
 @pytest.mark.gpu
 def test_host_registration_is_refused_by_a_cuda_prefetcher():
-    a = np.zeros((100, 4), np.float32)
+    a = np.zeros((100_000, 4), np.float32)
     reg, why = _C.register_rows(a, device="cpu")
+    assert why == ""
     pf = pinloader.AsyncPrefetcher([_C.RowGather(a, [1, 2], registration=reg)], device="cuda:0")
     with pytest.raises(ValueError, match="registered for the host backend"):
         next(iter(pf))
@@ -366,6 +367,18 @@ def test_cuda_gather_reads_memory_already_pinned_without_registering_it():
     src = t.numpy()
     for b, x in enumerate(got):
         np.testing.assert_array_equal(x, expected(src, L, 0, b))
+    L.close()
+
+
+@pytest.mark.gpu
+def test_cuda_auto_picks_by_row_size():
+    small = np.zeros((100_000, 16), np.float32)  # 64-byte rows: the host gather is faster
+    big = np.zeros((20_000, 256), np.float32)    # 1 KiB rows: the device gather
+    L = pinloader.ArrayLoader({"s": small[:20_000], "b": big}, 256, device="cuda:0")
+    next(iter(L))
+    info = {i["leaf"]: i for i in L.stats()["gather_leaves"]}
+    assert info["arrays['b']"]["gather"] == "device"
+    assert info["arrays['s']"]["gather"] == "host" and "64 bytes" in info["arrays['s']"]["reason"]
     L.close()
 
 
