@@ -191,7 +191,7 @@ def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
 
 
 def batches_of(plan: Any, items: int) -> int:
-    bs = plan.batch_size
+    bs = int(plan.batch_size)
     return items // bs if plan.drop_last else -(-items // bs)
 
 
@@ -339,13 +339,13 @@ class StatefulPrefetcher:
     0.25 us; the rest is the extra tuple walked per batch and the thread hand-offs.
     """
 
-    def __init__(self, source: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
+    def __init__(self, source: Any, device: Any = None, depth: int = 2, **opts: Any) -> None:
         if not is_stateful(source):
             raise TypeError(f"StatefulPrefetcher: the source ({type(source).__name__}) has no "
                             "state_dict() / load_state_dict()")
-        self.source = source
+        self.source: Any = source
         self._args = (device, depth, opts)
-        self._state = source.state_dict()  # before the prefetcher pulls anything
+        self._state = self.source.state_dict()  # before the prefetcher pulls anything
         self._pf = self._make()
 
     def _make(self) -> AsyncPrefetcher:

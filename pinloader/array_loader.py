@@ -186,7 +186,7 @@ def _file_mapping(src: Any) -> tuple[mmap.mmap, int, str] | None:
         m.size()  # an anonymous mapping has no file: OSError
     except (OSError, ValueError):
         return None
-    mm = next((b for b in _owners(src) if isinstance(b, np.memmap) and b._mmap is m), None)
+    mm = next((b for b in _owners(src) if isinstance(b, np.memmap) and getattr(b, "_mmap", None) is m), None)
     if mm is not None and isinstance(getattr(mm, "offset", None), int):
         start = mm.offset - mm.offset % mmap.ALLOCATIONGRANULARITY
         return m, start + len(m), str(mm.filename)

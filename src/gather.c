@@ -689,13 +689,14 @@ static PyGetSetDef rg_getset[] = {
 };
 
 PyDoc_STRVAR(rg_doc,
-"RowGather(source, rows, window=None, readahead=None)\n--\n\n"
+"RowGather(source, rows, window=None, readahead=None, registration=None)\n--\n\n"
 "Rows of `source` as a batch leaf: AsyncPrefetcher gathers source[rows] (or, with window=L,\n"
 "the windows source[r:r+L] for r in rows) straight into pinned memory with its staging\n"
 "threads. `source` is a NumPy array or np.memmap, a CPU DLPack exporter or a buffer-protocol\n"
 "object with at least one dimension; it is held (and cannot be closed or resized) while the\n"
 "RowGather lives. `rows` is copied and checked. `readahead`: rows to advise the kernel about\n"
-"(madvise WILLNEED), for memory-mapped sources.");
+"(madvise WILLNEED), for memory-mapped sources. `registration` (from register_rows): the rows\n"
+"are read by the device gather instead, a kernel over the registered source.");
 
 static PyType_Slot rg_slots[] = {
     {Py_tp_new, rg_new},
