@@ -64,7 +64,7 @@ for stage in "$@"; do
         | tee "$out/gather_gpu_tests.log" | tail -15 || status=1
       echo "== compute-sanitizer memcheck over them =="
       timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
-        $py -m pytest -q -p no:cacheprovider -m gpu -k "not fork" tests/test_device_gather.py 2>&1 \
+        $py -m pytest -q -p no:cacheprovider -m gpu -k "not fork" tests/test_device_gather.py tests/test_static_batches.py 2>&1 \
         | tee "$out/gather_memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -5 || status=1
       echo "== bench_gather =="
       timeout 400 $py benchmarks/bench_gather.py --out "$out" ${GATHER_ARGS:-} 2>&1 | tail -40 || status=1 ;;
