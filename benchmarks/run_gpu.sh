@@ -16,6 +16,8 @@
 #                                               then benchmarks/bench_gather.py (about 5 minutes)
 #   bash benchmarks/run_gpu.sh models           benchmarks/bench_models.py: ResNet-18/50 training fed by
 #                                               every loader (about 2 minutes; MODELS_ARGS adds options)
+#   bash benchmarks/run_gpu.sh static           benchmarks/bench_static.py: a CUDA-graph-captured ResNet-18 step fed
+#                                               into static tensors, against the eager step (about 1.5 minutes)
 #   bash benchmarks/run_gpu.sh ranks            on a several-GPU host: the staging sweep plus one
 #                                               process per GPU staging at once (LOCAL_WORLD_SIZE),
 #                                               aggregate against torch's all-thread copy_ (~1.5 min)
@@ -68,6 +70,8 @@ for stage in "$@"; do
         | tee "$out/gather_memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -5 || status=1
       echo "== bench_gather =="
       timeout 400 $py benchmarks/bench_gather.py --out "$out" ${GATHER_ARGS:-} 2>&1 | tail -40 || status=1 ;;
+    static)
+      timeout 200 $py benchmarks/bench_static.py --out "$out" ${STATIC_ARGS:-} 2>&1 | tail -16 || status=1 ;;
     models)
       timeout 290 $py benchmarks/bench_models.py --out "$out" ${MODELS_ARGS:-} 2>&1 | tail -40 || status=1 ;;
     ranks)
