@@ -61,7 +61,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
     static : bool, default False
         Deliver every batch in the same device tensors, one per leaf, for a step captured in a
         CUDA graph (``torch.cuda.CUDAGraph``, ``torch.compile(mode="reduce-overhead")``): see
-        *Static batches* below.
+        the notes below.
     out : sequence (or dict) of tensors, optional
         The static tensors to deliver into, one per array leaf of a batch in the order
         pinloader walks it (dict insertion order, sequence order, depth first; a dict's values
@@ -71,10 +71,11 @@ class TorchPrefetcher(FrameworkPrefetcher):
         Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``staging_threads``,
         ``pool``, ``copy_stream_priority``).
 
-    Static batches
-    --------------
-    With ``static=True`` (or ``out=``) the copy from host memory still runs on pinloader's
-    copy stream, overlapping the previous step as usual; when the batch is handed out, one
+    Notes
+    -----
+    **Static batches.** With ``static=True`` (or ``out=``) the copy from host memory still
+    runs on pinloader's copy stream, overlapping the previous step as usual; when the batch is
+    handed out, one
     device-to-device copy per leaf into the static tensor is queued on the current stream,
     behind the stream's wait on the batch's copy. The current stream is the one the step runs
     on, so that copy comes after the step's previous use of the static tensors and before its
