@@ -717,7 +717,8 @@ def apply_smoke(args):
     args.models = ["tiny"] if args.models == ["resnet18", "resnet50"] else args.models
     args.device = "cpu"
     args.rounds, args.steps, args.settle, args.warmup = 2, 2, 1, 1
-    args.batch, args.images, args.image_size, args.crop_size = 16, 256, 20, 16
+    # 2048 images: the labels (8 bytes a row) span whole pages, which the device gather needs
+    args.batch, args.images, args.image_size, args.crop_size = 16, 2048, 20, 16
     args.workers = min(args.workers, 2)
     args.gpt2_batch, args.gpt2_block, args.gpt2_tokens = 2, 32, 1 << 16
 
