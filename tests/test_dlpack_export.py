@@ -1,4 +1,4 @@
-"""DLPack export (src/dlpack.c): every __dlpack__ argument checked with a clean error, capsules
+"""DLPack export (src/py/dlpack.c): every __dlpack__ argument checked with a clean error, capsules
 that round-trip byte-equal, and export_capsules with its once-per-batch consumer wait (host
 backend)."""
 import ctypes
@@ -606,7 +606,7 @@ def test_cuda_memo_table_full_still_waits(cuda_batches):
         with torch.cuda.stream(s):
             held.append([torch.from_dlpack(c) for c in caps])
     w1, k1 = cuda_counters()
-    memo = 4  # PL_BLOCK_WAIT_MEMO in src/block.h
+    memo = 4  # PL_BLOCK_WAIT_MEMO in src/core/block.h
     assert w1 - w0 == memo * 1 + (len(streams) - memo) * len(keys)
     assert k1 - k0 == memo * (len(keys) - 1)
     for s, ts in zip(streams, held):

@@ -614,7 +614,7 @@ print("CHILD", wait_child(pid), flush=True)
     assert "CHILD 0" in p.stdout, describe(p)
     assert "REFUSED" not in p.stdout, describe(p)
     if "CHILD OK [[0, 1, 2], [0, 1, 2, 3]]" not in p.stdout:
-        # The prefetcher itself now works in a fork child; the pool (src/pool.c) still refuses
+        # The prefetcher itself now works in a fork child; the pool (src/core/pool.c) still refuses
         # reserves there until it records its own fork generation.
         assert "fork" in p.stdout.lower() or "forked" in p.stdout.lower(), describe(p)
         pytest.xfail("the pinned pool still refuses work in a fork child: " + p.stdout.strip())

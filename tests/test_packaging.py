@@ -67,7 +67,7 @@ def test_werror_only_when_asked():
 
 
 def test_no_source_includes_a_cuda_header():
-    for f in sorted((ROOT / "src").glob("*.[ch]")):
+    for f in sorted((ROOT / "src").glob("*/*.[ch]")):
         for line in f.read_text(encoding="utf-8").splitlines():
             m = re.match(r'\s*#\s*include\s*[<"]([^>"]+)[>"]', line)
             if m and m.group(1) != "cuda_api.h":  # the project's own declarations
@@ -75,14 +75,14 @@ def test_no_source_includes_a_cuda_header():
 
 
 def test_cuda_api_h_matches_the_toolkit():
-    """src/cuda_api.h against a toolkit's own headers (CI and the GPU machine have one)."""
+    """src/core/cuda_api.h against a toolkit's own headers (CI and the GPU machine have one)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     inc = next((Path(d) / "include" for d in (os.environ.get("CUDA_HOME") or "", "/usr/local/cuda")
                 if d and (Path(d) / "include" / "cuda_runtime_api.h").is_file()), None)
     if cc is None or inc is None:
         pytest.skip("no C compiler or no CUDA toolkit headers here")
     out = subprocess.run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                          f"-I{ROOT / 'src'}", f"-I{inc}", str(ROOT / "tests" / "cuda_api_check.c")],
+                          f"-I{ROOT / 'src' / 'core'}", f"-I{inc}", str(ROOT / "tests" / "cuda_api_check.c")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -112,7 +112,7 @@ def test_setup_py_says_which_nvtx_headers_it_uses(tmp_path):
     out = _setup_py({"PINLOADER_NVTX": "off"})
     assert out.returncode == 0, out.stderr
     assert "NVTX ranges off (PINLOADER_NVTX=off)" in out.stderr
-    assert "src/cuda_api.h (no CUDA header is used)" in out.stderr
+    assert "src/core/cuda_api.h (no CUDA header is used)" in out.stderr
     assert out.stdout.strip().splitlines()[-1] == pinloader.__version__
 
     fake = tmp_path / "toolkit"
@@ -149,7 +149,7 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
             "pinloader/py.typed", "pinloader/_C.pyi", "pinloader/_version.py",
             "tests/conftest.py", "tests/helpers.py", "tests/cuda_api_check.c",
             "tests/typing/user_script.py", "tests/typing/stubtest_allowlist.txt"}
-    need |= {str(p.relative_to(ROOT)) for p in (ROOT / "src").glob("*.[ch]")}
+    need |= {str(p.relative_to(ROOT)) for p in (ROOT / "src").glob("*/*.[ch]")}
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
     assert need <= names, sorted(need - names)
     assert not [n for n in names if n.endswith(".so") or n.startswith("benchmarks/")]

@@ -266,7 +266,7 @@ static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
 
 /* ---- ArrayLoader rows ---- */
 
-/* A RowGather leaf (src/gather.c) is gathered by the staging threads straight from its source
+/* A RowGather leaf (src/py/gather.c) is gathered by the staging threads straight from its source
  * (see Note [array sources] in gather.c and Note [row gather] in stager.c), or, when it carries
  * a registration of the prefetcher's backend, by the device gather (Note [device gather] in
  * devgather.h). Its rows were validated when it was made; the RowGather, kept as the owner,
