@@ -74,6 +74,23 @@ def test_no_source_includes_a_cuda_header():
                 assert not re.match(r"(cuda|driver_types|crt/|host_defines)", m.group(1)), (f.name, line)
 
 
+def test_core_never_includes_python():
+    """The layers of src/README.md: nothing under src/core/ includes Python.h, a NumPy header,
+    or a header of src/py/ (module.h, np.h, dlpack.h, ...), so the core cannot touch Python."""
+    py_headers = {h.name for h in (ROOT / "src" / "py").glob("*.h")}
+    assert {"module.h", "np.h", "dlpack.h"} <= py_headers
+    core = sorted((ROOT / "src" / "core").glob("*.[ch]")) + sorted((ROOT / "src" / "core").glob("*.cu"))
+    assert len(core) > 10
+    bad = []
+    for f in core:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            m = re.match(r'\s*#\s*include\s*[<"]([^>"]+)[>"]', line)
+            if m and (m.group(1) in py_headers or m.group(1) in ("Python.h", "structmember.h")
+                      or m.group(1).startswith("numpy/")):
+                bad.append(f"src/core/{f.name}:{n}: {line.strip()}")
+    assert not bad, bad
+
+
 def test_cuda_api_h_matches_the_toolkit():
     """src/core/cuda_api.h against a toolkit's own headers (CI and the GPU machine have one)."""
     cc = shutil.which("cc") or shutil.which("gcc")

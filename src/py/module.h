@@ -60,7 +60,7 @@ int pl_device_array_init(PyObject *m, pl_state *st);
 int pl_prefetcher_init(PyObject *m, pl_state *st);
 int pl_prim_init(PyObject *m, pl_state *st);
 int pl_gather_init(PyObject *m, pl_state *st);
-int pl_cpus_init(PyObject *m); /* cpus.c: default_staging_threads() */
+int pl_cpus_init(PyObject *m); /* cpu_budget.c: default_staging_threads() */
 void pl_prefetcher_shutdown_all(pl_state *st);
 
 /* ---- pieces shared between files ---- */
