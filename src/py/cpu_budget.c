@@ -1,6 +1,6 @@
 /* pinloader._C.default_staging_threads() and _cpu_budget(): the Python face of the CPU budget
  * (Note [staging threads] in src/core/cpus.c). */
-#include "module.h"
+#include "cpu_budget.h"
 
 #include "cpus.h"
 

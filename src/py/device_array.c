@@ -10,7 +10,7 @@
  * are alive: see Note [consumer waits] in block.c. export_capsules exports a whole batch's
  * leaves for one stream in one call, for adapters that know the consumer stream once per
  * batch. The capsules themselves are made in dlpack.c. */
-#include "module.h"
+#include "device_array.h"
 
 #include "block.h"
 #include "np.h"

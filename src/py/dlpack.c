@@ -16,7 +16,7 @@
  * calls only pinloader's own C layers, which tolerate backend failure by leaking rather than
  * crashing (see Note [device lifetime] in block.c and Note [pinned buffer lifetime] in
  * pinned.c). */
-#include "module.h"
+#include "dlpack.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -3,7 +3,9 @@
 #include "flatten.h"
 
 #include "devgather.h"
+#include "device_array.h"
 #include "gather.h"
+#include "pinned.h"
 #include "np.h"
 #include "util.h"
 

@@ -45,6 +45,7 @@
 #include "gather.h"
 
 #include "devgather.h"
+#include "device_array.h"
 #include "util.h"
 
 #include <stdlib.h>

@@ -1,5 +1,7 @@
 /* PinnedPool and PinnedBuffer: the Python face of pool.c. */
-#include "module.h"
+#include "pinned.h"
+
+#include "dlpack.h"
 
 #include "pool.h"
 #include "util.h"

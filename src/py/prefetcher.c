@@ -44,7 +44,9 @@
  * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
  * atomic written under mu (so condition waits see it) and read anywhere, including by
  * pl_pool_reserve without mu. */
-#include "module.h"
+#include "prefetcher.h"
+
+#include "pinned.h"
 
 #include "block.h"
 #include "cpus.h"
