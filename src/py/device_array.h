@@ -18,14 +18,7 @@ PyObject *pl_device_array_new(pl_state *st, struct pl_block *blk, size_t offset,
 void pl_device_array_add_offset(PyObject *o, size_t delta);
 int pl_device_array_check(pl_state *st, PyObject *o);
 
-/* Map between NumPy and DLPack dtypes. Returns 0, or -1 with *why set (no exception). */
-int pl_dtype_from_numpy(char kind, int elsize, int type_num, char byteorder, DLDataType *out,
-                        const char **why);
 /* A numpy.dtype object for dt, or a str name where NumPy has none (bfloat16, float8...). */
 PyObject *pl_dtype_to_python(pl_state *st, DLDataType dt);
-int pl_dtype_valid(DLDataType dt, const char **why);
-
-/* Read a DLPack capsule (either name) without consuming it. */
-int pl_capsule_tensor(PyObject *capsule, DLTensor **t, int *versioned);
 
 #endif

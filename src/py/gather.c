@@ -45,7 +45,6 @@
 #include "gather.h"
 
 #include "devgather.h"
-#include "device_array.h"
 #include "util.h"
 
 #include <stdlib.h>
