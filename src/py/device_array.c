@@ -129,8 +129,6 @@ static void da_export_release(void *owner)
     pl_block_decref(e->blk);
 }
 
-#define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
-
 /* Make the consumer wait for the batch's copy, once per (block, stream) while exports to that
  * stream live. CUDA: queued on the stream, GIL kept (no blocking). Host: the CPU is the
  * consumer and blocks until the copy is done, in slices with the GIL released and signals
@@ -146,7 +144,7 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, P
     int rc = PL_OK;
     while (rc == PL_OK && pl_block_consumer_wait_blocks(blk)) {
         Py_BEGIN_ALLOW_THREADS
-        rc = blk->b->event_wait(blk->ready, WAIT_SLICE_NS);
+        rc = blk->b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS);
         Py_END_ALLOW_THREADS
         if (rc == PL_ERR_TIMEOUT) {
             if (PyErr_CheckSignals() < 0)

@@ -62,7 +62,6 @@
 #include <string.h>
 #include <structmember.h>
 
-#define CONSUMER_SLICE_NS ((int64_t)50 * 1000 * 1000)
 #define WAIT_SAMPLES 4096
 
 /* ---- batches ---- */
@@ -728,7 +727,7 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
         pthread_mutex_lock(&self->mu);
         if (!self->head) {
             struct timespec ts;
-            pl_deadline(&ts, CONSUMER_SLICE_NS);
+            pl_deadline(&ts, PL_SIGNAL_SLICE_NS);
             pthread_cond_timedwait(&self->cv, &self->mu, &ts);
         }
         pthread_mutex_unlock(&self->mu);

@@ -11,6 +11,10 @@
 
 typedef struct pl_prefetcher_obj pl_prefetcher_obj;
 
+/* A wait that blocks with the GIL released (a batch, a pool reservation, a host-backend copy)
+ * runs in slices this long and checks for signals between them, so Ctrl-C is seen within one. */
+#define PL_SIGNAL_SLICE_NS ((int64_t)50 * 1000 * 1000)
+
 #if PY_VERSION_HEX >= 0x030D0000
 #define pl_py_finalizing() Py_IsFinalizing()
 #else
