@@ -325,8 +325,9 @@ static void module_free(void *m)
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
 #ifdef Py_mod_multiple_interpreters
-    /* One process-wide CUDA function table and native threads that take the GIL through
-     * PyGILState: a single interpreter only. */
+    /* One process-wide CUDA function table, and producer threads that each keep one thread
+     * state of the main interpreter (Note [producer thread state] in prefetcher.c, with
+     * PyGILState as its fallback): a single interpreter only. */
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
 #ifdef Py_mod_gil
