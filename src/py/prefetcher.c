@@ -1088,7 +1088,8 @@ static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_option
     if (strcmp(priority, "high") == 0)
         o->high_priority = 1;
     else if (strcmp(priority, "normal") != 0 && strcmp(priority, "low") != 0) {
-        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high' or 'normal', got '%s'", priority);
+        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high', 'normal' or 'low', "
+                     "got '%s'", priority);
         return -1;
     }
     if (strcmp(output, "capsule") == 0)
@@ -1453,7 +1454,10 @@ static PyType_Slot pf_slots[] = {
      "else the host backend), 'cpu', 'cuda', 'cuda:N' or an int. depth: batches in flight or\n"
      "waiting. pool: the PinnedPool to draw from (default: default_pool(device), whose slabs\n"
      "outlive the prefetcher). max_pinned_bytes: this prefetcher's bound on pinned memory within\n"
-     "the pool (default (depth + 2) of the largest batch, at most the pool's cap). output:\n"
+     "the pool (default (depth + 2) of the largest batch, at most the pool's cap).\n"
+     "copy_stream_priority: 'high' (the copy stream gets the device's greatest priority, so its\n"
+     "copies are not queued behind compute work), 'normal' or 'low' (the two are the same: the\n"
+     "device's least priority, which is CUDA's default); no effect on the host backend. output:\n"
      "'array' (DeviceArray leaves) or 'capsule' (DLPack capsules, `stream` made to wait first)."},
     {0, NULL},
 };
