@@ -71,7 +71,7 @@ def pinned_buffer():
     pool.close()
 
 
-# ---- issue 14 item 8: every argument gives a clean error, never SystemError ----
+# ---- every argument gives a clean error, never SystemError ----
 
 COMMON_BAD = [
     (dict(stream=2**70), ValueError),
@@ -291,7 +291,7 @@ def test_unconsumed_capsules_release_their_references(pinned_buffer):
     assert pinned_buffer.released
 
 
-# ---- export_capsules and the once-per-batch consumer wait (issue 12) ----
+# ---- export_capsules and the once-per-batch consumer wait ----
 
 
 def test_export_capsules_roundtrip_and_one_wait_per_batch(batch):
@@ -480,8 +480,9 @@ def test_export_capsules_from_many_threads(batch):
 
 
 def test_inherited_device_array_export_fails_fast_in_a_forked_child():
-    """Issue 14 item 4: a DeviceArray taken before fork() made the child's __dlpack__ hang; the
-    consumer wait now refuses an inherited block at once (Note [fork generations])."""
+    """A DeviceArray taken before fork(): its __dlpack__ in the child must not hang (the
+    consumer wait once did); the consumer wait refuses an inherited block at once (Note [fork
+    generations])."""
     import subprocess
     import sys
 

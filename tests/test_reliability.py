@@ -1,6 +1,6 @@
 """Reliability tests of pinloader.AsyncPrefetcher on the host backend (device="cpu").
 
-One test (or one parametrized group) per item of the reliability issue list: source exceptions,
+One test (or one parametrized group) per reliability concern: source exceptions,
 hangs and Ctrl-C, odd sources, lifetimes (dropping, holding, closing, fork, interpreter exit),
 concurrency over a shared PinnedPool, a leak soak, bad input, and the PINLOADER_DEBUG checks.
 
