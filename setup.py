@@ -1,7 +1,7 @@
 """Build the native module pinloader._C.
 
 Building needs a C compiler, Python's headers and NumPy: no CUDA toolkit. The CUDA runtime is
-loaded at run time, and src/cuda_api.h declares the part of its API that pinloader uses.
+loaded at run time, and src/core/cuda_api.h declares the part of its API that pinloader uses.
 
 Environment toggles:
   PINLOADER_NVTX=auto     where the NVTX3 headers (header-only profiler ranges) come from:
@@ -98,7 +98,7 @@ def extension():
         extra_compile.append("-Werror")
     extra_link = ["-pthread", "-ldl"]
     define_macros = [("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION"), ("_GNU_SOURCE", "1")]
-    include_dirs = ["src", numpy.get_include()]
+    include_dirs = ["src/core", "src/py", numpy.get_include()]
     nvtx_inc, nvtx_what = find_nvtx()
     if nvtx_inc:
         define_macros.append(("PL_HAVE_NVTX", "1"))
@@ -106,7 +106,7 @@ def extension():
         _say(f"NVTX ranges on, headers from {nvtx_what}: {nvtx_inc}")
     else:
         _say(f"NVTX ranges {nvtx_what}")
-    _say("CUDA runtime API declarations: src/cuda_api.h (no CUDA header is used)")
+    _say("CUDA runtime API declarations: src/core/cuda_api.h (no CUDA header is used)")
     sanitize = os.environ.get("PINLOADER_SANITIZE", "")
     if sanitize in ("1", "address", "asan"):
         extra_compile += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -123,8 +123,8 @@ def extension():
         extra_compile += ["-O2"]
     return Extension(
         "pinloader._C",
-        sources=sorted(glob.glob("src/*.c")),
-        depends=sorted(glob.glob("src/*.h")),
+        sources=sorted(glob.glob("src/core/*.c") + glob.glob("src/py/*.c")),
+        depends=sorted(glob.glob("src/core/*.h") + glob.glob("src/py/*.h")),
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=extra_compile,

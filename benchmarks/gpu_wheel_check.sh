@@ -6,7 +6,7 @@
 #
 # 1. Builds sdist + wheel with the toolkit hidden (a private mount namespace when run as root and
 #    unshare works; otherwise CUDA_HOME/CUDA_PATH empty and PINLOADER_NVTX=wheel, which keeps the
-#    build off any toolkit: no CUDA header is used either way, see src/cuda_api.h), then
+#    build off any toolkit: no CUDA header is used either way, see src/core/cuda_api.h), then
 #    `auditwheel repair` when auditwheel is installed.
 # 2. Installs the wheel into a fresh venv that sees the machine's torch (--system-site-packages)
 #    and runs the gpu-marked tests, and then the whole suite, from a copy of the repository

@@ -1,12 +1,22 @@
 """The iterator shared by the framework adapters (torch, JAX, CuPy).
 
 Note [per-batch import]
-A batch's leaves are imported together: the batch is flattened once, the consumer's stream is
-resolved once, every DeviceArray is exported for that stream in one call (``export_leaves``:
-the stream waits on the batch's copy, and each capsule records the stream for the stream-ordered
-free), each capsule is imported by the framework, and the structure is rebuilt once. A
-framework import of a DeviceArray itself (``torch.from_dlpack(leaf)``) would look the current
-stream up again for every leaf.
+A batch's leaves are imported together: the batch is flattened once, its DeviceArray leaves are
+handed to the adapter's ``_import_leaves`` in one list, and the structure is rebuilt once. How
+the leaves are exported depends on the adapter:
+
+- torch, and CuPy where the native module has ``export_capsules``: the consumer's stream is
+  resolved once, and every DeviceArray is exported for that stream in one call
+  (``export_leaves``: the stream waits on the batch's copy once, and each capsule records the
+  stream for the stream-ordered free); each capsule is then imported by the framework. On the
+  host backend (no stream) ``export_leaves`` calls each leaf's ``__dlpack__`` instead.
+- JAX (and CuPy without ``export_capsules``): each leaf is imported through the framework's own
+  ``from_dlpack(leaf)``, which passes the framework's stream to that leaf's ``__dlpack__``: one
+  export, and one stream lookup, per leaf (JAX takes only legacy capsules and names its stream
+  itself).
+
+A framework import of a DeviceArray itself (``torch.from_dlpack(leaf)``) looks the current
+stream up again for every leaf: that is what the one-call export saves.
 """
 from __future__ import annotations
 

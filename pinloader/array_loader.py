@@ -14,7 +14,7 @@ Sampling (see ``ArrayLoader.indices``)
   ``[phase + k*L, phase + (k+1)*L)``; ``phase`` is drawn per epoch in ``[0, N - W*L]``, so the
   window boundaries move from epoch to epoch while windows never overlap within one.
 * ``shuffle=True``: the items are visited in the order of a seeded permutation specified in
-  ``src/gather.c`` (Note [epoch permutation]: SplitMix64 keyed by ``(seed, epoch)``, Lemire's
+  ``src/py/gather.c`` (Note [epoch permutation]: SplitMix64 keyed by ``(seed, epoch)``, Lemire's
   unbiased bounded integers, Fisher-Yates), identical on every machine and NumPy version.
   ``shuffle=False``: in order, ``phase = 0``.
 * Sharding (``world_size > 1``), as ``torch.utils.data.DistributedSampler`` does: with
@@ -375,7 +375,7 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
                 raise _truncated(path, m, need, name)
         lo = b * bs
         rows = order[lo:lo + bs]
-        # Note [read-ahead] in src/gather.c: the next batch's rows (the first batch's own too)
+        # Note [read-ahead] in src/py/gather.c: the next batch's rows (the first batch's own too)
         ahead = order[(lo + bs if b else lo):lo + 2 * bs] if any_mapped else None
         leaves = []
         for path, src, mapped, shape in plan.leaves:
@@ -527,7 +527,7 @@ class ArrayLoader:
             shape = probe.source_shape
             lengths[path] = shape[0]
             # Each batch's RowGather takes its own view of the live source (Note [array sources]
-            # in src/gather.c), checked against the shape and dtype seen here: a source
+            # in src/py/gather.c), checked against the shape and dtype seen here: a source
             # reshaped, retyped or resized in place since is a clear error, and changes made
             # while a batch is being gathered cannot reach the gather.
             plan_leaves.append((path, src, _wants_readahead(src, readahead), shape))
@@ -666,7 +666,7 @@ class ArrayLoader:
         if pf is not None and (self._failed or (not self._consumed and not self._done
                                                 and epoch != self._epoch)):
             # A prefetcher whose source failed is finished for good, and one that has handed
-            # out nothing keeps its untouched epoch (Note [epochs] in src/prefetcher.c): start
+            # out nothing keeps its untouched epoch (Note [epochs] in src/py/prefetcher.c): start
             # over with a new one.
             pf.close()
             pf = self._pf = None
@@ -752,7 +752,7 @@ class ArrayLoader:
             self._pf.close()
         self._closed = True
         # ranges are unregistered once no batch in flight reads them (Note [registered
-        # sources] in src/devgather.h); the prefetcher's close() waited for those
+        # sources] in src/core/devgather.h); the prefetcher's close() waited for those
         self._release_registrations()
         for mv in self._holds:
             mv.release()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-import cupy as _cp
+import cupy as _cp  # type: ignore[import-not-found, unused-ignore]  # no typing: Any
 
 from . import _adapter
 from ._adapter import FrameworkPrefetcher
@@ -29,7 +29,7 @@ class CupyPrefetcher(FrameworkPrefetcher):
         Passed to :class:`pinloader.AsyncPrefetcher`.
     """
 
-    def __init__(self, iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> None:
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
         _adapter.refuse_bool_device("pinloader.cupy.prefetch", device)
         if device is None:
             device = _cp.cuda.Device().id
@@ -38,7 +38,7 @@ class CupyPrefetcher(FrameworkPrefetcher):
         # cupy.from_dlpack passes the current CuPy stream, which then waits on the copy.
         super().__init__(iterable, device, depth, _cp.from_dlpack, **opts)
 
-    def _import_leaves(self, leaves: list) -> list:
+    def _import_leaves(self, leaves: list[Any]) -> list[Any]:
         if _adapter._native_export is None:
             # Each leaf's __dlpack__ makes CuPy's stream wait: nothing to gain by batching.
             return super()._import_leaves(leaves)
@@ -75,10 +75,11 @@ class _Exported:
             raise BufferError("this DLPack capsule was already consumed")
         return capsule
 
-    def __dlpack_device__(self) -> tuple:
-        return self._device
+    def __dlpack_device__(self) -> tuple[int, int]:
+        device: tuple[int, int] = self._device
+        return device
 
 
-def prefetch(iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> CupyPrefetcher:
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> CupyPrefetcher:
     """Wrap ``iterable`` so that it yields the same structures with ``cupy.ndarray`` leaves."""
     return CupyPrefetcher(iterable, device=device, depth=depth, **opts)

@@ -100,7 +100,7 @@ class _Progress:
         if quiet:
             return
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
         except ImportError:
             if not sys.stderr.isatty():
                 print(f"  {label}: {total} steps ...", file=sys.stderr, flush=True)
@@ -401,7 +401,8 @@ def run(args: Any) -> int:
     try:
         import torch
         have_torch = True
-        torch_cuda = bool(torch.backends.cuda.is_built()) and torch.cuda.is_available()
+        built = torch.backends.cuda.is_built()  # type: ignore[no-untyped-call, unused-ignore]
+        torch_cuda = bool(built) and torch.cuda.is_available()
     except ImportError:
         have_torch = torch_cuda = False
     try:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import jax as _jax
-import jax.dlpack as _jdl
+# Without JAX installed (or without its typing) the type checker sees these as Any.
+import jax as _jax  # type: ignore[import-not-found, unused-ignore]
+import jax.dlpack as _jdl  # type: ignore[import-not-found, unused-ignore]
 
 from . import _adapter
 from ._adapter import FrameworkPrefetcher
@@ -46,7 +47,7 @@ class JaxPrefetcher(FrameworkPrefetcher):
         Passed to :class:`pinloader.AsyncPrefetcher`.
     """
 
-    def __init__(self, iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> None:
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
         pl_device, self.device = _resolve(device)
         super().__init__(iterable, pl_device, depth, self._to_jax, **opts)
 
@@ -57,6 +58,6 @@ class JaxPrefetcher(FrameworkPrefetcher):
         return arr if arr.devices() == {self.device} else _jax.device_put(arr, self.device)
 
 
-def prefetch(iterable: Iterable, device: Any = None, depth: int = 2, **opts: Any) -> JaxPrefetcher:
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> JaxPrefetcher:
     """Wrap ``iterable`` so that it yields the same structures with ``jax.Array`` leaves."""
     return JaxPrefetcher(iterable, device=device, depth=depth, **opts)

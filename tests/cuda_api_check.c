@@ -1,5 +1,5 @@
-/* Compile-time check of src/cuda_api.h against a CUDA toolkit's own headers (see
- * Note [our own CUDA declarations] in src/cuda_api.h). It has no run-time part: compiling it is
+/* Compile-time check of src/core/cuda_api.h against a CUDA toolkit's own headers (see
+ * Note [our own CUDA declarations] in src/core/cuda_api.h). It has no run-time part: compiling it is
  * the test. tests/test_packaging.py and .ci/run compile it wherever a toolkit exists:
  *
  *   cc -std=gnu11 -fsyntax-only -Isrc -I$CUDA_HOME/include tests/cuda_api_check.c

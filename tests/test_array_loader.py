@@ -21,7 +21,7 @@ from conftest import CUDA
 DEVICE = "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# ---- the Python reference of Note [epoch permutation] (src/gather.c) ----
+# ---- the Python reference of Note [epoch permutation] (src/py/gather.c) ----
 
 M64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15

@@ -1,4 +1,4 @@
-"""The backend primitives (src/backend_host.c, src/backend_cuda.c) through ``_C._Prim``.
+"""The backend primitives (src/core/backend_host.c, src/core/backend_cuda.c) through ``_C._Prim``.
 
 Every test runs on the host backend ("cpu") and, gpu-marked, on the CUDA backend ("cuda:0").
 Streams that tests hold with a gate are always released again (the ``res`` fixture opens every

@@ -143,7 +143,7 @@ def test_affinity_mask_is_followed(run_python):
     assert b["staging_threads"] == threads == 1
 
 
-# ---- staging stores (Note [non-temporal staging stores] in src/stager.c) ----
+# ---- staging stores (Note [non-temporal staging stores] in src/core/stager.c) ----
 
 @pytest.mark.parametrize("mode", [None, "0", "1"])
 @pytest.mark.parametrize("threads", [1, 3])

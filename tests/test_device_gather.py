@@ -1,4 +1,4 @@
-"""The device gather (ArrayLoader(gather="device"), Note [device gather] in src/devgather.h):
+"""The device gather (ArrayLoader(gather="device"), Note [device gather] in src/core/devgather.h):
 values, layouts it serves and refuses, registrations (sharing, budget, release), lifetimes
 and fork. Every test runs on the host backend (same semantics, the copy on its stream thread)
 and, gpu-marked, on CUDA, where a kernel reads the registered rows."""

@@ -1,4 +1,4 @@
-"""DLPack export (src/dlpack.c): every __dlpack__ argument checked with a clean error, capsules
+"""DLPack export (src/py/dlpack.c): every __dlpack__ argument checked with a clean error, capsules
 that round-trip byte-equal, and export_capsules with its once-per-batch consumer wait (host
 backend)."""
 import ctypes
@@ -71,7 +71,7 @@ def pinned_buffer():
     pool.close()
 
 
-# ---- issue 14 item 8: every argument gives a clean error, never SystemError ----
+# ---- every argument gives a clean error, never SystemError ----
 
 COMMON_BAD = [
     (dict(stream=2**70), ValueError),
@@ -291,7 +291,7 @@ def test_unconsumed_capsules_release_their_references(pinned_buffer):
     assert pinned_buffer.released
 
 
-# ---- export_capsules and the once-per-batch consumer wait (issue 12) ----
+# ---- export_capsules and the once-per-batch consumer wait ----
 
 
 def test_export_capsules_roundtrip_and_one_wait_per_batch(batch):
@@ -480,8 +480,9 @@ def test_export_capsules_from_many_threads(batch):
 
 
 def test_inherited_device_array_export_fails_fast_in_a_forked_child():
-    """Issue 14 item 4: a DeviceArray taken before fork() made the child's __dlpack__ hang; the
-    consumer wait now refuses an inherited block at once (Note [fork generations])."""
+    """A DeviceArray taken before fork(): its __dlpack__ in the child must not hang (the
+    consumer wait once did); the consumer wait refuses an inherited block at once (Note [fork
+    generations])."""
     import subprocess
     import sys
 
@@ -606,7 +607,7 @@ def test_cuda_memo_table_full_still_waits(cuda_batches):
         with torch.cuda.stream(s):
             held.append([torch.from_dlpack(c) for c in caps])
     w1, k1 = cuda_counters()
-    memo = 4  # PL_BLOCK_WAIT_MEMO in src/block.h
+    memo = 4  # PL_BLOCK_WAIT_MEMO in src/core/block.h
     assert w1 - w0 == memo * 1 + (len(streams) - memo) * len(keys)
     assert k1 - k0 == memo * (len(keys) - 1)
     for s, ts in zip(streams, held):

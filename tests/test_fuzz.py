@@ -474,7 +474,7 @@ def check(obj, exp, got, where):
         assert got.device == "cpu", where
         if raw:
             # .ptr is raw memory: export once first, which on the host backend waits for the
-            # batch's copy (Note [ready handoff] in src/device_array.c)
+            # batch's copy (Note [ready handoff] in src/py/device_array.c)
             got.__dlpack__()
             assert ctypes.string_at(got.ptr, got.nbytes) == raw, f"{where}: bytes differ"
     elif tag == "dict":

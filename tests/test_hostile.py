@@ -1,6 +1,6 @@
 """Hostile input never crashes the process (host backend, device="cpu").
 
-One test (or parametrized group) per item of the hostile-input issue on the prefetcher side:
+One test (or parametrized group) per hostile input on the prefetcher side, by theme:
 checked layout arithmetic and DLPack import validation, outputs built only after the layout is
 fixed, lone surrogates and BaseExceptions from user code, reference cycles through queued
 batches, fork, the graveyard, close() while user code blocks inside flatten, per-prefetcher
@@ -134,7 +134,7 @@ class RawDLPack:
         return _capsule_new(ctypes.addressof(self._t), _DLTENSOR_NAME, None)
 
 
-# ---- item 1: checked layout, before anything exists ------------------------------------------
+# ---- checked layout, before anything exists --------------------------------------------------
 
 def test_broadcast_leaves_whose_sum_wraps_raise_naming_the_leaf():
     # Two one-byte broadcasts of 2**63 - 256 bytes each: their sum wraps a size_t once the third
@@ -258,7 +258,7 @@ def test_huge_zero_size_leaf_is_fine():
     np.testing.assert_array_equal(np.from_dlpack(b[1]), np.arange(3))
 
 
-# ---- item 2: outputs are made after the layout; user constructors cannot see stale views -----
+# ---- outputs are made after the layout; user constructors cannot see stale views -------------
 
 def pinned_arrays(pool, n, size=256 << 10):
     arrays = [np.frombuffer(pool.alloc(size), dtype=np.uint8) for _ in range(n)]
@@ -480,7 +480,7 @@ def test_ordinary_exceptions_from_user_code_are_reported(where):
         assert str(err).startswith("item"), str(err)
 
 
-# ---- item 5: the cycle collector sees what the prefetcher holds ------------------------------
+# ---- the cycle collector sees what the prefetcher holds --------------------------------------
 
 class Ctx:
     pass
@@ -539,7 +539,7 @@ def test_cycle_through_source_exception_is_collected():
     assert wait_for(lambda: live_blocks() == base_blocks)
 
 
-# ---- item 4: fork ---------------------------------------------------------------------------
+# ---- fork ------------------------------------------------------------------------------------
 
 FORK_PRELUDE = """
 import os, sys, time, warnings
@@ -614,13 +614,13 @@ print("CHILD", wait_child(pid), flush=True)
     assert "CHILD 0" in p.stdout, describe(p)
     assert "REFUSED" not in p.stdout, describe(p)
     if "CHILD OK [[0, 1, 2], [0, 1, 2, 3]]" not in p.stdout:
-        # The prefetcher itself now works in a fork child; the pool (src/pool.c) still refuses
+        # The prefetcher itself now works in a fork child; the pool (src/core/pool.c) still refuses
         # reserves there until it records its own fork generation.
         assert "fork" in p.stdout.lower() or "forked" in p.stdout.lower(), describe(p)
         pytest.xfail("the pinned pool still refuses work in a fork child: " + p.stdout.strip())
 
 
-# ---- item 6 (suspected): the graveyard, stuck user code, stall counters --------------------
+# ---- the graveyard, stuck user code, stall counters ------------------------------------------
 
 class SleepyArray(np.ndarray):
     """An array whose finalizer releases the GIL: dropping a source leaf lets other threads in."""
@@ -725,7 +725,7 @@ def test_close_while_waiting_on_a_shared_pool_cap():
     assert wait_for(lambda: pool.stats()["in_use_bytes"] == 0), pool.stats()
 
 
-# ---- issue 10: one-shot sources, payload bytes ------------------------------------------------
+# ---- one-shot sources, payload bytes ---------------------------------------------------------
 
 def test_second_epoch_of_exhausted_generator_warns():
     pf = pinloader.AsyncPrefetcher((np.full(3, i) for i in range(3)), device=DEVICE)

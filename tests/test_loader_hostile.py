@@ -420,7 +420,7 @@ def test_local_world_size_is_read_alike_for_the_pool_and_the_staging_threads(mon
     assert _C.default_pool_cap() == max(full // ranks, 256)
 
 
-# ---- Lemire's rejection step (Note [epoch permutation], src/gather.c) ----------------------
+# ---- Lemire's rejection step (Note [epoch permutation], src/py/gather.c) ----------------------
 
 # (bound = phase_range + 1, seed, rejections the reference makes, phase, perm of 6): bounds just
 # above 2**62 and at 3 * 2**61 (near 2**63) and 2**64 / 3, where a quarter to a third of the

@@ -1,8 +1,8 @@
 """The memory layer under hostile sizes, fork() and a consumer that skips the ready wait.
 
 Host backend only. Sizes: every rounding in the pool and the host backend is checked (Note
-[checked sizes] in src/util.h), so absurd requests raise a clear error and never wrap. Fork:
-objects made before fork() fail fast in the child (Note [pool after fork] in src/pool.c), objects
+[checked sizes] in src/core/util.h), so absurd requests raise a clear error and never wrap. Fork:
+objects made before fork() fail fast in the child (Note [pool after fork] in src/core/pool.c), objects
 made in the child work, and nothing takes a lock a parent thread may have held. Everything that
 could hang or crash on a bug runs in a subprocess under a timeout.
 """
@@ -125,7 +125,7 @@ def test_private_pool_cap_never_raised_past_the_default():
         assert pf.stats()["pinned_cap"] <= _C.default_pinned_cap()
 
 
-# ---- the held-copy test switch (Note [held copies] in src/backend_host.c) ----
+# ---- the held-copy test switch (Note [held copies] in src/core/backend_host.c) ----
 
 def test_hold_switch_makes_a_missing_ready_wait_visible():
     n = 1 << 16

@@ -1,4 +1,4 @@
-"""Pinned slabs on the GPU's NUMA node (Note [slabs on the GPU's node] in src/numa.c).
+"""Pinned slabs on the GPU's NUMA node (Note [slabs on the GPU's node] in src/core/numa.c).
 
 The sysfs reading is tested with a fake root (PINLOADER_SYSFS_ROOT stands in for "/"); the
 binding itself (mbind before the prefault) through the host backend's host_alloc with a node.

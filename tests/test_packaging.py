@@ -67,22 +67,40 @@ def test_werror_only_when_asked():
 
 
 def test_no_source_includes_a_cuda_header():
-    for f in sorted((ROOT / "src").glob("*.[ch]")):
+    for f in sorted((ROOT / "src").glob("*/*.[ch]")):
         for line in f.read_text(encoding="utf-8").splitlines():
             m = re.match(r'\s*#\s*include\s*[<"]([^>"]+)[>"]', line)
             if m and m.group(1) != "cuda_api.h":  # the project's own declarations
                 assert not re.match(r"(cuda|driver_types|crt/|host_defines)", m.group(1)), (f.name, line)
 
 
+def test_core_never_includes_python():
+    """The layers of src/README.md: nothing under src/core/ includes Python.h, a NumPy header,
+    or a header of src/py/ (state.h, np.h, dlpack.h, ...), so the core cannot touch Python."""
+    py_headers = {h.name for h in (ROOT / "src" / "py").glob("*.h")}
+    assert {"state.h", "np.h", "dlpack.h"} <= py_headers
+    py_headers.add("module.h")  # the name the Python-facing declarations once shared
+    core = sorted((ROOT / "src" / "core").glob("*.[ch]")) + sorted((ROOT / "src" / "core").glob("*.cu"))
+    assert len(core) > 10
+    bad = []
+    for f in core:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            m = re.match(r'\s*#\s*include\s*[<"]([^>"]+)[>"]', line)
+            if m and (m.group(1) in py_headers or m.group(1) in ("Python.h", "structmember.h")
+                      or m.group(1).startswith("numpy/")):
+                bad.append(f"src/core/{f.name}:{n}: {line.strip()}")
+    assert not bad, bad
+
+
 def test_cuda_api_h_matches_the_toolkit():
-    """src/cuda_api.h against a toolkit's own headers (CI and the GPU machine have one)."""
+    """src/core/cuda_api.h against a toolkit's own headers (CI and the GPU machine have one)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     inc = next((Path(d) / "include" for d in (os.environ.get("CUDA_HOME") or "", "/usr/local/cuda")
                 if d and (Path(d) / "include" / "cuda_runtime_api.h").is_file()), None)
     if cc is None or inc is None:
         pytest.skip("no C compiler or no CUDA toolkit headers here")
     out = subprocess.run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                          f"-I{ROOT / 'src'}", f"-I{inc}", str(ROOT / "tests" / "cuda_api_check.c")],
+                          f"-I{ROOT / 'src' / 'core'}", f"-I{inc}", str(ROOT / "tests" / "cuda_api_check.c")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -112,7 +130,7 @@ def test_setup_py_says_which_nvtx_headers_it_uses(tmp_path):
     out = _setup_py({"PINLOADER_NVTX": "off"})
     assert out.returncode == 0, out.stderr
     assert "NVTX ranges off (PINLOADER_NVTX=off)" in out.stderr
-    assert "src/cuda_api.h (no CUDA header is used)" in out.stderr
+    assert "src/core/cuda_api.h (no CUDA header is used)" in out.stderr
     assert out.stdout.strip().splitlines()[-1] == pinloader.__version__
 
     fake = tmp_path / "toolkit"
@@ -149,7 +167,7 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
             "pinloader/py.typed", "pinloader/_C.pyi", "pinloader/_version.py",
             "tests/conftest.py", "tests/helpers.py", "tests/cuda_api_check.c",
             "tests/typing/user_script.py", "tests/typing/stubtest_allowlist.txt"}
-    need |= {str(p.relative_to(ROOT)) for p in (ROOT / "src").glob("*.[ch]")}
+    need |= {str(p.relative_to(ROOT)) for p in (ROOT / "src").glob("*/*.[ch]")}
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
     assert need <= names, sorted(need - names)
     assert not [n for n in names if n.endswith(".so") or n.startswith("benchmarks/")]

@@ -1,4 +1,4 @@
-"""PinnedPool / PinnedBuffer (src/pool.c, src/pinned.c) on the host backend, plus a gpu-marked
+"""PinnedPool / PinnedBuffer (src/core/pool.c, src/py/pinned.c) on the host backend, plus a gpu-marked
 check that regions are page-locked on CUDA.
 
 No assertion depends on how long something takes, only on what may or may not happen: a blocked

@@ -1,6 +1,6 @@
 """Reliability tests of pinloader.AsyncPrefetcher on the host backend (device="cpu").
 
-One test (or one parametrized group) per item of the reliability issue list: source exceptions,
+One test (or one parametrized group) per reliability concern: source exceptions,
 hangs and Ctrl-C, odd sources, lifetimes (dropping, holding, closing, fork, interpreter exit),
 concurrency over a shared PinnedPool, a leak soak, bad input, and the PINLOADER_DEBUG checks.
 
@@ -60,7 +60,7 @@ def wait_for(cond, timeout=5.0, step=0.01):
 
 def warm_up():
     """Create the process-wide host 'release stream' thread (made once, never destroyed: see
-    Note [device lifetime] in src/block.c) so that thread counts can be compared afterwards."""
+    Note [device lifetime] in src/core/block.c) so that thread counts can be compared afterwards."""
     with pinloader.AsyncPrefetcher([np.zeros(4)] * 3, device=DEVICE) as pf:
         batches = drain(pf)
     del batches

@@ -1,7 +1,7 @@
 """Prefetchers on the process-wide default pool (host backend).
 
 Prefetchers made without pool= draw from pinloader.default_pool(device), each bounded by its
-own client (Note [pinned bound] in src/transfer.c, Note [default pool] in src/pool.c): slabs
+own client (Note [pinned bound] in src/core/transfer.c, Note [default pool] in src/core/pool.c): slabs
 outlive the prefetchers, the pool's cap holds with several at once, each prefetcher's bound and
 stall counters are its own, trim() gives idle slabs back. And a fork() child makes its own.
 """

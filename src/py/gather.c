@@ -1001,7 +1001,7 @@ static int as_u64(PyObject *o, const char *name, uint64_t *out)
 PyDoc_STRVAR(permutation_doc,
 "permutation(n, seed, epoch, phase_range=0) -> (phase, perm)\n--\n\n"
 "The epoch's sampling order: perm is a permutation of range(n) (int64 array) and phase an int\n"
-"in [0, phase_range], drawn first from the same stream. Specified in src/gather.c (Note\n"
+"in [0, phase_range], drawn first from the same stream. Specified in src/py/gather.c (Note\n"
 "[epoch permutation]) so that it is identical on every machine and NumPy version.");
 
 static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)

@@ -10,7 +10,7 @@
  * are alive: see Note [consumer waits] in block.c. export_capsules exports a whole batch's
  * leaves for one stream in one call, for adapters that know the consumer stream once per
  * batch. The capsules themselves are made in dlpack.c. */
-#include "module.h"
+#include "device_array.h"
 
 #include "block.h"
 #include "np.h"
@@ -31,90 +31,6 @@ typedef struct {
 } DeviceArrayObject;
 
 /* ---- dtypes ---- */
-
-int pl_dtype_from_numpy(char kind, int elsize, int type_num, char byteorder, DLDataType *out,
-                        const char **why)
-{
-    if (byteorder == '>') {
-        *why = "big-endian data cannot be exported with DLPack";
-        return -1;
-    }
-    /* By kind and size, so that every alias (long vs long long, intc...) maps alike. */
-    uint8_t bits = (uint8_t)(elsize * 8);
-    switch (kind) {
-    case 'b':
-        *out = (DLDataType){kDLBool, 8, 1};
-        return 0;
-    case 'i':
-    case 'u':
-        if (elsize == 1 || elsize == 2 || elsize == 4 || elsize == 8) {
-            *out = (DLDataType){kind == 'i' ? kDLInt : kDLUInt, bits, 1};
-            return 0;
-        }
-        break;
-    case 'f':
-        if (elsize == 2 || elsize == 4 || elsize == 8) {
-            *out = (DLDataType){kDLFloat, bits, 1};
-            return 0;
-        }
-        *why = "long double has no DLPack type";
-        return -1;
-    case 'c':
-        if (elsize == 8 || elsize == 16) {
-            *out = (DLDataType){kDLComplex, bits, 1};
-            return 0;
-        }
-        *why = "long double complex has no DLPack type";
-        return -1;
-    case 'O': *why = "object arrays cannot be copied"; return -1;
-    case 'S':
-    case 'U': *why = "string arrays cannot be copied to a device"; return -1;
-    case 'V': *why = "structured/void arrays cannot be copied (copy each field as its own array)"; return -1;
-    case 'M':
-    case 'm': *why = "datetime64/timedelta64 arrays have no DLPack type (view them as int64)"; return -1;
-    default: break;
-    }
-    (void)type_num;
-    *why = "this dtype has no DLPack type";
-    return -1;
-}
-
-int pl_dtype_valid(DLDataType dt, const char **why)
-{
-    if (dt.lanes != 1) {
-        *why = "vector dtypes (lanes != 1) are not supported";
-        return -1;
-    }
-    switch (dt.code) {
-    case kDLInt:
-    case kDLUInt:
-        if (dt.bits == 8 || dt.bits == 16 || dt.bits == 32 || dt.bits == 64)
-            return 0;
-        break;
-    case kDLFloat:
-        if (dt.bits == 16 || dt.bits == 32 || dt.bits == 64)
-            return 0;
-        break;
-    case kDLBfloat:
-        if (dt.bits == 16)
-            return 0;
-        break;
-    case kDLComplex:
-        if (dt.bits == 64 || dt.bits == 128)
-            return 0;
-        break;
-    case kDLBool:
-        if (dt.bits == 8)
-            return 0;
-        break;
-    default:
-        if (dt.code >= kDLFloat8_e3m4 && dt.code <= kDLFloat8_e8m0fnu && dt.bits == 8)
-            return 0;
-        break;
-    }
-    *why = "unsupported DLPack dtype";
-    return -1;
-}
 
 static const char *fp8_names[] = {"float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
                                   "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"};
@@ -143,29 +59,6 @@ static const char *typestr(DLDataType dt, char buf[8])
               : dt.code == kDLComplex ? 'c' : dt.code == kDLFloat ? 'f' : 'V';
     snprintf(buf, 8, "%c%c%d", dt.bits == 8 ? '|' : '<', kind, dt.bits / 8);
     return buf;
-}
-
-int pl_capsule_tensor(PyObject *capsule, DLTensor **t, int *versioned)
-{
-    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
-        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
-        if (m->version.major != DLPACK_MAJOR_VERSION) {
-            PyErr_Format(PyExc_BufferError, "DLPack major version %u is not supported (need %d)",
-                         m->version.major, DLPACK_MAJOR_VERSION);
-            return -1;
-        }
-        *t = &m->dl_tensor;
-        *versioned = 1;
-        return 0;
-    }
-    if (PyCapsule_IsValid(capsule, "dltensor")) {
-        DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
-        *t = &m->dl_tensor;
-        *versioned = 0;
-        return 0;
-    }
-    PyErr_SetString(PyExc_TypeError, "__dlpack__() did not return a DLPack capsule");
-    return -1;
 }
 
 /* ---- object ---- */
@@ -236,8 +129,6 @@ static void da_export_release(void *owner)
     pl_block_decref(e->blk);
 }
 
-#define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
-
 /* Make the consumer wait for the batch's copy, once per (block, stream) while exports to that
  * stream live. CUDA: queued on the stream, GIL kept (no blocking). Host: the CPU is the
  * consumer and blocks until the copy is done, in slices with the GIL released and signals
@@ -253,7 +144,7 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, P
     int rc = PL_OK;
     while (rc == PL_OK && pl_block_consumer_wait_blocks(blk)) {
         Py_BEGIN_ALLOW_THREADS
-        rc = blk->b->event_wait(blk->ready, WAIT_SLICE_NS);
+        rc = blk->b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS);
         Py_END_ALLOW_THREADS
         if (rc == PL_ERR_TIMEOUT) {
             if (PyErr_CheckSignals() < 0)

@@ -3,7 +3,9 @@
 #include "flatten.h"
 
 #include "devgather.h"
+#include "device_array.h"
 #include "gather.h"
+#include "pinned.h"
 #include "np.h"
 #include "util.h"
 
@@ -266,7 +268,7 @@ static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
 
 /* ---- ArrayLoader rows ---- */
 
-/* A RowGather leaf (src/gather.c) is gathered by the staging threads straight from its source
+/* A RowGather leaf (src/py/gather.c) is gathered by the staging threads straight from its source
  * (see Note [array sources] in gather.c and Note [row gather] in stager.c), or, when it carries
  * a registration of the prefetcher's backend, by the device gather (Note [device gather] in
  * devgather.h). Its rows were validated when it was made; the RowGather, kept as the owner,
@@ -297,24 +299,6 @@ static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
 }
 
 /* ---- DLPack leaves ---- */
-
-static PyObject *call_dlpack(PyObject *obj)
-{
-    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
-    if (!meth)
-        return NULL;
-    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
-    PyObject *empty = PyTuple_New(0);
-    PyObject *cap = kw && empty ? PyObject_Call(meth, empty, kw) : NULL;
-    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear(); /* an exporter older than max_version */
-        cap = PyObject_CallNoArgs(meth);
-    }
-    Py_XDECREF(kw);
-    Py_XDECREF(empty);
-    Py_DECREF(meth);
-    return cap;
-}
 
 /* __dlpack__() raised: a TypeError naming the leaf, with the exporter's exception as its cause;
  * a BaseException that is not an Exception propagates unchanged. */
@@ -437,7 +421,7 @@ static int dlpack_leaf(pl_flat *f, PyObject *key, PyObject *obj, PyObject *devob
     if (dev_type != kDLCPU && dev_type != kDLCUDAHost)
         return leaf_error(f, PyExc_ValueError, "arrays on DLPack device type %d cannot be copied "
                           "(only CPU and pinned host memory)", dev_type);
-    PyObject *cap = call_dlpack(obj);
+    PyObject *cap = pl_dlpack_call(obj);
     if (!cap)
         return dlpack_call_failed(f);
     DLTensor *t;

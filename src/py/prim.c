@@ -3,7 +3,7 @@
  * Handles are raw addresses as ints: this is a private testing facility for exercising
  * backend_host.c and backend_cuda.c directly (ordering, events, cross-stream waits, memory
  * round trips), not an API. Blocking calls release the GIL. */
-#include "module.h"
+#include "prim.h"
 
 #include <stdlib.h>
 

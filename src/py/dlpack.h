@@ -167,4 +167,19 @@ typedef struct {
 PyObject *pl_dlpack_export(const pl_dlpack_view *view, int versioned, const void *owner,
                            size_t owner_size, pl_dlpack_release_fn release);
 
+/* ---- import: dtypes, the exporter's call, capsules (dlpack.c) ---- */
+
+/* Map a NumPy dtype (kind, itemsize, type number, byte order) to DLPack. Returns 0, or -1 with
+ * *why set (no exception). */
+int pl_dtype_from_numpy(char kind, int elsize, int type_num, char byteorder, DLDataType *out,
+                        const char **why);
+/* 0 if pinloader can copy dt, else -1 with *why set (no exception). */
+int pl_dtype_valid(DLDataType dt, const char **why);
+/* obj.__dlpack__(max_version=(DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION)), or the call without
+ * arguments where the exporter refuses the keyword (TypeError). New reference, or NULL with the
+ * exporter's exception set. */
+PyObject *pl_dlpack_call(PyObject *obj);
+/* Read a DLPack capsule (either name) without consuming it. */
+int pl_capsule_tensor(PyObject *capsule, DLTensor **t, int *versioned);
+
 #endif

@@ -608,27 +608,3 @@ const pl_backend *pl_backend_host(void)
 {
     return &host_backend;
 }
-
-const char *pl_error_name(const pl_backend *b, int code)
-{
-    switch (code) {
-    case PL_ERR_NO_RUNTIME: return "pinloaderErrorNoCudaRuntime";
-    case PL_ERR_TIMEOUT: return "pinloaderErrorTimeout";
-    case PL_ERR_STOPPED: return "pinloaderErrorStopped";
-    case PL_ERR_FORKED: return "pinloaderErrorForked";
-    case PL_ERR_OVER_CAP: return "pinloaderErrorOverCap";
-    default: return b ? b->error_name(code) : host_error_name(code);
-    }
-}
-
-const char *pl_error_string(const pl_backend *b, int code)
-{
-    switch (code) {
-    case PL_ERR_NO_RUNTIME: return "no usable CUDA runtime library (libcudart) could be loaded";
-    case PL_ERR_TIMEOUT: return "timed out";
-    case PL_ERR_STOPPED: return "the operation was abandoned because its owner is closing";
-    case PL_ERR_FORKED: return "pinloader objects created before fork() cannot be used in the child";
-    case PL_ERR_OVER_CAP: return "the request can never fit under the pinned-memory cap";
-    default: return b ? b->error_string(code) : host_error_string(code);
-    }
-}

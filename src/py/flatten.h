@@ -14,7 +14,9 @@
 #ifndef PL_FLATTEN_H
 #define PL_FLATTEN_H
 
-#include "module.h"
+#include "state.h"
+
+#include "dlpack.h"
 #include "transfer.h"
 
 typedef struct pl_flat_node pl_flat_node;

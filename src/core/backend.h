@@ -128,13 +128,9 @@ int pl_cuda_device_count(int *count);
 void pl_cuda_versions(int *driver, int *runtime);
 const char *pl_cuda_library_path(void);
 
-/* Names for pinloader's own codes and the shared ones, for either backend. */
+/* Names for pinloader's own codes and the shared ones, for either backend; b == NULL names a
+ * backend's code as the host backend does (backend.c). */
 const char *pl_error_name(const pl_backend *b, int code);
 const char *pl_error_string(const pl_backend *b, int code);
-
-/* Process-lifetime state shared by the backends. */
-int pl_cpu_count(void);
-int64_t pl_now_ns(void);
-void pl_sleep_ns(int64_t ns);
 
 #endif

@@ -4,7 +4,9 @@
 #ifndef PL_GATHER_H
 #define PL_GATHER_H
 
-#include "module.h"
+#include "state.h"
+
+#include "dlpack.h"
 #include "np.h"
 #include "stager.h"
 
@@ -24,6 +26,8 @@ typedef struct pl_row_gather_leaf {
 
 /* 1 if o is a pinloader._C.RowGather. */
 int pl_row_gather_check(pl_state *st, PyObject *o);
+
+int pl_gather_init(PyObject *m, pl_state *st);
 
 /* The layout of RowGather o (already validated when o was made; cannot fail). Valid while o
  * is alive. */

@@ -28,7 +28,8 @@
  * calls the backend (the slabs and events belong to the parent's runtime; CUDA marks pinned
  * memory not to be inherited). Its slabs are leaked in the child. A pool made in the child is
  * an ordinary pool. The process-wide state of this file (the debug report and quarantine
- * mutexes) is re-made by pl_pool_atfork_child. */
+ * mutexes, and defaults_mu of the default pools) is re-made by pl_pool_atfork_child; the
+ * inherited default pools themselves are replaced on first use (pl_pool_default). */
 #include "pool.h"
 #include "util.h"
 
@@ -45,7 +46,8 @@
 #define CANARY_BYTES 64u
 #define CANARY_BYTE 0xa5
 #define DEFAULT_SLAB_BYTES ((size_t)64 << 20)
-#define WAIT_SLICE_NS ((int64_t)1000000)
+/* A waiting reservation polls the pending releases (and its stop flag) this often. */
+#define POLL_SLICE_NS ((int64_t)1000000)
 
 struct pl_pool_client {
     pl_pool_client_stats st; /* guarded by the pool's mu */
@@ -566,7 +568,7 @@ static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
         rs->wait_start = now;
         p->st.waiting++;
     }
-    int64_t slice = WAIT_SLICE_NS;
+    int64_t slice = POLL_SLICE_NS;
     if (rs->timeout_ns >= 0) {
         int64_t left = rs->timeout_ns - (now - rs->start);
         if (left <= 0)
@@ -886,7 +888,7 @@ static void drain_pending(pl_pool *p)
         pthread_mutex_unlock(&p->mu);
         if (!e)
             return;
-        p->b->event_wait(e, WAIT_SLICE_NS * 10);
+        p->b->event_wait(e, POLL_SLICE_NS * 10);
         pl_pool_poll(p);
     }
 }

@@ -1,8 +1,8 @@
 /* The device gather: rows of a source in registered (page-locked, mapped) host memory, read by
  * GPU threads straight into a batch's device block. Built by tools/gen_gather_kernels.py into
- * src/gather_kernel_image.h (cubins for every architecture family plus PTX for the JIT), which
+ * src/core/gather_kernel_image.h (cubins for every architecture family plus PTX for the JIT), which
  * backend_cuda.c loads at run time; setup.py never compiles this file. See Note [device gather]
- * in src/devgather.h for how the launch is set up.
+ * in src/core/devgather.h for how the launch is set up.
  *
  * One thread moves one unit of V bytes (V = 16, 8, 4, 2 or 1: the widest that divides the
  * source's base address, its row stride and the item span, chosen by the host). Unit u of the
@@ -12,7 +12,7 @@
  * pair names. Every thread keeps UNROLL loads in flight before it stores, which is what keeps
  * the PCIe link busy: host memory is microseconds away. Items that reach into the source's
  * first or last partial page, which is not registered (Note [registered sources] in
- * src/devgather.h), were copied by the host into the batch's staged area: a pair whose row is
+ * src/core/devgather.h), were copied by the host into the batch's staged area: a pair whose row is
  * -1 - k reads the k-th of them, at edge + k * span, from device memory. */
 
 struct pl_pair {

@@ -1,6 +1,8 @@
-/* DLPack export, shared by every exporter in pinloader (PinnedBuffer in pinned.c, DeviceArray
- * in device_array.c): parsing of the __dlpack__ keywords, the capsule, its destructor and the
- * managed tensor's deleters (legacy and versioned).
+/* DLPack in both directions. Export, shared by every exporter in pinloader (PinnedBuffer in
+ * pinned.c, DeviceArray in device_array.c): parsing of the __dlpack__ keywords, the capsule,
+ * its destructor and the managed tensor's deleters (legacy and versioned). Import (flatten.c
+ * reads leaves with it): the dtype map between NumPy and DLPack, the call of an exporter's
+ * __dlpack__, and the reading of the capsule it returns.
  *
  * Note [export deleters]
  * A capsule made here owns one export context: the managed tensor (legacy or versioned), its
@@ -16,7 +18,7 @@
  * calls only pinloader's own C layers, which tolerate backend failure by leaking rather than
  * crashing (see Note [device lifetime] in block.c and Note [pinned buffer lifetime] in
  * pinned.c). */
-#include "module.h"
+#include "dlpack.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -333,4 +335,131 @@ PyObject *pl_dlpack_export(const pl_dlpack_view *view, int versioned, const void
     if (!cap)
         export_free(ctx);
     return cap;
+}
+
+/* ---- import: dtypes, the exporter's call, capsules ---- */
+
+int pl_dtype_from_numpy(char kind, int elsize, int type_num, char byteorder, DLDataType *out,
+                        const char **why)
+{
+    if (byteorder == '>') {
+        *why = "big-endian data cannot be exported with DLPack";
+        return -1;
+    }
+    /* By kind and size, so that every alias (long vs long long, intc...) maps alike. */
+    uint8_t bits = (uint8_t)(elsize * 8);
+    switch (kind) {
+    case 'b':
+        *out = (DLDataType){kDLBool, 8, 1};
+        return 0;
+    case 'i':
+    case 'u':
+        if (elsize == 1 || elsize == 2 || elsize == 4 || elsize == 8) {
+            *out = (DLDataType){kind == 'i' ? kDLInt : kDLUInt, bits, 1};
+            return 0;
+        }
+        break;
+    case 'f':
+        if (elsize == 2 || elsize == 4 || elsize == 8) {
+            *out = (DLDataType){kDLFloat, bits, 1};
+            return 0;
+        }
+        *why = "long double has no DLPack type";
+        return -1;
+    case 'c':
+        if (elsize == 8 || elsize == 16) {
+            *out = (DLDataType){kDLComplex, bits, 1};
+            return 0;
+        }
+        *why = "long double complex has no DLPack type";
+        return -1;
+    case 'O': *why = "object arrays cannot be copied"; return -1;
+    case 'S':
+    case 'U': *why = "string arrays cannot be copied to a device"; return -1;
+    case 'V': *why = "structured/void arrays cannot be copied (copy each field as its own array)"; return -1;
+    case 'M':
+    case 'm': *why = "datetime64/timedelta64 arrays have no DLPack type (view them as int64)"; return -1;
+    default: break;
+    }
+    (void)type_num;
+    *why = "this dtype has no DLPack type";
+    return -1;
+}
+
+int pl_dtype_valid(DLDataType dt, const char **why)
+{
+    if (dt.lanes != 1) {
+        *why = "vector dtypes (lanes != 1) are not supported";
+        return -1;
+    }
+    switch (dt.code) {
+    case kDLInt:
+    case kDLUInt:
+        if (dt.bits == 8 || dt.bits == 16 || dt.bits == 32 || dt.bits == 64)
+            return 0;
+        break;
+    case kDLFloat:
+        if (dt.bits == 16 || dt.bits == 32 || dt.bits == 64)
+            return 0;
+        break;
+    case kDLBfloat:
+        if (dt.bits == 16)
+            return 0;
+        break;
+    case kDLComplex:
+        if (dt.bits == 64 || dt.bits == 128)
+            return 0;
+        break;
+    case kDLBool:
+        if (dt.bits == 8)
+            return 0;
+        break;
+    default:
+        if (dt.code >= kDLFloat8_e3m4 && dt.code <= kDLFloat8_e8m0fnu && dt.bits == 8)
+            return 0;
+        break;
+    }
+    *why = "unsupported DLPack dtype";
+    return -1;
+}
+
+PyObject *pl_dlpack_call(PyObject *obj)
+{
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!meth)
+        return NULL;
+    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *cap = kw && empty ? PyObject_Call(meth, empty, kw) : NULL;
+    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear(); /* an exporter older than max_version */
+        cap = PyObject_CallNoArgs(meth);
+    }
+    Py_XDECREF(kw);
+    Py_XDECREF(empty);
+    Py_DECREF(meth);
+    return cap;
+}
+
+int pl_capsule_tensor(PyObject *capsule, DLTensor **t, int *versioned)
+{
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (m->version.major != DLPACK_MAJOR_VERSION) {
+            PyErr_Format(PyExc_BufferError, "DLPack major version %u is not supported (need %d)",
+                         m->version.major, DLPACK_MAJOR_VERSION);
+            return -1;
+        }
+        *t = &m->dl_tensor;
+        *versioned = 1;
+        return 0;
+    }
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+        *t = &m->dl_tensor;
+        *versioned = 0;
+        return 0;
+    }
+    PyErr_SetString(PyExc_TypeError, "__dlpack__() did not return a DLPack capsule");
+    return -1;
 }

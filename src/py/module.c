@@ -1,5 +1,18 @@
-/* pinloader._C: module initialisation, state, exceptions and backend selection. */
-#include "module.h"
+/* pinloader._C: the module definition, its functions and its initialisation (the state and
+ * the shared raise/resolve helpers are in state.c). */
+#include "state.h"
+
+/* First: this file imports the NumPy C API, the others (gather.h among them) only use it. */
+#define PL_NP_IMPORT
+#include "np.h"
+
+#include "cpu_budget.h"
+#include "device_array.h"
+#include "dlpack.h"
+#include "gather.h"
+#include "pinned.h"
+#include "prefetcher.h"
+#include "prim.h"
 
 #include "devgather.h"
 
@@ -8,219 +21,11 @@
 #include "pool.h"
 #include "util.h"
 
-#define PL_NP_IMPORT
-#include "np.h"
-
 #include "pl_nvtx.h"
 
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-
-pl_state *pl_state_of_module(PyObject *m)
-{
-    return (pl_state *)PyModule_GetState(m);
-}
-
-pl_state *pl_state_of_type(PyTypeObject *tp)
-{
-    PyObject *m = PyType_GetModuleByDef(tp, &pl_module_def);
-    return m ? pl_state_of_module(m) : NULL;
-}
-
-/* ---- errors ---- */
-
-/* Raise CudaError(msg) with .code and .name; steals msg and name. */
-static void set_cuda_error(pl_state *st, PyObject *msg, int code, PyObject *name)
-{
-    PyObject *exc = msg ? PyObject_CallOneArg(st->CudaError, msg) : NULL;
-    PyObject *c = PyLong_FromLong(code);
-    if (exc && c && name && PyObject_SetAttrString(exc, "code", c) == 0 &&
-        PyObject_SetAttrString(exc, "name", name) == 0)
-        PyErr_SetObject(st->CudaError, exc);
-    Py_XDECREF(exc);
-    Py_XDECREF(c);
-    Py_XDECREF(msg);
-    Py_XDECREF(name);
-}
-
-
-PyObject *pl_raise_backend(pl_state *st, const pl_backend *b, int code, const char *what)
-{
-    const char *name = pl_error_name(b, code);
-    const char *msg = pl_error_string(b, code);
-    if (code == PL_ERR_NO_MEMORY && (!b || b->kind == PL_BACKEND_HOST))
-        return PyErr_Format(PyExc_MemoryError, "%s: %s", what, msg);
-    set_cuda_error(st, PyUnicode_FromFormat("%s: %s (%s, error %d)", what, msg, name, code),
-                   code, PyUnicode_FromString(name));
-    return NULL;
-}
-
-PyObject *pl_raise_forked(const char *what)
-{
-    return PyErr_Format(PyExc_RuntimeError, "this %s was created before fork(): its memory, "
-                        "threads and events belong to the parent process; create a new one in "
-                        "the child", what);
-}
-
-static int force_host(void)
-{
-    const char *v = getenv("PINLOADER_BACKEND");
-    return v && strcmp(v, "host") == 0;
-}
-
-/* The CUDA backend, or NULL with CudaError set saying why it is unusable. */
-static const pl_backend *require_cuda(pl_state *st, const char *asked)
-{
-    if (force_host()) {
-        PyErr_Format(PyExc_ValueError, "device %s was asked for, but PINLOADER_BACKEND=host "
-                     "forces the host backend", asked);
-        return NULL;
-    }
-    int err = 0;
-    const char *detail = NULL;
-    const pl_backend *b = pl_backend_cuda(&err, &detail);
-    if (!b) {
-        /* detail starts with the CUDA error name ("cudaErrorNoDevice: ...") when CUDA gave one */
-        const char *colon = strchr(detail, ':');
-        PyObject *name = err == PL_ERR_NO_RUNTIME || !colon
-                             ? PyUnicode_FromString(pl_error_name(NULL, err))
-                             : PyUnicode_FromStringAndSize(detail, colon - detail);
-        PyObject *msg = PyUnicode_FromFormat("device %s was asked for, but CUDA is not usable: "
-                                             "%s. Without a GPU, pass device=\"cpu\" to run on "
-                                             "pinloader's host backend.", asked, detail);
-        set_cuda_error(st, msg, err, name);
-        return NULL;
-    }
-    return b;
-}
-
-static int cuda_usable(void)
-{
-    if (force_host())
-        return 0;
-    return pl_backend_cuda(NULL, NULL) != NULL;
-}
-
-static int parse_index(const char *s, int *out)
-{
-    if (*s < '0' || *s > '9')
-        return -1; /* strtol would accept spaces and signs */
-    char *end = NULL;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || v < 0 || v > 1 << 20)
-        return -1;
-    *out = (int)v;
-    return 0;
-}
-
-int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int *dev)
-{
-    int index = -1;
-    const char *kind = NULL;
-    char asked[64];
-    if (device == NULL || device == Py_None) {
-        if (!cuda_usable()) {
-            *b = pl_backend_host();
-            *dev = 0;
-            return 0;
-        }
-        kind = "cuda";
-    } else if (PyBool_Check(device)) {
-        /* an int subclass: True would read as 'cuda:1' */
-        PyErr_Format(PyExc_TypeError, "device must be a str, an int or None, not bool (%R)", device);
-        return -1;
-    } else if (PyLong_Check(device)) {
-        long v = PyLong_AsLong(device);
-        if (v == -1 && PyErr_Occurred())
-            return -1;
-        if (v < 0) {
-            PyErr_Format(PyExc_ValueError, "device index must be >= 0, got %ld", v);
-            return -1;
-        }
-        kind = "cuda";
-        index = (int)v;
-    } else if (PyUnicode_Check(device)) {
-        const char *s = PyUnicode_AsUTF8(device);
-        if (!s)
-            return -1;
-        if (strcmp(s, "cpu") == 0 || strcmp(s, "cpu:0") == 0 || strcmp(s, "host") == 0) {
-            kind = "cpu"; /* the host backend has one device, like torch's "cpu" and "cpu:0" */
-        } else if (strcmp(s, "cuda") == 0) {
-            kind = "cuda";
-        } else if (strncmp(s, "cuda:", 5) == 0 && parse_index(s + 5, &index) == 0) {
-            kind = "cuda";
-        } else {
-            PyErr_Format(PyExc_ValueError, "device must be 'cpu', 'cpu:0', 'cuda', 'cuda:N', an "
-                         "int or None, got %R", device);
-            return -1;
-        }
-    } else if (PyObject_HasAttrString(device, "type")) {
-        /* torch.device and the like */
-        PyObject *t = PyObject_GetAttrString(device, "type");
-        PyObject *i = t ? PyObject_GetAttrString(device, "index") : NULL;
-        if (!i) {
-            Py_XDECREF(t);
-            return -1;
-        }
-        const char *ts = PyUnicode_Check(t) ? PyUnicode_AsUTF8(t) : NULL;
-        if (ts && strcmp(ts, "cpu") == 0)
-            kind = "cpu";
-        else if (ts && strcmp(ts, "cuda") == 0)
-            kind = "cuda";
-        if (i != Py_None)
-            index = (int)PyLong_AsLong(i);
-        Py_DECREF(t);
-        Py_DECREF(i);
-        if (!kind || PyErr_Occurred()) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "unsupported device %R", device);
-            return -1;
-        }
-    } else {
-        PyErr_Format(PyExc_TypeError, "device must be a str, an int or None, not %.100s",
-                     Py_TYPE(device)->tp_name);
-        return -1;
-    }
-
-    if (strcmp(kind, "cpu") == 0) {
-        if (index > 0) {
-            PyErr_Format(PyExc_ValueError, "the host backend has one device ('cpu' or 'cpu:0'), "
-                         "got %R", device);
-            return -1;
-        }
-        *b = pl_backend_host();
-        *dev = 0;
-        return 0;
-    }
-    if (index >= 0)
-        snprintf(asked, sizeof asked, "'cuda:%d'", index);
-    else
-        snprintf(asked, sizeof asked, "'cuda'");
-    const pl_backend *cb = require_cuda(st, asked);
-    if (!cb)
-        return -1;
-    if (index < 0) {
-        int cur = 0;
-        int rc = cb->get_device(&cur);
-        if (rc != PL_OK) {
-            pl_raise_backend(st, cb, rc, "cudaGetDevice");
-            return -1;
-        }
-        index = cur;
-    }
-    int count = 0;
-    pl_cuda_device_count(&count);
-    if (index >= count) {
-        set_cuda_error(st, PyUnicode_FromFormat("device %s was asked for, but only %d CUDA "
-                       "device(s) are visible", asked, count), PL_ERR_INVALID_DEVICE,
-                       PyUnicode_FromString("cudaErrorInvalidDevice"));
-        return -1;
-    }
-    *b = cb;
-    *dev = index;
-    return 0;
-}
 
 /* ---- module functions ---- */
 
@@ -228,21 +33,21 @@ static PyObject *mod_backend(PyObject *m, PyObject *noargs)
 {
     (void)m;
     (void)noargs;
-    return PyUnicode_FromString(cuda_usable() ? "cuda" : "host");
+    return PyUnicode_FromString(pl_cuda_usable() ? "cuda" : "host");
 }
 
 static PyObject *mod_cuda_available(PyObject *m, PyObject *noargs)
 {
     (void)m;
     (void)noargs;
-    return PyBool_FromLong(cuda_usable());
+    return PyBool_FromLong(pl_cuda_usable());
 }
 
 static PyObject *mod_device_count(PyObject *m, PyObject *noargs)
 {
     (void)m;
     (void)noargs;
-    if (force_host())
+    if (pl_force_host())
         return PyLong_FromLong(0);
     int n = 0;
     pl_cuda_device_count(&n);
@@ -520,8 +325,9 @@ static void module_free(void *m)
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
 #ifdef Py_mod_multiple_interpreters
-    /* One process-wide CUDA function table and native threads that take the GIL through
-     * PyGILState: a single interpreter only. */
+    /* One process-wide CUDA function table, and producer threads that each keep one thread
+     * state of the main interpreter (Note [producer thread state] in prefetcher.c, with
+     * PyGILState as its fallback): a single interpreter only. */
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
 #ifdef Py_mod_gil
@@ -532,7 +338,7 @@ static PyModuleDef_Slot module_slots[] = {
     {0, NULL},
 };
 
-PyModuleDef pl_module_def = {
+static PyModuleDef pl_module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "pinloader._C",
     .m_doc = "pinloader's native core: backends, the pinned slab pool, device arrays and the "
@@ -547,5 +353,6 @@ PyModuleDef pl_module_def = {
 
 PyMODINIT_FUNC PyInit__C(void)
 {
+    pl_state_set_module_def(&pl_module_def);
     return PyModuleDef_Init(&pl_module_def);
 }

@@ -1,5 +1,7 @@
 /* PinnedPool and PinnedBuffer: the Python face of pool.c. */
-#include "module.h"
+#include "pinned.h"
+
+#include "dlpack.h"
 
 #include "pool.h"
 #include "util.h"
@@ -53,8 +55,6 @@ static void share_decref(pinned_share *sh)
     pl_pool_decref(sh->pool);
     free(sh);
 }
-
-#define WAIT_SLICE_NS ((int64_t)50 * 1000 * 1000)
 
 int pl_parse_nbytes(PyObject *o, const char *name, size_t min, size_t *out)
 {
@@ -196,7 +196,7 @@ static PyObject *alloc_impl(PyObject *op, pl_pool_client *client, PyObject *args
     int64_t start = pl_now_ns();
     pl_region *r = NULL;
     for (;;) {
-        int64_t slice = WAIT_SLICE_NS;
+        int64_t slice = PL_SIGNAL_SLICE_NS;
         if (timeout_ns >= 0)
             slice = PL_MAX((int64_t)0, PL_MIN(slice, timeout_ns - (pl_now_ns() - start)));
         int rc;

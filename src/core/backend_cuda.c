@@ -486,7 +486,7 @@ static int cuda_host_mapped(const void *p, size_t n, void **dev)
     return PL_OK;
 }
 
-/* The kernels of src/gather_kernel.cu, by unit size, loaded once per process. A library is
+/* The kernels of src/core/gather_kernel.cu, by unit size, loaded once per process. A library is
  * not tied to a context: the driver loads it into each device's context at its first launch
  * there (JIT-compiling the PTX if no cubin fits the device). */
 static const char *const gather_kernel_names[5] = {"pl_gather_1", "pl_gather_2", "pl_gather_4",

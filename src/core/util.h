@@ -46,6 +46,11 @@ size_t pl_page_size(void);
 size_t pl_physical_memory(void);
 size_t pl_memlock_limit(void);
 
+/* CPUs online; CLOCK_MONOTONIC now in nanoseconds; a sleep of ns (retried on EINTR). */
+int pl_cpu_count(void);
+int64_t pl_now_ns(void);
+void pl_sleep_ns(int64_t ns);
+
 /* Absolute CLOCK_MONOTONIC deadline `ns` from now, for pthread_cond_timedwait on a condvar
  * initialised with pl_cond_init. */
 void pl_deadline(struct timespec *ts, int64_t ns);

@@ -44,7 +44,9 @@
  * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
  * atomic written under mu (so condition waits see it) and read anywhere, including by
  * pl_pool_reserve without mu. */
-#include "module.h"
+#include "prefetcher.h"
+
+#include "pinned.h"
 
 #include "block.h"
 #include "cpus.h"
@@ -60,7 +62,6 @@
 #include <string.h>
 #include <structmember.h>
 
-#define CONSUMER_SLICE_NS ((int64_t)50 * 1000 * 1000)
 #define WAIT_SAMPLES 4096
 
 /* ---- batches ---- */
@@ -726,7 +727,7 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
         pthread_mutex_lock(&self->mu);
         if (!self->head) {
             struct timespec ts;
-            pl_deadline(&ts, CONSUMER_SLICE_NS);
+            pl_deadline(&ts, PL_SIGNAL_SLICE_NS);
             pthread_cond_timedwait(&self->cv, &self->mu, &ts);
         }
         pthread_mutex_unlock(&self->mu);
@@ -1087,7 +1088,8 @@ static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_option
     if (strcmp(priority, "high") == 0)
         o->high_priority = 1;
     else if (strcmp(priority, "normal") != 0 && strcmp(priority, "low") != 0) {
-        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high' or 'normal', got '%s'", priority);
+        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high', 'normal' or 'low', "
+                     "got '%s'", priority);
         return -1;
     }
     if (strcmp(output, "capsule") == 0)
@@ -1452,7 +1454,10 @@ static PyType_Slot pf_slots[] = {
      "else the host backend), 'cpu', 'cuda', 'cuda:N' or an int. depth: batches in flight or\n"
      "waiting. pool: the PinnedPool to draw from (default: default_pool(device), whose slabs\n"
      "outlive the prefetcher). max_pinned_bytes: this prefetcher's bound on pinned memory within\n"
-     "the pool (default (depth + 2) of the largest batch, at most the pool's cap). output:\n"
+     "the pool (default (depth + 2) of the largest batch, at most the pool's cap).\n"
+     "copy_stream_priority: 'high' (the copy stream gets the device's greatest priority, so its\n"
+     "copies are not queued behind compute work), 'normal' or 'low' (the two are the same: the\n"
+     "device's least priority, which is CUDA's default); no effect on the host backend. output:\n"
      "'array' (DeviceArray leaves) or 'capsule' (DLPack capsules, `stream` made to wait first)."},
     {0, NULL},
 };

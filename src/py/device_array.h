@@ -1,0 +1,24 @@
+/* DeviceArray: a view of one leaf of a batch in the batch's device block (device_array.c). */
+#ifndef PL_DEVICE_ARRAY_H
+#define PL_DEVICE_ARRAY_H
+
+#include "state.h"
+
+#include "dlpack.h"
+
+struct pl_block;
+
+int pl_device_array_init(PyObject *m, pl_state *st);
+
+/* DeviceArray: a view of `nbytes` at `offset` in blk, C-contiguous. Takes a new block
+ * reference. shape may be NULL when ndim is 0. */
+PyObject *pl_device_array_new(pl_state *st, struct pl_block *blk, size_t offset, int ndim,
+                              const int64_t *shape, DLDataType dtype, int device_type, int device_id);
+
+void pl_device_array_add_offset(PyObject *o, size_t delta);
+int pl_device_array_check(pl_state *st, PyObject *o);
+
+/* A numpy.dtype object for dt, or a str name where NumPy has none (bfloat16, float8...). */
+PyObject *pl_dtype_to_python(pl_state *st, DLDataType dt);
+
+#endif

@@ -1,0 +1,11 @@
+/* AsyncPrefetcher (prefetcher.c). */
+#ifndef PL_PREFETCHER_H
+#define PL_PREFETCHER_H
+
+#include "state.h"
+
+int pl_prefetcher_init(PyObject *m, pl_state *st);
+/* Close every live prefetcher (pinloader._C._shutdown(), at interpreter exit). */
+void pl_prefetcher_shutdown_all(pl_state *st);
+
+#endif
