@@ -209,7 +209,7 @@ def _mem_available() -> int | None:
 
 
 def _wants_readahead(src: Any, readahead: bool | None) -> bool:
-    """Note [read-ahead] in src/gather.c. Advice costs a system call per row range (a few
+    """Note [read-ahead] in src/py/gather.c. Advice costs a system call per row range (a few
     microseconds each), which pays off only when the rows must come from storage: by default
     it is given for mappings larger than the memory available to the page cache."""
     if readahead is not None:
