@@ -385,7 +385,7 @@ def test_cuda_auto_picks_by_row_size():
 @pytest.mark.gpu
 def test_cuda_auto_prefers_the_device_gather_and_consumer_streams_wait():
     torch = pytest.importorskip("torch")
-    src = np.random.default_rng(5).random((20_000, 64)).astype(np.float32)
+    src = np.random.default_rng(5).random((20_000, 128)).astype(np.float32)  # 512-byte rows
     L = pinloader.ArrayLoader(src, 1024, device="cuda:0", seed=6)
     side = torch.cuda.Stream()
     sums = []
