@@ -20,7 +20,9 @@ struct pl_pair {
     long long slot; /* position in the batch */
 };
 
+#ifndef UNROLL /* benchmarks/bench_gather_kernel.py compiles other values to compare */
 #define UNROLL 4
+#endif
 
 template <typename V>
 __device__ __forceinline__ void gather(char *__restrict__ dst, const pl_pair *__restrict__ table,
