@@ -23,6 +23,32 @@ int pl_gather_unit(const pl_gather_args *g)
 #define RADIX_BITS 11
 #define RADIX (1 << RADIX_BITS)
 
+/* Sort packed keys (offset << slot_bits | slot), 8 bytes each, by their offset bits: an LSD
+ * radix sort, stable, so equal offsets keep slot order. a and b are the two halves of the
+ * table's own memory (n pairs of 16 bytes hold 2n keys), so nothing is allocated; returns the
+ * half that holds the result. */
+static uint64_t *sort_keys(uint64_t *a, uint64_t *b, int64_t n, int slot_bits, uint64_t span)
+{
+    size_t count[RADIX];
+    for (int shift = slot_bits; shift < 64 && (span >> (shift - slot_bits)); shift += RADIX_BITS) {
+        memset(count, 0, sizeof count);
+        for (int64_t i = 0; i < n; i++)
+            count[(a[i] >> shift) & (RADIX - 1)]++;
+        size_t sum = 0;
+        for (int d = 0; d < RADIX; d++) {
+            size_t c = count[d];
+            count[d] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++)
+            b[count[(a[i] >> shift) & (RADIX - 1)]++] = a[i];
+        uint64_t *t = a;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
 int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out)
 {
     if (n <= 0)
@@ -33,13 +59,41 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
         lo = rows[i] < lo ? rows[i] : lo;
     }
     /* keys are offsets from the smallest (largest, descending) row: fewer digits to sort */
+    const uint64_t span = (uint64_t)(hi - lo);
+    const int slot_bits = n > 1 ? 64 - __builtin_clzll((uint64_t)(n - 1)) : 1;
+    const int key_bits = span ? 64 - __builtin_clzll(span) : 0;
+    if (n >= 64 && span > 0 && slot_bits + key_bits <= 64) {
+        /* 8-byte keys in the table's memory: half the traffic of sorting the pairs */
+        uint64_t *a = (uint64_t *)out, *b = a + n;
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t off = (uint64_t)(descending ? hi - rows[i] : rows[i] - lo);
+            a[i] = off << slot_bits | (uint64_t)i;
+        }
+        uint64_t *r = sort_keys(a, b, n, slot_bits, span);
+        const uint64_t mask = ((uint64_t)1 << slot_bits) - 1;
+        /* unpack into pairs over the same memory: pair i covers keys 2i and 2i + 1, so the
+         * first half is unpacked from the end and the second half from the start */
+        if (r == a) {
+            for (int64_t i = n - 1; i >= 0; i--) {
+                uint64_t k = r[i];
+                int64_t off = (int64_t)(k >> slot_bits);
+                out[i] = (pl_gather_pair){descending ? hi - off : lo + off, (int64_t)(k & mask)};
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                uint64_t k = r[i];
+                int64_t off = (int64_t)(k >> slot_bits);
+                out[i] = (pl_gather_pair){descending ? hi - off : lo + off, (int64_t)(k & mask)};
+            }
+        }
+        return PL_OK;
+    }
     for (int64_t i = 0; i < n; i++) {
         out[i].row = descending ? hi - rows[i] : rows[i] - lo;
         out[i].slot = i;
     }
-    uint64_t span = (uint64_t)(hi - lo);
-    if (n < 64) {
-        /* insertion sort, stable: ties keep slot order */
+    if (span > 0 && n < 64) {
+        /* insertion sort, stable */
         for (int64_t i = 1; i < n; i++) {
             pl_gather_pair p = out[i];
             int64_t j = i - 1;
@@ -48,17 +102,14 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
             out[j + 1] = p;
         }
     } else if (span > 0) {
-        /* LSD radix sort, stable, on the digits the keys use */
+        /* offsets too wide to pack with the slot: LSD radix sort of the pairs themselves */
         pl_gather_pair *tmp = malloc((size_t)n * sizeof(*tmp));
-        size_t *count = malloc(RADIX * sizeof(*count));
-        if (!tmp || !count) {
-            free(tmp);
-            free(count);
+        if (!tmp)
             return PL_ERR_NO_MEMORY;
-        }
+        size_t count[RADIX];
         pl_gather_pair *a = out, *b = tmp;
         for (int shift = 0; shift < 64 && (span >> shift); shift += RADIX_BITS) {
-            memset(count, 0, RADIX * sizeof(*count));
+            memset(count, 0, sizeof count);
             for (int64_t i = 0; i < n; i++)
                 count[((uint64_t)a[i].row >> shift) & (RADIX - 1)]++;
             size_t sum = 0;
@@ -76,7 +127,6 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
         if (a != out)
             memcpy(out, a, (size_t)n * sizeof(*out));
         free(tmp);
-        free(count);
     }
     for (int64_t i = 0; i < n; i++)
         out[i].row = descending ? hi - out[i].row : out[i].row + lo;
