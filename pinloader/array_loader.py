@@ -72,12 +72,12 @@ _ADAPTER_DEFAULT_DEPTH = 2  # pinloader.torch / jax / cupy .prefetch(depth=2)
 _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
 # over registered host memory) and smaller ones with the host gather. Measured on the H200
-# (benchmarks/bench_gather.py, loader-bound, 4 MiB batches, medians of 3 interleaved rounds,
-# two runs): host / device GB/s 8.3-8.5 / 2.2 at 64-byte rows, 9.5-10.7 / 4.7-5.4 at 128,
-# 10.0-12.9 / 10.7-10.9 at 256, 14.5-15.1 / 17.7-24.8 at 512, 17-18 / 42 at 4 KiB. Below 512
-# bytes the host gather is as fast or faster; from 512 on the device gather is faster and
-# costs the host far less CPU and memory traffic.
-_DEVICE_GATHER_MIN_SPAN = 512
+# (benchmarks/bench_gather.py, loader-bound, 4 MiB batches, medians of 3 interleaved rounds;
+# benchmarks/results/h200_2026-12-01b/gather_final.md): host / device GB/s 7.8 / 2.8 at
+# 64-byte rows, 10.7 / 5.3 at 128, 10.2 / 14.2 at 256, 15.2 / 33.5 at 512, 18.2 / 42.0 at
+# 4 KiB. From 256 bytes on the device gather is faster, and it costs the host far less CPU and
+# memory traffic.
+_DEVICE_GATHER_MIN_SPAN = 256
 
 
 def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
@@ -436,7 +436,7 @@ class ArrayLoader:
         pinned memory for the data); a source that cannot be (rows that are not contiguous
         spans, over ``max_registered_bytes``, refused by the driver) is an error naming the
         leaf. ``"auto"``: the device gather on CUDA for every leaf it can serve whose items
-        are at least 512 bytes (below that the host gather was as fast or faster on the H200), else the
+        are at least 256 bytes (below that the host gather was faster on the H200), else the
         host gather, with the reason in :meth:`stats` (``gather_leaves``). The host backend
         implements ``"device"`` too (same semantics, a copy on its stream thread); ``"auto"``
         picks ``"host"`` there. Batches, events and lifetimes are the same either way.
