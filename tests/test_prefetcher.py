@@ -923,3 +923,20 @@ def test_dlpack_export_waits_for_the_held_copy():
         watchdog.cancel()
         if pf is not None:
             pf.close()
+
+
+def test_each_epoch_asks_the_source_for_one_iterator():
+    # A DataLoader starts its worker processes in iter(): one call per epoch, not two.
+    class Counting:
+        calls = 0
+
+        def __iter__(self):
+            Counting.calls += 1
+            return iter([np.zeros(4)] * 3)
+
+    src = Counting()
+    pf = pinloader.AsyncPrefetcher(src, device="cpu")
+    for epoch in range(3):
+        assert len([b for b in pf]) == 3
+    pf.close()
+    assert Counting.calls == 3

@@ -585,11 +585,9 @@ static void *producer_main(void *arg)
 
 /* ---- consumer side (GIL held) ---- */
 
-static int start_epoch(pl_prefetcher_obj *self)
+/* Start the next epoch over `it`, a new iterator of the source (stolen). */
+static void start_epoch(pl_prefetcher_obj *self, PyObject *it)
 {
-    PyObject *it = PyObject_GetIter(self->source);
-    if (!it)
-        return -1;
     Py_XSETREF(self->it, it);
     self->it_epoch++;
     self->consumer_epoch = self->it_epoch;
@@ -599,7 +597,6 @@ static int start_epoch(pl_prefetcher_obj *self)
     self->requested_epoch = self->it_epoch;
     pthread_cond_broadcast(&self->cv);
     pthread_mutex_unlock(&self->mu);
-    return 0;
 }
 
 static int check_inherited(pl_prefetcher_obj *self)
@@ -654,24 +651,27 @@ static PyObject *pf_iter(PyObject *op)
         return NULL;
     if (self->state == PF_FAILED || (self->consumed_in_epoch == 0 && self->state == PF_OPEN))
         return Py_NewRef(op); /* finished for good, or the current epoch is still fresh */
+    /* One iter() on the source per epoch: a DataLoader starts its workers in iter(), so the
+     * iterator asked for here is the epoch's own. */
     PyObject *it = PyObject_GetIter(self->source);
     if (!it)
         return NULL;
     int same = it == self->it;
-    Py_DECREF(it);
     if (same && self->state == PF_OPEN) {
         /* A one-shot iterator (a generator): iter() gives the same object, so this is the same
          * stream of items; keep what is already prefetched rather than dropping it. */
+        Py_DECREF(it);
         return Py_NewRef(op);
     }
     if (same && PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
                                  "AsyncPrefetcher: the source (%.100s) is a one-shot iterator that "
                                  "is already exhausted, so this new epoch yields nothing; pass a "
                                  "re-iterable source (a list, a Dataset or DataLoader) to iterate "
-                                 "more than once", Py_TYPE(self->source)->tp_name) < 0)
+                                 "more than once", Py_TYPE(self->source)->tp_name) < 0) {
+        Py_DECREF(it);
         return NULL;
-    if (start_epoch(self) < 0)
-        return NULL;
+    }
+    start_epoch(self, it);
     return Py_NewRef(op);
 }
 
