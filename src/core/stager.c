@@ -491,7 +491,7 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
     }
 
     size_t max_pieces = count_pieces(leaves, n);
-    piece *pieces = malloc(max_pieces * sizeof(*pieces));
+    piece *pieces = malloc((max_pieces ? max_pieces : 1) * sizeof(*pieces)); /* a batch of tables only has none */
     atomic_int *left = calloc(n_chunks, sizeof(*left));
     if (!pieces || !left) {
         free(pieces);
