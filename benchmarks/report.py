@@ -358,18 +358,119 @@ def plot_overhead(payload, stem, out_dir):
     return [path]
 
 
+def _save(fig, out_dir, stem):
+    fig.tight_layout()
+    path = Path(out_dir) / f"{stem}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def _triple(summary):
+    if not summary or not summary.get("n"):
+        return math.nan, math.nan, math.nan
+    return summary["median"], summary["min"], summary["max"]
+
+
+def _round_ratios(runs, ref_runs, key):
+    """Per-round ratios of runs[i][key] to ref_runs[i][key] (rounds are interleaved)."""
+    return common.summarize(r[key] / b[key] for r, b in zip(runs, ref_runs) if b.get(key))
+
+
+GATHER_LABELS = {"host_gather": 'ArrayLoader(gather="host")', "device_gather": 'ArrayLoader(gather="device")',
+                 "auto": "ArrayLoader() (auto)", "torch_index": "torch index_select + copy",
+                 "dma_ceiling": "one DMA from resident pinned memory"}
+
+
+def plot_gather(payload, stem, out_dir):
+    """bench_gather.py: each path's GB/s as a ratio to one DMA of the same bytes, per row size."""
+    rows = payload["rows"]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.9 * len(rows) + 1.2), squeeze=False)
+    for ax, (row, rec) in zip(axes[:, 0], rows.items()):
+        runs = rec["runs"]
+        ref = runs.get("dma_ceiling")
+        names, triples, colors = [], [], []
+        for path, rs in runs.items():
+            names.append(GATHER_LABELS.get(path, path))
+            triples.append(_triple(_round_ratios(rs, ref, "gbps")) if ref else (math.nan,) * 3)
+            colors.append("tab:gray" if path == "dma_ceiling" else
+                          "tab:green" if path in ("device_gather", "auto", "host_gather") else "tab:blue")
+        _ratio_bars(ax, names, triples, colors, "one DMA of the same bytes (same round)")
+        ax.set_title(f"rows of {int(row):,} B x {rec['batch']:,} per batch, loader-bound", fontsize=9)
+    fig.suptitle(_title(payload, "Random rows to the GPU") + "\nmedians of interleaved rounds", fontsize=10)
+    return _save(fig, out_dir, stem)
+
+
+def plot_models(payload, stem, out_dir):
+    """bench_models.py: each feed's images/s as a ratio to data already on the GPU, per model."""
+    models = payload["models"]
+    labels = payload.get("row_labels", {})
+    fig, axes = plt.subplots(len(models), 1, figsize=(11, 2.3 * len(models) + 1.2), squeeze=False)
+    for ax, (name, rec) in zip(axes[:, 0], models.items()):
+        names, triples, colors = [], [], []
+        for row, r in rec["rows"].items():
+            names.append(_short(labels.get(row, row)))
+            triples.append(_triple(r.get("ratio_to_on_gpu")))
+            colors.append(_color(row))
+        _ratio_bars(ax, names, triples, colors, "data already on the GPU (same round)")
+        ax.set_title(f"{name}, batch {rec.get('batch')}", fontsize=9)
+    fig.suptitle(_title(payload, "Real models, every feed") + "\nmedians of interleaved rounds", fontsize=10)
+    return _save(fig, out_dir, stem)
+
+
+def plot_static(payload, stem, out_dir):
+    """bench_static.py: a captured step fed several ways, as a ratio to data on the GPU."""
+    rows = payload["rows"]
+    ref = rows["graph_on_gpu"]
+    names, triples, colors = [], [], []
+    for row, rs in rows.items():
+        names.append(row)
+        triples.append(_triple(_round_ratios(rs, ref, "images_per_s")))
+        colors.append("tab:gray" if row == "graph_on_gpu" else "tab:green" if row == "graph_static" else "tab:blue")
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    _ratio_bars(ax, names, triples, colors, "the captured step fed from data on the GPU (same round)")
+    fig.suptitle(_title(payload, "ResNet-18 step in a CUDA graph") + "\nmedians of interleaved rounds",
+                 fontsize=10)
+    return _save(fig, out_dir, stem)
+
+
+def plot_gather_kernel(payload, stem, out_dir):
+    """bench_gather_kernel.py: the kernel alone against one DMA, per row size and launch."""
+    runs = payload["runs"]
+    names = [f"{r['row']:,} B rows, UNROLL {r['unroll']}, {r['blocks_per_sm']} blocks/SM" for r in runs]
+    triples = [(r["gbps"] / r["dma_gbps"], min(r["runs_gbps"]) / r["dma_gbps"],
+                max(r["runs_gbps"]) / r["dma_gbps"]) for r in runs]
+    fig, ax = plt.subplots(figsize=(11, 0.28 * len(runs) + 1.6))
+    _ratio_bars(ax, names, triples, ["tab:green"] * len(runs), "one DMA of the same bytes")
+    fig.suptitle(_title(payload, "The gather kernel alone"), fontsize=10)
+    return _save(fig, out_dir, stem)
+
+
 PLOTTERS = {"overlap": plot_overlap, "bandwidth": plot_bandwidth, "overhead": plot_overhead,
-            "bandwidth_staging": plot_bandwidth_staging, "array_loader": plot_array_loader}
+            "bandwidth_staging": plot_bandwidth_staging, "array_loader": plot_array_loader,
+            "gather": plot_gather, "models": plot_models, "static": plot_static,
+            "gather_kernel": plot_gather_kernel}
 
 
 def kind_of(payload):
-    """The benchmark that wrote payload: its "benchmark" field, or for bench_array_loader.py
-    (whose JSON has none) its "images"/"windows" results; None for anything else."""
+    """The benchmark that wrote payload: its "benchmark" field, or for the scripts whose JSON
+    has none (bench_array_loader, bench_gather, bench_static, bench_gather_kernel) the shape of
+    their results; None for anything else."""
     if not isinstance(payload, dict):
         return None
     kind = payload.get("benchmark")
     if kind is None and ("images" in payload or "windows" in payload) and "config" in payload:
         kind = "array_loader"
+    rows = payload.get("rows")
+    if kind is None and isinstance(rows, dict) and rows:
+        first = next(iter(rows.values()))
+        if "graph_on_gpu" in rows:
+            kind = "static"
+        elif isinstance(first, dict) and "runs" in first and "batch" in first:
+            kind = "gather"
+    if kind is None and isinstance(payload.get("runs"), list) and payload["runs"] and \
+            "blocks_per_sm" in payload["runs"][0]:
+        kind = "gather_kernel"
     return kind if kind in PLOTTERS else None
 
 

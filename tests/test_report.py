@@ -53,3 +53,19 @@ def test_report_names_the_machine_and_reads_ratios():
     assert report.kind_of({"benchmark": "nope"}) is None
     med, lo, hi = report._ratio_summary([1.0, 2.0, 3.0], 2.0)
     assert (med, lo, hi) == (1.0, 0.5, 1.5)
+
+
+def test_the_device_gather_results_are_drawn(tmp_path):
+    # bench_gather, bench_gather_kernel, bench_models and bench_static results (their own
+    # result kinds), each with its committed chart
+    later = RESULTS / "h200_2026-12-01b"
+    files = sorted(later.glob("*.json"))
+    assert files
+    out = _report(*map(str, files), "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "skip" not in out.stderr, out.stderr
+    drawn = {Path(line).name for line in out.stdout.split()}
+    assert drawn == {f"{f.stem}.png" for f in files}
+    for name in drawn:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (later / name).exists(), f"{name}: regenerate with benchmarks/report.py"
