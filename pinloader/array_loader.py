@@ -580,26 +580,23 @@ class ArrayLoader:
             return
         self._release_registrations()
         info = []
-        for path, src, _, _ in self._plan.leaves:
-            mode, reason = self._choose_gather(path, src, device)
+        for path, src, _, shape in self._plan.leaves:
+            mode, reason = self._choose_gather(path, src, shape, device)
             info.append({"leaf": path, "gather": mode, "reason": reason})
         self._gather_info = info
         self._plan.regs = dict(self._regs)
         self._reg_device = key
 
-    def _choose_gather(self, path: str, src: Any, device: Any) -> tuple[str, str]:
+    def _choose_gather(self, path: str, src: Any, shape: tuple[int, ...], device: Any) -> tuple[str, str]:
         if self.gather == "host":
             return "host", "gather='host'"
+        span = int(np.prod(shape[1:], dtype=np.int64)) * self._plan.dtypes[path].itemsize * (self.windows or 1)
+        if self.gather == "auto" and span < _DEVICE_GATHER_MIN_SPAN:
+            # decided before registering: pinning a source only to let it go again costs time
+            return "host", f"items of {span} bytes: below {_DEVICE_GATHER_MIN_SPAN} bytes the host gather is faster"
         reg, why = register_rows(src, self.windows, device, self._max_registered)
         if reg is not None and self.gather == "auto":
-            span = reg.span
-            if reg.backend != "cuda":
-                why = "the host backend: its staging threads are the host's gather"
-            elif span < _DEVICE_GATHER_MIN_SPAN:
-                why = (f"items of {span} bytes: below {_DEVICE_GATHER_MIN_SPAN} bytes the host gather "
-                       "is faster")
-            else:
-                why = ""
+            why = "the host backend: its staging threads are the host's gather" if reg.backend != "cuda" else ""
             if why:
                 reg.close()
                 reg = None
