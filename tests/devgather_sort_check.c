@@ -1,5 +1,5 @@
 /* The pair-table sort of the device gather (pl_gather_sort, src/core/devgather.c) against its
- * contract on every path it has (insertion, packed keys, wide offsets), both directions:
+ * contract on every path it has (few pairs, packed keys, wide offsets), both directions:
  * every slot once, each row its slot's, rows in order, ties by slot. Compiled and run by
  * tests/test_device_gather.py. */
 #include "devgather.h"

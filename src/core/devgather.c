@@ -49,6 +49,14 @@ static uint64_t *sort_keys(uint64_t *a, uint64_t *b, int64_t n, int slot_bits, u
     return a;
 }
 
+static int cmp_pair(const void *x, const void *y)
+{
+    const pl_gather_pair *a = x, *b = y;
+    if (a->row != b->row)
+        return a->row < b->row ? -1 : 1;
+    return a->slot < b->slot ? -1 : a->slot > b->slot;
+}
+
 int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out)
 {
     if (n <= 0)
@@ -88,46 +96,14 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
         }
         return PL_OK;
     }
+    /* few pairs, or a row range too wide to pack beside the slot in 64 bits: a comparison
+     * sort, by offset then slot */
     for (int64_t i = 0; i < n; i++) {
         out[i].row = descending ? hi - rows[i] : rows[i] - lo;
         out[i].slot = i;
     }
-    if (span > 0 && n < 64) {
-        /* insertion sort, stable */
-        for (int64_t i = 1; i < n; i++) {
-            pl_gather_pair p = out[i];
-            int64_t j = i - 1;
-            for (; j >= 0 && out[j].row > p.row; j--)
-                out[j + 1] = out[j];
-            out[j + 1] = p;
-        }
-    } else if (span > 0) {
-        /* offsets too wide to pack with the slot: LSD radix sort of the pairs themselves */
-        pl_gather_pair *tmp = malloc((size_t)n * sizeof(*tmp));
-        if (!tmp)
-            return PL_ERR_NO_MEMORY;
-        size_t count[RADIX];
-        pl_gather_pair *a = out, *b = tmp;
-        for (int shift = 0; shift < 64 && (span >> shift); shift += RADIX_BITS) {
-            memset(count, 0, sizeof count);
-            for (int64_t i = 0; i < n; i++)
-                count[((uint64_t)a[i].row >> shift) & (RADIX - 1)]++;
-            size_t sum = 0;
-            for (int d = 0; d < RADIX; d++) {
-                size_t c = count[d];
-                count[d] = sum;
-                sum += c;
-            }
-            for (int64_t i = 0; i < n; i++)
-                b[count[((uint64_t)a[i].row >> shift) & (RADIX - 1)]++] = a[i];
-            pl_gather_pair *t = a;
-            a = b;
-            b = t;
-        }
-        if (a != out)
-            memcpy(out, a, (size_t)n * sizeof(*out));
-        free(tmp);
-    }
+    if (span > 0)
+        qsort(out, (size_t)n, sizeof(*out), cmp_pair);
     for (int64_t i = 0; i < n; i++)
         out[i].row = descending ? hi - out[i].row : out[i].row + lo;
     return PL_OK;
