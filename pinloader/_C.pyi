@@ -1,5 +1,5 @@
 """Type stubs for pinloader's native module."""
-from typing import Any, Iterable, Iterator, Literal, final
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, final
 
 import numpy
 from typing_extensions import Self, disjoint_base
@@ -114,9 +114,16 @@ class AsyncPrefetcher(Iterator[Any]):
                 pool: PinnedPool | None = None, max_pinned_bytes: int | None = None,
                 staging_threads: int | None = None,
                 copy_stream_priority: Literal["high", "normal", "low"] = "high",
-                output: Literal["array", "capsule"] = "array", stream: int | None = None) -> Self: ...
+                output: Literal["array", "capsule"] = "array",
+                stream: int | Callable[[], int | None] | None = None, *,
+                convert: Callable[[Any], Any] | None = None, static: bool = False,
+                out: Sequence[Any] | None = None) -> Self: ...
     @property
     def device(self) -> str: ...
+    @property
+    def valid_rows(self) -> int | None: ...
+    @property
+    def static_arrays(self) -> tuple[DeviceArray, ...] | None: ...
     @property
     def depth(self) -> int: ...
     @property

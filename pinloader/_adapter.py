@@ -1,34 +1,30 @@
 """The iterator shared by the framework adapters (torch, JAX, CuPy).
 
 Note [per-batch import]
-A batch's leaves are imported together: the batch is flattened once, its DeviceArray leaves are
-handed to the adapter's ``_import_leaves`` in one list, and the structure is rebuilt once. How
-the leaves are exported depends on the adapter:
+A framework door is an :class:`AsyncPrefetcher` told how to deliver each array leaf (see Note
+[handout] in src/py/handout.h): the producer walks each item once, and when the batch is handed
+out the native module exports its leaves and applies the framework's import to each, building
+the structure once, in C:
 
-- torch, and CuPy where the native module has ``export_capsules``: the consumer's stream is
-  resolved once, and every DeviceArray is exported for that stream in one call
-  (``export_leaves``: the stream waits on the batch's copy once, and each capsule records the
-  stream for the stream-ordered free); each capsule is then imported by the framework. On the
-  host backend (no stream) ``export_leaves`` calls each leaf's ``__dlpack__`` instead.
-- JAX (and CuPy without ``export_capsules``): each leaf is imported through the framework's own
-  ``from_dlpack(leaf)``, which passes the framework's stream to that leaf's ``__dlpack__``: one
-  export, and one stream lookup, per leaf (JAX takes only legacy capsules and names its stream
-  itself).
+- torch and CuPy: ``output="capsule"`` with ``stream=`` a callable returning the framework's
+  current stream (called once per batch): every leaf is exported for that stream in one pass
+  (the stream waits on the batch's copy once, and each capsule records the stream for the
+  stream-ordered free), then ``convert`` imports each capsule. On the host backend the stream
+  is None.
+- JAX: ``output="array"`` and ``convert`` calls ``jax.dlpack.from_dlpack(leaf)``, which
+  passes JAX's own stream to that leaf's ``__dlpack__`` (JAX takes only legacy capsules and
+  names its stream itself): one export, and one stream lookup, per leaf.
 
 A framework import of a DeviceArray itself (``torch.from_dlpack(leaf)``) looks the current
-stream up again for every leaf: that is what the one-call export saves.
+stream up again for every leaf: that is what the one-pass export saves.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-from . import _C, _resume
-from ._C import AsyncPrefetcher, DeviceArray
+from . import _resume
+from ._C import AsyncPrefetcher
 from ._stats import PrefetcherStats
-
-_native_export = getattr(_C, "export_capsules", None)
 
 
 def refuse_bool_device(who: str, device: Any) -> None:
@@ -38,109 +34,19 @@ def refuse_bool_device(who: str, device: Any) -> None:
                         f"({device!r})")
 
 
-def export_leaves(leaves: list[Any], stream: Any) -> list[Any]:
-    """DLPack capsules of ``leaves`` (DeviceArrays; other objects are passed through) for the
-    consumer's ``stream`` (a DLPack stream handle, None for the host backend)."""
-    if _native_export is not None and stream is not None:
-        # One call for the batch: the stream waits once. Host-backend leaves (stream None) need
-        # no stream wait, so each leaf's own __dlpack__() costs as little.
-        out: list[Any] = _native_export(leaves, stream)
-        return out
-    return [leaf.__dlpack__(stream=stream) if type(leaf) is DeviceArray else leaf
-            for leaf in leaves]
-
-
-# ---- flatten once, rebuild once ----
-
-_LEAF = object()  # spec of a DeviceArray position
-_KEEP = 0         # (_KEEP, obj, None): a subtree without DeviceArrays, returned as it is
-_DICT, _LIST, _TUPLE, _NAMEDTUPLE, _DICT_SUB, _LIST_SUB, _DATACLASS = range(1, 8)
-
-
-def _children(values: Any, leaves: list[Any]) -> list[Any]:
-    # DeviceArray children inline: most batches are flat dicts or tuples of arrays.
-    out = []
-    for v in values:
-        if type(v) is DeviceArray:
-            leaves.append(v)
-            out.append(_LEAF)
-        else:
-            out.append(flatten(v, leaves))
-    return out
-
-
-def flatten(obj: Any, leaves: list[Any]) -> Any:
-    """Append ``obj``'s DeviceArray leaves to ``leaves`` (in order) and return the spec that
-    :func:`rebuild` turns back into the structure. Containers are those the prefetcher
-    produces: list, tuple, namedtuple, dict, dict subclasses (rebuilt from a shallow copy, so
-    a defaultdict keeps its factory), list subclasses, dataclasses; a subtree without
-    DeviceArrays is kept as it is."""
-    t = type(obj)
-    if t is DeviceArray:
-        leaves.append(obj)
-        return _LEAF
-    n = len(leaves)
-    spec: tuple[int, Any, list[Any]]
-    if t is dict:
-        spec = (_DICT, tuple(obj), _children(obj.values(), leaves))
-    elif t is list:
-        spec = (_LIST, None, _children(obj, leaves))
-    elif t is tuple:
-        spec = (_TUPLE, None, _children(obj, leaves))
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        spec = (_NAMEDTUPLE, t, _children(obj, leaves))
-    elif isinstance(obj, dict):
-        spec = (_DICT_SUB, obj, _children(obj.values(), leaves))
-    elif isinstance(obj, list):
-        spec = (_LIST_SUB, t, _children(obj, leaves))
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
-        spec = (_DATACLASS, (obj, names), _children([getattr(obj, k) for k in names], leaves))
-    else:
-        return (_KEEP, obj, None)
-    return spec if len(leaves) > n else (_KEEP, obj, None)
-
-
-def rebuild(spec: Any, it: Any) -> Any:
-    """The structure of ``spec`` with its leaves taken in order from the iterator ``it``."""
-    if spec is _LEAF:
-        return next(it)
-    kind, meta, children = spec
-    if kind == _KEEP:
-        return meta
-    values = [next(it) if c is _LEAF else rebuild(c, it) for c in children]
-    if kind == _DICT:
-        return dict(zip(meta, values))
-    if kind == _LIST:
-        return values
-    if kind == _TUPLE:
-        return tuple(values)
-    if kind == _NAMEDTUPLE:
-        return meta(*values)
-    if kind == _DICT_SUB:
-        # OrderedDict, defaultdict...: a shallow copy keeps the type and its extra state, as the
-        # prefetcher itself rebuilt it; then the values are replaced.
-        out = copy.copy(meta)
-        keys = list(meta)
-        out.clear()
-        out.update(zip(keys, values))
-        return out
-    if kind == _LIST_SUB:
-        return meta(values)
-    obj, names = meta
-    return dataclasses.replace(obj, **dict(zip(names, values)))
-
-
 class FrameworkPrefetcher:
-    """Wraps an :class:`AsyncPrefetcher`; each batch's DeviceArray leaves go through
-    ``convert`` (the framework's DLPack import) as the batch is handed out.
-
-    Subclasses that resolve the consumer's stream themselves override :meth:`_consumer_stream`
-    and :meth:`_import_leaves`; see Note [per-batch import]."""
+    """Wraps an :class:`AsyncPrefetcher` (or an ArrayLoader's, or a
+    :class:`~pinloader.StatefulPrefetcher`) that delivers framework arrays: ``handout`` holds
+    the prefetcher's ``output``, ``stream``, ``convert``, ``static`` and ``out`` (see Note
+    [per-batch import])."""
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int,
-                 convert: Callable[[Any], Any], **opts: Any) -> None:
-        self._convert = convert
+                 handout: dict[str, Any], **opts: Any) -> None:
+        clash = sorted(set(handout) & set(opts))
+        if clash:
+            raise TypeError(f"{type(self).__name__}: {', '.join(clash)} is set by the framework "
+                            "door itself")
+        opts.update(handout)
         adopt = getattr(iterable, "_pinloader_prefetcher", None)
         if adopt is not None:
             # An ArrayLoader already is a prefetcher: use it rather than stack a second one.
@@ -152,29 +58,19 @@ class FrameworkPrefetcher:
         else:
             self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
 
-    def _consumer_stream(self) -> Any:
-        """The DLPack stream handle the batch is handed to, looked up once per batch."""
-        return None
-
-    def _import_leaves(self, leaves: list[Any]) -> list[Any]:
-        """The framework arrays for one batch's DeviceArray leaves (the default: ``convert``
-        of each DeviceArray, which resolves the framework's stream itself)."""
-        convert = self._convert
-        return [convert(leaf) for leaf in leaves]
-
     def __iter__(self) -> "FrameworkPrefetcher":
         iter(self._pf)
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._pf)
-        if type(batch) is DeviceArray:
-            return self._import_leaves([batch])[0]
-        leaves: list[Any] = []
-        spec = flatten(batch, leaves)
-        if not leaves:
-            return batch
-        return rebuild(spec, iter(self._import_leaves(leaves)))
+        return next(self._pf)
+
+    @property
+    def valid_rows(self) -> int | None:
+        """With ``static=True``: the real rows of the last batch handed out (see the door's
+        notes on static batches); else None."""
+        rows: int | None = getattr(self._pf, "valid_rows", None)
+        return rows
 
     def __len__(self) -> int:
         return len(self._pf)

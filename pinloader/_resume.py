@@ -364,6 +364,12 @@ class StatefulPrefetcher:
             return next(pf)  # the epoch's end (StopIteration)
         return item
 
+    @property
+    def valid_rows(self) -> int | None:
+        """See :attr:`pinloader.AsyncPrefetcher.valid_rows`."""
+        rows: int | None = self._pf.valid_rows
+        return rows
+
     def state_dict(self) -> Any:
         """The source's state as of the last batch handed out."""
         return self._state

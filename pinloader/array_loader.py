@@ -304,6 +304,18 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
     return order
 
 
+# AsyncPrefetcher options that only change how a batch is handed out (Note [handout] in
+# src/py/handout.h), not what is read or copied.
+_HANDOUT_OPTS = frozenset({"output", "stream", "convert", "static", "out"})
+
+
+def _same_opt(a: Any, b: Any) -> bool:
+    """Two prefetcher options are the same: equal plain values, or the very same object (a
+    door's stream and convert callables, out= tensors, which == would compare elementwise)."""
+    plain = (str, int, float, bool, type(None))
+    return a is b or (isinstance(a, plain) and isinstance(b, plain) and a == b)
+
+
 def _same_device(running: str, wanted: Any) -> bool:
     """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted`` (as
     the prefetcher reads it: None, 'cuda' and an index name CUDA devices)."""
@@ -719,17 +731,31 @@ class ArrayLoader:
             raise clash("depth", self._depth, depth)
         merged = dict(self._opts)
         for k, v in opts.items():
-            if k in merged and merged[k] != v:
+            if k in merged and not _same_opt(merged[k], v):
                 raise clash(k, merged[k], v)
             merged[k] = v
+        changed = {k for k in merged.keys() | self._opts.keys()
+                   if k not in merged or k not in self._opts or not _same_opt(merged[k], self._opts[k])}
+        if self._pf is not None and changed <= _HANDOUT_OPTS and (self._done or not self._consumed):
+            # Only how batches are handed out differs (a door's convert and stream), and the
+            # running prefetcher is between epochs: the next epoch starts a new one.
+            self._pf.close()
+            self._pf = None
         if self._pf is not None and (not _same_device(self._pf.device, want_device)
-                                     or want_depth != self._pf.depth or merged != self._opts):
+                                     or want_depth != self._pf.depth or changed):
             raise ValueError("ArrayLoader: already iterating with other settings; wrap it in the "
                              "adapter before the first iteration")
         self._device, self._depth, self._opts = want_device, want_depth, merged
         return self
 
     # ---- the rest ----
+
+    @property
+    def valid_rows(self) -> int | None:
+        """With ``static=True`` (an AsyncPrefetcher option): the real rows of the last batch
+        handed out; else None."""
+        rows: int | None = self._pf.valid_rows if self._pf is not None else None
+        return rows
 
     def stats(self) -> dict[str, Any]:
         """The prefetcher's :meth:`~pinloader.AsyncPrefetcher.stats` (empty before the first

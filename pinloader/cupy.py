@@ -25,29 +25,39 @@ class CupyPrefetcher(FrameworkPrefetcher):
     device : int or str, optional
         CUDA device ordinal (default: CuPy's current device).
     depth : int, default 2
+    static : bool, default False
+        Deliver every batch in the same ``cupy.ndarray`` s, one per leaf, copied on CuPy's
+        current stream when the batch is taken (for a CUDA graph); the rules are
+        :class:`pinloader.torch.TorchPrefetcher`'s (``valid_rows``, a short last batch, valid
+        until the next batch).
+    out : sequence of cupy.ndarray, optional
+        Your own static buffers (C-contiguous, on ``device``); implies ``static=True``.
     **opts
         Passed to :class:`pinloader.AsyncPrefetcher`.
     """
 
-    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, *,
+                 static: bool = False, out: Any = None, **opts: Any) -> None:
         _adapter.refuse_bool_device("pinloader.cupy.prefetch", device)
         if device is None:
             device = _cp.cuda.Device().id
         if isinstance(device, int):
             device = f"cuda:{device}"
-        # cupy.from_dlpack passes the current CuPy stream, which then waits on the copy.
-        super().__init__(iterable, device, depth, _cp.from_dlpack, **opts)
+        dev_id = int(str(device).partition(":")[2] or 0)
+        get_stream, null = _cp.cuda.get_current_stream, _null_stream()
 
-    def _import_leaves(self, leaves: list[Any]) -> list[Any]:
-        if _adapter._native_export is None:
-            # Each leaf's __dlpack__ makes CuPy's stream wait: nothing to gain by batching.
-            return super()._import_leaves(leaves)
-        # One export for the batch: CuPy's current stream, looked up once, waits once (see
-        # Note [per-batch import] in pinloader/_adapter.py); cupy.from_dlpack then takes each
-        # capsule through the protocol.
-        handle = _cp.cuda.get_current_stream().ptr or _null_stream()
-        capsules = _adapter.export_leaves(leaves, handle)
-        return [_cp.from_dlpack(_Exported(c, leaf)) for c, leaf in zip(capsules, leaves)]
+        def stream() -> int:
+            # Once per batch: CuPy's current stream waits on the copy once (see Note
+            # [per-batch import] in pinloader/_adapter.py).
+            return get_stream().ptr or null
+
+        def convert(capsule: Any) -> Any:
+            return _cp.from_dlpack(_Exported(capsule, (2, dev_id)))
+
+        handout = dict(output="capsule", stream=stream, convert=convert)
+        if static or out is not None:
+            handout.update(static=True, out=None if out is None else list(out))
+        super().__init__(iterable, device, depth, handout, **opts)
 
 
 def _null_stream() -> int:
@@ -65,9 +75,9 @@ class _Exported:
 
     __slots__ = ("_capsule", "_device")
 
-    def __init__(self, capsule: Any, leaf: Any) -> None:
+    def __init__(self, capsule: Any, device: tuple[int, int]) -> None:
         self._capsule = capsule
-        self._device = leaf.__dlpack_device__()
+        self._device = device
 
     def __dlpack__(self, **kwargs: Any) -> Any:
         capsule, self._capsule = self._capsule, None
@@ -80,6 +90,8 @@ class _Exported:
         return device
 
 
-def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> CupyPrefetcher:
-    """Wrap ``iterable`` so that it yields the same structures with ``cupy.ndarray`` leaves."""
-    return CupyPrefetcher(iterable, device=device, depth=depth, **opts)
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = 2, *, static: bool = False,
+             out: Any = None, **opts: Any) -> CupyPrefetcher:
+    """Wrap ``iterable`` so that it yields the same structures with ``cupy.ndarray`` leaves;
+    with ``static=True`` (or ``out=``) always the same arrays."""
+    return CupyPrefetcher(iterable, device=device, depth=depth, static=static, out=out, **opts)

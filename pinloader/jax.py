@@ -45,11 +45,25 @@ class JaxPrefetcher(FrameworkPrefetcher):
     depth : int, default 2
     **opts
         Passed to :class:`pinloader.AsyncPrefetcher`.
+
+    Notes
+    -----
+    There are no static batches here: ``static=True`` and ``out=`` are refused, because a
+    ``jax.Array`` is immutable (refilling its memory behind XLA's back would break that
+    promise). A jitted step already reuses its input buffers when it donates them
+    (``jax.jit(step, donate_argnums=...)``).
     """
 
     def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
+        if opts.get("static") or opts.get("out") is not None:
+            raise ValueError("pinloader.jax.prefetch: static batches are not offered for JAX: a "
+                             "jax.Array is immutable, so its memory cannot be refilled with the "
+                             "next batch; donate the step's inputs instead "
+                             "(jax.jit(step, donate_argnums=...))")
+        opts.pop("static", None)
+        opts.pop("out", None)
         pl_device, self.device = _resolve(device)
-        super().__init__(iterable, pl_device, depth, self._to_jax, **opts)
+        super().__init__(iterable, pl_device, depth, dict(convert=self._to_jax), **opts)
 
     def _to_jax(self, leaf: Any) -> Any:
         # JAX passes its own stream to __dlpack__ and accepts only legacy capsules, which

@@ -75,27 +75,28 @@ class TorchPrefetcher(FrameworkPrefetcher):
     -----
     **Static batches.** With ``static=True`` (or ``out=``) the copy from host memory still
     runs on pinloader's copy stream, overlapping the previous step as usual; when the batch is
-    handed out, one
-    device-to-device copy per leaf into the static tensor is queued on the current stream,
-    behind the stream's wait on the batch's copy. The current stream is the one the step runs
-    on, so that copy comes after the step's previous use of the static tensors and before its
-    next work, without any host synchronisation. Rules:
+    handed out, pinloader queues on the current stream a wait on that copy and one
+    device-to-device copy per leaf into its static tensor. The current stream is the one the
+    step runs on, so that copy comes after the step's previous use of the static tensors and
+    before its next work, without any host synchronisation. Rules:
 
     * A static batch is valid until the next one is taken: taking the next batch overwrites the
       tensors (in stream order). Keep a ``.clone()`` of anything needed longer.
     * Use one stream for the steps (as a captured graph does); a step on another stream than
       the one current when the batch was taken must wait for that stream first.
     * The batches keep their structure (the same containers, pass-through leaves as they
-      are); their array leaves are the static tensors.
+      are); their array leaves are the static tensors, the same objects every batch.
     * A batch whose leaf has the static tensor's dtype and trailing dimensions but fewer rows
       (the short last batch of an epoch) fills the first rows; the rest are zero, and
-      :attr:`valid_rows` says how many rows of that batch are real (it is the full size for
-      every other batch). Any other difference (dtype, trailing dimensions, more rows, another
-      number of array leaves) is a ``ValueError`` naming the leaf (its position in that
-      order). Use ``drop_last=True`` on the loader to get only full batches.
-    * The static tensors are made from the first batch (``torch.empty_like``) before it is
-      handed out, outside any graph capture, and marked static for ``torch.compile``
-      (``torch._dynamo.mark_static_address``) so that it never copies them.
+      :attr:`valid_rows` says how many rows of that batch are real (the fewest over its
+      leaves; the full size for every other batch). Any other difference (dtype, trailing
+      dimensions, more rows, another number of array leaves) is a ``ValueError`` naming the
+      leaf (its position in that order). Use ``drop_last=True`` on the loader to get only full
+      batches.
+    * Without ``out=`` the static tensors are pinloader's, laid out from the first batch,
+      made before it is handed out (outside any graph capture), and marked static for
+      ``torch.compile`` (``torch._dynamo.mark_static_address``) so that it never copies them.
+      With ``out=`` they are yours (C-contiguous, on ``device``), delivered as they are.
     """
 
     def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = 2, *,
@@ -109,10 +110,6 @@ class TorchPrefetcher(FrameworkPrefetcher):
                 "pin_memory=False to the DataLoader.", UserWarning, stacklevel=3)
         pl_device, self.device = _pinloader_device(device)
         self.loader = loader
-        self._cuda_index = self.device.index if self.device.type == "cuda" else None
-        self._static = bool(static) or out is not None
-        self._static_leaves: list[Any] | None = None
-        self.valid_rows: int | None = None
         if out is not None:
             out = list(out.values()) if isinstance(out, dict) else list(out)
             for i, t in enumerate(out):
@@ -121,42 +118,22 @@ class TorchPrefetcher(FrameworkPrefetcher):
                                     f"not {type(t).__name__}")
                 if t.device != self.device:
                     raise ValueError(f"pinloader.torch.prefetch: out[{i}] is on {t.device}, not {self.device}")
-            self._static_leaves = out
-        super().__init__(loader, pl_device, depth, _from_capsule, **opts)
+        static = bool(static) or out is not None
+        convert = _from_capsule_static if static and out is None else _from_capsule
+        if self.device.type == "cuda":
+            index = self.device.index
+            current = _torch.cuda.current_stream
 
-    def _consumer_stream(self) -> Any:
-        # Once per batch (see Note [per-batch import] in pinloader/_adapter.py). torch's
-        # default stream (handle 0) is the legacy default stream, 1 in DLPack's numbering, as
-        # torch.from_dlpack itself passes it.
-        if self._cuda_index is None:
-            return None
-        handle = _torch.cuda.current_stream(self._cuda_index).cuda_stream
-        return handle if handle else 1
-
-    # ---- static batches (see the class documentation) ----
-
-    def _import_leaves(self, leaves: list[Any]) -> list[Any]:
-        capsules = _adapter.export_leaves(leaves, self._consumer_stream())
-        convert = self._convert
-        tensors = [convert(c) for c in capsules]
-        return self._to_static(tensors) if self._static else tensors
-
-    def _to_static(self, tensors: list[Any]) -> list[Any]:
-        statics = self._static_leaves
-        if statics is None:
-            statics = []
-            for t in tensors:
-                buf = _torch.empty_like(t)
-                _mark_static(buf)
-                statics.append(buf)
-            self._static_leaves = statics
-        if len(tensors) != len(statics):
-            raise ValueError(f"pinloader.torch.prefetch(static=True): the batch has {len(tensors)} "
-                             f"array leaves, the static batch {len(statics)}")
-        valid = min((_fill_static(i, buf, t) for i, (t, buf) in enumerate(zip(tensors, statics))),
-                    default=None)
-        self.valid_rows = valid
-        return list(statics)
+            def stream() -> int:
+                # Once per batch. torch's default stream (handle 0) is the legacy default
+                # stream, 1 in DLPack's numbering, as torch.from_dlpack itself passes it.
+                return current(index).cuda_stream or 1
+        else:
+            stream = None  # type: ignore[assignment]
+        handout = dict(output="capsule", stream=stream, convert=convert)
+        if static:
+            handout.update(static=True, out=out)
+        super().__init__(loader, pl_device, depth, handout, **opts)
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the loader's sampler (a DistributedSampler) when it has set_epoch."""
@@ -167,32 +144,17 @@ class TorchPrefetcher(FrameworkPrefetcher):
                 return
 
 
-def _mark_static(t: Any) -> None:
-    """Tell torch.compile that t's address never changes (no input copies in its CUDA graphs)."""
+def _from_capsule_static(capsule: Any) -> Any:
+    """A static buffer as a tensor (once per buffer), marked for torch.compile: its address
+    never changes, so its CUDA graphs need no input copies."""
+    t = _from_capsule(capsule)
     mark = getattr(getattr(_torch, "_dynamo", None), "mark_static_address", None)
     if mark is not None:
         try:
             mark(t)
         except Exception:  # an older torch without the feature for this tensor
             pass
-
-
-def _fill_static(i: int, buf: Any, t: Any) -> int:
-    """Queue the copy of batch leaf t into static tensor buf on the current stream; the number
-    of valid rows."""
-    if t.dtype != buf.dtype or t.dim() != buf.dim() or (t.dim() and t.shape[1:] != buf.shape[1:]):
-        raise ValueError(f"pinloader.torch.prefetch(static=True): leaf {i} is {tuple(t.shape)} "
-                         f"{t.dtype}, the static tensor {tuple(buf.shape)} {buf.dtype}")
-    if t.dim() == 0 or t.shape[0] == buf.shape[0]:
-        buf.copy_(t, non_blocking=True)
-        return int(buf.shape[0]) if buf.dim() else 1
-    n = int(t.shape[0])
-    if n > buf.shape[0]:
-        raise ValueError(f"pinloader.torch.prefetch(static=True): leaf {i} has {n} rows, more than "
-                         f"the static tensor's {buf.shape[0]}")
-    buf[:n].copy_(t, non_blocking=True)
-    buf[n:].zero_()
-    return n
+    return t
 
 
 def prefetch(loader: Iterable[Any], device: Any = None, depth: int = 2, *, static: bool = False,

@@ -392,6 +392,16 @@ static int cuda_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream
     return (int)cu.cudaMemcpyAsync(dst, src, n, pl_cudaMemcpyHostToDevice, (pl_cudaStream_t)s);
 }
 
+static int cuda_memcpy_d2d_async(void *dst, const void *src, size_t n, pl_stream *s)
+{
+    return (int)cu.cudaMemcpyAsync(dst, src, n, pl_cudaMemcpyDeviceToDevice, (pl_cudaStream_t)s);
+}
+
+static int cuda_memzero_async(void *dst, size_t n, pl_stream *s)
+{
+    return (int)cu.cudaMemsetAsync(dst, 0, n, (pl_cudaStream_t)s);
+}
+
 static int cuda_memcpy_d2h(void *dst, const void *src, size_t n)
 {
     return (int)cu.cudaMemcpy(dst, src, n, pl_cudaMemcpyDeviceToHost);
@@ -615,6 +625,8 @@ static const pl_backend cuda_backend = {
     .device_alloc = cuda_device_alloc,
     .device_free = cuda_device_free,
     .memcpy_h2d_async = cuda_memcpy_h2d_async,
+    .memcpy_d2d_async = cuda_memcpy_d2d_async,
+    .memzero_async = cuda_memzero_async,
     .memcpy_d2h = cuda_memcpy_d2h,
     .stream_hold = cuda_stream_hold,
     .host_register = cuda_host_register,

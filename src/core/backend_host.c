@@ -63,7 +63,7 @@ void pl_host_hold_streams(int on)
     atomic_store(&hold_all, on ? 1 : 0);
 }
 
-typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_GATHER, OP_STOP } op_kind;
+typedef enum { OP_COPY, OP_ZERO, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_GATHER, OP_STOP } op_kind;
 
 typedef struct op {
     struct op *next;
@@ -196,6 +196,9 @@ static void *stream_main(void *arg)
         switch (o->kind) {
         case OP_COPY:
             memcpy(o->dst, o->src, o->n);
+            break;
+        case OP_ZERO:
+            memset(o->dst, 0, o->n);
             break;
         case OP_RECORD:
             rec_mark_done(o->record);
@@ -504,6 +507,15 @@ static int host_memcpy_h2d_async(void *dst, const void *src, size_t n, pl_stream
     return enqueue(s, OP_COPY, dst, src, n, NULL, NULL);
 }
 
+static int host_memzero_async(void *dst, size_t n, pl_stream *s)
+{
+    if (!s) {
+        memset(dst, 0, n);
+        return PL_OK;
+    }
+    return enqueue(s, OP_ZERO, dst, NULL, n, NULL, NULL);
+}
+
 static int host_memcpy_d2h(void *dst, const void *src, size_t n)
 {
     memcpy(dst, src, n);
@@ -593,6 +605,8 @@ static const pl_backend host_backend = {
     .device_alloc = host_device_alloc,
     .device_free = host_device_free,
     .memcpy_h2d_async = host_memcpy_h2d_async,
+    .memcpy_d2d_async = host_memcpy_h2d_async, /* all of it is host memory */
+    .memzero_async = host_memzero_async,
     .memcpy_d2h = host_memcpy_d2h,
     .stream_hold = host_stream_hold,
     .host_register = host_host_register,

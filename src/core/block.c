@@ -284,14 +284,16 @@ int pl_block_sync_ready(pl_block *blk)
 
 /* ---- consumer waits: see Note [consumer waits] ---- */
 
-static int memoizable(pl_stream *s)
+static int memoizable(const pl_block *blk, pl_stream *s)
 {
-    return s != (pl_stream *)(uintptr_t)2; /* the per-thread default stream differs per thread */
+    /* The per-thread default stream differs per thread; a static block is refilled by every
+     * batch, so one wait covers only the batch it was made for. */
+    return s != (pl_stream *)(uintptr_t)2 && !blk->no_memo;
 }
 
 int pl_block_consumer_memo(pl_block *blk, pl_stream *s)
 {
-    if (pl_inherited(blk->gen) || !memoizable(s))
+    if (pl_inherited(blk->gen) || !memoizable(blk, s))
         return 0; /* an inherited block's lock may have been held at fork time */
     int hit = 0;
     spin_lock(&blk->mu);
@@ -360,7 +362,7 @@ int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo)
     if (rc != PL_OK)
         return rc;
     atomic_fetch_add_explicit(&consumer_waits[blk->b->kind], 1, memory_order_relaxed);
-    if (memo && memoizable(s))
+    if (memo && memoizable(blk, s))
         *memo = memo_insert(blk, s);
     return PL_OK;
 }

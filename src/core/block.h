@@ -33,6 +33,7 @@ typedef struct pl_block {
     pl_event *ready;  /* recorded on the copy stream once the batch's copies are queued */
     int ready_recorded;
     int leak;         /* a consumer's use could not be ordered: never free (set by note_use) */
+    int no_memo;      /* never skip a consumer wait (a static block: Note [static batches]) */
     /* Consumer streams that used the block, each with an event recorded when its last user on
      * that stream let go (see Note [device lifetime]); guarded by mu. */
     atomic_flag mu;

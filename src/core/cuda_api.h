@@ -165,6 +165,8 @@ typedef void (*pl_cudaHostFn_t)(void *userData);
     X(T(cudaError_t), cudaMemcpyAsync,                                                             \
       (void *dst, const void *src, size_t count, enum TS(cudaMemcpyKind) kind,                     \
        T(cudaStream_t) stream))                                                                    \
+    X(T(cudaError_t), cudaMemsetAsync,                                                             \
+      (void *devPtr, int value, size_t count, T(cudaStream_t) stream))                             \
     X(T(cudaError_t), cudaMemcpy,                                                                  \
       (void *dst, const void *src, size_t count, enum TS(cudaMemcpyKind) kind))                    \
     X(T(cudaError_t), cudaMemPoolCreate,                                                           \

@@ -230,27 +230,8 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
     return da_export_capsule(st, self, &s, req.versioned, -1);
 }
 
-/* export_capsules(leaves, stream, /): see its docstring in da_module_methods. */
-static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "export_capsules() takes 2 positional arguments (leaves, "
-                     "stream), %zd given", nargs);
-        return NULL;
-    }
-    pl_state *st = pl_state_of_module(m);
-    PyObject *leaves = args[0], *stream = args[1];
-    /* A tuple snapshot: the host backend's wait releases the GIL, and a list could change. */
-    PyObject *items;
-    if (PyTuple_Check(leaves))
-        items = Py_NewRef(leaves);
-    else if (PyList_Check(leaves))
-        items = PyList_AsTuple(leaves);
-    else
-        return PyErr_Format(PyExc_TypeError, "export_capsules: leaves must be a list or tuple, "
-                            "not %.100s", Py_TYPE(leaves)->tp_name);
-    if (!items)
-        return NULL;
     /* Parsed once per call, for each backend met (host memory takes only None and -1). */
     pl_dlpack_stream parsed[2];
     int have[2] = {0, 0};
@@ -282,8 +263,42 @@ static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t 
         }
         PyList_SET_ITEM(out, i, cap);
     }
+    return out;
+}
+
+/* export_capsules(leaves, stream, /): see its docstring in da_module_methods. */
+static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "export_capsules() takes 2 positional arguments (leaves, "
+                     "stream), %zd given", nargs);
+        return NULL;
+    }
+    pl_state *st = pl_state_of_module(m);
+    PyObject *leaves = args[0], *stream = args[1];
+    /* A tuple snapshot: the host backend's wait releases the GIL, and a list could change. */
+    PyObject *items;
+    if (PyTuple_Check(leaves))
+        items = Py_NewRef(leaves);
+    else if (PyList_Check(leaves))
+        items = PyList_AsTuple(leaves);
+    else
+        return PyErr_Format(PyExc_TypeError, "export_capsules: leaves must be a list or tuple, "
+                            "not %.100s", Py_TYPE(leaves)->tp_name);
+    if (!items)
+        return NULL;
+    PyObject *out = pl_export_leaves(st, items, stream);
     Py_DECREF(items);
     return out;
+}
+
+int pl_device_array_view(pl_state *st, PyObject *o, pl_da_view *v)
+{
+    if (!Py_IS_TYPE(o, st->DeviceArray_Type))
+        return -1;
+    DeviceArrayObject *da = (DeviceArrayObject *)o;
+    *v = (pl_da_view){da->blk, da->offset, da->nbytes, da->ndim, da->shape, da->dtype};
+    return 0;
 }
 
 static PyObject *debug_counters(PyObject *m, PyObject *noargs)

@@ -18,6 +18,23 @@ PyObject *pl_device_array_new(pl_state *st, struct pl_block *blk, size_t offset,
 void pl_device_array_add_offset(PyObject *o, size_t delta);
 int pl_device_array_check(pl_state *st, PyObject *o);
 
+/* What a DeviceArray views (borrowed: valid while o lives). */
+typedef struct pl_da_view {
+    struct pl_block *blk;
+    size_t offset, nbytes;
+    int ndim;
+    const int64_t *shape;
+    DLDataType dtype;
+} pl_da_view;
+/* 0 with *v filled when o is a DeviceArray, else -1 (no exception). */
+int pl_device_array_view(pl_state *st, PyObject *o, pl_da_view *v);
+
+/* DLPack capsules (legacy "dltensor") of the DeviceArrays in `items` (a tuple; other objects
+ * are passed through) for the consumer's `stream` (as __dlpack__'s stream argument): each
+ * batch's block is waited on once per stream. A new list, or NULL with an exception naming
+ * "export_capsules: leaves[i]". */
+PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream);
+
 /* A numpy.dtype object for dt, or a str name where NumPy has none (bfloat16, float8...). */
 PyObject *pl_dtype_to_python(pl_state *st, DLDataType dt);
 

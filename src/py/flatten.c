@@ -674,14 +674,14 @@ int pl_flat_walk(pl_flat *f, PyObject *item)
 
 /* ---- rebuild ---- */
 
-static PyObject *rebuild_at(pl_flat *f, pl_block *blk, Py_ssize_t *pos);
+static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos);
 
 /* The children of a dict-like node into a dict (out: a new reference, filled). */
-static int rebuild_pairs(pl_flat *f, pl_block *blk, Py_ssize_t *pos, Py_ssize_t n, PyObject *out)
+static int build_pairs(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos, Py_ssize_t n, PyObject *out)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = f->nodes[*pos].key;
-        PyObject *v = rebuild_at(f, blk, pos);
+        PyObject *k = t->nodes[*pos].key;
+        PyObject *v = build_at(t, leaves, pos);
         int rc = v ? PyDict_SetItem(out, k, v) : -1;
         Py_XDECREF(v);
         if (rc < 0)
@@ -690,29 +690,21 @@ static int rebuild_pairs(pl_flat *f, pl_block *blk, Py_ssize_t *pos, Py_ssize_t 
     return 0;
 }
 
-static PyObject *rebuild_leaf(pl_flat *f, pl_block *blk, int i)
+static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos)
 {
-    const pl_xfer_leaf *L = &f->leaves[i];
-    int cuda = f->b->kind == PL_BACKEND_CUDA;
-    return pl_device_array_new(f->st, blk, L->off, L->copy.ndim, L->copy.shape, f->dtypes[i],
-                               cuda ? kDLCUDA : kDLCPU, cuda ? f->device : 0);
-}
-
-static PyObject *rebuild_at(pl_flat *f, pl_block *blk, Py_ssize_t *pos)
-{
-    const pl_flat_node *nd = &f->nodes[(*pos)++];
+    const pl_flat_node *nd = &t->nodes[(*pos)++];
     PyObject *out = NULL, *args;
     switch (nd->kind) {
     case FN_PASS:
         return Py_NewRef(nd->obj);
     case FN_LEAF:
-        return rebuild_leaf(f, blk, nd->leaf);
+        return Py_NewRef(PyTuple_GET_ITEM(leaves, nd->leaf));
     case FN_TUPLE:
     case FN_LIST:
     case FN_NAMEDTUPLE:
         out = nd->kind == FN_LIST ? PyList_New(nd->n) : PyTuple_New(nd->n);
         for (Py_ssize_t i = 0; out && i < nd->n; i++) {
-            PyObject *o = rebuild_at(f, blk, pos);
+            PyObject *o = build_at(t, leaves, pos);
             if (!o)
                 Py_CLEAR(out);
             else if (nd->kind == FN_LIST)
@@ -727,14 +719,15 @@ static PyObject *rebuild_at(pl_flat *f, pl_block *blk, Py_ssize_t *pos)
         }
         return out;
     case FN_DICT:
+        /* a dict subclass: the empty shallow copy made by the walk, used once */
         out = nd->obj ? Py_NewRef(nd->obj) : PyDict_New();
-        if (out && rebuild_pairs(f, blk, pos, nd->n, out) < 0)
+        if (out && build_pairs(t, leaves, pos, nd->n, out) < 0)
             Py_CLEAR(out);
         return out;
     case FN_DATACLASS:
         out = PyDict_New();
         args = PyTuple_New(0);
-        if (out && args && rebuild_pairs(f, blk, pos, nd->n, out) == 0)
+        if (out && args && build_pairs(t, leaves, pos, nd->n, out) == 0)
             Py_SETREF(out, PyObject_Call(nd->obj, args, out));
         else
             Py_CLEAR(out);
@@ -744,24 +737,79 @@ static PyObject *rebuild_at(pl_flat *f, pl_block *blk, Py_ssize_t *pos)
     return PyErr_Format(PyExc_SystemError, "pinloader: unknown flatten node");
 }
 
+PyObject *pl_tree_build(pl_tree *t, PyObject *leaves)
+{
+    if (!t->n_nodes)
+        return PyErr_Format(PyExc_SystemError, "pinloader: rebuild before a walk");
+    if (!PyTuple_Check(leaves) || PyTuple_GET_SIZE(leaves) != t->n_leaves)
+        return PyErr_Format(PyExc_SystemError, "pinloader: a batch rebuilt with %zd leaves, walked "
+                            "with %zd", PyTuple_Check(leaves) ? PyTuple_GET_SIZE(leaves) : -1,
+                            t->n_leaves);
+    Py_ssize_t pos = 0;
+    PyObject *out = build_at(t, leaves, &pos);
+    pl_tree_clear(t);
+    return out;
+}
+
+void pl_tree_clear(pl_tree *t)
+{
+    for (Py_ssize_t i = 0; i < t->n_nodes; i++) {
+        Py_XDECREF(t->nodes[i].obj);
+        Py_XDECREF(t->nodes[i].key);
+    }
+    PyMem_RawFree(t->nodes);
+    t->nodes = NULL;
+    t->n_nodes = t->n_leaves = 0;
+}
+
+int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < t->n_nodes; i++) {
+        Py_VISIT(t->nodes[i].obj);
+        Py_VISIT(t->nodes[i].key);
+    }
+    return 0;
+}
+
 static void drop_nodes(pl_flat *f)
 {
-    for (Py_ssize_t i = 0; i < f->n_nodes; i++) {
-        Py_XDECREF(f->nodes[i].obj);
-        Py_XDECREF(f->nodes[i].key);
-    }
-    PyMem_RawFree(f->nodes);
+    pl_tree t = {f->nodes, f->n_nodes, 0};
+    pl_tree_clear(&t);
     f->nodes = NULL;
     f->n_nodes = f->cap_nodes = 0;
 }
 
+void pl_flat_take_tree(pl_flat *f, pl_tree *out)
+{
+    *out = (pl_tree){f->nodes, f->n_nodes, f->n_leaves};
+    f->nodes = NULL;
+    f->n_nodes = f->cap_nodes = 0;
+}
+
+PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk)
+{
+    PyObject *out = PyTuple_New(f->n_leaves);
+    int cuda = f->b->kind == PL_BACKEND_CUDA;
+    for (int i = 0; out && i < f->n_leaves; i++) {
+        const pl_xfer_leaf *L = &f->leaves[i];
+        PyObject *a = pl_device_array_new(f->st, blk, L->off, L->copy.ndim, L->copy.shape,
+                                          f->dtypes[i], cuda ? kDLCUDA : kDLCPU, cuda ? f->device : 0);
+        if (!a)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i, a);
+    }
+    return out;
+}
+
 PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk)
 {
-    Py_ssize_t pos = 0;
-    if (!f->n_nodes)
-        return PyErr_Format(PyExc_SystemError, "pinloader: rebuild before a walk");
-    PyObject *out = rebuild_at(f, blk, &pos);
-    drop_nodes(f);
+    PyObject *leaves = pl_flat_device_arrays(f, blk);
+    pl_tree t;
+    pl_flat_take_tree(f, &t);
+    PyObject *out = leaves ? pl_tree_build(&t, leaves) : NULL;
+    pl_tree_clear(&t);
+    Py_XDECREF(leaves);
     return out;
 }
 

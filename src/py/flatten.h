@@ -21,6 +21,15 @@
 
 typedef struct pl_flat_node pl_flat_node;
 
+/* The shape of a walked item: its nodes in preorder (containers, pass-through objects, array
+ * leaves numbered in walk order). Built once per item, with the GIL; a batch carries its tree
+ * to the consumer when the leaves are converted there (see Note [handout] in handout.h). */
+typedef struct pl_tree {
+    pl_flat_node *nodes;
+    Py_ssize_t n_nodes;
+    Py_ssize_t n_leaves;
+} pl_tree;
+
 typedef struct pl_flat {
     /* target, set by pl_flat_init */
     pl_state *st;
@@ -49,6 +58,16 @@ int pl_flat_walk(pl_flat *f, PyObject *item);
 /* The output structure: DeviceArrays viewing blk, in containers of the item's types. Consumes
  * the walked nodes; the leaves, layout and owners stay. */
 PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk);
+/* The parts of pl_flat_rebuild: a tuple of the DeviceArrays viewing blk, one per leaf in walk
+ * order; and the walked nodes, moved into *out. */
+PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk);
+void pl_flat_take_tree(pl_flat *f, pl_tree *out);
+/* The item's structure with leaf i replaced by leaves[i] (a tuple of t->n_leaves objects);
+ * user constructors (namedtuple, dataclass) run here. Consumes t (one build per tree: a dict
+ * subclass is filled in place); t is empty afterwards, whether or not it succeeded. */
+PyObject *pl_tree_build(pl_tree *t, PyObject *leaves);
+void pl_tree_clear(pl_tree *t);
+int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);
 /* Take the owners (the caller drops them later, with the GIL); *n gets their count. */
 PyObject **pl_flat_take_owners(pl_flat *f, Py_ssize_t *n);
 /* Free the leaves and the layout (no GIL needed: transfer reads them without it). */

@@ -51,6 +51,7 @@
 #include "block.h"
 #include "cpus.h"
 #include "flatten.h"
+#include "handout.h"
 #include "pool.h"
 #include "stager.h"
 #include "transfer.h"
@@ -73,7 +74,9 @@ typedef struct batch {
     batch_kind kind;
     uint64_t epoch;
     uint64_t index;       /* position in the epoch */
-    PyObject *output;     /* B_READY: the structure of DeviceArrays */
+    PyObject *output;     /* B_READY: the structure of DeviceArrays, or with a handout (Note
+                           * [handout] in handout.h) the tuple of the batch's DeviceArrays */
+    pl_tree tree;         /* with a handout: the item's structure, built when handed out */
     PyObject *exc;        /* B_ERROR with a Python exception (source or bad leaf) */
     int err_code;         /* B_ERROR from the backend */
     char err_what[320];
@@ -111,8 +114,7 @@ struct pl_prefetcher_obj {
     const pl_backend *b;
     int device;
     int depth;
-    int capsule_output;
-    PyObject *capsule_stream;
+    pl_handout handout;    /* output, convert, stream, static (Note [handout] in handout.h) */
     pl_stager *stager;
     pl_stream *copy_stream;
     pthread_t thread;
@@ -251,6 +253,7 @@ static void push_batch(pl_prefetcher_obj *self, batch *bt)
 
 static void batch_free(batch *bt)
 {
+    pl_tree_clear(&bt->tree);
     Py_XDECREF(bt->output);
     Py_XDECREF(bt->exc);
     if (bt->blk)
@@ -440,8 +443,14 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
     pl_flat *f = &p->flat;
     pl_flat_init(f, self->st, self->b, self->device);
     /* see Note [flatten in two passes] in flatten.h */
-    if (pl_flat_walk(f, item) == 0)
-        bt->output = pl_flat_rebuild(f, bt->blk);
+    if (pl_flat_walk(f, item) == 0) {
+        if (pl_handout_active(&self->handout)) {
+            bt->output = pl_flat_device_arrays(f, bt->blk);
+            pl_flat_take_tree(f, &bt->tree);
+        } else {
+            bt->output = pl_flat_rebuild(f, bt->blk);
+        }
+    }
     Py_DECREF(item);
     if (!bt->output) {
         bt->kind = B_ERROR;
@@ -547,6 +556,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
         pf_free_resources(self);
         if (self->state == PF_ORPHANED) {
             PyTypeObject *tp = Py_TYPE(self);
+            pl_handout_clear(&self->handout);
             pthread_mutex_destroy(&self->mu);
             pthread_cond_destroy(&self->cv);
             tp->tp_free((PyObject *)self);
@@ -737,8 +747,6 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
     }
 }
 
-static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj);
-
 static PyObject *pf_next(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
@@ -775,25 +783,13 @@ static PyObject *pf_next(PyObject *op)
     self->consumed_in_epoch++;
     PyObject *out = bt->output;
     bt->output = NULL;
-    batch_free(bt);
-    if (self->capsule_output) {
-        PyObject *caps = to_capsules(self, out);
-        Py_DECREF(out);
-        return caps;
+    if (pl_handout_active(&self->handout)) {
+        PyObject *leaves = out;
+        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, &bt->tree, leaves);
+        Py_DECREF(leaves);
     }
+    batch_free(bt);
     return out;
-}
-
-/* output="capsule": the same structure with each DeviceArray exported for capsule_stream, for
- * every container type (pinloader._tree.to_capsules). */
-static PyObject *to_capsules(pl_prefetcher_obj *self, PyObject *obj)
-{
-    PyObject *mod = PyImport_ImportModule("pinloader._tree");
-    if (!mod)
-        return NULL;
-    PyObject *r = PyObject_CallMethod(mod, "to_capsules", "OO", obj, self->capsule_stream);
-    Py_DECREF(mod);
-    return r;
 }
 
 /* ---- lifecycle (see Note [prefetcher lifecycle]) ---- */
@@ -862,6 +858,7 @@ static void pf_free_resources(pl_prefetcher_obj *self)
     }
     empty_graves(self, 1);
     Py_CLEAR(self->it);
+    pl_handout_drop_static(&self->handout);
     pl_stager *stager = self->stager;
     pl_stream *stream = self->copy_stream;
     pl_pool *pool = self->pool;
@@ -977,7 +974,9 @@ static int pf_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->source);
     Py_VISIT(self->pool_obj);
     Py_VISIT(self->it);
-    Py_VISIT(self->capsule_stream);
+    int vr = pl_handout_traverse(&self->handout, visit, arg);
+    if (vr)
+        return vr;
     for (grave *g = self->graves; g; g = g->next)
         for (Py_ssize_t i = 0; i < g->n; i++)
             Py_VISIT(g->objs[i]);
@@ -988,6 +987,8 @@ static int pf_traverse(PyObject *op, visitproc visit, void *arg)
     for (batch *bt = self->head; bt && !r; bt = bt->next) {
         if (bt->output)
             r = visit(bt->output, arg);
+        if (!r)
+            r = pl_tree_traverse(&bt->tree, visit, arg);
         if (!r && bt->exc)
             r = visit(bt->exc, arg);
     }
@@ -1002,7 +1003,7 @@ static int pf_clear(PyObject *op)
         pf_close_impl(self);
     Py_CLEAR(self->source);
     Py_CLEAR(self->pool_obj);
-    Py_CLEAR(self->capsule_stream);
+    pl_handout_clear(&self->handout);
     return 0;
 }
 
@@ -1015,7 +1016,6 @@ static void pf_dealloc(PyObject *op)
         PyObject_ClearWeakRefs(op);
     Py_CLEAR(self->source);
     Py_CLEAR(self->pool_obj);
-    Py_CLEAR(self->capsule_stream);
     if (self->st) {
         if (!pf_is_closed(self)) {
             self->state = PF_CLOSED;
@@ -1035,6 +1035,7 @@ static void pf_dealloc(PyObject *op)
             pthread_cond_destroy(&self->cv);
         }
     }
+    pl_handout_clear(&self->handout);
     tp->tp_free(op);
     Py_DECREF(tp);
 }
@@ -1060,9 +1061,9 @@ static int parse_positive(PyObject *o, const char *name, long lo, long hi, long 
 }
 
 typedef struct pf_options {
-    PyObject *iterable, *device, *pool_obj, *stream;
+    PyObject *iterable, *device, *pool_obj, *stream, *convert, *out;
     long depth, threads;
-    int high_priority, capsule;
+    int high_priority, capsule, is_static;
     size_t max_pinned;
     pl_pool *shared; /* borrowed from pool_obj */
 } pf_options;
@@ -1071,16 +1072,40 @@ typedef struct pf_options {
 static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options *o)
 {
     static char *kwlist[] = {"iterable", "device", "depth", "pool", "max_pinned_bytes",
-                             "staging_threads", "copy_stream_priority", "output", "stream", NULL};
+                             "staging_threads", "copy_stream_priority", "output", "stream",
+                             "convert", "static", "out", NULL};
     PyObject *depth_obj = NULL, *max_pinned_obj = Py_None, *threads_obj = Py_None;
     const char *priority = "high", *output = "array";
     memset(o, 0, sizeof(*o));
-    o->device = o->pool_obj = o->stream = Py_None;
+    o->device = o->pool_obj = o->stream = o->convert = o->out = Py_None;
     o->depth = 2;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO:AsyncPrefetcher", kwlist, &o->iterable,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO$OpO:AsyncPrefetcher", kwlist, &o->iterable,
                                      &o->device, &depth_obj, &o->pool_obj, &max_pinned_obj,
-                                     &threads_obj, &priority, &output, &o->stream))
+                                     &threads_obj, &priority, &output, &o->stream, &o->convert,
+                                     &o->is_static, &o->out))
         return -1;
+    if (o->out == Py_None) {
+        o->out = NULL;
+    } else if (!PyList_Check(o->out) && !PyTuple_Check(o->out)) {
+        PyErr_Format(PyExc_TypeError, "out must be a list or tuple of arrays (one per array leaf "
+                     "of a batch, in walk order), not %.100s", Py_TYPE(o->out)->tp_name);
+        return -1;
+    } else {
+        o->is_static = 1;
+    }
+    if (o->convert == Py_None)
+        o->convert = NULL;
+    else if (!PyCallable_Check(o->convert)) {
+        PyErr_Format(PyExc_TypeError, "convert must be a callable or None, not %.100s",
+                     Py_TYPE(o->convert)->tp_name);
+        return -1;
+    }
+    if (o->stream != Py_None && !PyCallable_Check(o->stream) &&
+        (!PyLong_Check(o->stream) || PyBool_Check(o->stream))) {
+        PyErr_Format(PyExc_TypeError, "stream must be None, a DLPack stream handle (int) or a "
+                     "callable returning one, not %.100s", Py_TYPE(o->stream)->tp_name);
+        return -1;
+    }
     if (depth_obj && parse_positive(depth_obj, "depth", 1, 64, &o->depth) < 0)
         return -1;
     if (threads_obj != Py_None && parse_positive(threads_obj, "staging_threads", 1, 256, &o->threads) < 0)
@@ -1251,8 +1276,13 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->b = b;
     self->device = dev;
     self->depth = (int)o.depth;
-    self->capsule_output = o.capsule;
-    self->capsule_stream = Py_NewRef(o.stream);
+    self->handout = (pl_handout){o.capsule, Py_XNewRef(o.convert), Py_NewRef(o.stream),
+                                 o.is_static, o.out ? PySequence_Tuple(o.out) : NULL, NULL, -1};
+    if (o.out && !self->handout.out) {
+        Py_DECREF(probe);
+        Py_DECREF(self);
+        return NULL;
+    }
     self->max_pinned = o.max_pinned;
     if (setup_pipeline(self, &o) < 0 || start_producer(self, probe) < 0) {
         if (!self->it)
@@ -1417,12 +1447,31 @@ static PyMethodDef pf_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *pf_get_valid_rows(PyObject *op, void *c)
+{
+    (void)c;
+    pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
+    if (!self->handout.is_static || self->handout.valid_rows < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromSsize_t(self->handout.valid_rows);
+}
+
+static PyObject *pf_get_static_arrays(PyObject *op, void *c)
+{
+    (void)c;
+    return pl_handout_static_arrays(&((pl_prefetcher_obj *)op)->handout);
+}
+
 static PyGetSetDef pf_getset[] = {
     {"device", pf_get_device, NULL, "'cuda:N' or 'cpu'.", NULL},
     {"depth", pf_get_depth, NULL, "Batches in flight or waiting, at most.", NULL},
     {"closed", pf_get_closed, NULL, "Whether close() ran.", NULL},
     {"source", pf_get_source, NULL, "The source iterable.", NULL},
     {"staging_threads", pf_get_staging_threads, NULL, "Threads staging into pinned memory.", NULL},
+    {"valid_rows", pf_get_valid_rows, NULL, "static=True: the real rows of the last batch handed "
+     "out (the fewest over its leaves; the rest of each static buffer is zeros), else None.", NULL},
+    {"static_arrays", pf_get_static_arrays, NULL, "static=True: the static buffers, a tuple of "
+     "DeviceArrays in leaf order (None before the first batch, and after close()).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

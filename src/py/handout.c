@@ -1,0 +1,485 @@
+/* Handing a batch to the consumer: exports, framework conversion, static buffers, and the one
+ * rebuild of the structure. See Note [handout] in handout.h. GIL held throughout.
+ *
+ * Note [static batches]
+ * With static=True every batch is delivered in the same device buffers, one per array leaf,
+ * for a step captured in a CUDA graph (which reads its inputs from fixed addresses). The copy
+ * from host memory still runs on the copy stream into the batch's own block, overlapping the
+ * previous step as usual. When the consumer takes the batch, on the consumer's stream (the
+ * `stream` option, resolved then): a wait on the batch's ready event, one device-to-device
+ * copy per leaf into its static buffer (and zeros after a short leaf), a record of the static
+ * block's ready event, and the batch's block is let go in stream order. So the static buffers
+ * are overwritten after the stream's earlier work (the previous step's reads) and before its
+ * later work (the next step), and the host never waits. On the host backend the CPU is the
+ * consumer: it waits for the batch's copy and copies.
+ *   - The layout is the first batch's: each leaf's dtype and shape. A later leaf with the same
+ *     dtype and trailing dimensions and at most as many rows fills the first rows, the rest are
+ *     zeroed, and valid_rows says how many rows are real (the fewest over the leaves); any
+ *     other difference, or another number of array leaves, is a ValueError naming the leaf.
+ *   - A static batch is valid until the next batch is taken.
+ *   - The static block never memoizes consumer waits (pl_block.no_memo): an export of a static
+ *     DeviceArray to another stream waits on the latest fill, every time.
+ *   - With convert=, each static buffer is converted once (the framework's tensor over it) and
+ *     the same objects are delivered every batch. */
+#include "handout.h"
+
+#include "block.h"
+#include "device_array.h"
+#include "dlpack.h"
+#include "util.h"
+
+#include <string.h>
+
+typedef struct static_leaf {
+    char *ptr;            /* device address of the buffer */
+    size_t off, nbytes;
+    int ndim;
+    int64_t *shape; /* PyMem_Raw; NULL when ndim is 0 */
+    DLDataType dtype;
+} static_leaf;
+
+struct pl_static {
+    pl_block *blk;        /* the static buffers, one block laid out like a batch (NULL: out=) */
+    Py_ssize_t n;
+    static_leaf *leaf;
+    PyObject *arrays;     /* tuple: a DeviceArray over blk per leaf (out=: the user's objects) */
+    PyObject *converted;  /* tuple: convert() of each, made once; NULL without convert */
+    PyObject *capsules;   /* out=: their DLPack capsules, kept unconsumed while in use */
+};
+
+static void static_free(pl_static *S)
+{
+    if (!S)
+        return;
+    Py_XDECREF(S->converted);
+    Py_XDECREF(S->arrays);
+    Py_XDECREF(S->capsules);
+    for (Py_ssize_t i = 0; S->leaf && i < S->n; i++)
+        PyMem_RawFree(S->leaf[i].shape);
+    PyMem_RawFree(S->leaf);
+    if (S->blk)
+        pl_block_decref(S->blk);
+    PyMem_RawFree(S);
+}
+
+/* Make `device` current for a queue on a consumer stream (the legacy and per-thread default
+ * streams are per device), remembering the caller's. */
+static int push_device(const pl_backend *b, int device, int *prev)
+{
+    if (b->get_device(prev) != PL_OK)
+        *prev = -1;
+    return *prev == device ? PL_OK : b->set_device(device);
+}
+
+static void pop_device(const pl_backend *b, int device, int prev)
+{
+    if (prev >= 0 && prev != device)
+        b->set_device(prev);
+}
+
+static int leaf_view(pl_state *st, PyObject *leaves, Py_ssize_t i, pl_da_view *v)
+{
+    if (pl_device_array_view(st, PyTuple_GET_ITEM(leaves, i), v) < 0) {
+        PyErr_Format(PyExc_SystemError, "pinloader: batch leaf %zd is not a DeviceArray", i);
+        return -1;
+    }
+    return 0;
+}
+
+/* The static buffers, laid out from the first batch's leaves. */
+static pl_static *static_make(pl_state *st, const pl_backend *b, int device, PyObject *leaves,
+                              pl_stream *s)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(leaves);
+    pl_static *S = PyMem_RawCalloc(1, sizeof(*S));
+    if (S)
+        S->leaf = PyMem_RawCalloc(n ? (size_t)n : 1, sizeof(static_leaf));
+    if (!S || !S->leaf) {
+        static_free(S);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    S->n = n;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pl_da_view v;
+        static_leaf *L = &S->leaf[i];
+        if (leaf_view(st, leaves, i, &v) < 0)
+            goto fail;
+        if (pl_align_up_checked(total, PL_ALIGN, &L->off) != 0 ||
+            __builtin_add_overflow(L->off, v.nbytes, &total)) {
+            PyErr_SetString(PyExc_OverflowError, "AsyncPrefetcher(static=True): the static "
+                            "buffers' size overflows");
+            goto fail;
+        }
+        L->nbytes = v.nbytes;
+        L->ndim = v.ndim;
+        L->dtype = v.dtype;
+        if (v.ndim) {
+            if (!(L->shape = PyMem_RawMalloc((size_t)v.ndim * sizeof(int64_t)))) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            memcpy(L->shape, v.shape, (size_t)v.ndim * sizeof(int64_t));
+        }
+    }
+    int rc = pl_block_create(b, device, &S->blk), prev = -1;
+    if (rc == PL_OK) {
+        S->blk->no_memo = 1;
+        if ((rc = push_device(b, device, &prev)) == PL_OK)
+            rc = pl_block_alloc(S->blk, total, s);
+        pop_device(b, device, prev);
+    }
+    if (rc != PL_OK) {
+        pl_raise_backend(st, b, rc, "AsyncPrefetcher(static=True): allocating the static buffers");
+        goto fail;
+    }
+    int cuda = b->kind == PL_BACKEND_CUDA;
+    if (!(S->arrays = PyTuple_New(n)))
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        static_leaf *L = &S->leaf[i];
+        L->ptr = S->blk->ptr ? (char *)S->blk->ptr + L->off : NULL;
+        PyObject *a = pl_device_array_new(st, S->blk, L->off, L->ndim, L->shape, L->dtype,
+                                          cuda ? kDLCUDA : kDLCPU, cuda ? device : 0);
+        if (!a)
+            goto fail;
+        PyTuple_SET_ITEM(S->arrays, i, a);
+    }
+    return S;
+fail:
+    static_free(S);
+    return NULL;
+}
+
+/* The static buffers given by the user (out=): each object's DLPack export, read once. They
+ * must be C-contiguous, writable, on the prefetcher's device; the delivered leaves are the
+ * objects themselves. */
+static pl_static *static_from_out(const pl_backend *b, int device, PyObject *out)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(out);
+    pl_static *S = PyMem_RawCalloc(1, sizeof(*S));
+    if (S)
+        S->leaf = PyMem_RawCalloc(n ? (size_t)n : 1, sizeof(static_leaf));
+    if (!S || !S->leaf) {
+        static_free(S);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    S->n = n;
+    S->arrays = Py_NewRef(out);
+    if (!(S->capsules = PyTuple_New(n)))
+        goto fail;
+    int cuda = b->kind == PL_BACKEND_CUDA;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *cap = pl_dlpack_call(PyTuple_GET_ITEM(out, i));
+        if (!cap) {
+            if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(out=...): out[%zd] (%.100s) does "
+                             "not export DLPack", i, Py_TYPE(PyTuple_GET_ITEM(out, i))->tp_name);
+            }
+            goto fail;
+        }
+        PyTuple_SET_ITEM(S->capsules, i, cap);
+        DLTensor *t;
+        int versioned;
+        if (pl_capsule_tensor(cap, &t, &versioned) < 0)
+            goto fail;
+        if (versioned) {
+            DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+            if (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) {
+                PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] is read-only", i);
+                goto fail;
+            }
+        }
+        int want_type = cuda ? kDLCUDA : kDLCPU, want_id = cuda ? device : 0;
+        if (t->device.device_type != want_type || t->device.device_id != want_id) {
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] is on DLPack device "
+                         "(%d, %d), not the prefetcher's (%d, %d)", i, (int)t->device.device_type,
+                         (int)t->device.device_id, want_type, want_id);
+            goto fail;
+        }
+        static_leaf *L = &S->leaf[i];
+        size_t item = ((size_t)t->dtype.bits * t->dtype.lanes + 7) / 8, count = 1, expect = 1;
+        int contiguous = 1;
+        if (t->ndim < 0 || t->ndim > 64) {
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] has ndim %d", i, (int)t->ndim);
+            goto fail;
+        }
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] < 0 || __builtin_mul_overflow(count, (size_t)t->shape[d], &count)) {
+                PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] has a bad shape", i);
+                goto fail;
+            }
+            if (t->strides && t->shape[d] != 1 && t->strides[d] != (int64_t)expect)
+                contiguous = 0;
+            expect *= (size_t)(t->shape[d] ? t->shape[d] : 1);
+        }
+        if (!contiguous) {
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] is not C-contiguous", i);
+            goto fail;
+        }
+        if (__builtin_mul_overflow(count, item, &L->nbytes)) {
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] is too large", i);
+            goto fail;
+        }
+        L->ptr = L->nbytes ? (char *)t->data + t->byte_offset : NULL;
+        L->ndim = t->ndim;
+        L->dtype = t->dtype;
+        if (t->ndim) {
+            if (!(L->shape = PyMem_RawMalloc((size_t)t->ndim * sizeof(int64_t)))) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            memcpy(L->shape, t->shape, (size_t)t->ndim * sizeof(int64_t));
+        }
+    }
+    return S;
+fail:
+    static_free(S);
+    return NULL;
+}
+
+static int same_dtype(DLDataType a, DLDataType b)
+{
+    return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
+}
+
+static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
+{
+    size_t k = (size_t)snprintf(buf, cap, "(");
+    for (int d = 0; d < ndim && k < cap; d++)
+        k += (size_t)snprintf(buf + k, cap - k, d ? ", %lld" : "%lld", (long long)shape[d]);
+    if (k < cap)
+        snprintf(buf + k, cap - k, ndim == 1 ? ",)" : ")");
+}
+
+/* Whether batch leaf i fits static leaf L; its real rows in *rows. ValueError naming it if not. */
+static int check_fits(pl_state *st, Py_ssize_t i, const pl_da_view *v, const static_leaf *L, int64_t *rows)
+{
+    int ok = same_dtype(v->dtype, L->dtype) && v->ndim == L->ndim;
+    for (int d = 1; ok && d < v->ndim; d++)
+        ok = v->shape[d] == L->shape[d];
+    if (ok && v->ndim)
+        ok = v->shape[0] <= L->shape[0];
+    *rows = v->ndim ? v->shape[0] : 1;
+    if (ok)
+        return 0;
+    char got[160], want[160];
+    shape_str(got, sizeof got, v->ndim, v->shape);
+    shape_str(want, sizeof want, L->ndim, L->shape);
+    PyObject *gd = pl_dtype_to_python(st, v->dtype), *wd = gd ? pl_dtype_to_python(st, L->dtype) : NULL;
+    if (wd)
+        PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): batch leaf %zd is %s %S, "
+                     "but the static buffer (laid out from the first batch) is %s %S: a later "
+                     "batch may only have fewer rows (see valid_rows)", i, got, gd, want, wd);
+    Py_XDECREF(gd);
+    Py_XDECREF(wd);
+    return -1;
+}
+
+/* Wait until blk's copy is done before the consumer's stream s (CUDA: queued) or the CPU (host
+ * backend: blocks, GIL released in slices, Ctrl-C works) reads it. */
+static int wait_batch(pl_state *st, pl_block *blk, pl_stream *s)
+{
+    const pl_backend *b = blk->b;
+    int rc;
+    if (b->kind == PL_BACKEND_CUDA) {
+        rc = pl_block_wait_ready(blk, s);
+    } else {
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS);
+            Py_END_ALLOW_THREADS
+            if (rc != PL_ERR_TIMEOUT)
+                break;
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+        }
+    }
+    if (rc != PL_OK) {
+        pl_raise_backend(st, b, rc, "AsyncPrefetcher(static=True): waiting for the batch's copy");
+        return -1;
+    }
+    return 0;
+}
+
+/* Copy the batch's leaves into the static buffers on the consumer's stream (see Note [static
+ * batches]). */
+static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout *h,
+                       PyObject *leaves, PyObject *stream)
+{
+    int cuda = b->kind == PL_BACKEND_CUDA;
+    pl_dlpack_stream ps;
+    if (pl_dlpack_parse_stream(stream, cuda, "AsyncPrefetcher(static=True)", &ps) < 0)
+        return -1;
+    if (ps.kind == PL_DLPACK_NO_SYNC) {
+        PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher(static=True): stream=-1 names no "
+                        "stream, but the copy into the static buffers must be queued on the "
+                        "consumer's stream; pass its handle (or None for the default stream)");
+        return -1;
+    }
+    pl_stream *s = cuda ? (pl_stream *)ps.handle : NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(leaves);
+    if (!h->statics) {
+        h->statics = h->out ? static_from_out(b, device, h->out) : static_make(st, b, device, leaves, s);
+        if (!h->statics)
+            return -1;
+    }
+    pl_static *S = h->statics;
+    if (n != S->n) {
+        PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): the batch has %zd array "
+                     "leaves, the static batch (laid out from the first batch) %zd", n, S->n);
+        return -1;
+    }
+    int64_t valid = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pl_da_view v;
+        int64_t rows;
+        if (leaf_view(st, leaves, i, &v) < 0 || check_fits(st, i, &v, &S->leaf[i], &rows) < 0)
+            return -1;
+        if (valid < 0 || rows < valid)
+            valid = rows;
+    }
+    int prev = -1, rc = cuda ? push_device(b, device, &prev) : PL_OK;
+    const char *what = "making the consumer's stream current";
+    pl_block *waited = NULL;
+    for (Py_ssize_t i = 0; rc == PL_OK && i < n; i++) {
+        pl_da_view v;
+        leaf_view(st, leaves, i, &v);
+        if (v.blk != waited) { /* the leaves of a batch share one block */
+            if (wait_batch(st, v.blk, s) < 0) {
+                pop_device(b, device, prev);
+                return -1;
+            }
+            waited = v.blk;
+        }
+        const static_leaf *L = &S->leaf[i];
+        char *dst = L->ptr;
+        what = "copying a leaf into its static buffer";
+        if (v.nbytes)
+            rc = b->memcpy_d2d_async(dst, (const char *)v.blk->ptr + v.offset, v.nbytes, s);
+        if (rc == PL_OK && v.nbytes < L->nbytes) {
+            what = "zeroing the rows after a short batch's";
+            rc = b->memzero_async(dst + v.nbytes, L->nbytes - v.nbytes, s);
+        }
+    }
+    if (rc == PL_OK && cuda && S->blk) {
+        what = "recording the static buffers' ready event";
+        if ((rc = b->event_record(S->blk->ready, s)) == PL_OK) {
+            S->blk->ready_recorded = 1;
+            pl_block_note_use(S->blk, s); /* freed only after this stream's work so far */
+        }
+    }
+    if (rc == PL_OK && cuda && waited)
+        pl_block_note_use(waited, s); /* the batch's block too */
+    if (cuda)
+        pop_device(b, device, prev);
+    if (rc != PL_OK) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "AsyncPrefetcher(static=True): %s", what);
+        pl_raise_backend(st, b, rc, msg);
+        return -1;
+    }
+    h->valid_rows = valid;
+    return 0;
+}
+
+/* The delivered leaves for `items` (DeviceArrays): capsules for `stream` and/or convert(). */
+static PyObject *deliver(pl_state *st, const pl_handout *h, PyObject *items, PyObject *stream)
+{
+    PyObject *xs;
+    if (h->capsule) {
+        PyObject *caps = pl_export_leaves(st, items, stream);
+        xs = caps ? PyList_AsTuple(caps) : NULL;
+        Py_XDECREF(caps);
+    } else {
+        xs = Py_NewRef(items);
+    }
+    if (!xs || !h->convert)
+        return xs;
+    Py_ssize_t n = PyTuple_GET_SIZE(xs);
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *r = PyObject_CallOneArg(h->convert, PyTuple_GET_ITEM(xs, i));
+        if (!r)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i, r);
+    }
+    Py_DECREF(xs);
+    return out;
+}
+
+PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_handout *h,
+                           pl_tree *tree, PyObject *leaves)
+{
+    PyObject *out = NULL, *items = NULL;
+    if (!h->stream) {
+        pl_tree_clear(tree);
+        return PyErr_Format(PyExc_ValueError, "AsyncPrefetcher is closed");
+    }
+    PyObject *stream = PyCallable_Check(h->stream) ? PyObject_CallNoArgs(h->stream)
+                                                   : Py_NewRef(h->stream);
+    if (!stream)
+        goto done;
+    if (h->is_static) {
+        if (static_fill(st, b, device, h, leaves, stream) < 0)
+            goto done;
+        pl_static *S = h->statics;
+        if (h->out) {
+            items = Py_NewRef(S->arrays); /* the user's own objects */
+        } else if (h->convert) {
+            if (!S->converted && !(S->converted = deliver(st, h, S->arrays, stream)))
+                goto done;
+            items = Py_NewRef(S->converted);
+        } else {
+            items = deliver(st, h, S->arrays, stream); /* fresh capsules, or the arrays */
+        }
+    } else {
+        items = deliver(st, h, leaves, stream);
+    }
+    if (items)
+        out = pl_tree_build(tree, items);
+done:
+    pl_tree_clear(tree);
+    Py_XDECREF(items);
+    Py_XDECREF(stream);
+    return out;
+}
+
+PyObject *pl_handout_static_arrays(const pl_handout *h)
+{
+    if (!h->statics || h->out)
+        Py_RETURN_NONE;
+    return Py_NewRef(h->statics->arrays);
+}
+
+void pl_handout_drop_static(pl_handout *h)
+{
+    pl_static *S = h->statics;
+    h->statics = NULL;
+    static_free(S);
+}
+
+void pl_handout_clear(pl_handout *h)
+{
+    pl_handout_drop_static(h);
+    Py_CLEAR(h->convert);
+    Py_CLEAR(h->stream);
+    Py_CLEAR(h->out);
+}
+
+int pl_handout_traverse(const pl_handout *h, visitproc visit, void *arg)
+{
+    Py_VISIT(h->convert);
+    Py_VISIT(h->stream);
+    Py_VISIT(h->out);
+    if (h->statics) {
+        Py_VISIT(h->statics->arrays);
+        Py_VISIT(h->statics->converted);
+        Py_VISIT(h->statics->capsules);
+    }
+    return 0;
+}
