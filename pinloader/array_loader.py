@@ -55,6 +55,7 @@ Resuming (``ArrayLoader.state_dict`` / ``ArrayLoader.load_state_dict``)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import mmap
 import os
 import sys
@@ -91,14 +92,30 @@ def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
         return (type(obj), [_flatten(v, f"{path}.{name}", out) for name, v in zip(obj._fields, obj)])
     if isinstance(obj, (list, tuple)):
         return (type(obj), [_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(obj)])
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # rebuilt as the prefetcher rebuilds one: type(obj)(**init fields), frozen ones too
+        names = [f.name for f in dataclasses.fields(obj) if f.init]
+        return (_Fields(type(obj), names),
+                [_flatten(getattr(obj, k), f"{path}.{k}", out) for k in names])
     out.append((path, obj))
     return None
+
+
+class _Fields:
+    """The template of a dataclass: its type and init field names."""
+
+    __slots__ = ("tp", "names")
+
+    def __init__(self, tp: type, names: list[str]) -> None:
+        self.tp, self.names = tp, names
 
 
 def _rebuild(template: Any, leaves: Iterator[Any]) -> Any:
     if template is None:
         return next(leaves)
     tp, items = template
+    if isinstance(tp, _Fields):
+        return tp.tp(**{k: _rebuild(t, leaves) for k, t in zip(tp.names, items)})
     if tp is dict:
         return {k: _rebuild(t, leaves) for k, t in items}
     if isinstance(tp, dict):
@@ -736,10 +753,12 @@ class ArrayLoader:
             merged[k] = v
         changed = {k for k in merged.keys() | self._opts.keys()
                    if k not in merged or k not in self._opts or not _same_opt(merged[k], self._opts[k])}
-        if self._pf is not None and changed <= _HANDOUT_OPTS and (self._done or not self._consumed):
+        pf = self._pf
+        if pf is not None and _same_device(pf.device, want_device) and want_depth == pf.depth \
+                and changed and changed <= _HANDOUT_OPTS and (self._done or not self._consumed):
             # Only how batches are handed out differs (a door's convert and stream), and the
             # running prefetcher is between epochs: the next epoch starts a new one.
-            self._pf.close()
+            pf.close()
             self._pf = None
         if self._pf is not None and (not _same_device(self._pf.device, want_device)
                                      or want_depth != self._pf.depth or changed):
