@@ -1,0 +1,186 @@
+"""Static batches and the handout on a GPU: torch.compile's reduce-overhead mode over static
+batches (no re-recording, no input copies, counted), AsyncPrefetcher(static=True) with its
+stream, side-stream ordering, the CuPy door, JAX's refusal, and the torch door's one stream
+lookup per batch. See Note [static batches] in src/py/handout.c."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pinloader
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not pinloader.cuda_available(), reason="no CUDA device")]
+
+torch = pytest.importorskip("torch")
+import pinloader.torch as pt  # noqa: E402
+
+
+def _source(n=10, rows=256, cols=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((rows, cols)).astype(np.float32),
+             "y": rng.integers(0, 10, rows)} for _ in range(n)]
+
+
+def _count_recordings(monkeypatch):
+    from torch._inductor import cudagraph_trees
+    calls = {"record": 0}
+    real = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, *a, **k):
+        calls["record"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    return calls
+
+
+def _input_copies(fn):
+    """aten copies run while fn() runs (a CUDA-graph replay copies non-static inputs in)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages()
+               if e.key in ("aten::copy_", "aten::_foreach_copy_"))
+
+
+def _compiled_step(model):
+    def step(x, y):
+        return torch.nn.functional.cross_entropy(model(x), y)
+    return torch.compile(step, mode="reduce-overhead")
+
+
+def test_reduce_overhead_records_once_and_copies_no_input(monkeypatch):
+    torch._dynamo.reset()
+    calls = _count_recordings(monkeypatch)
+    model = torch.nn.Linear(64, 10).cuda()
+    step = _compiled_step(model)
+    src = _source(12)
+    batches = pt.prefetch(src, device="cuda:0", static=True, depth=3)
+    it = iter(batches)
+    losses, copies = [], []
+    for k in range(len(src)):
+        b = next(it)  # next(), not a for loop over batches: iter() would start another epoch
+        with torch.no_grad():
+            if k < 3:  # warm-up and the recording
+                loss = step(b["x"], b["y"])
+            else:
+                holder = {}
+                copies.append(_input_copies(lambda: holder.setdefault("l", step(b["x"], b["y"]))))
+                loss = holder["l"]
+            losses.append(float(loss))
+    with torch.no_grad():
+        want = [float(torch.nn.functional.cross_entropy(
+            model(torch.from_numpy(s["x"]).cuda()), torch.from_numpy(s["y"]).cuda())) for s in src]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert calls["record"] == 1, calls
+    assert copies == [0] * len(copies), copies
+    batches.close()
+
+
+def test_the_counts_see_input_copies_of_non_static_inputs(monkeypatch):
+    # The control for the test above: fresh input tensors every step are copied into the
+    # graph's own inputs on every replay, and the counter sees it.
+    torch._dynamo.reset()
+    calls = _count_recordings(monkeypatch)
+    model = torch.nn.Linear(64, 10).cuda()
+    step = _compiled_step(model)
+    src = _source(6)
+    copies = []
+    with torch.no_grad():
+        for k, s in enumerate(src):
+            x, y = torch.from_numpy(s["x"]).cuda(), torch.from_numpy(s["y"]).cuda()
+            if k < 3:
+                step(x, y)
+            else:
+                copies.append(_input_copies(lambda: step(x, y)))
+    torch.cuda.synchronize()
+    assert calls["record"] == 1
+    assert all(c > 0 for c in copies), copies
+
+
+def test_async_prefetcher_static_on_a_given_stream_and_read_on_another():
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    src = [np.full((1024, 1024), i, np.float32) for i in range(6)]
+    pf = pinloader.AsyncPrefetcher(src, device="cuda:0", static=True, stream=s1.cuda_stream)
+    m = torch.randn(2048, 2048, device="cuda")
+    sums = []
+    for i in range(len(src)):
+        a = next(pf)
+        assert a is pf.static_arrays[0]
+        with torch.cuda.stream(s2):
+            for _ in range(3):  # s2 busy: the export must order s2 after s1's fill
+                m = m @ m * 1e-4
+            t = torch.from_dlpack(a)  # waits on the fill queued on s1
+            sums.append(t.sum())
+            s1.wait_stream(s2)  # the next fill comes after this read
+    torch.cuda.synchronize()
+    assert [float(x) for x in sums] == [1024 * 1024 * i for i in range(6)]
+    pf.close()
+
+
+def test_out_tensors_on_a_side_stream_see_each_batch():
+    out = [torch.empty((512, 8), device="cuda"), torch.empty(512, dtype=torch.int64, device="cuda")]
+    src = [(np.full((512, 8), i, np.float32), np.arange(512) + i) for i in range(5)]
+    side = torch.cuda.Stream()
+    got = []
+    with torch.cuda.stream(side):
+        with pt.prefetch(src, device="cuda:0", out=out) as batches:
+            it = iter(batches)
+            for _ in range(len(src)):
+                x, y = next(it)
+                assert x is out[0] and y is out[1]
+                got.append((x.sum().item(), int(y[0])))
+    assert got == [(512 * 8 * i, i) for i in range(5)]
+
+
+def test_cupy_static_batches():
+    cp = pytest.importorskip("cupy")
+    import pinloader.cupy as pc
+    src = [{"x": np.full((64, 4), i, np.float32)} for i in range(3)] + [{"x": np.ones((10, 4), np.float32)}]
+    batches = pc.prefetch(src, static=True)
+    it = iter(batches)
+    ptrs, vals = set(), []
+    for _ in range(len(src)):
+        b = next(it)
+        ptrs.add(b["x"].data.ptr)
+        vals.append((float(cp.asnumpy(b["x"]).sum()), batches.valid_rows))
+    assert len(ptrs) == 1
+    assert vals == [(0.0, 64), (256.0, 64), (512.0, 64), (40.0, 10)]
+    batches.close()
+
+
+def test_jax_refuses_static_batches():
+    pytest.importorskip("jax")
+    import pinloader.jax as pj
+    with pytest.raises(ValueError, match="a jax.Array is immutable"):
+        pj.prefetch([np.zeros(2)], static=True)
+
+
+def test_torch_door_looks_the_stream_up_once_per_batch_and_follows_it(monkeypatch):
+    lookups = {"n": 0}
+    real = torch.cuda.current_stream
+
+    def counting(*a, **k):
+        lookups["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", counting)  # before the door binds it
+    src = [{"x": np.full((1024, 1024), i, np.float32), "y": np.arange(i, i + 4)} for i in range(9)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.default_stream()]
+    m = torch.randn(4096, 4096, device="cuda")
+    out = []
+    with pt.prefetch(src, device="cuda") as batches:
+        it = iter(batches)
+        for i in range(len(src)):
+            with torch.cuda.stream(streams[i % 3]):
+                for _ in range(3):  # the consumer stream is busy when the batch arrives
+                    m = m @ m * 1e-4
+                before = lookups["n"]
+                b = next(it)
+                assert lookups["n"] - before == 1  # once per batch, not once per leaf
+                out.append((b["x"].sum(), b["y"] * 1))
+    torch.cuda.synchronize()
+    for i, (total, y) in enumerate(out):
+        assert float(total) == i * 1024 * 1024
+        assert y.cpu().tolist() == list(range(i, i + 4))
