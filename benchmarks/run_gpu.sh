@@ -16,6 +16,8 @@
 #                                               then benchmarks/bench_gather.py (about 5 minutes)
 #   bash benchmarks/run_gpu.sh models           benchmarks/bench_models.py: ResNet-18/50 training fed by
 #                                               every loader (about 2 minutes; MODELS_ARGS adds options)
+#   bash benchmarks/run_gpu.sh handout          the static-batch and handout GPU tests, compute-sanitizer memcheck and
+#                                               racecheck over them, the torch door on 32 x 4 KiB leaves (~5 min)
 #   bash benchmarks/run_gpu.sh static           benchmarks/bench_static.py: a CUDA-graph-captured ResNet-18 step fed
 #                                               into static tensors, against the eager step (about 1.5 minutes)
 #   bash benchmarks/run_gpu.sh ranks            on a several-GPU host: the staging sweep plus one
@@ -70,6 +72,19 @@ for stage in "$@"; do
         | tee "$out/gather_memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -5 || status=1
       echo "== bench_gather =="
       timeout 400 $py benchmarks/bench_gather.py --out "$out" ${GATHER_ARGS:-} 2>&1 | tail -40 || status=1 ;;
+    handout)
+      echo "== static batches and the handout: GPU tests =="
+      timeout 300 $py -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_static_cuda.py tests/test_static_batches.py tests/test_adapters.py 2>&1 \
+        | tee "$out/handout_gpu_tests.log" | tail -15 || status=1
+      for tool in memcheck racecheck; do
+        echo "== compute-sanitizer $tool over the static-batch tests =="
+        timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \
+          $py -m pytest -q -p no:cacheprovider -m gpu -k "not reduce_overhead and not counts_see" \
+          tests/test_static_cuda.py tests/test_static_batches.py 2>&1 \
+          | tee "$out/handout_$tool.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -5 || status=1
+      done
+      echo "== the torch door on 32 x 4 KiB leaves =="
+      timeout 120 $py benchmarks/bench_overhead.py --out "$out" --kinds 32x4KiB --repeats 3 --max-run-s 1.0 2>&1 | tail -30 || status=1 ;;
     static)
       timeout 200 $py benchmarks/bench_static.py --out "$out" ${STATIC_ARGS:-} 2>&1 | tail -16 || status=1 ;;
     models)
