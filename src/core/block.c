@@ -374,17 +374,19 @@ int pl_block_consumer_wait_blocks(pl_block *blk)
     return blk->b->event_query(blk->ready) != PL_OK;
 }
 
-void pl_block_consumer_done(pl_block *blk, pl_stream *s)
+int pl_block_consumer_done(pl_block *blk, pl_stream *s)
 {
     if (pl_inherited(blk->gen))
-        return;
+        return 1;
+    int last = 1;
     spin_lock(&blk->mu);
     for (int i = 0; i < PL_BLOCK_WAIT_MEMO; i++)
         if (blk->waited[i].live > 0 && blk->waited[i].stream == s) {
-            blk->waited[i].live--;
+            last = --blk->waited[i].live == 0;
             break;
         }
     spin_unlock(&blk->mu);
+    return last;
 }
 
 void pl_block_consumer_counters(pl_backend_kind kind, unsigned long long *waits,

@@ -72,10 +72,11 @@ int pl_block_wait_ready(pl_block *blk, pl_stream *s);
  *   queued with cudaStreamWaitEvent, the host does not block. Host backend: s is NULL and the
  *   calling thread blocks until the copy is done (see pl_block_consumer_wait_blocks). With
  *   memo non-NULL and success, *memo = 1 when s was recorded with one count held by the caller.
- * pl_block_consumer_done: give back a count taken by either (no Python: deleters call it). */
+ * pl_block_consumer_done: give back a count taken by either (no Python: deleters call it);
+ *   1 when it was the last count on that stream's entry (or there was none), else 0. */
 int pl_block_consumer_memo(pl_block *blk, pl_stream *s);
 int pl_block_consumer_wait(pl_block *blk, pl_stream *s, int *memo);
-void pl_block_consumer_done(pl_block *blk, pl_stream *s);
+int pl_block_consumer_done(pl_block *blk, pl_stream *s);
 /* Whether pl_block_consumer_wait would block the calling thread now (host backend, copy not
  * finished, block not inherited across fork): callers then wait for the ready event in slices
  * without the GIL first. A brief event query, never a wait. */

@@ -119,13 +119,19 @@ typedef struct {
     int memo;          /* holds a count on blk's memo entry for stream */
 } da_export;
 
+/* Note [one use record per stream]
+ * The exports of one batch to one stream share a memo entry (Note [consumer waits] in block.c),
+ * whose count says how many are alive. Only the release that drops it to zero records the use
+ * event: every earlier release on that stream happened before it, so the consumer's work for
+ * those leaves was queued on the stream before this record. A batch of n leaves imported by a
+ * framework costs one event record when its tensors die, not n. Without a memo entry (the
+ * per-thread default stream, a static block, a full table) each release records. */
 static void da_export_release(void *owner)
 {
     da_export *e = owner;
-    if (e->note_use)
+    int last = e->memo ? pl_block_consumer_done(e->blk, e->stream) : 1;
+    if (e->note_use && last)
         pl_block_note_use(e->blk, e->stream);
-    if (e->memo)
-        pl_block_consumer_done(e->blk, e->stream);
     pl_block_decref(e->blk);
 }
 
