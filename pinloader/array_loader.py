@@ -2,9 +2,9 @@
 pinned memory by the prefetcher's staging threads and copied to the device.
 
 The loader is a second kind of *source* for :class:`pinloader.AsyncPrefetcher`, not a second
-pipeline: a Python generator yields, per batch, the structure of ``arrays`` with
-:class:`pinloader._C.RowGather` leaves (one GIL acquisition per batch, no Python per sample), and
-the prefetcher's staging threads read the rows from the sources into the pinned region (the
+pipeline: a Python generator yields, per batch, a tuple of :class:`pinloader._C.RowGather`
+leaves (one GIL acquisition per batch, no Python per sample), which the prefetcher places in the
+structure of ``arrays`` it captured once (``structure=``), and the prefetcher's staging threads read the rows from the sources into the pinned region (the
 only host copy), then copy the batch to the device like any other.
 
 Sampling (see ``ArrayLoader.indices``)
@@ -54,8 +54,6 @@ Resuming (``ArrayLoader.state_dict`` / ``ArrayLoader.load_state_dict``)
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import mmap
 import os
 import sys
@@ -63,7 +61,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import _resume
+from . import _C, _resume
 from ._C import AsyncPrefetcher, Registration, RowGather, permutation, register_rows
 
 __all__ = ["ArrayLoader"]
@@ -79,56 +77,6 @@ _GATHER_MODES = ("auto", "host", "device")
 # 4 KiB. From 256 bytes on the device gather is faster, and it costs the host far less CPU and
 # memory traffic.
 _DEVICE_GATHER_MIN_SPAN = 256
-
-
-def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
-    """Collect the leaves of ``obj`` into ``out`` as (path, leaf); return a template that
-    :func:`_rebuild` fills."""
-    if isinstance(obj, dict):
-        # a dict subclass is rebuilt from a shallow copy (keeps a defaultdict's factory...)
-        return (obj if type(obj) is not dict else dict,
-                [(k, _flatten(v, f"{path}[{k!r}]", out)) for k, v in obj.items()])
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return (type(obj), [_flatten(v, f"{path}.{name}", out) for name, v in zip(obj._fields, obj)])
-    if isinstance(obj, (list, tuple)):
-        return (type(obj), [_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(obj)])
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # rebuilt as the prefetcher rebuilds one: type(obj)(**init fields), frozen ones too
-        names = [f.name for f in dataclasses.fields(obj) if f.init]
-        return (_Fields(type(obj), names),
-                [_flatten(getattr(obj, k), f"{path}.{k}", out) for k in names])
-    out.append((path, obj))
-    return None
-
-
-class _Fields:
-    """The template of a dataclass: its type and init field names."""
-
-    __slots__ = ("tp", "names")
-
-    def __init__(self, tp: type, names: list[str]) -> None:
-        self.tp, self.names = tp, names
-
-
-def _rebuild(template: Any, leaves: Iterator[Any]) -> Any:
-    if template is None:
-        return next(leaves)
-    tp, items = template
-    if isinstance(tp, _Fields):
-        return tp.tp(**{k: _rebuild(t, leaves) for k, t in zip(tp.names, items)})
-    if tp is dict:
-        return {k: _rebuild(t, leaves) for k, t in items}
-    if isinstance(tp, dict):
-        d = copy.copy(tp)
-        d.clear()
-        d.update((k, _rebuild(t, leaves)) for k, t in items)
-        return d
-    values = [_rebuild(t, leaves) for t in items]
-    if tp is list or tp is tuple:
-        return tp(values)
-    if issubclass(tp, tuple) and hasattr(tp, "_fields"):
-        return tp(*values)
-    return tp(values)
 
 
 def _base_chain(arr: Any) -> Iterator[Any]:
@@ -281,7 +229,6 @@ class _Plan:
     leaves: list[Any] = []
     regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
     dtypes: dict[str, Any] = {}  # leaf path -> the source's dtype when the loader was made
-    template: Any = None
     batch_size = n_batches = num_rows = num_items = num_samples = rank = seed = 0
     world_size = 1
     window: int | None = None
@@ -419,7 +366,7 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
                 raise ValueError(f"{path}: the source changed dtype from {plan.dtypes[path]} to "
                                  f"{g.dtype} under the ArrayLoader")
             leaves.append(g)
-        yield _rebuild(plan.template, iter(leaves))
+        yield tuple(leaves)  # placed in the loader's structure by the prefetcher (structure=)
 
 
 class ArrayLoader:
@@ -537,8 +484,14 @@ class ArrayLoader:
             raise ValueError(f"ArrayLoader: rank must be < world_size, got rank={self.rank}, "
                              f"world_size={self.world_size}")
 
-        leaves: list[Any] = []
-        template = _flatten(arrays, "arrays", leaves)
+        # The structure is walked by the prefetcher's own walker (src/py/flatten.c), here for
+        # the leaves and their paths, and once more by AsyncPrefetcher(structure=arrays), which
+        # keeps it: each batch is then a flat tuple of RowGathers placed in that structure in C.
+        leaves, others = _C._leaves(arrays, "arrays")
+        if others:
+            path, obj = others[0]
+            raise TypeError(f"{path}: ArrayLoader needs arrays (NumPy arrays, memory maps, DLPack "
+                            f"or buffer-protocol objects), got {type(obj).__name__}")
         if not leaves:
             raise ValueError("ArrayLoader: arrays holds no array")
         self.windows = None if windows is None else _int_arg("windows", windows, 1)
@@ -583,7 +536,7 @@ class ArrayLoader:
         plan = _Plan()
         plan.leaves = plan_leaves
         plan.dtypes = dtypes
-        plan.template = template
+        self._structure = arrays
         plan.batch_size = self.batch_size
         plan.n_batches = n_batches
         plan.window = self.windows
@@ -682,7 +635,8 @@ class ArrayLoader:
     def _make_prefetcher(self) -> AsyncPrefetcher:
         depth = _DEFAULT_DEPTH if self._depth is None else self._depth
         self._register(self._device)
-        return AsyncPrefetcher(self._source, device=self._device, depth=depth, **self._opts)
+        return AsyncPrefetcher(self._source, device=self._device, depth=depth,
+                               structure=self._structure, **self._opts)
 
     def __iter__(self) -> "ArrayLoader":
         self._check_open()

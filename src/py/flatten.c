@@ -146,6 +146,15 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t elem)
 /* Append a node; returns its index, or -1. obj and key are new references taken here. */
 static Py_ssize_t push_node(pl_flat *f, fnode_kind kind, PyObject *obj, PyObject *key)
 {
+    if (f->passed && kind == FN_PASS) { /* structure mode: say where a non-array object is */
+        PyObject *path = PyUnicode_FromStringAndSize(f->path, (Py_ssize_t)f->path_len);
+        PyObject *pair = path ? PyTuple_Pack(2, path, obj) : NULL;
+        int rc = pair ? PyList_Append(f->passed, pair) : -1;
+        Py_XDECREF(path);
+        Py_XDECREF(pair);
+        if (rc < 0)
+            return -1;
+    }
     if (grow((void **)&f->nodes, &f->cap_nodes, f->n_nodes + 1, sizeof(pl_flat_node)) < 0)
         return -1;
     f->nodes[f->n_nodes] = (pl_flat_node){kind, Py_XNewRef(obj), Py_XNewRef(key), 0, -1};
@@ -521,7 +530,16 @@ static int walk_dict(pl_flat *f, PyObject *obj, PyObject *key, int level)
             PyErr_Clear();
             return leaf_error(f, PyExc_TypeError, "cannot rebuild this dict subclass (copy.copy failed)");
         }
-        PyDict_Clear(proto);
+        /* the type's own clear(): an OrderedDict keeps its own links beside the dict's */
+        PyObject *r = PyObject_CallMethod(proto, "clear", NULL);
+        if (!r) {
+            Py_DECREF(proto);
+            if (pending_is_base_only())
+                return -1;
+            PyErr_Clear();
+            return leaf_error(f, PyExc_TypeError, "cannot rebuild this dict subclass (clear() failed)");
+        }
+        Py_DECREF(r);
     }
     PyObject *pairs = PyDict_Items(obj); /* a snapshot */
     Py_ssize_t node = pairs ? push_node(f, FN_DICT, proto, key) : -1;
@@ -591,10 +609,45 @@ static int walk_dlpack(pl_flat *f, PyObject *obj, PyObject *key)
     return rc < 0 ? -1 : 1;
 }
 
+/* Structure mode (pl_flat_structure): an array-like object (what the walk would read as a leaf)
+ * becomes a leaf node and a (path, object) pair in f->found, unread. Returns 1 when obj was
+ * one, 0 when not, -1 on error. */
+static int structure_leaf(pl_flat *f, PyObject *obj, PyObject *key)
+{
+    int leaf = PyArray_Check(obj) || pl_row_gather_check(f->st, obj) ||
+               (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj));
+    if (!leaf && !PyUnicode_Check(obj) && !PyBytes_Check(obj) && !PyLong_Check(obj) &&
+        !PyFloat_Check(obj) && obj != Py_None) {
+        PyObject *fn;
+        int has = optional_attr(obj, "__dlpack__", &fn);
+        if (has < 0)
+            return -1;
+        Py_XDECREF(fn);
+        leaf = has;
+    }
+    if (!leaf)
+        return 0;
+    Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
+    PyObject *path = node >= 0 ? PyUnicode_FromStringAndSize(f->path, (Py_ssize_t)f->path_len) : NULL;
+    PyObject *pair = path ? PyTuple_Pack(2, path, obj) : NULL;
+    int rc = pair ? PyList_Append(f->found, pair) : -1;
+    Py_XDECREF(path);
+    Py_XDECREF(pair);
+    if (rc < 0)
+        return -1;
+    f->nodes[node].leaf = f->n_leaves++;
+    return 1;
+}
+
 static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
 {
     if (level > MAX_NEST)
         return leaf_error(f, PyExc_RecursionError, "nesting deeper than %d levels", MAX_NEST);
+    if (f->found) {
+        int r = structure_leaf(f, obj, key);
+        if (r)
+            return r < 0 ? -1 : 0;
+    }
     if (PyArray_Check(obj))
         return numpy_leaf(f, key, (PyArrayObject *)obj);
     if (pl_row_gather_check(f->st, obj))
@@ -663,6 +716,27 @@ void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device)
     f->device = device;
 }
 
+int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
+                      PyObject **passed)
+{
+    f->found = PyList_New(0);
+    f->passed = passed ? PyList_New(0) : NULL;
+    int rc = f->found && (!passed || f->passed) ? 0 : -1;
+    path_push(f, "%s", root);
+    if (rc == 0)
+        rc = walk(f, obj, NULL, 0);
+    *found = f->found;
+    if (passed)
+        *passed = f->passed;
+    f->found = f->passed = NULL;
+    if (rc < 0) {
+        Py_CLEAR(*found);
+        if (passed)
+            Py_CLEAR(*passed);
+    }
+    return rc;
+}
+
 int pl_flat_walk(pl_flat *f, PyObject *item)
 {
     path_push(f, "item");
@@ -676,13 +750,26 @@ int pl_flat_walk(pl_flat *f, PyObject *item)
 
 static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos);
 
+static PyObject *copy_of(PyObject *proto)
+{
+    PyObject *mod = PyImport_ImportModule("copy");
+    PyObject *out = mod ? PyObject_CallMethod(mod, "copy", "O", proto) : NULL;
+    Py_XDECREF(mod);
+    if (out && !PyDict_Check(out)) {
+        Py_SETREF(out, NULL);
+        PyErr_Format(PyExc_TypeError, "copy.copy of a %.100s did not give a dict", Py_TYPE(proto)->tp_name);
+    }
+    return out;
+}
+
 /* The children of a dict-like node into a dict (out: a new reference, filled). */
 static int build_pairs(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos, Py_ssize_t n, PyObject *out)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = t->nodes[*pos].key;
         PyObject *v = build_at(t, leaves, pos);
-        int rc = v ? PyDict_SetItem(out, k, v) : -1;
+        /* a dict subclass through its own __setitem__ (an OrderedDict's order) */
+        int rc = !v ? -1 : PyDict_CheckExact(out) ? PyDict_SetItem(out, k, v) : PyObject_SetItem(out, k, v);
         Py_XDECREF(v);
         if (rc < 0)
             return -1;
@@ -719,8 +806,9 @@ static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos)
         }
         return out;
     case FN_DICT:
-        /* a dict subclass: the empty shallow copy made by the walk, used once */
-        out = nd->obj ? Py_NewRef(nd->obj) : PyDict_New();
+        /* a dict subclass: a shallow copy of the empty one the walk made (keeps its type and a
+         * defaultdict's factory), so a tree builds any number of batches */
+        out = nd->obj ? copy_of(nd->obj) : PyDict_New();
         if (out && build_pairs(t, leaves, pos, nd->n, out) < 0)
             Py_CLEAR(out);
         return out;
@@ -737,7 +825,7 @@ static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos)
     return PyErr_Format(PyExc_SystemError, "pinloader: unknown flatten node");
 }
 
-PyObject *pl_tree_build(pl_tree *t, PyObject *leaves)
+PyObject *pl_tree_build(const pl_tree *t, PyObject *leaves)
 {
     if (!t->n_nodes)
         return PyErr_Format(PyExc_SystemError, "pinloader: rebuild before a walk");
@@ -746,9 +834,7 @@ PyObject *pl_tree_build(pl_tree *t, PyObject *leaves)
                             "with %zd", PyTuple_Check(leaves) ? PyTuple_GET_SIZE(leaves) : -1,
                             t->n_leaves);
     Py_ssize_t pos = 0;
-    PyObject *out = build_at(t, leaves, &pos);
-    pl_tree_clear(t);
-    return out;
+    return build_at(t, leaves, &pos);
 }
 
 void pl_tree_clear(pl_tree *t)
@@ -841,4 +927,39 @@ void pl_flat_clear(pl_flat *f)
     drop_nodes(f);
     pl_flat_release_leaves(f);
     pl_flat_init(f, f->st, f->b, f->device);
+}
+
+/* pinloader._C._leaves(obj, root, /): see flatten_functions. */
+static PyObject *leaves_of(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyUnicode_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "_leaves(obj, root: str)");
+    const char *root = PyUnicode_AsUTF8(args[1]);
+    if (!root)
+        return NULL;
+    pl_state *st = pl_state_of_module(m);
+    pl_flat f;
+    PyObject *found = NULL, *passed = NULL;
+    pl_flat_init(&f, st, pl_backend_host(), 0);
+    int rc = pl_flat_structure(&f, args[0], root, &found, &passed);
+    pl_flat_clear(&f);
+    if (rc < 0)
+        return NULL;
+    PyObject *out = PyTuple_Pack(2, found, passed);
+    Py_DECREF(found);
+    Py_DECREF(passed);
+    return out;
+}
+
+static PyMethodDef flatten_functions[] = {
+    {"_leaves", (PyCFunction)(void (*)(void))leaves_of, METH_FASTCALL,
+     "_leaves(obj, root, /)\n--\n\n(leaves, others): the array-like leaves of obj as (path, leaf) "
+     "pairs in the order the prefetcher walks it (the walk AsyncPrefetcher's structure= "
+     "captures), and the other non-container objects in it, also as (path, object)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int pl_flatten_init(PyObject *m)
+{
+    return PyModule_AddFunctions(m, flatten_functions);
 }

@@ -46,6 +46,8 @@ typedef struct pl_flat {
     /* private */
     pl_flat_node *nodes;
     Py_ssize_t n_nodes, cap_nodes;
+    PyObject *found;        /* structure mode: the (path, leaf) list, else NULL */
+    PyObject *passed;       /* structure mode: the (path, object) list of the others, or NULL */
     char path[512];
     size_t path_len;
 } pl_flat;
@@ -63,11 +65,20 @@ PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk);
 PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk);
 void pl_flat_take_tree(pl_flat *f, pl_tree *out);
 /* The item's structure with leaf i replaced by leaves[i] (a tuple of t->n_leaves objects);
- * user constructors (namedtuple, dataclass) run here. Consumes t (one build per tree: a dict
- * subclass is filled in place); t is empty afterwards, whether or not it succeeded. */
-PyObject *pl_tree_build(pl_tree *t, PyObject *leaves);
+ * user constructors (namedtuple, dataclass, copy.copy of a dict subclass) run here. t is left
+ * as it is: a tree builds any number of batches. */
+PyObject *pl_tree_build(const pl_tree *t, PyObject *leaves);
 void pl_tree_clear(pl_tree *t);
+/* Add pinloader._C._leaves to the module. */
+int pl_flatten_init(PyObject *m);
 int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);
+/* Structure mode: walk obj (its path named `root`) recording containers, pass-through objects
+ * and array-like leaves without reading any leaf; *found gets a new list of (path, leaf) in
+ * walk order, and *passed (when not NULL) a new list of the pass-through objects, also as
+ * (path, object). The tree is then taken with pl_flat_take_tree. Used to capture an ArrayLoader's
+ * structure once (AsyncPrefetcher's structure=, pinloader._C._leaves). */
+int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
+                      PyObject **passed);
 /* Take the owners (the caller drops them later, with the GIL); *n gets their count. */
 PyObject **pl_flat_take_owners(pl_flat *f, Py_ssize_t *n);
 /* Free the leaves and the layout (no GIL needed: transfer reads them without it). */

@@ -413,11 +413,10 @@ static PyObject *deliver(pl_state *st, const pl_handout *h, PyObject *items, PyO
 }
 
 PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_handout *h,
-                           pl_tree *tree, PyObject *leaves)
+                           const pl_tree *tree, PyObject *leaves)
 {
     PyObject *out = NULL, *items = NULL;
     if (!h->stream) {
-        pl_tree_clear(tree);
         return PyErr_Format(PyExc_ValueError, "AsyncPrefetcher is closed");
     }
     PyObject *stream = PyCallable_Check(h->stream) ? PyObject_CallNoArgs(h->stream)
@@ -443,7 +442,6 @@ PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_han
     if (items)
         out = pl_tree_build(tree, items);
 done:
-    pl_tree_clear(tree);
     Py_XDECREF(items);
     Py_XDECREF(stream);
     return out;

@@ -47,10 +47,10 @@ static inline int pl_handout_active(const pl_handout *h)
 }
 
 /* The batch to hand out: `leaves` (a tuple of the batch's DeviceArrays, walk order) made into
- * the delivered objects and placed in `tree` (consumed). A new reference, or NULL with an
- * exception (a static batch that does not fit the static layout: ValueError naming the leaf). */
+ * the delivered objects and placed in `tree`. A new reference, or NULL with an exception (a
+ * static batch that does not fit the static layout: ValueError naming the leaf). */
 PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_handout *h,
-                           pl_tree *tree, PyObject *leaves);
+                           const pl_tree *tree, PyObject *leaves);
 /* The static buffers' DeviceArrays (a new tuple), or None before the first static batch and
  * with out=. */
 PyObject *pl_handout_static_arrays(const pl_handout *h);

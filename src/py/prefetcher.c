@@ -115,6 +115,7 @@ struct pl_prefetcher_obj {
     int device;
     int depth;
     pl_handout handout;    /* output, convert, stream, static (Note [handout] in handout.h) */
+    pl_tree templ;         /* structure=: the items' structure, captured once (n_nodes 0: none) */
     pl_stager *stager;
     pl_stream *copy_stream;
     pthread_t thread;
@@ -443,7 +444,25 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
     pl_flat *f = &p->flat;
     pl_flat_init(f, self->st, self->b, self->device);
     /* see Note [flatten in two passes] in flatten.h */
-    if (pl_flat_walk(f, item) == 0) {
+    if (self->templ.n_nodes) {
+        /* structure=: the item is a tuple of the leaves, placed in the captured structure */
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != self->templ.n_leaves)
+            PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): each item must be a "
+                         "tuple of the structure's %zd leaves, got %.100s", self->templ.n_leaves,
+                         Py_TYPE(item)->tp_name);
+        else if (pl_flat_walk(f, item) == 0) {
+            pl_tree walked;
+            pl_flat_take_tree(f, &walked);
+            pl_tree_clear(&walked);
+            if (f->n_leaves != self->templ.n_leaves)
+                PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's "
+                             "%zd entries are array leaves", (Py_ssize_t)f->n_leaves,
+                             self->templ.n_leaves);
+            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)) &&
+                     !pl_handout_active(&self->handout))
+                Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
+        }
+    } else if (pl_flat_walk(f, item) == 0) {
         if (pl_handout_active(&self->handout)) {
             bt->output = pl_flat_device_arrays(f, bt->blk);
             pl_flat_take_tree(f, &bt->tree);
@@ -557,6 +576,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
         if (self->state == PF_ORPHANED) {
             PyTypeObject *tp = Py_TYPE(self);
             pl_handout_clear(&self->handout);
+            pl_tree_clear(&self->templ);
             pthread_mutex_destroy(&self->mu);
             pthread_cond_destroy(&self->cv);
             tp->tp_free((PyObject *)self);
@@ -785,7 +805,8 @@ static PyObject *pf_next(PyObject *op)
     bt->output = NULL;
     if (pl_handout_active(&self->handout)) {
         PyObject *leaves = out;
-        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, &bt->tree, leaves);
+        const pl_tree *tree = self->templ.n_nodes ? &self->templ : &bt->tree;
+        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, leaves);
         Py_DECREF(leaves);
     }
     batch_free(bt);
@@ -975,6 +996,8 @@ static int pf_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->pool_obj);
     Py_VISIT(self->it);
     int vr = pl_handout_traverse(&self->handout, visit, arg);
+    if (!vr)
+        vr = pl_tree_traverse(&self->templ, visit, arg);
     if (vr)
         return vr;
     for (grave *g = self->graves; g; g = g->next)
@@ -1004,6 +1027,7 @@ static int pf_clear(PyObject *op)
     Py_CLEAR(self->source);
     Py_CLEAR(self->pool_obj);
     pl_handout_clear(&self->handout);
+    pl_tree_clear(&self->templ);
     return 0;
 }
 
@@ -1036,6 +1060,7 @@ static void pf_dealloc(PyObject *op)
         }
     }
     pl_handout_clear(&self->handout);
+    pl_tree_clear(&self->templ);
     tp->tp_free(op);
     Py_DECREF(tp);
 }
@@ -1061,7 +1086,7 @@ static int parse_positive(PyObject *o, const char *name, long lo, long hi, long 
 }
 
 typedef struct pf_options {
-    PyObject *iterable, *device, *pool_obj, *stream, *convert, *out;
+    PyObject *iterable, *device, *pool_obj, *stream, *convert, *out, *structure;
     long depth, threads;
     int high_priority, capsule, is_static;
     size_t max_pinned;
@@ -1073,16 +1098,16 @@ static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_option
 {
     static char *kwlist[] = {"iterable", "device", "depth", "pool", "max_pinned_bytes",
                              "staging_threads", "copy_stream_priority", "output", "stream",
-                             "convert", "static", "out", NULL};
+                             "convert", "static", "out", "structure", NULL};
     PyObject *depth_obj = NULL, *max_pinned_obj = Py_None, *threads_obj = Py_None;
     const char *priority = "high", *output = "array";
     memset(o, 0, sizeof(*o));
-    o->device = o->pool_obj = o->stream = o->convert = o->out = Py_None;
+    o->device = o->pool_obj = o->stream = o->convert = o->out = o->structure = Py_None;
     o->depth = 2;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO$OpO:AsyncPrefetcher", kwlist, &o->iterable,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO$OpOO:AsyncPrefetcher", kwlist, &o->iterable,
                                      &o->device, &depth_obj, &o->pool_obj, &max_pinned_obj,
                                      &threads_obj, &priority, &output, &o->stream, &o->convert,
-                                     &o->is_static, &o->out))
+                                     &o->is_static, &o->out, &o->structure))
         return -1;
     if (o->out == Py_None) {
         o->out = NULL;
@@ -1239,6 +1264,26 @@ static int start_producer(pl_prefetcher_obj *self, PyObject *probe)
     return 0;
 }
 
+/* structure=: the structure every item's leaves are placed in (see pl_flat_structure). */
+static int capture_structure(pl_prefetcher_obj *self, PyObject *structure)
+{
+    pl_flat f;
+    PyObject *found = NULL;
+    pl_flat_init(&f, self->st, self->b, self->device);
+    int rc = pl_flat_structure(&f, structure, "structure", &found, NULL);
+    if (rc == 0) {
+        pl_flat_take_tree(&f, &self->templ);
+        self->templ.n_leaves = PyList_GET_SIZE(found);
+        if (!self->templ.n_leaves) {
+            PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher: structure= holds no array leaf");
+            rc = -1;
+        }
+    }
+    Py_XDECREF(found);
+    pl_flat_clear(&f);
+    return rc;
+}
+
 static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     pl_state *st = pl_state_of_type(type);
@@ -1279,6 +1324,11 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->handout = (pl_handout){o.capsule, Py_XNewRef(o.convert), Py_NewRef(o.stream),
                                  o.is_static, o.out ? PySequence_Tuple(o.out) : NULL, NULL, -1};
     if (o.out && !self->handout.out) {
+        Py_DECREF(probe);
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (o.structure != Py_None && capture_structure(self, o.structure) < 0) {
         Py_DECREF(probe);
         Py_DECREF(self);
         return NULL;
