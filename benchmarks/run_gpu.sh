@@ -64,7 +64,8 @@ for stage in "$@"; do
       echo "== kernel image against nvcc =="
       $py tools/gen_gather_kernels.py --check || status=1
       echo "== device gather GPU tests =="
-      timeout 300 $py -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_device_gather.py tests/test_array_loader.py 2>&1 \
+      timeout 300 $py -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_device_gather.py tests/test_fork.py tests/test_array_loader_gpu.py \
+        tests/test_example_ddp.py 2>&1 \
         | tee "$out/gather_gpu_tests.log" | tail -15 || status=1
       echo "== compute-sanitizer memcheck over them =="
       timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \

@@ -1,17 +1,27 @@
-"""Shared fixtures for the pinloader test suite.
+"""Shared fixtures and markers of the pinloader test suite (the shared helpers are in
+tests/helpers.py; tests/README.md maps the test files to what they cover).
 
-* ``gpu`` marker: tests that need a CUDA device. They are skipped, with a reason that starts
-  with "no CUDA device", when ``pinloader.cuda_available()`` is False (no GPU, no driver, or
+Markers (also declared in pyproject.toml):
+
+* ``gpu``: tests that need a CUDA device. They are skipped, with a reason that starts with
+  "no CUDA device", when ``pinloader.cuda_available()`` is False (no GPU, no driver, or
   ``PINLOADER_BACKEND=host``).
+* ``slow``: long soak or stress tests (the sanitizer jobs leave them out).
+* ``fuzz``: the fuzz target, tests/test_fuzz.py.
+* ``fork``: tests that fork (all in tests/test_fork.py).
+* ``hostile``: hostile input or user code (absurd sizes, headers that lie, re-entry, files cut
+  under a mapping) that must get a clean error and never a crash or a hang.
+
+Fixtures:
+
 * ``backend_device``: parametrizes a test over the backends: ``"cpu"`` (the host backend,
   always) and ``"cuda:0"`` (gpu-marked).
 * ``prim``: a ``pinloader._C._Prim`` for ``backend_device``.
-* ``run_python`` / ``python_env``: run code in a fresh interpreter importing this checkout.
+* ``make_pool``: ``make_pool(max_bytes, device="cpu")`` -> a PinnedPool closed at teardown.
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -40,6 +50,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "fuzz: the hostile-input fuzz target (tests/test_fuzz.py; CI also runs it under "
         "the ASan build with PINLOADER_FUZZ_EXAMPLES and a fixed --hypothesis-seed)")
+    config.addinivalue_line("markers", "fork: forks a child process (tests/test_fork.py)")
+    config.addinivalue_line(
+        "markers", "hostile: hostile input or user code that must get a clean error, never a crash")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -88,30 +101,16 @@ def prim(backend_device):
     return p
 
 
-def _run_python(code: str, env_extra: dict | None = None, timeout: float = 60.0,
-                env_remove: tuple = ()) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter that imports this checkout's pinloader."""
-    env = dict(os.environ)
-    for k in env_remove:
-        env.pop(k, None)
-    if env_extra:
-        env.update(env_extra)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=root)
-
-
 @pytest.fixture
-def run_python():
-    """``run_python(code, env_extra=None, timeout=60, env_remove=())`` -> CompletedProcess."""
-    return _run_python
+def make_pool():
+    """``make_pool(max_bytes, device="cpu")`` -> a PinnedPool, closed at teardown."""
+    pools = []
 
+    def make(max_bytes, device="cpu"):
+        p = pinloader.PinnedPool(max_bytes=max_bytes, device=device)
+        pools.append(p)
+        return p
 
-@pytest.fixture
-def python_env():
-    """Environment for a child interpreter (Popen) that imports this checkout's pinloader."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    yield make
+    for p in pools:
+        p.close()

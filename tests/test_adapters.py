@@ -1,24 +1,30 @@
-"""The framework front doors on the host backend (CI): torch adapter, lazy imports, the demo."""
+"""The framework front doors on the host backend (CI): the torch adapter (over any source and over
+an ArrayLoader), lazy imports of the CuPy and JAX adapters, and `import pinloader` importing no
+framework.
+"""
+from __future__ import annotations
+
 import collections
 import dataclasses
 import json
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 import pytest
 
 import pinloader
+from helpers import ids, run_py, sample, values
 
 
 def test_import_pinloader_imports_no_framework():
     code = ("import sys, pinloader; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_py(code, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
+
+# ---- the torch adapter ----
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -112,30 +118,63 @@ def test_torch_adapter_rejects_unknown_device():
         pt.prefetch([np.zeros(1)], device="meta")
 
 
-def test_demo_runs_on_the_host_backend_and_prints_json():
-    out = subprocess.run([sys.executable, "-m", "pinloader", "demo", "--device", "cpu", "--steps", "3",
-                          "--warmup", "1", "--batch-size", "4", "--image-size", "32",
-                          "--compute-ms", "2", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
-    assert "pinloader" in result["rows"] and len(result["rows"]) >= 2
-    assert result["pinloader_stats"]["batches"] >= 3
-    for row in result["rows"].values():
-        assert row["samples_per_s"] > 0 and 0.0 <= row["idle_pct"] <= 100.0
+def test_bool_device_is_refused_by_the_torch_adapter():
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    with pytest.raises(TypeError, match=r"pinloader.torch.prefetch: device must be .* not bool"):
+        pt.prefetch([np.arange(3)], device=True)
 
 
-def test_info_command():
-    out = subprocess.run([sys.executable, "-m", "pinloader", "info", "--json"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    info = json.loads(out.stdout)
-    assert info["backend"] == pinloader.backend()
-    assert set(info) >= {"usable", "library", "device_count", "error"}
+# ---- the torch adapter over an ArrayLoader ----
 
+def test_torch_adapter_wraps_the_loader_prefetcher():
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    n = 50
+    a = sample((n, 3), np.float32)
+    L = pinloader.ArrayLoader((ids(n), a), 16, seed=2)
+    tp = pt.prefetch(L, device="cpu", depth=3, staging_threads=2)
+    assert tp._pf is L and len(tp) == 4
+    for epoch in range(2):
+        tp.set_epoch(epoch)
+        got = list(tp)
+        idx = np.concatenate([g[0].numpy() for g in got])
+        assert np.array_equal(idx, L.indices(epoch))
+        assert np.array_equal(np.concatenate([g[1].numpy() for g in got]), a[idx])
+    assert L.stats()["batches"] == 8
+    tp.close()
+    assert L.closed
+    with pytest.raises(ValueError, match="device"):
+        pt.prefetch(pinloader.ArrayLoader(ids(n), 4, device="cpu"), device="cuda:1")
+    with pytest.raises(ValueError, match="staging_threads"):
+        pt.prefetch(pinloader.ArrayLoader(ids(n), 4, staging_threads=1), device="cpu", staging_threads=2)
+
+
+def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
+    torch_ = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    data = np.arange(40, dtype=np.float32).reshape(20, 2)
+    L = pinloader.ArrayLoader(data, 5, device="cpu", shuffle=False)
+    plain = [values(b) for b in L]
+    T = pt.prefetch(L)  # same device (cpu) and depth (the default): accepted
+    got = [t.numpy().copy() for t in T]
+    assert all(isinstance(t, np.ndarray) for t in got)
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(plain))
+    L.close()
+    # other settings than the running prefetcher's are still refused
+    L2 = pinloader.ArrayLoader(data, 5, device="cpu")
+    assert len([values(b) for b in L2]) == 4
+    for opts in ({"depth": 4}, {"max_pinned_bytes": 1 << 20}):
+        with pytest.raises(ValueError, match="already iterating with other settings"):
+            pt.prefetch(L2, **opts)
+    L2.close()
+    assert torch_ is not None
+
+
+# ---- CuPy and JAX ----
 
 @pytest.mark.parametrize("name,framework", [("pinloader.cupy", "cupy"), ("pinloader.jax", "jax")])
-def test_cuda_adapters_are_importable_lazily(run_python, name, framework):
+def test_cuda_adapters_are_importable_lazily(name, framework):
     # pinloader.cupy and pinloader.jax import their framework; without it they fail cleanly
     # with an ImportError naming it, and `import pinloader` never tried to import it. The
     # framework is blocked in a fresh interpreter (a meta path finder that refuses it, and
@@ -162,7 +201,7 @@ out["tried"] = tried
 out["in_modules"] = {name!r} in sys.modules
 print(json.dumps(out))
 """
-    p = run_python(code)
+    p = run_py(code, timeout=60)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["after_pinloader"] == [], f"import pinloader imported {out['after_pinloader']}"
@@ -172,7 +211,8 @@ print(json.dumps(out))
     assert not out["in_modules"], out  # ... and left no half-imported adapter behind
 
     # and with the name mapped to None in sys.modules (the other way to make a module absent)
-    p = run_python(f"import sys; sys.modules[{framework!r}] = None\n"
-                   f"try:\n    import {name}\nexcept ImportError as e:\n    print('ImportError', e)")
+    p = run_py(f"import sys; sys.modules[{framework!r}] = None\n"
+               f"try:\n    import {name}\nexcept ImportError as e:\n    print('ImportError', e)",
+               timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("ImportError") and framework in p.stdout, p.stdout

@@ -17,9 +17,8 @@ import pytest
 
 import pinloader
 from pinloader import _C
+from helpers import KiB, MiB, run_py
 
-KiB = 1 << 10
-MiB = 1 << 20
 WAIT_S = 30.0  # bound on every wait that must succeed: a hang becomes a failure, not a stall
 
 
@@ -442,7 +441,7 @@ def test_no_gpu_reports_host(monkeypatch):
     assert pinloader.PinnedPool(max_bytes=MiB).backend == "host"
 
 
-def test_forced_host_backend_in_subprocess(run_python):
+def test_forced_host_backend_in_subprocess():
     code = r"""
 import json, pinloader
 from pinloader import _C
@@ -456,7 +455,7 @@ except Exception as e:
     out["cuda0"] = [type(e).__name__, str(e)]
 print(json.dumps(out))
 """
-    cp = run_python(code, env_extra={"PINLOADER_BACKEND": "host"})
+    cp = run_py(code, timeout=60, env_extra={"PINLOADER_BACKEND": "host"})
     assert cp.returncode == 0, cp.stderr
     out = json.loads(cp.stdout.strip().splitlines()[-1])
     assert out["backend"] == "host"
@@ -536,3 +535,17 @@ def test_negative_device_index_raises_value_error(device):
 def test_device_of_wrong_type_raises_type_error(device):
     with pytest.raises(TypeError):
         pinloader.PinnedPool(device=device)
+
+
+@pytest.mark.parametrize("device", [True, False])
+def test_bool_device_is_refused(device):
+    # before: True was read as 'cuda:1' and False as 'cuda:0'
+    with pytest.raises(TypeError, match="device must be a str, an int or None, not bool"):
+        pinloader.AsyncPrefetcher([np.arange(3)], device=device)
+    with pytest.raises(TypeError, match="not bool"):
+        pinloader.PinnedPool(max_bytes=1 << 20, device=device)
+    # the loader makes its prefetcher on the first iteration
+    L = pinloader.ArrayLoader(np.arange(3), 1, device=device)
+    with pytest.raises(TypeError, match="not bool"):
+        iter(L)
+    L.close()

@@ -1,5 +1,6 @@
 """`python -m pinloader`: --version, info (readable and --json), demo options; device strings
-and the errors a newcomer meets first."""
+and the errors a newcomer meets first.
+"""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,6 @@ import pytest
 
 import pinloader
 from pinloader import _C
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -53,6 +52,14 @@ def test_info_is_readable_by_default_and_json_on_request():
                          "device_count", "error", "error_code"}
 
 
+def test_info_command():
+    out = _run("info", "--json", timeout=60)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["backend"] == pinloader.backend()
+    assert set(info) >= {"usable", "library", "device_count", "error"}
+
+
 def test_every_demo_option_has_help_and_a_default():
     out = _run("demo", "--help")
     assert out.returncode == 0, out.stderr
@@ -84,6 +91,17 @@ def _demo_json(*extra: str) -> dict:
     assert out.returncode == 0, out.stderr
     assert out.stderr == "", "--json prints nothing but the document"
     return json.loads(out.stdout)
+
+
+def test_demo_runs_on_the_host_backend_and_prints_json():
+    out = _run("demo", "--device", "cpu", "--steps", "3", "--warmup", "1", "--batch-size", "4",
+               "--image-size", "32", "--compute-ms", "2", "--json", timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert "pinloader" in result["rows"] and len(result["rows"]) >= 2
+    assert result["pinloader_stats"]["batches"] >= 3
+    for row in result["rows"].values():
+        assert row["samples_per_s"] > 0 and 0.0 <= row["idle_pct"] <= 100.0
 
 
 def test_demo_on_the_cpu_copies_in_every_row_and_says_what_it_shows():

@@ -1,5 +1,9 @@
 """The default staging thread count: affinity, cgroup CPU quota (fake cgroup trees through
-PINLOADER_CGROUP_ROOT), LOCAL_WORLD_SIZE."""
+PINLOADER_CGROUP_ROOT), LOCAL_WORLD_SIZE (read alike for the staging threads and the pool's
+cap); the staging stores.
+"""
+from __future__ import annotations
+
 import json
 import os
 
@@ -8,6 +12,7 @@ import pytest
 
 import pinloader
 from pinloader import _C
+from helpers import run_py
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +125,18 @@ def test_local_world_size_divides_the_cpus(monkeypatch, value, ranks):
     assert b["staging_threads"] == _expected(b) == max(1, b["affinity"] // ranks)
 
 
+@pytest.mark.parametrize("value, ranks", [("4", 4), (" 3 ", 3), ("1", 1), ("0", 1), ("-2", 1),
+                                          ("", 1), ("x", 1), ("2x", 1), ("65536", 65536),
+                                          ("65537", 1), ("100000", 1), ("99999999999999999999", 1)])
+@pytest.mark.hostile
+def test_local_world_size_is_read_alike_for_the_pool_and_the_staging_threads(monkeypatch, value, ranks):
+    # before: the pool accepted 2..65536 and the staging threads 1..2**20
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert _C._cpu_budget()["local_ranks"] == ranks
+    full = _C.default_pinned_cap()
+    assert _C.default_pool_cap() == max(full // ranks, 256)
+
+
 def test_local_ranks_more_than_cpus_still_one_thread(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
     b = _C._cpu_budget()
@@ -127,7 +144,7 @@ def test_local_ranks_more_than_cpus_still_one_thread(monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no sched_setaffinity")
-def test_affinity_mask_is_followed(run_python):
+def test_affinity_mask_is_followed():
     code = ("import os, json\n"
             "cpu = min(os.sched_getaffinity(0))\n"
             "os.sched_setaffinity(0, {cpu})\n"
@@ -136,7 +153,7 @@ def test_affinity_mask_is_followed(run_python):
             "pf = pinloader.AsyncPrefetcher([])\n"
             "print(json.dumps([_C._cpu_budget(), pf.staging_threads]))\n"
             "pf.close()\n")
-    out = run_python(code, env_remove=("LOCAL_WORLD_SIZE", "PINLOADER_CGROUP_ROOT"))
+    out = run_py(code, timeout=60, env_remove=("PINLOADER_CGROUP_ROOT",))
     assert out.returncode == 0, out.stderr
     b, threads = json.loads(out.stdout)
     assert b["affinity"] == 1

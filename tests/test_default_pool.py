@@ -3,10 +3,12 @@
 Note [default pool] in src/core/pool.c: one pool per device shared by prefetchers made without
 pool=, slabs kept until trim() or interpreter exit, capped by the documented default divided
 among torchrun's local ranks. Note [pool clients] in src/core/pool.h: each owner is bounded by its own
-cap within the pool, and its wait counters count only its own waits.
+cap within the pool, and its wait counters count only its own waits. (The default pool in a fork
+child: test_fork.py; prefetchers on the default pool: test_prefetcher_pinned_memory.py.)
 """
+from __future__ import annotations
+
 import gc
-import os
 import random
 import threading
 
@@ -15,18 +17,7 @@ import pytest
 
 import pinloader
 from pinloader import _C
-from helpers import describe, run_child
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KiB, MiB = 1 << 10, 1 << 20
-
-
-def run_py(code, env_extra=None, timeout=120):
-    env = dict(os.environ)
-    env.pop("LOCAL_WORLD_SIZE", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(env_extra or {})
-    return run_child(code, env, timeout, cwd=ROOT)
+from helpers import KiB, MiB, describe, run_py, wait_for
 
 
 def test_default_pool_is_one_object_per_device_and_cannot_be_closed():
@@ -94,6 +85,29 @@ def test_client_cap_is_its_own_bound_within_the_pool():
         x.release()
     assert a.stats()["in_use_bytes"] == 0 and b.stats()["in_use_bytes"] == 0
     assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_pool_client_never_exceeds_its_bound():
+    pool = pinloader.PinnedPool(max_bytes=8 * MiB, device="cpu")
+    c = pool.client(max_bytes=MiB)
+    a = c.alloc(MiB - 4096)
+    # the pool has room, the client has not: its request waits for its own regions
+    with pytest.raises(pinloader.PoolExhausted):
+        c.alloc(64 << 10, timeout=0.05)
+    other = pool.alloc(4 * MiB, timeout=1)  # the pool itself still serves others
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.alloc(64 << 10, timeout=30)))
+    t.start()
+    assert wait_for(lambda: pool.stats()["waiting"] == 1, timeout=30.0, step=0.005), (
+        "timed out waiting for the client's reserve to wait")
+    assert not got and c.stats()["in_use_bytes"] <= MiB
+    a.release()
+    t.join(30)
+    assert got and c.stats()["peak_in_use_bytes"] <= MiB, c.stats()
+    assert c.stats()["waits"] >= 2  # the timed-out request and the one that waited
+    got[0].release()
+    other.release()
+    pool.close()
 
 
 def test_client_slabs_are_no_larger_than_its_cap():
@@ -207,7 +221,7 @@ cap = _C.default_pool_cap()
 pool = _C.default_pool("cpu")
 print("CAP", cap, _C.default_pinned_cap(), pool.max_bytes, flush=True)
 """
-    p = run_py(code, env_extra={"LOCAL_WORLD_SIZE": lws})
+    p = run_py(code, timeout=120, env_extra={"LOCAL_WORLD_SIZE": lws})
     line = [x for x in p.stdout.splitlines() if x.startswith("CAP ")]
     assert line, describe(p)
     cap, full, pool_cap = map(int, line[0].split()[1:])
@@ -240,51 +254,8 @@ print("OK", not errors, st["peak_reserved_bytes"] <= cap, st["peak_in_use_bytes"
       all(c.stats()["peak_in_use_bytes"] <= cap // 2 for c in clients), errors[:3], flush=True)
 """
     lws = max(2, _C.default_pinned_cap() // (16 * MiB))   # a cap of about 16 MiB
-    p = run_py(code, env_extra={"LOCAL_WORLD_SIZE": str(min(lws, 65536))})
+    p = run_py(code, timeout=120, env_extra={"LOCAL_WORLD_SIZE": str(min(lws, 65536))})
     assert "OK True True True True []" in p.stdout, describe(p)
-
-
-def test_default_pool_in_a_fork_child_is_a_fresh_pool():
-    code = """
-import os, time, warnings
-import numpy as np
-from pinloader import _C
-warnings.simplefilter("ignore", DeprecationWarning)
-parent = _C.default_pool("cpu")
-held = parent.alloc(5000)
-pid = os.fork()
-if pid == 0:
-    code = 1
-    try:
-        try:
-            parent.trim()
-            code = 2
-        except RuntimeError as e:
-            assert "fork" in str(e)
-            child = _C.default_pool("cpu")
-            assert child is not parent and child is _C.default_pool("cpu")
-            with child.alloc(7000) as b:
-                np.frombuffer(b, np.uint8)[:] = 4
-            assert child.trim() > 0
-            code = 0
-    finally:
-        os._exit(code)
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    time.sleep(0.01)
-else:
-    os.kill(pid, 9)
-    status = None
-print("CHILD", status if status is None else os.waitstatus_to_exitcode(status), flush=True)
-held.release()
-print("PARENT", _C.default_pool("cpu") is parent, parent.trim() > 0, flush=True)
-"""
-    p = run_py(code)
-    assert "CHILD 0" in p.stdout, describe(p)
-    assert "PARENT True True" in p.stdout, describe(p)
 
 
 def test_interpreter_exit_with_default_pool_regions_alive():
@@ -298,5 +269,5 @@ v = np.frombuffer(b, np.uint8)     # an export alive at exit
 v[:] = 1
 print("DONE", flush=True)
 """
-    p = run_py(code)
+    p = run_py(code, timeout=120)
     assert p.returncode == 0 and "DONE" in p.stdout, describe(p)

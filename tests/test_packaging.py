@@ -165,7 +165,7 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     need = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
             "pinloader/py.typed", "pinloader/_C.pyi", "pinloader/_version.py",
-            "tests/conftest.py", "tests/helpers.py", "tests/cuda_api_check.c",
+            "tests/conftest.py", "tests/helpers.py", "tests/fuzz_strategies.py", "tests/cuda_api_check.c",
             "tests/typing/user_script.py", "tests/typing/stubtest_allowlist.txt"}
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "src").glob("*/*.[ch]")}
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}

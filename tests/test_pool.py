@@ -1,5 +1,12 @@
-"""PinnedPool / PinnedBuffer (src/core/pool.c, src/py/pinned.c) on the host backend, plus a gpu-marked
-check that regions are page-locked on CUDA.
+"""PinnedPool (src/core/pool.c, src/py/pinned.c) on the host backend: allocation.
+
+Many threads allocating and releasing at once never get overlapping regions nor pass the cap;
+same-sized requests reuse the same extents and a steady mix stops creating slabs; every region is
+256-byte aligned and rounded by at most 1/8 of the request (also as a property); at the cap an
+allocation waits until room is made, times out with PoolExhausted naming the numbers, is refused
+at once when it can never fit, and is interrupted by Ctrl-C; a region a copy still reads
+(pending) is neither reused nor trimmed. (Buffers and the pool's lifecycle: test_pool_buffers.py;
+absurd sizes: test_pool_hostile.py; the default pool and its clients: test_default_pool.py.)
 
 No assertion depends on how long something takes, only on what may or may not happen: a blocked
 allocation must not return while the cap is full, and must return (within a generous bound) once
@@ -8,7 +15,6 @@ room is made.
 from __future__ import annotations
 
 import bisect
-import gc
 import json
 import random
 import signal
@@ -23,41 +29,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pinloader
-from pinloader import PinnedPool, PoolExhausted
+from pinloader import PinnedPool, PoolExhausted, _C
+from helpers import ALIGN, KiB, MiB, child_env, pool_stats, values, wait_for
 
-KiB = 1 << 10
-MiB = 1 << 20
-ALIGN = 256
 JOIN_S = 30.0  # bound on waits that must end: a hang becomes a failure
 
 
-@pytest.fixture
-def make_pool():
-    pools = []
-
-    def make(max_bytes, device="cpu"):
-        p = PinnedPool(max_bytes=max_bytes, device=device)
-        pools.append(p)
-        return p
-
-    yield make
-    for p in pools:
-        p.close()
-
-
-def stats(pool):
-    s = pool.stats()
-    assert s["reserved_bytes"] <= s["max_bytes"], s
-    assert s["in_use_bytes"] <= s["reserved_bytes"], s
-    return s
-
-
-def max_reserved(n):
-    """Documented bound on rounding: 256-byte granules, and at most 1/8 of the request."""
-    return max(ALIGN, n + max(ALIGN - 1, n // 8))
-
-
-# ---- stress ----
+# ---- many threads at once ----
 
 class LiveRanges:
     """[ptr, ptr + nbytes) of every live buffer; add() reports any overlap."""
@@ -205,7 +183,7 @@ def test_stress_threads_no_overlap_no_overrun(make_pool):
     for s in samples:
         assert s["reserved_bytes"] <= s["max_bytes"] == STRESS_CAP, s
         assert s["in_use_bytes"] <= s["reserved_bytes"], s
-    end = stats(pool)
+    end = pool_stats(pool)
     assert end["in_use_bytes"] == 0, end
     assert end["regions"] == 0, end
     assert end["pending"] == 0, end
@@ -236,11 +214,11 @@ def test_same_sized_allocs_reuse_slabs(make_pool):
         for b in bufs:
             b.release()
         if i == 0:
-            s0 = stats(pool)
+            s0 = pool_stats(pool)
             first_ptrs = ptrs
         else:
             assert ptrs == first_ptrs, "same-sized batches should get the very same extents"
-    s = stats(pool)
+    s = pool_stats(pool)
     assert s["slabs_created"] == s0["slabs_created"] == 1
     assert s["allocs_new"] == s0["allocs_new"] == 1
     assert s["allocs_cached"] == 50 * k - 1
@@ -255,19 +233,24 @@ def test_steady_state_mixed_sizes_stop_creating_slabs(make_pool):
     for _ in range(5):
         bufs = [pool.alloc(n) for n in sizes]
         del bufs  # dealloc without release() also returns regions
-    s0 = stats(pool)
+    s0 = pool_stats(pool)
     assert s0["in_use_bytes"] == 0 and s0["regions"] == 0
     for _ in range(30):
         bufs = [pool.alloc(n) for n in sizes]
         for b in bufs:
             b.release()
-    s = stats(pool)
+    s = pool_stats(pool)
     assert s["slabs_created"] == s0["slabs_created"]
     assert s["allocs_new"] == s0["allocs_new"]
     assert s["allocs_cached"] - s0["allocs_cached"] == 30 * len(sizes)
 
 
 # ---- alignment and rounding ----
+
+def max_reserved(n):
+    """Documented bound on rounding: 256-byte granules, and at most 1/8 of the request."""
+    return max(ALIGN, n + max(ALIGN - 1, n // 8))
+
 
 def test_alignment_and_waste_many_live(make_pool):
     pool = make_pool(64 * MiB)
@@ -279,9 +262,9 @@ def test_alignment_and_waste_many_live(make_pool):
     bufs = []
     total_requested = 0
     for n in sizes:
-        before = stats(pool)["in_use_bytes"]
+        before = pool_stats(pool)["in_use_bytes"]
         b = pool.alloc(n)
-        r = stats(pool)["in_use_bytes"] - before
+        r = pool_stats(pool)["in_use_bytes"] - before
         assert b.ptr % ALIGN == 0, (n, hex(b.ptr))
         assert b.nbytes == n
         assert r % ALIGN == 0 and r >= max(n, 1), (n, r)
@@ -289,12 +272,12 @@ def test_alignment_and_waste_many_live(make_pool):
         assert live.add(b.ptr, max(r, 1)) is None  # reserved extents are disjoint too
         bufs.append(b)
         total_requested += n
-    s = stats(pool)
+    s = pool_stats(pool)
     assert s["regions"] == len(sizes)
     assert s["in_use_bytes"] <= sum(max_reserved(n) for n in sizes)
     for b in bufs:
         b.release()
-    assert stats(pool)["in_use_bytes"] == 0
+    assert pool_stats(pool)["in_use_bytes"] == 0
 
 
 _hyp_pool = None
@@ -323,7 +306,7 @@ def test_rounding_bound_property(n):
 
 def _fill(pool, n):
     b = pool.alloc(n, timeout=0)
-    assert stats(pool)["reserved_bytes"] <= pool.max_bytes
+    assert pool_stats(pool)["reserved_bytes"] <= pool.max_bytes
     return b
 
 
@@ -345,14 +328,14 @@ def test_blocking_alloc_returns_when_another_thread_releases(make_pool):
     assert entered.wait(JOIN_S)
     t.join(0.3)
     assert t.is_alive() and not result, f"alloc returned while the cap was full: {result}"
-    assert stats(pool)["in_use_bytes"] == 1 * MiB
+    assert pool_stats(pool)["in_use_bytes"] == 1 * MiB
     big.release()
     t.join(JOIN_S)
     assert not t.is_alive(), "blocked alloc did not return after a release made room"
     assert "err" not in result, result
     buf = result["buf"]
     assert buf.nbytes == 4096 and buf.ptr % ALIGN == 0
-    s = stats(pool)
+    s = pool_stats(pool)
     assert s["waits"] >= 1 and s["wait_s"] > 0, s
     buf.release()
 
@@ -362,7 +345,7 @@ def test_timeout_raises_pool_exhausted_with_numbers(make_pool):
     pool = make_pool(cap)
     a = _fill(pool, 768 * KiB)
     b = _fill(pool, 128 * KiB)
-    in_use = stats(pool)["in_use_bytes"]
+    in_use = pool_stats(pool)["in_use_bytes"]
     assert in_use == 896 * KiB
     want = 256 * KiB
     t0 = time.monotonic()
@@ -379,7 +362,7 @@ def test_timeout_raises_pool_exhausted_with_numbers(make_pool):
     with pytest.raises(PoolExhausted):
         pool.alloc(want, timeout=0)
     # nothing leaked by the failed attempts
-    s = stats(pool)
+    s = pool_stats(pool)
     assert s["in_use_bytes"] == in_use and s["regions"] == 2
     b.release()
     with pool.alloc(want, timeout=0) as c:  # now it fits
@@ -413,7 +396,7 @@ def test_request_over_cap_raises_at_once(make_pool, timeout):
     assert isinstance(e, PoolExhausted), out
     msg = str(e)
     assert str(cap + 1) in msg and str(cap) in msg, msg
-    assert stats(pool)["waits"] == 0  # it did not wait for room that can never come
+    assert pool_stats(pool)["waits"] == 0  # it did not wait for room that can never come
     # An empty pool serves a request of exactly the cap.
     with pool.alloc(cap, timeout=0) as b:
         assert b.nbytes == cap
@@ -429,11 +412,11 @@ def test_request_within_cap_fits_empty_pool(make_pool, cap, n):
     assert "err" not in out, f"alloc({n}) under cap {cap} failed: {out['err']!r}"
     buf = out["value"]
     assert buf.nbytes == n
-    assert stats(pool)["reserved_bytes"] <= cap
+    assert pool_stats(pool)["reserved_bytes"] <= cap
     buf.release()
 
 
-def test_ctrl_c_interrupts_blocked_alloc(python_env):
+def test_ctrl_c_interrupts_blocked_alloc():
     # The child's helper thread announces "blocked" once the pool has counted a wait, i.e. once
     # the main thread is inside alloc() waiting for room; only then does the parent send SIGINT.
     code = r"""
@@ -459,7 +442,7 @@ except KeyboardInterrupt:
                       "in_use": s["in_use_bytes"], "regions": s["regions"], "ok": ok}), flush=True)
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=python_env)
+                            stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         line = proc.stdout.readline()  # returns "" if the child dies first
         assert line.strip() == "blocked", line + proc.stderr.read()
@@ -477,285 +460,33 @@ except KeyboardInterrupt:
     assert res["ok"] is True
 
 
-# ---- buffer protocol, DLPack ----
+# ---- pending regions (held copies) ----
 
-def test_numpy_and_memoryview_share_bytes(make_pool):
-    pool = make_pool(4 * MiB)
-    n = 10_000
-    buf = pool.alloc(n)
-    a = np.frombuffer(buf, dtype=np.uint8)
-    m = memoryview(buf)
-    assert a.size == n and len(m) == n and m.nbytes == n
-    assert not m.readonly and a.flags.writeable
-    assert a.ctypes.data == buf.ptr
-    data = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
-    a[:] = data
-    assert m.tobytes() == data.tobytes()  # written through numpy, read through memoryview
-    m[100:104] = b"pinl"
-    assert a[100:104].tobytes() == b"pinl"  # written through memoryview, read through numpy
-    # a second frombuffer sees the same memory too
-    b2 = np.frombuffer(buf, dtype=np.uint32, count=4, offset=8)
-    b2[:] = [1, 2, 3, 4]
-    assert a[8:24].view(np.uint32).tolist() == [1, 2, 3, 4]
-    del a, b2
-    m.release()
+def test_pool_trim_frees_nothing_pending_and_pending_regions_are_not_reused():
+    pool = pinloader.PinnedPool(max_bytes=2 * MiB, device="cpu")
+    _C._debug_hold_copies(True)
+    try:
+        pf = pinloader.AsyncPrefetcher([np.ones(MiB + MiB // 2, np.uint8)], device="cpu", pool=pool,
+                                       depth=1)
+        batch = next(pf)
+        assert wait_for(lambda: pool.stats()["pending"] == 1, timeout=30.0, step=0.005), (
+            "timed out waiting for the staged region to be pending")
+        st = pool.stats()
+        assert st["regions"] == 1 and st["in_use_bytes"] >= MiB + MiB // 2, st
+        # trim() gives back only slabs with no live region: the pending one's slab stays
+        assert pool.trim() == 0
+        assert pool.stats()["slabs"] == st["slabs"] and pool.stats()["pending"] == 1
+        # the pending region is neither reused nor counted as free: no room for another
+        with pytest.raises(pinloader.PoolExhausted):
+            pool.alloc(MiB, timeout=0.05)
+        assert pool.stats()["pending"] == 1
+    finally:
+        _C._debug_hold_copies(False)
+    np.testing.assert_array_equal(values(batch), np.ones(MiB + MiB // 2, np.uint8))
+    pf.close()
+    assert wait_for(lambda: pool.stats()["pending"] == 0, timeout=30.0, step=0.005), (
+        "timed out waiting for the region to come back")
+    buf = pool.alloc(MiB, timeout=5)  # room again once the copy is done
     buf.release()
-
-
-def test_dlpack_shares_memory(make_pool):
-    pool = make_pool(4 * MiB)
-    n = 4099
-    buf = pool.alloc(n)
-    assert buf.__dlpack_device__() == (3, 0)
-    d = np.from_dlpack(buf)
-    assert d.shape == (n,) and d.dtype == np.uint8
-    assert d.ctypes.data == buf.ptr
-    d[:] = 7
-    mv = memoryview(buf)
-    assert mv.tobytes() == b"\x07" * n
-    mv[0] = 200
-    assert d[0] == 200
-    mv.release()
-    with pytest.raises(BufferError):
-        buf.release()
-    del d
-    gc.collect()
-    buf.release()
-    assert buf.released
-
-
-def test_dlpack_capsule_versions_and_refusals(make_pool):
-    pool = make_pool(1 * MiB)
-    buf = pool.alloc(64)
-    cap = buf.__dlpack__()
-    assert type(cap).__name__ == "PyCapsule" and "dltensor" in repr(cap)
-    cap_v = buf.__dlpack__(max_version=(1, 0))
-    assert "dltensor_versioned" in repr(cap_v)
-    with pytest.raises(BufferError):
-        buf.release()  # two unconsumed capsules keep it exported
-    del cap, cap_v
-    gc.collect()
-    with pytest.raises(BufferError):
-        buf.__dlpack__(stream=1)
-    with pytest.raises(BufferError):
-        buf.__dlpack__(copy=True)
-    with pytest.raises(BufferError):
-        buf.__dlpack__(dl_device=(2, 0))
-    buf.__dlpack__(dl_device=(1, 0))  # kDLCPU is fine
-    gc.collect()
-    buf.release()
-
-
-def test_torch_from_dlpack_shares_memory(make_pool):
-    torch = pytest.importorskip("torch")
-    pool = make_pool(4 * MiB)
-    n = 1 << 16
-    buf = pool.alloc(n)
-    t = torch.from_dlpack(buf)
-    assert t.device.type == "cpu"
-    assert t.dtype == torch.uint8 and t.numel() == n
-    assert t.data_ptr() == buf.ptr
-    t.fill_(9)
-    a = np.frombuffer(buf, np.uint8)
-    assert (a == 9).all()
-    a[5] = 42
-    assert int(t[5]) == 42
-    del a
-    with pytest.raises(BufferError):
-        buf.release()
-    del t
-    gc.collect()
-    buf.release()
-
-
-# ---- lifecycle ----
-
-def test_release_refused_while_view_alive(make_pool):
-    pool = make_pool(1 * MiB)
-    buf = pool.alloc(1000)
-    m = memoryview(buf)
-    a = np.frombuffer(buf, np.uint8)
-    with pytest.raises(BufferError) as ei:
-        buf.release()
-    assert "buffer views" in str(ei.value)
-    assert not buf.released
-    m.release()
-    with pytest.raises(BufferError):
-        buf.release()  # the numpy array still holds a view
-    assert stats(pool)["in_use_bytes"] > 0
-    del a
-    buf.release()
-    assert buf.released and buf.nbytes == 0 and len(buf) == 0
-    assert stats(pool)["in_use_bytes"] == 0
-
-
-def test_release_is_idempotent_and_buffer_dead_after(make_pool):
-    pool = make_pool(1 * MiB)
-    keep = pool.alloc(512)
-    buf = pool.alloc(1000)
-    buf.release()
-    s = stats(pool)
-    buf.release()  # no error, no double free
-    buf.release()
-    assert stats(pool)["in_use_bytes"] == s["in_use_bytes"] == 512
-    assert stats(pool)["regions"] == 1
-    with pytest.raises(BufferError):
-        memoryview(buf)
-    with pytest.raises(ValueError):
-        buf.ptr
-    with pytest.raises(ValueError):
-        buf.__dlpack__()
-    with pytest.raises(ValueError):
-        with buf:
-            pass
-    # the freed region is handed out once, not twice
-    x, y = pool.alloc(1000), pool.alloc(1000)
-    assert x.ptr != y.ptr
-    for b in (x, y, keep):
-        b.release()
-    assert stats(pool)["regions"] == 0
-
-
-def test_buffer_context_manager(make_pool):
-    pool = make_pool(1 * MiB)
-    with pool.alloc(2048) as b:
-        assert not b.released and b.pool is pool
-        np.frombuffer(b, np.uint8)[:] = 1
-        assert stats(pool)["in_use_bytes"] >= 2048
-    assert b.released
-    assert stats(pool)["in_use_bytes"] == 0
-    # exiting while a view is alive refuses, and the region stays out
-    with pytest.raises(BufferError):
-        with pool.alloc(100) as c:
-            v = memoryview(c)
-    assert not c.released
-    v.release()
-    c.release()
-    assert stats(pool)["regions"] == 0
-
-
-def test_dealloc_without_release_returns_region(make_pool):
-    pool = make_pool(1 * MiB)
-    buf = pool.alloc(5000)
-    assert stats(pool)["regions"] == 1
-    del buf
-    gc.collect()
-    s = stats(pool)
-    assert s["regions"] == 0 and s["in_use_bytes"] == 0
-
-
-def test_buffer_keeps_pool_alive():
-    buf = PinnedPool(max_bytes=1 * MiB, device="cpu").alloc(300)
-    pool = buf.pool
-    assert isinstance(pool, PinnedPool)
-    np.frombuffer(buf, np.uint8)[:] = 3
-    assert memoryview(buf).tobytes() == b"\x03" * 300
-    assert pool.stats()["regions"] == 1
-    buf.release()
-    assert pool.stats()["regions"] == 0
-
-
-def test_close_then_alloc_raises(make_pool):
-    pool = make_pool(1 * MiB)
-    with pool.alloc(100):
-        pass
+    assert pool.trim() > 0 and pool.stats()["slabs"] == 0
     pool.close()
-    pool.close()  # idempotent
-    with pytest.raises(ValueError, match="closed"):
-        pool.alloc(10)
-    assert "closed" in repr(pool)
-    assert pool.stats()["reserved_bytes"] == 0  # close gives idle slabs back
-
-
-def test_pool_context_manager_and_live_buffer_across_close(make_pool):
-    with PinnedPool(max_bytes=1 * MiB, device="cpu") as pool:
-        buf = pool.alloc(4096)
-        np.frombuffer(buf, np.uint8)[:] = 0xAB
-    with pytest.raises(ValueError):
-        pool.alloc(1)
-    # A buffer handed out before close stays valid; its slab goes back when it is released.
-    assert memoryview(buf).tobytes() == b"\xab" * 4096
-    assert pool.stats()["reserved_bytes"] > 0
-    buf.release()
-    s = pool.stats()
-    assert s["regions"] == 0 and s["reserved_bytes"] == 0 and s["slabs"] == 0
-
-
-def test_trim_frees_idle_slabs(make_pool):
-    pool = make_pool(8 * MiB)
-    a = pool.alloc(1 * MiB)
-    s = stats(pool)
-    assert s["reserved_bytes"] > 0 and s["slabs"] == 1
-    assert pool.trim() == 0  # the only slab has a live region
-    assert stats(pool)["reserved_bytes"] == s["reserved_bytes"]
-    a.release()
-    freed = pool.trim()
-    assert freed == s["reserved_bytes"]
-    s2 = stats(pool)
-    assert s2["reserved_bytes"] == 0 and s2["slabs"] == 0 and s2["slabs_freed"] == 1
-    assert pool.trim() == 0
-    with pool.alloc(1000) as b:  # the pool makes a new slab after a trim
-        assert b.nbytes == 1000
-    assert stats(pool)["slabs_created"] == 2
-
-
-def test_argument_checks():
-    with pytest.raises(ValueError):
-        PinnedPool(max_bytes=0, device="cpu")
-    with pytest.raises(ValueError):
-        PinnedPool(max_bytes=-5, device="cpu")
-    pool = PinnedPool(max_bytes=1 * MiB, device="cpu")
-    assert pool.max_bytes == 1 * MiB and pool.backend == "host"
-    with pytest.raises(ValueError):
-        pool.alloc(-1)
-    with pytest.raises(ValueError):
-        pool.alloc(10, timeout=-1)
-    with pool.alloc(0) as z:
-        assert z.nbytes == 0 and z.ptr % ALIGN == 0
-    default = PinnedPool(device="cpu")
-    assert default.max_bytes == pinloader.default_pinned_cap() > 0
-    pool.close()
-    default.close()
-
-
-# ---- CUDA ----
-
-@pytest.mark.gpu
-def test_cuda_pool_regions_are_pinned():
-    from pinloader import _C
-
-    prim = _C._Prim("cuda:0")
-    with PinnedPool(max_bytes=64 * MiB, device="cuda:0") as pool:
-        assert pool.backend == "cuda"
-        bufs = [pool.alloc(n) for n in (1, 4096, 3 * MiB + 7)]
-        for b in bufs:
-            assert b.ptr % ALIGN == 0
-            assert prim.is_pinned(b.ptr) is True
-            assert prim.is_pinned(b.ptr + b.nbytes - 1) is True
-            np.frombuffer(b, np.uint8)[:] = 5
-            assert memoryview(b).tobytes() == b"\x05" * b.nbytes
-        for b in bufs:
-            b.release()
-
-
-def test_dlpack_view_outlives_the_buffer_object():
-    # The region belongs to the buffer and to every tensor exported from it: dropping the
-    # PinnedBuffer first must neither free the memory under the view nor leak it after.
-    import gc
-
-    pool = pinloader.PinnedPool(max_bytes=4 << 20, device="cpu")
-    buf = pool.alloc(4096)
-    np.frombuffer(buf, dtype=np.uint8)[:] = 7
-    view = np.from_dlpack(buf)
-    with pytest.raises(BufferError, match="DLPack"):
-        buf.release()
-    del buf
-    gc.collect()
-    assert pool.stats()["in_use_bytes"] > 0
-    other = pool.alloc(4096)  # must not be handed the region the view still reads
-    np.frombuffer(other, dtype=np.uint8)[:] = 9
-    assert (view == 7).all()
-    del view
-    gc.collect()
-    other.release()
-    assert pool.stats()["in_use_bytes"] == 0

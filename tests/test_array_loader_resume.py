@@ -1,30 +1,26 @@
-"""Checkpoint and resume: ArrayLoader.state_dict / load_state_dict across processes, world sizes
-and batch sizes; StatefulPrefetcher over a stateful source (a source of the tests' own, and
-torchdata's StatefulDataLoader with workers when torchdata is installed); the DDP example
-resumed mid-epoch.
+"""ArrayLoader checkpoints: state_dict / load_state_dict (host backend).
 
-Every equivalence is of a whole batch sequence: an uninterrupted run against (k batches,
-state_dict, a new process, load_state_dict, the rest), for every k.
+A run resumed in a new process equals the uninterrupted run, for every number of batches before
+the checkpoint: every equivalence is of a whole batch sequence, an uninterrupted run against (k
+batches, state_dict, a new process, load_state_dict, the rest). The same across world sizes
+(elastic, within an epoch) and batch sizes; states that do not fit the loader are refused naming
+the field (or accepted when allow_changed names it); torch.save, torch.distributed.checkpoint and
+the torch adapter's door carry them.
 """
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
 import pytest
 
 import pinloader
-from helpers import drain, run_child
-from test_array_loader import ref_order
+from helpers import ROOT, drain, ref_order, run_py
 
 DEVICE = "cpu"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           OMP_NUM_THREADS="1")
+
 EPOCHS = 3
 
 
@@ -53,6 +49,8 @@ def continue_run(L, first_epoch, on_batch=None):
     return got
 
 
+# ---- resumed in a new process --------------------------------------------------------------------
+
 # The child: one fresh loader per state, continued to the end of epoch EPOCHS - 1 with a
 # training loop's set_epoch; a second resume within the epoch is handed back to the parent.
 CHILD = r'''
@@ -60,7 +58,7 @@ import json, sys
 import numpy as np
 import pinloader
 sys.path.insert(0, {tests!r})
-from test_resume import data, continue_run
+from test_array_loader_resume import data, continue_run
 cfg = json.loads({cfg!r})
 job = json.load(open({job!r}))
 out = []
@@ -116,8 +114,8 @@ def test_resume_in_a_new_process_equals_uninterrupted_run(name, tmp_path):
         child_cfg = dict(cfg, kw=dict(kw, depth=3))
         job = tmp_path / f"job{rank}.json"
         job.write_text(json.dumps({"states": [s for _, s in states]}))
-        p = run_child(CHILD.format(tests=os.path.join(ROOT, "tests"), cfg=json.dumps(child_cfg),
-                                   job=str(job)), ENV, timeout=300)
+        code = CHILD.format(tests=os.path.join(ROOT, "tests"), cfg=json.dumps(child_cfg), job=str(job))
+        p = run_py(code, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-4000:]
         out = json.loads((tmp_path / f"job{rank}.json.out").read_text())
         assert len(out) == len(states)
@@ -136,6 +134,8 @@ def test_resume_in_a_new_process_equals_uninterrupted_run(name, tmp_path):
             seconds += 1
         assert seconds > 0
 
+
+# ---- the state -----------------------------------------------------------------------------------
 
 def test_state_format_and_boundaries():
     L = pinloader.ArrayLoader(data(20), 6, seed=1, device=DEVICE, depth=3)
@@ -188,7 +188,7 @@ def test_load_discards_prefetched_batches_and_set_epoch_elsewhere_drops_the_resu
     L.close()
 
 
-def test_any_ranks_state_resumes_every_rank():
+def test_rank_0s_state_resumes_both_ranks():
     # lockstep: every rank's state holds the same position, so rank 0's resumes rank 1
     kw = dict(seed=6, world_size=2, device=DEVICE)
     Ls = [pinloader.ArrayLoader(data(101), 7, rank=r, **kw) for r in range(2)]
@@ -208,7 +208,7 @@ def test_any_ranks_state_resumes_every_rank():
         x.close()
 
 
-# ---- elastic: another world size ----
+# ---- elastic: another world size -----------------------------------------------------------------
 
 def whole_order(n, seed, epoch, windows=None, shuffle=True):
     """The epoch's order before sharding, from the reference generator."""
@@ -344,7 +344,7 @@ def test_batch_size_change_counts_items():
             L2.close()
 
 
-# ---- refused states ----
+# ---- refused states ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,field", [
     (dict(seed=8), "seed"), (dict(shuffle=False), "shuffle"), (dict(drop_last=True), "drop_last"),
@@ -419,6 +419,8 @@ def test_malformed_states_are_refused():
         L.load_state_dict(st)
 
 
+# ---- through torch -------------------------------------------------------------------------------
+
 def test_torch_save_and_distributed_checkpoint(tmp_path):
     torch = pytest.importorskip("torch")
     dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -462,178 +464,3 @@ def test_torch_door_forwards_to_the_loader():
     tp2.close()
     with pytest.raises(TypeError, match="the source has no state_dict"):
         pt.prefetch([np.zeros(3)], device="cpu").state_dict()
-
-
-# ---- a stateful source through StatefulPrefetcher and the framework doors ----
-
-class CountingSource:
-    """A stateful source of the tests' own, with the protocol of torchdata's
-    StatefulDataLoader: re-iterable (one epoch per iter()), state_dict() as of the items
-    yielded, load_state_dict() taking effect at the next iter(); shuffled per epoch."""
-
-    def __init__(self, n=23, bs=4, seed=0):
-        self.n, self.bs, self.seed = n, bs, seed
-        self.epoch, self.pos, self._pending = 0, 0, None
-        self.live = False
-
-    def __len__(self):
-        return -(-self.n // self.bs)
-
-    def __iter__(self):
-        if self._pending is not None:
-            self.epoch, self.pos = self._pending
-            self._pending = None
-            if self.pos >= self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-        elif self.live or self.pos:
-            self.epoch, self.pos = self.epoch + 1, 0
-        return self._gen()
-
-    def _gen(self):
-        self.live = True
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-        while self.pos < self.n:
-            rows = order[self.pos:self.pos + self.bs]
-            self.pos += len(rows)
-            yield {"id": rows.astype(np.int64), "x": rows.astype(np.float32)[:, None] * 2,
-                   "epoch": self.epoch}
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, st):
-        self._pending = (st["epoch"], st["pos"])
-        self.live = False
-
-
-def test_stateful_prefetcher_state_is_the_consumers():
-    src = CountingSource()
-    with pinloader.StatefulPrefetcher(src, device=DEVICE, depth=4) as pf:
-        assert pf.state_dict() == {"epoch": 0, "pos": 0} and len(pf) == 6
-        it = iter(pf)
-        b = next(it)
-        assert b["epoch"] == 0 and np.from_dlpack(b["x"]).shape == (4, 1)
-        import time
-        time.sleep(0.05)  # the producer runs ahead...
-        assert src.pos > 4
-        assert pf.state_dict() == {"epoch": 0, "pos": 4}  # ...the state does not
-        drain(pf)
-        assert pf.state_dict() == {"epoch": 0, "pos": 23}
-        assert pf.stats()["batches"] >= 6
-    with pytest.raises(TypeError, match="has no state_dict"):
-        pinloader.StatefulPrefetcher([1, 2])
-
-
-STATEFUL_CHILD = r'''
-import pickle, sys
-import numpy as np
-sys.path.insert(0, {tests!r})
-import test_resume as T
-states = pickle.load(open({job!r}, "rb"))
-out = []
-for k, st in states:
-    pf = T.make_stateful({kind!r})
-    pf.load_state_dict(st)
-    out.append(T.run_stateful(pf, {total} - k))
-    pf.close()
-pickle.dump(out, open({job!r} + ".out", "wb"))
-'''
-
-
-def make_stateful(kind):
-    if kind == "own":
-        return pinloader.StatefulPrefetcher(CountingSource(), device=DEVICE, depth=3)
-    import warnings
-    warnings.filterwarnings("ignore", message=".*set_vital.*")
-    import torch
-    import pinloader.torch as pt
-    from torchdata.stateful_dataloader import StatefulDataLoader
-    g = torch.Generator()
-    g.manual_seed(0)
-    dl = StatefulDataLoader(TorchDataset(), batch_size=4, num_workers=2, shuffle=True, generator=g)
-    return pt.prefetch(dl, device="cpu", depth=3)
-
-
-class TorchDataset:
-    def __len__(self):
-        return 30
-
-    def __getitem__(self, i):
-        return {"id": i, "x": np.full(3, i, np.float32)}
-
-
-def run_stateful(pf, count):
-    """`count` batches, iterating epochs as a training loop does; their ids."""
-    out = []
-    while len(out) < count:
-        for b in pf:
-            i = np.from_dlpack(b["id"]).tolist()
-            scale = 2 if "epoch" in b else 1  # CountingSource's values, or TorchDataset's
-            assert np.array_equal(np.from_dlpack(b["x"])[:, 0], np.asarray(i, np.float32) * scale)
-            out.append(i)
-            if len(out) == count:
-                break
-    return out
-
-
-@pytest.mark.parametrize("kind", ["own", "torchdata"])
-def test_stateful_source_resumed_in_a_new_process(kind, tmp_path):
-    import pickle
-    if kind == "torchdata":
-        pytest.importorskip("torchdata.stateful_dataloader")
-    pf = make_stateful(kind)
-    per_epoch = len(pf)
-    total = 2 * per_epoch + 2
-    seq, states = [], [(0, pf.state_dict())]
-    while len(seq) < total:
-        for b in pf:
-            seq.append(np.from_dlpack(b["id"]).tolist())
-            states.append((len(seq), pf.state_dict()))
-            if len(seq) == total:
-                break
-        else:
-            states.append((len(seq), pf.state_dict()))  # after the epoch's end
-    pf.close()
-    job = tmp_path / "states.pkl"
-    with open(job, "wb") as fh:
-        pickle.dump(states, fh)
-    p = run_child(STATEFUL_CHILD.format(tests=os.path.join(ROOT, "tests"), job=str(job),
-                                        kind=kind, total=total), ENV, timeout=500)
-    assert p.returncode == 0, p.stderr[-4000:]
-    with open(str(job) + ".out", "rb") as fh:
-        out = pickle.load(fh)
-    assert len(out) == len(states) > total
-    for (k, _), got in zip(states, out):
-        assert got == seq[k:], f"resumed after {k} batches"
-
-
-# ---- examples/ddp_train.py, resumed mid-epoch ----
-
-@pytest.mark.slow
-def test_ddp_example_resumes_mid_epoch_with_identical_losses(tmp_path):
-    pytest.importorskip("torch")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "ddp_train.py"), "--cpu", "--epochs", "2", "--rows", "1001"]
-    ckpt = str(tmp_path / "ckpt.pt")
-
-    def run(extra, expected_lines):
-        # the same single retry as test_ddp_example_matches_plain_indexing_on_cpu, for torch
-        # gloo's teardown abort after the whole run printed
-        for attempt in range(2):
-            p = subprocess.run(cmd + extra, env=ENV, cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-            lines = p.stdout.splitlines()
-            teardown_abort = (p.returncode != 0 and len(lines) == expected_lines
-                              and "terminate called without an active exception" in p.stderr)
-            if p.returncode == 0 or not teardown_abort or attempt == 1:
-                assert p.returncode == 0, p.stderr[-3000:]
-                return lines
-        raise AssertionError("unreachable")
-
-    whole = run([], 16)
-    first = run(["--checkpoint", ckpt, "--stop-after", "5"], 5)
-    rest = run(["--resume", ckpt], 11)
-    assert first == whole[:5] and rest == whole[5:]
-    # plain indexing of the resumed epoch's items (indices_after) trains the same
-    assert run(["--resume", ckpt, "--plain"], 11) == rest
-    assert rest[0].startswith("epoch 0 step 5 losses ")

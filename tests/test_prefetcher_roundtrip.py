@@ -1,4 +1,4 @@
-"""Property tests: whatever goes in comes out, bit for bit, in the same structure.
+"""Property tests of AsyncPrefetcher: whatever goes in comes out, bit for bit, in the same structure.
 
 Hypothesis draws arrays of every supported numeric dtype with 0-4 dimensions (sizes 0 and 1
 included), views them through random slicing (steps, negative steps) and transposes, nests them
@@ -19,6 +19,7 @@ import pinloader
 from helpers import CapsuleWrapper
 
 DEVICE = "cpu"
+
 
 DTYPES = [
     np.dtype(t) for t in (

@@ -1,0 +1,69 @@
+"""ArrayLoader on CUDA (gpu-marked: run on the GPU machine, `pytest -m gpu`): values through torch,
+CuPy and JAX, and token windows from a memory-mapped file. (Two GPUs under torchrun:
+test_example_ddp.py.)
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pinloader
+from helpers import ids, sample
+
+
+def _gpu_loader(device="cuda:0"):
+    n = 300
+    a = sample((n, 3, 8), np.float32, 4)
+    return a, pinloader.ArrayLoader((ids(n), a), 64, seed=3, device=device)
+
+
+@pytest.mark.gpu
+def test_gpu_values_through_torch():
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    a, L = _gpu_loader(None)
+    with pt.prefetch(L, device="cuda:0") as tp:
+        for i, x in tp:
+            assert x.is_cuda and x.device.index == 0
+            assert np.array_equal(x.cpu().numpy(), a[i.cpu().numpy()])
+    assert torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+def test_gpu_values_through_cupy():
+    cp = pytest.importorskip("cupy")
+    import pinloader.cupy as pc
+    a, L = _gpu_loader(None)
+    with pc.prefetch(L, device=0) as it:
+        for i, x in it:
+            assert isinstance(x, cp.ndarray)
+            assert np.array_equal(cp.asnumpy(x), a[cp.asnumpy(i)])
+
+
+@pytest.mark.gpu
+def test_gpu_values_through_jax():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU device")
+    import pinloader.jax as pj
+    a, L = _gpu_loader(None)
+    with pj.prefetch(L, device="cuda:0") as it:
+        for i, x in it:
+            assert np.array_equal(np.asarray(x), a[np.asarray(i)])
+
+
+@pytest.mark.gpu
+def test_gpu_windows_memmap(tmp_path):
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    mm = np.memmap(tmp_path / "tok.bin", dtype=np.uint16, mode="w+", shape=(200_000,))
+    mm[:] = np.arange(200_000) % 65521
+    mm.flush()
+    ro = np.memmap(tmp_path / "tok.bin", dtype=np.uint16, mode="r", shape=(200_000,))
+    L = pinloader.ArrayLoader(ro, 16, windows=1025, seed=1)
+    with pt.prefetch(L, device="cuda:0") as tp:
+        starts = L.indices(0)
+        for b, w in enumerate(tp):
+            assert w.shape == (len(starts[b * 16:(b + 1) * 16]), 1025) and w.is_cuda
+            want = np.stack([ro[s:s + 1025] for s in starts[b * 16:(b + 1) * 16]]).astype(np.int32)
+            assert np.array_equal(w.to(torch.int32).cpu().numpy(), want)

@@ -1,0 +1,142 @@
+"""ArrayLoader: arguments, len/stats/close, and its one prefetcher (host backend).
+
+Bad arguments are refused at construction naming what is wrong (RowGather's rows too), a bad
+device at the first iteration; len(), stats(), close() and the context manager; one prefetcher
+serves every epoch; a container constructor that calls next() on the loader from the producer
+thread gets a clean error.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pinloader
+from pinloader import _C
+from helpers import collect, describe, ids, run_py
+
+DEVICE = "cpu"
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+
+class FakeCuda:
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("must not be called")
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(arrays=(np.zeros(5), np.zeros(6))), ValueError, r"same first dimension.*arrays\[0\]: 5.*arrays\[1\]: 6"),
+    (dict(arrays={"o": np.array([1, "a"], dtype=object)}), TypeError, r"arrays\['o'\]: .*object"),
+    (dict(arrays=np.zeros(4, dtype=[("a", "i4"), ("b", "f4")])), TypeError, r"arrays: .*structured"),
+    (dict(arrays=np.zeros(4, dtype="U3")), TypeError, "string"),
+    (dict(arrays=np.zeros(4, dtype=">f4")), TypeError, "big-endian"),
+    (dict(batch_size=0), ValueError, "batch_size must be >= 1"),
+    (dict(batch_size=-3), ValueError, "batch_size must be >= 1"),
+    (dict(batch_size=2.0), TypeError, "batch_size must be an int"),
+    (dict(rank=2, world_size=2), ValueError, "rank must be < world_size"),
+    (dict(rank=-1, world_size=2), ValueError, "rank must be >= 0"),
+    (dict(world_size=0, rank=0), ValueError, "world_size must be >= 1"),
+    (dict(windows=11), ValueError, "windows=11 is longer than the arrays"),
+    (dict(windows=0), ValueError, "windows must be >= 1"),
+    (dict(arrays=[np.zeros(10), FakeCuda()]), ValueError, r"arrays\[1\]: source is on cuda:0"),
+    (dict(arrays=np.float32(3)), ValueError, "at least one dimension"),
+    (dict(arrays=[np.zeros(10), "text"]), TypeError, r"arrays\[1\]: ArrayLoader needs arrays"),
+    (dict(arrays=[np.zeros(10), object()]), TypeError, r"arrays\[1\]: ArrayLoader needs arrays .*got object"),
+    (dict(arrays={}), ValueError, "no array"),
+    (dict(seed=1.5), TypeError, "seed must be an int"),
+])
+def test_bad_inputs(kwargs, exc, match):
+    args = dict(arrays=np.zeros((10, 2)), batch_size=4)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        pinloader.ArrayLoader(args.pop("arrays"), args.pop("batch_size"), device=DEVICE, **args)
+
+
+def test_rowgather_bad_rows():
+    a = np.zeros((10, 3))
+    with pytest.raises(IndexError, match=r"rows\[1\] = 10 is out of range for a source of 10 rows"):
+        _C.RowGather(a, [0, 10])
+    with pytest.raises(IndexError, match=r"rows\[0\] = -1"):
+        _C.RowGather(a, [-1])
+    with pytest.raises(IndexError, match="out of range"):
+        _C.RowGather(a, np.array([2**64 - 1], dtype=np.uint64))
+    with pytest.raises(IndexError, match="a window of 4 rows starting there does not fit"):
+        _C.RowGather(a, [7], window=4)
+    with pytest.raises(TypeError, match="integers"):
+        _C.RowGather(a, [1.0])
+    with pytest.raises(ValueError, match="1-D"):
+        _C.RowGather(a, [[1]])
+    with pytest.raises(ValueError, match="longer than the source"):
+        _C.RowGather(a, [], window=11)
+    with pytest.raises(TypeError, match="window must be an int"):
+        _C.RowGather(a, [], window=2.0)
+    assert _C.RowGather(a, []).shape == (0, 3)
+
+
+def test_bad_device_is_reported_at_first_iteration():
+    L = pinloader.ArrayLoader(np.zeros(4), 2, device="tpu")
+    with pytest.raises((ValueError, TypeError), match="tpu"):
+        iter(L)
+    L.close()
+
+
+# ---- lifecycle -----------------------------------------------------------------------------------
+
+def test_len_stats_close_and_context_manager():
+    L = pinloader.ArrayLoader(ids(10), 3, device=DEVICE)
+    assert len(L) == 4 and L.stats()["batches_per_epoch"] == 4 and L.stats()["epoch"] is None
+    collect(L)
+    s = L.stats()
+    assert s["batches"] == 4 and s["epoch"] == 0 and s["rank"] == 0 and s["world_size"] == 1
+    L.close()
+    L.close()
+    assert L.closed
+    with pytest.raises(ValueError, match="closed"):
+        iter(L)
+    with pytest.raises(ValueError, match="closed"):
+        next(L)
+    with pinloader.ArrayLoader(ids(10), 3, device=DEVICE) as L2:
+        next(iter(L2))
+    assert L2.closed
+    assert "ArrayLoader(rows=10" in repr(L2)
+
+
+def test_one_prefetcher_across_epochs():
+    L = pinloader.ArrayLoader(ids(40), 8, device=DEVICE)
+    collect(L)
+    pf = L._pf
+    collect(L)
+    collect(L)
+    assert L._pf is pf and L.stats()["batches"] == 15
+    L.close()
+
+
+@pytest.mark.hostile
+def test_array_loader_container_constructor_calling_next_on_the_loader():
+    code = """
+    import collections, numpy as np, pinloader
+    box = {}
+    class Pair(collections.namedtuple("Pair", ["x", "y"])):
+        def __new__(cls, x, y):
+            # the batch's structure is built on the producer thread, around its DeviceArrays
+            if isinstance(x, pinloader.DeviceArray) and "L" in box:
+                try:
+                    next(box["L"])
+                    box["seen"] = "returned"
+                except Exception as e:
+                    box["seen"] = f"{type(e).__name__}: {e}"
+            return super().__new__(cls, x, y)
+    data = np.arange(40.0).reshape(20, 2)
+    L = box["L"] = pinloader.ArrayLoader(Pair(data, data[:, 0]), 5, device="cpu")
+    print("BATCHES", len(list(L)), flush=True)
+    print("SEEN", box.get("seen"), flush=True)
+    L.close()
+    """
+    p = run_py(code, timeout=60, watchdog=True)
+    assert p.returncode == 0, describe(p)
+    assert "BATCHES 4" in p.stdout, describe(p)
+    assert "SEEN RuntimeError: AsyncPrefetcher: next() was called on the prefetcher's own producer" \
+        in p.stdout, describe(p)
