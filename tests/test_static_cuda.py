@@ -184,3 +184,62 @@ def test_torch_door_looks_the_stream_up_once_per_batch_and_follows_it(monkeypatc
     for i, (total, y) in enumerate(out):
         assert float(total) == i * 1024 * 1024
         assert y.cpu().tolist() == list(range(i, i + 4))
+
+
+@pytest.mark.parametrize("door", ["torch", "cupy", "jax", "capsule", "array"])
+def test_every_container_kind_through_every_door_on_the_gpu(door):
+    from test_handout import STRUCTURES, _canon
+
+    def to_numpy(x):
+        if isinstance(x, np.ndarray):
+            return x
+        if door == "torch":
+            return x.cpu().numpy()
+        if door == "cupy":
+            import cupy
+            return cupy.asnumpy(x)
+        if door == "jax":
+            return np.asarray(x)
+        if door == "capsule":
+            return torch.from_dlpack(x).cpu().numpy()
+        return torch.from_dlpack(x).cpu().numpy()
+
+    def leaves_to_numpy(obj):
+        import copy
+        import dataclasses
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return type(obj)(**{f.name: leaves_to_numpy(getattr(obj, f.name))
+                                for f in dataclasses.fields(obj) if f.init})
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            for k in obj:
+                out[k] = leaves_to_numpy(obj[k])
+            return out
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*[leaves_to_numpy(v) for v in obj])
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(leaves_to_numpy(v) for v in obj)
+        if isinstance(obj, (str, int, float, type(None))):
+            return obj
+        return to_numpy(obj)
+
+    def make(src):
+        if door == "torch":
+            return pt.prefetch(src, device="cuda:0")
+        if door == "cupy":
+            pytest.importorskip("cupy")
+            import pinloader.cupy as pc
+            return pc.prefetch(src, device=0)
+        if door == "jax":
+            pytest.importorskip("jax")
+            import pinloader.jax as pj
+            return pj.prefetch(src, device="cuda:0")
+        return pinloader.AsyncPrefetcher(src, device="cuda:0", output=door,
+                                         stream=torch.cuda.current_stream().cuda_stream or 1)
+
+    for kind, maker in sorted(STRUCTURES.items()):
+        src = [maker(i) for i in range(3)]
+        with make(src) as batches:
+            got = [leaves_to_numpy(b) for b in batches]
+        torch.cuda.synchronize()
+        assert [_canon(b) for b in got] == [_canon(b) for b in src], kind
