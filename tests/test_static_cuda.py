@@ -238,6 +238,8 @@ def test_every_container_kind_through_every_door_on_the_gpu(door):
                                          stream=torch.cuda.current_stream().cuda_stream or 1)
 
     for kind, maker in sorted(STRUCTURES.items()):
+        if door == "jax" and kind == "tuple":
+            continue  # its int64 leaf: JAX without x64 mode has no int64 arrays
         src = [maker(i) for i in range(3)]
         with make(src) as batches:
             got = [leaves_to_numpy(b) for b in batches]
