@@ -382,3 +382,19 @@ def test_static_memory_is_one_block_across_epochs_and_freed_after_close():
     pf.close()
     assert pf.static_arrays is None
     assert _C._live_device_blocks("host")[0] - before <= 0
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_convert_that_closes_the_prefetcher_gets_its_batch_and_then_a_clean_error(static):
+    box = {}
+
+    def convert(leaf):
+        box["pf"].close()  # user code dropping everything mid-handout
+        return np.from_dlpack(leaf).copy()
+
+    src = [_rows(i) for i in range(3)]
+    pf = box["pf"] = AsyncPrefetcher(src, device="cpu", static=static, convert=convert)
+    np.testing.assert_array_equal(next(pf), src[0])
+    assert pf.closed and pf.static_arrays is None
+    with pytest.raises(ValueError, match="closed"):
+        next(pf)

@@ -322,39 +322,47 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     }
     pl_stream *s = cuda ? (pl_stream *)ps.handle : NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(leaves);
-    if (!h->statics) {
-        h->statics = h->out ? static_from_out(b, device, h->out) : static_make(st, b, device, leaves, s);
-        if (!h->statics)
-            return -1;
-    }
-    pl_static *S = h->statics;
-    if (n != S->n) {
-        PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): the batch has %zd array "
-                     "leaves, the static batch (laid out from the first batch) %zd", n, S->n);
+    int prev = -1, rc = cuda ? push_device(b, device, &prev) : PL_OK;
+    if (rc != PL_OK) {
+        pl_raise_backend(st, b, rc, "AsyncPrefetcher(static=True): making the device current");
         return -1;
     }
-    int64_t valid = -1;
+    /* First the wait for the batch's copy: on the host backend it releases the GIL, and
+     * nothing of h is held across it (another thread may close the prefetcher meanwhile). */
+    pl_block *waited = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         pl_da_view v;
-        int64_t rows;
-        if (leaf_view(st, leaves, i, &v) < 0 || check_fits(st, i, &v, &S->leaf[i], &rows) < 0)
+        if (leaf_view(st, leaves, i, &v) < 0 || (v.blk != waited && wait_batch(st, v.blk, s) < 0)) {
+            if (cuda)
+                pop_device(b, device, prev);
             return -1;
-        if (valid < 0 || rows < valid)
+        }
+        waited = v.blk; /* the leaves of a batch share one block */
+    }
+    /* From here on the GIL is held throughout. */
+    if (!h->statics)
+        h->statics = h->out ? static_from_out(b, device, h->out) : static_make(st, b, device, leaves, s);
+    pl_static *S = h->statics;
+    int64_t valid = -1;
+    if (S && n != S->n)
+        PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): the batch has %zd array "
+                     "leaves, the static batch (laid out from the first batch) %zd", n, S->n);
+    for (Py_ssize_t i = 0; S && n == S->n && i < n && !PyErr_Occurred(); i++) {
+        pl_da_view v;
+        int64_t rows;
+        leaf_view(st, leaves, i, &v);
+        if (check_fits(st, i, &v, &S->leaf[i], &rows) == 0 && (valid < 0 || rows < valid))
             valid = rows;
     }
-    int prev = -1, rc = cuda ? push_device(b, device, &prev) : PL_OK;
-    const char *what = "making the consumer's stream current";
-    pl_block *waited = NULL;
+    if (!S || PyErr_Occurred()) {
+        if (cuda)
+            pop_device(b, device, prev);
+        return -1;
+    }
+    const char *what = "";
     for (Py_ssize_t i = 0; rc == PL_OK && i < n; i++) {
         pl_da_view v;
         leaf_view(st, leaves, i, &v);
-        if (v.blk != waited) { /* the leaves of a batch share one block */
-            if (wait_batch(st, v.blk, s) < 0) {
-                pop_device(b, device, prev);
-                return -1;
-            }
-            waited = v.blk;
-        }
         const static_leaf *L = &S->leaf[i];
         char *dst = L->ptr;
         what = "copying a leaf into its static buffer";
@@ -426,16 +434,20 @@ PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_han
     if (h->is_static) {
         if (static_fill(st, b, device, h, leaves, stream) < 0)
             goto done;
+        /* convert (user code) may close the prefetcher, dropping the static buffers: hold
+         * what is used, and keep the converted leaves only if these buffers are still h's */
         pl_static *S = h->statics;
-        if (h->out) {
-            items = Py_NewRef(S->arrays); /* the user's own objects */
-        } else if (h->convert) {
-            if (!S->converted && !(S->converted = deliver(st, h, S->arrays, stream)))
-                goto done;
+        unsigned long gen = h->static_gen;
+        PyObject *arrays = Py_NewRef(S->arrays);
+        if (h->out)
+            items = Py_NewRef(arrays); /* the user's own objects */
+        else if (h->convert && S->converted)
             items = Py_NewRef(S->converted);
-        } else {
-            items = deliver(st, h, S->arrays, stream); /* fresh capsules, or the arrays */
-        }
+        else
+            items = deliver(st, h, arrays, stream); /* converted, fresh capsules, or the arrays */
+        if (items && h->convert && !h->out && h->static_gen == gen && h->statics && !h->statics->converted)
+            h->statics->converted = Py_NewRef(items);
+        Py_DECREF(arrays);
     } else {
         items = deliver(st, h, leaves, stream);
     }
@@ -458,6 +470,7 @@ void pl_handout_drop_static(pl_handout *h)
 {
     pl_static *S = h->statics;
     h->statics = NULL;
+    h->static_gen++;
     static_free(S);
 }
 

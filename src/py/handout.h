@@ -38,6 +38,7 @@ typedef struct pl_handout {
     PyObject *out;        /* out=: a tuple of the user's static buffers, or NULL */
     pl_static *statics;   /* the static buffers, made at the first batch */
     Py_ssize_t valid_rows; /* rows of the last static batch (-1: none yet) */
+    unsigned long static_gen; /* counts drops of the static buffers (see pl_handout_batch) */
 } pl_handout;
 
 /* 1 when batches go through pl_handout_batch (capsule, convert or static). */
