@@ -327,7 +327,7 @@ static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
 #ifdef Py_mod_multiple_interpreters
     /* One process-wide CUDA function table, and producer threads that each keep one thread
-     * state of the main interpreter (Note [producer thread state] in prefetcher.c, with
+     * state of the main interpreter (Note [producer thread state] in pf_producer.c, with
      * PyGILState as its fallback): a single interpreter only. */
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
