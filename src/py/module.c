@@ -102,7 +102,7 @@ static PyObject *mod_shutdown(PyObject *m, PyObject *noargs)
 {
     (void)noargs;
     pl_prefetcher_shutdown_all(pl_state_of_module(m));
-    /* Give the default pools' idle slabs back (Note [default pool] in pool.c). */
+    /* Give the default pools' idle slabs back (Note [default pool] in pool_default.c). */
     Py_BEGIN_ALLOW_THREADS
     pl_pool_trim_defaults();
     Py_END_ALLOW_THREADS
