@@ -32,8 +32,8 @@
  * memory not to be inherited). Its slabs are leaked in the child. A pool made in the child is
  * an ordinary pool. The pool's process-wide state (the debug report and quarantine mutexes of
  * pool_debug.c, and defaults_mu of the default pools in pool_default.c) is re-made by
- * pl_pool_atfork_child; the inherited default pools themselves are replaced on first use
- * (pl_pool_default). */
+ * pl_pool_atfork_child (pool_default.c); the inherited default pools themselves are replaced
+ * on first use (pl_pool_default). */
 #include "pool_impl.h"
 #include "util.h"
 
@@ -730,10 +730,4 @@ void pl_pool_decref(pl_pool *p)
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p);
-}
-
-void pl_pool_atfork_child(void)
-{
-    pl_pool_debug_atfork_child();
-    pl_pool_default_atfork_child();
 }

@@ -1,5 +1,6 @@
 /* The default pinned pools: one process-wide pool per (backend, device), made on first use,
- * and the shared cap they are made with (Note [default pool]). */
+ * and the shared cap they are made with (Note [default pool]); and the atfork child handler of
+ * the pool's process-wide state. */
 #include "pool_impl.h"
 #include "util.h"
 
@@ -71,7 +72,10 @@ size_t pl_pool_trim_defaults(void)
     return freed;
 }
 
-void pl_pool_default_atfork_child(void)
+/* The pool's process-wide state is this file's and debug mode's (Note [pool after fork] in
+ * pool.c). */
+void pl_pool_atfork_child(void)
 {
+    pl_pool_debug_atfork_child();
     pl_mutex_reset_in_child(&defaults_mu);
 }

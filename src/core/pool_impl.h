@@ -1,8 +1,9 @@
 /* The pinned pool's private header: the pool and client structs and the functions the pool's
  * files share. pool.c holds the slabs, their extents, polling, reserve and release, stats, trim
  * and close; pool_client.c the clients (Note [pool clients] in pool.h); pool_default.c the
- * default-pool registry and the shared cap (Note [default pool] there); pool_debug.c the debug
- * report, the canaries and the quarantine. The public header is pool.h. */
+ * default-pool registry and the shared cap (Note [default pool] there) and the atfork handler;
+ * pool_debug.c the debug report, the canaries and the quarantine. The public header is
+ * pool.h. */
 #ifndef PL_POOL_IMPL_H
 #define PL_POOL_IMPL_H
 
@@ -49,10 +50,7 @@ void pl_pool_canary_check(pl_region *r);
 /* Keep a dead region a while (REGION_DEAD in its magic) and free the oldest one kept, so that a
  * second release finds a dead region, not reused memory. */
 void pl_pool_quarantine(pl_region *r);
+/* Re-make debug mode's mutexes in a fork() child (pl_pool_atfork_child, pool_default.c). */
 void pl_pool_debug_atfork_child(void);
-
-/* ---- pool_default.c: the default pools ---- */
-
-void pl_pool_default_atfork_child(void);
 
 #endif

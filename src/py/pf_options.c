@@ -1,13 +1,9 @@
-/* AsyncPrefetcher's construction policy: the constructor's arguments checked, the source's
- * first iterator, the captured structure= and the pipeline (copy stream, the pinned pool chosen
- * and this prefetcher's client in it, staging threads). pf_new in prefetcher.c puts them
- * together. */
+/* AsyncPrefetcher's constructor options: the arguments checked, the source's first iterator,
+ * and the structure= captured. pf_new in prefetcher.c puts them together with the pipeline
+ * (pf_pipeline.c). */
 #include "prefetcher_impl.h"
 
 #include "pinned.h"
-
-#include "cpus.h"
-#include "util.h"
 
 #include <string.h>
 
@@ -120,67 +116,6 @@ PyObject *pl_pf_first_iterator(PyObject *iterable)
                      Py_TYPE(iterable)->tp_name);
     }
     return probe;
-}
-
-/* ---- the pipeline and the pool policy ---- */
-
-/* Copy stream, pinned pool and stager. Returns 0 or -1 with an exception (self is then
- * released by the caller; dealloc frees what was made). */
-int pl_pf_setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
-{
-    const pl_backend *b = self->b;
-    int rc, prev_device = -1, dev = self->device, high = o->high_priority;
-    Py_BEGIN_ALLOW_THREADS
-    rc = pl_pf_device_push(b, dev, &prev_device);
-    if (rc == PL_OK)
-        rc = b->stream_create(high, &self->copy_stream);
-    pl_pf_device_pop(b, dev, prev_device);
-    Py_END_ALLOW_THREADS
-    if (rc != PL_OK) {
-        pl_raise_backend(self->st, b, rc, "creating the copy stream");
-        return -1;
-    }
-    /* The pool (see Note [default pool] in pool_default.c) and this prefetcher's client in it
-     * (Note [pinned bound] in transfer.c). */
-    size_t client_cap = o->max_pinned;
-    if (o->shared) {
-        pl_pool_incref(o->shared);
-        self->pool = o->shared;
-        self->pool_obj = Py_NewRef(o->pool_obj);
-        self->bound = o->max_pinned ? "max_pinned_bytes" : "the pool's max_bytes";
-    } else if (o->max_pinned > pl_pool_shared_cap()) {
-        /* More than the default pool may hold, asked for explicitly: a pool of its own. */
-        rc = pl_pool_create(b, dev, o->max_pinned, &self->pool);
-        self->own_pool = 1;
-        self->bound = "max_pinned_bytes";
-        if (rc != PL_OK) {
-            pl_raise_backend(self->st, b, rc, "creating the pinned pool");
-            return -1;
-        }
-    } else {
-        rc = pl_pool_default(b, dev, &self->pool);
-        if (rc != PL_OK) {
-            pl_raise_backend(self->st, b, rc, "the default pinned pool");
-            return -1;
-        }
-        self->cap_follows = !o->max_pinned;
-        self->bound = o->max_pinned ? "max_pinned_bytes" :
-            "the prefetcher's default bound, at most pinloader.default_pool_cap(); pass "
-            "max_pinned_bytes or a PinnedPool to allow more";
-        if (self->cap_follows)
-            client_cap = PL_MIN((size_t)1 << 20, pl_pool_cap(self->pool));
-    }
-    if ((rc = pl_pool_client_open(self->pool, client_cap, &self->client)) != PL_OK) {
-        self->client = NULL;
-        pl_raise_backend(self->st, b, rc, "opening the prefetcher's share of the pinned pool");
-        return -1;
-    }
-    long threads = o->threads ? o->threads : pl_default_staging_threads(); /* see Note [staging threads] in cpus.c */
-    if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
-        pl_raise_backend(self->st, b, rc, "starting staging threads");
-        return -1;
-    }
-    return 0;
 }
 
 /* ---- structure= ---- */

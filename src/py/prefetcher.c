@@ -2,8 +2,9 @@
  * them with flatten.c, copies each batch to one device block with transfer.c, and hands the
  * batches out in order as DeviceArrays. This file holds the type: epochs, the consumer handoff,
  * the object's lifecycle, its construction, stats and getters. The producer thread is in
- * pf_producer.c, the queue and the graveyard in pf_queue.c, the constructor's options and the
- * pipeline and pool policy in pf_options.c, the object's struct in prefetcher_impl.h.
+ * pf_producer.c, the pipeline (made and freed: copy stream, pool policy, stager) in
+ * pf_pipeline.c, the constructor's options in pf_options.c, the queue and the graveyard in
+ * pf_queue.c, the object's struct in prefetcher_impl.h.
  *
  * Note [producer and the GIL]
  * The producer takes the GIL only to call next() on the source, read the item and build the
@@ -264,84 +265,6 @@ static void live_unlink(pl_prefetcher_obj *self)
     self->live_prev = self->live_next = NULL;
 }
 
-/* Make `device` current on the calling (user's) thread for a moment, and put back what was
- * current before: pinloader must not change the device the user's framework works on. */
-int pl_pf_device_push(const pl_backend *b, int device, int *prev)
-{
-    if (b->get_device(prev) != PL_OK)
-        *prev = -1;
-    return *prev == device ? PL_OK : b->set_device(device);
-}
-
-void pl_pf_device_pop(const pl_backend *b, int device, int prev)
-{
-    if (prev >= 0 && prev != device)
-        b->set_device(prev);
-}
-
-/* Free the pipeline (GIL held; the producer has exited or is this thread). Called once. */
-void pl_pf_free_resources(pl_prefetcher_obj *self)
-{
-    if (pl_inherited(self->gen)) {
-        /* The parent's threads, streams and memory: touch none of it, drop only Python refs. */
-        self->head = self->tail = NULL;
-        self->graves = NULL;
-        self->stager = NULL;
-        self->copy_stream = NULL;
-        self->pool = NULL;
-        self->client = NULL;
-        Py_CLEAR(self->it);
-        return;
-    }
-    int prev_device = -1;
-    pl_pf_device_push(self->b, self->device, &prev_device);
-    if (self->copy_stream) {
-        pl_stream *stream = self->copy_stream;
-        const pl_backend *b = self->b;
-        Py_BEGIN_ALLOW_THREADS
-        b->stream_synchronize(stream);
-        Py_END_ALLOW_THREADS
-    }
-    pthread_mutex_lock(&self->mu);
-    batch *bt = self->head;
-    self->head = self->tail = NULL;
-    self->queued = 0;
-    pthread_mutex_unlock(&self->mu);
-    while (bt) {
-        batch *next = bt->next;
-        pl_pf_batch_free(bt);
-        bt = next;
-    }
-    pl_pf_empty_graves(self, 1);
-    Py_CLEAR(self->it);
-    pl_handout_drop_static(&self->handout);
-    pl_stager *stager = self->stager;
-    pl_stream *stream = self->copy_stream;
-    pl_pool *pool = self->pool;
-    pl_pool_client *client = self->client;
-    int own = self->own_pool;
-    self->stager = NULL; /* before the GIL is released: other threads may read them */
-    self->copy_stream = NULL;
-    self->pool = NULL;
-    self->client = NULL;
-    const pl_backend *b = self->b;
-    Py_BEGIN_ALLOW_THREADS
-    if (stager)
-        pl_stager_destroy(stager);
-    if (stream)
-        b->stream_destroy(stream);
-    /* The producer is gone (or is this thread, past its last reserve): the client can go. Its
-     * regions still pending come back to the pool later; a default or shared pool stays open. */
-    if (pool && client)
-        pl_pool_client_close(pool, client);
-    if (pool && own)
-        pl_pool_close(pool);
-    if (pool)
-        pl_pool_decref(pool);
-    Py_END_ALLOW_THREADS
-    pl_pf_device_pop(self->b, self->device, prev_device);
-}
-
 /* Stop the producer. Returns 1 if it was joined (or never ran here), 0 if it is inside user code
  * and was left to clean up after itself (see Note [stuck producers]). */
 static int stop_producer(pl_prefetcher_obj *self)
@@ -500,7 +423,7 @@ static void pf_dealloc(PyObject *op)
     Py_DECREF(tp);
 }
 
-/* ---- construction (the options and the pipeline: pf_options.c) ---- */
+/* ---- construction (the options: pf_options.c; the pipeline: pf_pipeline.c) ---- */
 
 /* Start the first epoch and the producer; link into the live list. */
 static int start_producer(pl_prefetcher_obj *self, PyObject *probe)

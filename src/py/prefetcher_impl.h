@@ -1,8 +1,8 @@
 /* AsyncPrefetcher's private header: the object, its batches and graves, and the functions
  * its files share. prefetcher.c holds the type (epochs, the consumer, the lifecycle,
- * construction, stats and getters), pf_producer.c the producer thread, pf_queue.c the queue and
- * the graveyard, pf_options.c the constructor's options and the pipeline and pool policy. The
- * public header is prefetcher.h.
+ * construction, stats and getters), pf_producer.c the producer thread, pf_pipeline.c the
+ * pipeline made and freed (copy stream, pool policy, stager), pf_options.c the constructor's
+ * options, pf_queue.c the queue and the graveyard. The public header is prefetcher.h.
  *
  * Locking: `mu` guards the queue, the flow-control counters and the stats; it is never held
  * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
@@ -150,19 +150,17 @@ void *pl_pf_producer_main(void *arg);
 /* The consumer's side of Note [GIL handoff] in pf_producer.c (GIL held). */
 void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self);
 
-/* ---- prefetcher.c: the lifecycle ---- */
+/* ---- pf_pipeline.c: the pipeline ---- */
 
+/* Copy stream, pinned pool and client, stager. Returns 0 or -1 with an exception. */
+int pl_pf_setup_pipeline(pl_prefetcher_obj *self, const pf_options *o);
 /* Free the pipeline (GIL held; the producer has exited or is this thread). Called once. */
 void pl_pf_free_resources(pl_prefetcher_obj *self);
-/* Make `device` current on the calling thread for a moment, and put back what was before. */
-int pl_pf_device_push(const pl_backend *b, int device, int *prev);
-void pl_pf_device_pop(const pl_backend *b, int device, int prev);
 
-/* ---- pf_options.c: construction ---- */
+/* ---- pf_options.c: the constructor's options ---- */
 
 int pl_pf_parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options *o);
 PyObject *pl_pf_first_iterator(PyObject *iterable);
-int pl_pf_setup_pipeline(pl_prefetcher_obj *self, const pf_options *o);
 int pl_pf_capture_structure(pl_prefetcher_obj *self, PyObject *structure);
 
 #endif
