@@ -1,6 +1,6 @@
 """The process-wide default pool and per-client bounds within a shared pool (host backend).
 
-Note [default pool] in src/core/pool.c: one pool per device shared by prefetchers made without
+Note [default pool] in src/core/pool_default.c: one pool per device shared by prefetchers made without
 pool=, slabs kept until trim() or interpreter exit, capped by the documented default divided
 among torchrun's local ranks. Note [pool clients] in src/core/pool.h: each owner is bounded by its own
 cap within the pool, and its wait counters count only its own waits. (The default pool in a fork

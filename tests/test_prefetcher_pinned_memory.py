@@ -2,7 +2,7 @@
 that take `device` run on CUDA too, gpu-marked).
 
 Prefetchers made without pool= draw from pinloader.default_pool(device), each bounded by its own
-client (Note [pinned bound] in src/core/transfer.c, Note [default pool] in src/core/pool.c):
+client (Note [pinned bound] in src/core/transfer.c, Note [default pool] in src/core/pool_default.c):
 slabs outlive the prefetchers, the pool's cap holds with several at once, trim() gives idle slabs
 back. max_pinned_bytes bounds a prefetcher within the default pool or a shared PinnedPool (pool=);
 a batch that can never fit under the bound is refused with PoolExhausted at its position, and the

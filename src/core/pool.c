@@ -1,4 +1,7 @@
-/* The pinned slab pool.
+/* The pinned slab pool: slabs and their extents, polling of pending releases, reserve and
+ * release, stats, trim and close. Clients are in pool_client.c, the default pools in
+ * pool_default.c, debug mode (report, canaries, quarantine) in pool_debug.c; the structs they
+ * share in pool_impl.h.
  *
  * Note [region sizes]
  * A request of n bytes is rounded up to a multiple of max(256, 2^floor(log2 n) / 8): regions
@@ -27,32 +30,24 @@
  * the pool struct. None of them takes mu (a parent thread may have held it at fork time) or
  * calls the backend (the slabs and events belong to the parent's runtime; CUDA marks pinned
  * memory not to be inherited). Its slabs are leaked in the child. A pool made in the child is
- * an ordinary pool. The process-wide state of this file (the debug report and quarantine
- * mutexes, and defaults_mu of the default pools) is re-made by pl_pool_atfork_child; the
- * inherited default pools themselves are replaced on first use (pl_pool_default). */
-#include "pool.h"
+ * an ordinary pool. The pool's process-wide state (the debug report and quarantine mutexes of
+ * pool_debug.c, and defaults_mu of the default pools in pool_default.c) is re-made by
+ * pl_pool_atfork_child (pool_default.c); the inherited default pools themselves are replaced
+ * on first use (pl_pool_default). */
+#include "pool_impl.h"
 #include "util.h"
 
 #include <errno.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define REGION_MAGIC 0x9e6b1a11u
 #define REGION_DEAD 0xdeadbeefu
-#define CANARY_BYTES 64u
-#define CANARY_BYTE 0xa5
 #define DEFAULT_SLAB_BYTES ((size_t)64 << 20)
 /* A waiting reservation polls the pending releases (and its stop flag) this often. */
 #define POLL_SLICE_NS ((int64_t)1000000)
-
-struct pl_pool_client {
-    pl_pool_client_stats st; /* guarded by the pool's mu */
-    int closed;              /* guarded by the pool's mu: the owner let go */
-};
 
 typedef struct extent {
     struct extent *next;
@@ -66,60 +61,6 @@ typedef struct pl_slab {
     extent *free; /* address-ordered, coalesced; guarded by the pool's mu */
     size_t live;  /* regions carved from it and not yet back; guarded by mu */
 } pl_slab;
-
-#define NUMA_UNKNOWN (-2)
-
-struct pl_pool {
-    atomic_long refcount;
-    const pl_backend *b;
-    int device;
-    uint32_t gen;           /* the process generation it was made in: Note [pool after fork] */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;      /* broadcast when regions or slab bytes come back */
-    size_t max_bytes;       /* guarded by mu */
-    pl_slab *slabs;         /* guarded by mu */
-    pl_region *pending;     /* guarded by mu */
-    pl_event **events;      /* guarded by mu: free list of reusable events */
-    size_t n_events, cap_events;
-    size_t creating;        /* guarded by mu: slab bytes being made outside the lock */
-    int numa_node;          /* guarded by mu: NUMA_UNKNOWN until the first slab asks the backend */
-    int closed;             /* guarded by mu */
-    pl_pool_stats st;       /* guarded by mu */
-};
-
-/* ---- debug reporting ---- */
-
-static pthread_mutex_t debug_mu = PTHREAD_MUTEX_INITIALIZER;
-static char debug_first[512]; /* guarded by debug_mu */
-
-/* Debug mode keeps dead regions a while so a second release finds REGION_DEAD, not reused
- * memory. */
-#define QUARANTINE 4096
-static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;
-static pl_region *quarantine[QUARANTINE]; /* guarded by q_mu */
-static size_t q_next;                     /* guarded by q_mu */
-
-void pl_debug_report(const char *fmt, ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "pinloader debug: %s\n", msg);
-    pthread_mutex_lock(&debug_mu);
-    if (!debug_first[0])
-        snprintf(debug_first, sizeof debug_first, "%s", msg);
-    pthread_mutex_unlock(&debug_mu);
-}
-
-const char *pl_debug_first_violation(void)
-{
-    pthread_mutex_lock(&debug_mu);
-    const char *r = debug_first[0] ? debug_first : NULL;
-    pthread_mutex_unlock(&debug_mu);
-    return r;
-}
 
 /* ---- sizes (see Note [checked sizes] in util.h) ---- */
 
@@ -311,29 +252,12 @@ static int give_back(pl_slab *s, size_t off, size_t size)
     return 0;
 }
 
-static void canary_fill(pl_region *r)
-{
-    if (r->size - r->requested >= 1)
-        memset((char *)r->ptr + r->requested, CANARY_BYTE, PL_MIN(CANARY_BYTES, r->size - r->requested));
-}
-
-static void canary_check(pl_region *r)
-{
-    size_t n = PL_MIN(CANARY_BYTES, r->size - r->requested);
-    const unsigned char *c = (const unsigned char *)r->ptr + r->requested;
-    for (size_t i = 0; i < n; i++)
-        if (c[i] != CANARY_BYTE) {
-            pl_debug_report("pinned region %p (%zu bytes requested) was written past its end at "
-                            "byte %zu", r->ptr, r->requested, r->requested + i);
-            return;
-        }
-}
 
 /* Return a region to its slab (under mu). */
 static void region_free_locked(pl_pool *p, pl_region *r)
 {
     if (pl_debug_enabled())
-        canary_check(r);
+        pl_pool_canary_check(r);
     give_back(r->slab, (size_t)((char *)r->ptr - r->slab->base), r->size);
     p->st.in_use_bytes -= r->size;
     p->st.regions--;
@@ -345,11 +269,7 @@ static void region_free_locked(pl_pool *p, pl_region *r)
     }
     r->magic = REGION_DEAD;
     if (pl_debug_enabled()) {
-        pthread_mutex_lock(&q_mu);
-        pl_region *old = quarantine[q_next % QUARANTINE];
-        quarantine[q_next++ % QUARANTINE] = r;
-        pthread_mutex_unlock(&q_mu);
-        free(old);
+        pl_pool_quarantine(r);
         return;
     }
     free(r);
@@ -651,7 +571,7 @@ int pl_pool_reserve_for(pl_pool *p, pl_pool_client *c, size_t n, int64_t timeout
         return rc;
     }
     if (pl_debug_enabled())
-        canary_fill(r);
+        pl_pool_canary_fill(r);
     *out = r;
     return PL_OK;
 }
@@ -724,133 +644,6 @@ int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
     p->b->stream_synchronize(s);
     pl_pool_release(p, r);
     return rc;
-}
-
-/* ---- clients (Note [pool clients] in pool.h) ---- */
-
-int pl_pool_client_open(pl_pool *p, size_t cap, pl_pool_client **out)
-{
-    if (pl_inherited(p->gen))
-        return PL_ERR_FORKED;
-    pl_pool_client *c = calloc(1, sizeof(*c));
-    if (!c)
-        return PL_ERR_NO_MEMORY;
-    c->st.cap = cap ? cap : SIZE_MAX;
-    *out = c;
-    return PL_OK;
-}
-
-void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap)
-{
-    if (pl_inherited(p->gen))
-        return;
-    pthread_mutex_lock(&p->mu);
-    c->st.cap = cap ? cap : SIZE_MAX;
-    pthread_cond_broadcast(&p->cv);
-    pthread_mutex_unlock(&p->mu);
-}
-
-void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap)
-{
-    if (pl_inherited(p->gen))
-        return;
-    pthread_mutex_lock(&p->mu);
-    if (cap > c->st.cap) {
-        c->st.cap = cap;
-        pthread_cond_broadcast(&p->cv);
-    }
-    pthread_mutex_unlock(&p->mu);
-}
-
-void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stats *st)
-{
-    if (pl_inherited(p->gen)) {
-        memset(st, 0, sizeof(*st));
-        return;
-    }
-    pl_pool_poll(p);
-    pthread_mutex_lock(&p->mu);
-    *st = c->st;
-    pthread_mutex_unlock(&p->mu);
-}
-
-void pl_pool_client_close(pl_pool *p, pl_pool_client *c)
-{
-    if (!c || pl_inherited(p->gen))
-        return;
-    pl_pool_poll(p);
-    pthread_mutex_lock(&p->mu);
-    int idle = c->st.in_use == 0;
-    c->closed = 1;
-    pthread_mutex_unlock(&p->mu);
-    if (idle)
-        free(c); /* else region_free_locked frees it with its last region */
-}
-
-/* ---- default pools ---- */
-
-/* Note [default pool]
- * Prefetchers given no pool share one process-wide pool per (backend, device), made on first
- * use, so the slabs one prefetcher made serve the next (a loader made per epoch pays for
- * pinning once per process, as torch's caching host allocator does). What is kept: slabs, up to
- * the shared cap, pl_pool_shared_cap(): the documented default cap (a quarter of physical
- * memory, at most half of RLIMIT_MEMLOCK) divided among the local ranks that torchrun starts
- * on one host (LOCAL_WORLD_SIZE), so N ranks together stay within the one-process default.
- * Each prefetcher is bounded within it by its own client (Note [pool clients]). When it is
- * given back: trim() (PinnedPool.trim on _C.default_pool(device)) frees every slab with
- * no live region; interpreter exit (the module's atexit hook) trims every default pool after
- * the live prefetchers are closed; regions still exported then return as their last user lets
- * go, and the process exit returns the rest. A default pool is never closed. In a fork()
- * child the parent's default pools are inherited (unusable) and replaced on first use. */
-enum { MAX_DEFAULT_DEVICES = 64 };
-static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
-static pl_pool *defaults[2][MAX_DEFAULT_DEVICES]; /* guarded by defaults_mu; one reference each */
-
-size_t pl_pool_shared_cap(void)
-{
-    size_t cap = pl_pool_default_cap() / (size_t)pl_local_world_size();
-    return PL_MAX(cap, (size_t)PL_ALIGN);
-}
-
-int pl_pool_default(const pl_backend *b, int device, pl_pool **out)
-{
-    if (device < 0 || device >= MAX_DEFAULT_DEVICES)
-        return PL_ERR_INVALID_DEVICE;
-    pl_pool **slot = &defaults[b->kind == PL_BACKEND_CUDA][device];
-    pthread_mutex_lock(&defaults_mu);
-    if (*slot && pl_inherited((*slot)->gen)) {
-        pl_pool_decref(*slot); /* the parent's: touches nothing but its own refcount */
-        *slot = NULL;
-    }
-    int rc = PL_OK;
-    if (!*slot)
-        rc = pl_pool_create(b, device, pl_pool_shared_cap(), slot);
-    if (rc == PL_OK) {
-        pl_pool_incref(*slot);
-        *out = *slot;
-    }
-    pthread_mutex_unlock(&defaults_mu);
-    return rc;
-}
-
-size_t pl_pool_trim_defaults(void)
-{
-    pl_pool *live[2 * MAX_DEFAULT_DEVICES];
-    int n = 0;
-    pthread_mutex_lock(&defaults_mu);
-    for (int k = 0; k < 2; k++)
-        for (int d = 0; d < MAX_DEFAULT_DEVICES; d++)
-            if (defaults[k][d] && !pl_inherited(defaults[k][d]->gen)) {
-                pl_pool_incref(defaults[k][d]);
-                live[n++] = defaults[k][d];
-            }
-    pthread_mutex_unlock(&defaults_mu);
-    size_t freed = 0;
-    for (int i = 0; i < n; i++) {
-        freed += pl_pool_trim(live[i]);
-        pl_pool_decref(live[i]);
-    }
-    return freed;
 }
 
 /* ---- stats, trim, close ---- */
@@ -937,11 +730,4 @@ void pl_pool_decref(pl_pool *p)
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p);
-}
-
-void pl_pool_atfork_child(void)
-{
-    pl_mutex_reset_in_child(&debug_mu);
-    pl_mutex_reset_in_child(&q_mu);
-    pl_mutex_reset_in_child(&defaults_mu);
 }

@@ -73,7 +73,8 @@ size_t pl_pool_cap(const pl_pool *p);
 const pl_backend *pl_pool_backend(const pl_pool *p);
 /* 1 in a fork() child for a pool made before the fork: see Note [pool after fork] in pool.c. */
 int pl_pool_inherited(const pl_pool *p);
-/* The atfork child handler of this file's process-wide state (module.c installs it). */
+/* The atfork child handler of the pool's process-wide state (pool_debug.c, pool_default.c;
+ * module.c installs it). */
 void pl_pool_atfork_child(void);
 
 /* Reserve a region of n bytes. Waits while the cap is reached, for at most timeout_ns
@@ -101,9 +102,9 @@ void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stat
  * last region is back. */
 void pl_pool_client_close(pl_pool *p, pl_pool_client *c);
 
-/* Note [default pool] is in pool.c. The process-wide pool of (backend, device), made on first
- * use with pl_pool_shared_cap(); returns a new reference (PL_OK), or PL_ERR_INVALID_DEVICE /
- * PL_ERR_NO_MEMORY. In a fork() child the parent's default pool is replaced by a fresh one. */
+/* Note [default pool] is in pool_default.c. The process-wide pool of (backend, device), made on
+ * first use with pl_pool_shared_cap(); returns a new reference (PL_OK), or PL_ERR_INVALID_DEVICE
+ * / PL_ERR_NO_MEMORY. In a fork() child the parent's default pool is replaced by a fresh one. */
 int pl_pool_default(const pl_backend *b, int device, pl_pool **out);
 /* The default pools' cap: pl_pool_default_cap() divided among the local ranks (the
  * LOCAL_WORLD_SIZE environment variable torchrun sets; 1 when absent or invalid). */

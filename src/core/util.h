@@ -72,8 +72,8 @@ void pl_mutex_reset_in_child(pthread_mutex_t *m);
 /* The local ranks sharing this host: LOCAL_WORLD_SIZE (set by torchrun), read at each call.
  * A decimal integer from 1 to PL_LOCAL_RANKS_MAX, surrounding blanks allowed; anything else
  * (unset, empty, 0, negative, too large, trailing text) counts as 1. The one reading for every
- * layer that divides a per-host resource among the ranks (the default pool's cap in pool.c,
- * the staging threads in cpus.c). */
+ * layer that divides a per-host resource among the ranks (the default pool's cap in
+ * pool_default.c, the staging threads in cpus.c). */
 #define PL_LOCAL_RANKS_MAX 65536
 int pl_local_world_size(void);
 

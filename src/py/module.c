@@ -102,7 +102,7 @@ static PyObject *mod_shutdown(PyObject *m, PyObject *noargs)
 {
     (void)noargs;
     pl_prefetcher_shutdown_all(pl_state_of_module(m));
-    /* Give the default pools' idle slabs back (Note [default pool] in pool.c). */
+    /* Give the default pools' idle slabs back (Note [default pool] in pool_default.c). */
     Py_BEGIN_ALLOW_THREADS
     pl_pool_trim_defaults();
     Py_END_ALLOW_THREADS
@@ -327,7 +327,7 @@ static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
 #ifdef Py_mod_multiple_interpreters
     /* One process-wide CUDA function table, and producer threads that each keep one thread
-     * state of the main interpreter (Note [producer thread state] in prefetcher.c, with
+     * state of the main interpreter (Note [producer thread state] in pf_producer.c, with
      * PyGILState as its fallback): a single interpreter only. */
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif

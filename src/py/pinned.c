@@ -17,7 +17,8 @@ typedef struct {
     const pl_backend *b;
     int device;
     int closed;
-    int is_default; /* a process-wide default pool: never closed (Note [default pool], pool.c) */
+    int is_default; /* a process-wide default pool: never closed (Note [default pool],
+                     * pool_default.c) */
 } PinnedPoolObject;
 
 /* PoolClient: a share of a pool bounded by its own cap (Note [pool clients] in pool.h). */
@@ -483,7 +484,7 @@ static PyType_Spec client_spec = {
     .slots = client_slots,
 };
 
-/* ---- default pools (Note [default pool] in pool.c) ---- */
+/* ---- default pools (Note [default pool] in pool_default.c) ---- */
 
 PyObject *pl_default_pool(pl_state *st, PyObject *device)
 {

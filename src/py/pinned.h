@@ -15,7 +15,8 @@ int pl_pinned_buffer_check(pl_state *st, PyObject *o);
 int pl_parse_nbytes(PyObject *o, const char *name, size_t min, size_t *out);
 struct pl_pool *pl_pinned_pool_get(pl_state *st, PyObject *pool_obj); /* borrowed; NULL if not a pool */
 /* default_pool(device): the PinnedPool object of the process-wide default pool of device
- * (Note [default pool] in src/core/pool.c); the same object on every call. New reference. */
+ * (Note [default pool] in src/core/pool_default.c); the same object on every call. New
+ * reference. */
 PyObject *pl_default_pool(pl_state *st, PyObject *device);
 
 #endif

@@ -1,7 +1,10 @@
 /* AsyncPrefetcher: a native producer thread that pulls items from any Python iterable, reads
  * them with flatten.c, copies each batch to one device block with transfer.c, and hands the
- * batches out in order as DeviceArrays. This file holds the producer loop, epochs, the consumer
- * handoff and the object's lifecycle.
+ * batches out in order as DeviceArrays. This file holds the type: epochs, the consumer handoff,
+ * the object's lifecycle, its construction, stats and getters. The producer thread is in
+ * pf_producer.c, the pipeline (made and freed: copy stream, pool policy, stager) in
+ * pf_pipeline.c, the constructor's options in pf_options.c, the queue and the graveyard in
+ * pf_queue.c, the object's struct in prefetcher_impl.h.
  *
  * Note [producer and the GIL]
  * The producer takes the GIL only to call next() on the source, read the item and build the
@@ -38,580 +41,13 @@
  * while the producer holds the GIL for an item (next(), flatten's user code, finalizers of
  * dropped objects), which is where it can block for ever in code pinloader does not control.
  * `gen` is the process generation the object was made in (Note [fork generations] in util.h):
- * an inherited object fails fast and touches neither its mutex, its threads nor its memory.
- *
- * Locking: `mu` guards the queue, the flow-control counters and the stats; it is never held
- * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
- * atomic written under mu (so condition waits see it) and read anywhere, including by
- * pl_pool_reserve without mu. */
-#include "prefetcher.h"
+ * an inherited object fails fast and touches neither its mutex, its threads nor its memory. */
+#include "prefetcher_impl.h"
 
-#include "pinned.h"
-
-#include "block.h"
-#include "cpus.h"
-#include "flatten.h"
-#include "handout.h"
-#include "pool.h"
-#include "stager.h"
-#include "transfer.h"
 #include "util.h"
 
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <string.h>
 #include <structmember.h>
-
-#define WAIT_SAMPLES 4096
-
-/* ---- batches ---- */
-
-typedef enum { B_READY, B_END, B_ERROR } batch_kind;
-
-typedef struct batch {
-    struct batch *next;
-    batch_kind kind;
-    uint64_t epoch;
-    uint64_t index;       /* position in the epoch */
-    PyObject *output;     /* B_READY: the structure of DeviceArrays, or with a handout (Note
-                           * [handout] in handout.h) the tuple of the batch's DeviceArrays */
-    pl_tree tree;         /* with a handout: the item's structure, built when handed out */
-    PyObject *exc;        /* B_ERROR with a Python exception (source or bad leaf) */
-    int err_code;         /* B_ERROR from the backend */
-    char err_what[320];
-    pl_block *blk;        /* the batch's reference */
-    size_t bytes;         /* payload */
-    size_t padding;       /* alignment padding in the device block */
-} batch;
-
-typedef struct grave {
-    struct grave *next;
-    PyObject **objs;
-    Py_ssize_t n;
-    pl_block *blk; /* non-NULL: keep objs until blk's ready event completes */
-} grave;
-
-typedef enum { PF_OPEN, PF_EPOCH_DONE, PF_FAILED, PF_CLOSED, PF_DETACHED, PF_ORPHANED } pf_state;
-
-struct pl_prefetcher_obj {
-    PyObject_HEAD
-    PyObject *weakreflist;
-    pl_prefetcher_obj *live_prev, *live_next; /* GIL */
-    pl_state *st;
-    uint32_t gen; /* see Note [prefetcher lifecycle] */
-
-    /* configuration: set in tp_new, read-only afterwards (the pipeline pointers are cleared
-     * once, under the GIL, when the pipeline is freed) */
-    PyObject *source;
-    PyObject *pool_obj;
-    pl_pool *pool;         /* the default pool of the device, the given one, or a private one */
-    pl_pool_client *client; /* this prefetcher's bound within pool (Note [pinned bound]) */
-    int own_pool;          /* a private pool: max_pinned_bytes above the shared cap */
-    int cap_follows;       /* no max_pinned_bytes and no pool: the bound follows the batches */
-    const char *bound;     /* what sets the bound, for PoolExhausted messages */
-    size_t max_pinned;
-    const pl_backend *b;
-    int device;
-    int depth;
-    pl_handout handout;    /* output, convert, stream, static (Note [handout] in handout.h) */
-    pl_tree templ;         /* structure=: the items' structure, captured once (n_nodes 0: none) */
-    pl_stager *stager;
-    pl_stream *copy_stream;
-    pthread_t thread;
-    int thread_started;
-    PyInterpreterState *interp; /* the producer's thread state belongs to it */
-
-    /* GIL-protected */
-    pf_state state;
-    int producer_in_user;
-    pl_block *last_direct; /* producer only: the last batch copied straight from the source */
-    PyObject *it;
-    uint64_t it_epoch;
-    uint64_t consumer_epoch;
-    uint64_t consumed_in_epoch;
-    grave *graves;
-
-    atomic_int gil_wanted; /* the producer is waiting for the GIL (see Note [GIL handoff]) */
-    atomic_int stop;       /* written under mu */
-
-    /* mu-protected */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    batch *head, *tail;
-    int queued;
-    uint64_t requested_epoch;
-    uint64_t finished_epoch;
-    /* stats */
-    uint64_t n_batches;
-    uint64_t n_bytes;
-    uint64_t n_padding;
-    int64_t first_batch_ns, last_batch_ns;
-    int64_t next_ns, staging_ns, copy_issue_ns;
-    int64_t wait_ns_total;
-    uint64_t n_waits;
-    double wait_samples[WAIT_SAMPLES];
-    size_t device_peak;
-    int64_t stall_ns;
-    uint64_t stalls;
-};
-
-static int pf_is_closed(const pl_prefetcher_obj *self)
-{
-    return self->state >= PF_CLOSED;
-}
-
-/* ---- graveyard (GIL held) ---- */
-
-static void bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk)
-{
-    if (n == 0) {
-        PyMem_RawFree(objs);
-        return;
-    }
-    grave *g = PyMem_Malloc(sizeof(*g));
-    if (!g) {
-        /* Cannot defer: wait for the copy (if any) and drop now. */
-        if (blk) {
-            Py_BEGIN_ALLOW_THREADS
-            pl_block_sync_ready(blk);
-            Py_END_ALLOW_THREADS
-        }
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_DECREF(objs[i]);
-        PyMem_RawFree(objs);
-        return;
-    }
-    if (blk)
-        pl_block_incref(blk);
-    *g = (grave){self->graves, objs, n, blk};
-    self->graves = g;
-}
-
-/* Note [emptying graves]
- * Dropping a source object runs its finalizers, which may release the GIL (a __del__ that
- * sleeps, a deleter that takes a lock) and let the producer and a consumer both enter here. So
- * the list is detached from the object first: each caller walks only the graves it took, and
- * what is not ready yet is put back in front of whatever was buried meanwhile. */
-static void empty_graves(pl_prefetcher_obj *self, int wait)
-{
-    grave *list = self->graves, *keep = NULL, **keep_tail = &keep;
-    self->graves = NULL;
-    while (list) {
-        grave *g = list;
-        list = g->next;
-        if (g->blk && !wait && g->blk->b->event_query(g->blk->ready) == PL_ERR_NOT_READY) {
-            g->next = NULL;
-            *keep_tail = g;
-            keep_tail = &g->next;
-            continue;
-        }
-        if (g->blk && wait) {
-            Py_BEGIN_ALLOW_THREADS
-            pl_block_sync_ready(g->blk);
-            Py_END_ALLOW_THREADS
-        }
-        for (Py_ssize_t i = 0; i < g->n; i++)
-            Py_DECREF(g->objs[i]);
-        PyMem_RawFree(g->objs);
-        if (g->blk)
-            pl_block_decref(g->blk);
-        PyMem_Free(g);
-    }
-    *keep_tail = self->graves;
-    self->graves = keep;
-}
-
-/* ---- queue ---- */
-
-static void push_batch(pl_prefetcher_obj *self, batch *bt)
-{
-    pthread_mutex_lock(&self->mu);
-    bt->next = NULL;
-    if (self->tail)
-        self->tail->next = bt;
-    else
-        self->head = bt;
-    self->tail = bt;
-    self->queued++;
-    if (bt->kind != B_READY)
-        self->finished_epoch = bt->epoch;
-    if (bt->kind == B_READY) {
-        int64_t now = pl_now_ns();
-        if (!self->first_batch_ns)
-            self->first_batch_ns = now;
-        self->last_batch_ns = now;
-        self->n_batches++;
-        self->n_bytes += bt->bytes;
-        self->n_padding += bt->padding;
-        size_t live = pl_block_live_bytes(self->b);
-        if (live > self->device_peak)
-            self->device_peak = live;
-    }
-    pthread_cond_broadcast(&self->cv);
-    pthread_mutex_unlock(&self->mu);
-}
-
-static void batch_free(batch *bt)
-{
-    pl_tree_clear(&bt->tree);
-    Py_XDECREF(bt->output);
-    Py_XDECREF(bt->exc);
-    if (bt->blk)
-        pl_block_decref(bt->blk);
-    PyMem_RawFree(bt);
-}
-
-static void fail_batch(batch *bt, int code, const char *what)
-{
-    bt->kind = B_ERROR;
-    bt->err_code = code;
-    snprintf(bt->err_what, sizeof bt->err_what, "item %llu: %s", (unsigned long long)bt->index, what);
-}
-
-static void add_source_note(PyObject *exc, uint64_t index)
-{
-#if PY_VERSION_HEX >= 0x030B0000
-    PyObject *note = PyUnicode_FromFormat("raised by the source at item %llu of the epoch "
-                                          "(pinloader producer thread)", (unsigned long long)index);
-    if (note) {
-        PyObject *r = PyObject_CallMethod(exc, "add_note", "O", note);
-        Py_XDECREF(r);
-        Py_DECREF(note);
-    }
-    PyErr_Clear();
-#else
-    (void)exc;
-    (void)index;
-#endif
-}
-
-static PyObject *fetch_exception(void)
-{
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value && tb)
-        PyException_SetTraceback(value, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    return value;
-}
-
-/* ---- the producer thread ---- */
-
-/* What the producer carries from one batch to the next. */
-typedef struct producer {
-    uint64_t index, last_epoch;
-    pl_flat flat;
-    /* The previous batch's source objects, dropped at the next GIL acquisition (one per batch,
-     * see Note [GIL handoff]); with prev_blk, kept until its copy is done. */
-    PyObject **prev_owners;
-    Py_ssize_t prev_n;
-    pl_block *prev_blk;
-    /* See Note [producer thread state]. */
-    PyThreadState *ts;
-    int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
-    PyGILState_STATE gstate; /* only then */
-} producer;
-
-/* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
-static int producer_wait(pl_prefetcher_obj *self)
-{
-    pthread_mutex_lock(&self->mu);
-    while (!atomic_load(&self->stop) &&
-           (self->queued >= self->depth || self->finished_epoch == self->requested_epoch))
-        pthread_cond_wait(&self->cv, &self->mu);
-    pthread_mutex_unlock(&self->mu);
-    return atomic_load(&self->stop) ? -1 : 0;
-}
-
-/* Note [sources reusing buffers]
- * Pageable leaves are staged before the source is asked for its next item, so a source may
- * reuse or refill an array as soon as next() is called again. Leaves copied straight from
- * pinned memory are read by the DMA engine later; to keep the same guarantee the producer
- * waits for that batch's copy before calling next() again. */
-static void wait_direct_copy(pl_prefetcher_obj *self)
-{
-    if (self->last_direct) {
-        pl_block_sync_ready(self->last_direct);
-        pl_block_decref(self->last_direct);
-        self->last_direct = NULL;
-    }
-}
-
-/* Note [GIL handoff]
- * The producer needs the GIL once per batch (next() on the source, reading the leaves). A
- * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
- * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
- * per step anyway, lends it the GIL right there. */
-/* Note [producer thread state]
- * The producer keeps one Python thread state for its whole life instead of making and deleting
- * one per batch (PyGILState_Ensure / Release on a thread with no state): made on its first GIL
- * hold with PyThreadState_New (which also makes it this thread's PyGILState state, so C code the
- * source calls that uses PyGILState_Ensure finds it), swapped in and out with
- * PyEval_RestoreThread / PyEval_SaveThread around each hold, and cleared and deleted with the GIL
- * held when the producer ends (producer_exit). Besides the work saved per batch, a fork() never
- * catches the interpreter's list of thread states in the middle of a producer's churn. The
- * producer takes the GIL only after checking pl_py_finalizing(); once finalization has started
- * it takes nothing and leaves its state to the interpreter, which deletes every thread state as
- * it finalizes. If the state cannot be made (out of memory), each hold falls back to
- * PyGILState_Ensure / Release. */
-static void producer_take_gil(pl_prefetcher_obj *self, producer *p)
-{
-    atomic_store(&self->gil_wanted, 1);
-    if (!p->ts && !p->ts_failed && !(p->ts = PyThreadState_New(self->interp)))
-        p->ts_failed = 1;
-    if (p->ts)
-        PyEval_RestoreThread(p->ts);
-    else
-        p->gstate = PyGILState_Ensure();
-    atomic_store(&self->gil_wanted, 0);
-}
-
-static void producer_give_gil(producer *p)
-{
-    if (p->ts)
-        PyEval_SaveThread();
-    else
-        PyGILState_Release(p->gstate);
-}
-
-/* The producer's last hold ends: its thread state goes with it (GIL held; releases it). */
-static void producer_give_gil_for_good(producer *p)
-{
-    if (p->ts) {
-        PyThreadState_Clear(p->ts);
-        PyThreadState_DeleteCurrent();
-        p->ts = NULL;
-    } else {
-        PyGILState_Release(p->gstate);
-    }
-}
-
-static void lend_gil_to_producer(pl_prefetcher_obj *self)
-{
-    if (!atomic_load(&self->gil_wanted))
-        return;
-    Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < 2000 && atomic_load(&self->gil_wanted); i++)
-        sched_yield();
-    Py_END_ALLOW_THREADS
-}
-
-/* GIL held: the previous batch's owners go to the graveyard. */
-static void release_previous(pl_prefetcher_obj *self, producer *p)
-{
-    bury(self, p->prev_owners, p->prev_n, p->prev_blk);
-    if (p->prev_blk)
-        pl_block_decref(p->prev_blk);
-    p->prev_owners = NULL;
-    p->prev_n = 0;
-    p->prev_blk = NULL;
-}
-
-/* GIL held: next() on the source, then flatten the item into bt. Returns 0 with bt filled (as
- * B_READY with an output, or B_END / B_ERROR), or -1 when close() came meanwhile. */
-static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
-{
-    PyObject *it = Py_XNewRef(self->it);
-    int64_t t0 = pl_now_ns();
-    PyObject *item = it ? PyIter_Next(it) : NULL;
-    *t_next = pl_now_ns() - t0;
-    Py_XDECREF(it);
-    if (atomic_load(&self->stop)) {
-        /* closed while the source was running: what it gave is not wanted */
-        Py_XDECREF(item);
-        PyErr_Clear();
-        return -1;
-    }
-    if (!item) {
-        if (PyErr_Occurred()) {
-            bt->kind = B_ERROR;
-            bt->exc = fetch_exception();
-            add_source_note(bt->exc, bt->index);
-        } else {
-            bt->kind = B_END;
-        }
-        return 0;
-    }
-    int rc = pl_block_create(self->b, self->device, &bt->blk);
-    if (rc != PL_OK) {
-        Py_DECREF(item);
-        fail_batch(bt, rc, "creating the batch's ready event");
-        return 0;
-    }
-    pl_flat *f = &p->flat;
-    pl_flat_init(f, self->st, self->b, self->device);
-    /* see Note [flatten in two passes] in flatten.h */
-    if (self->templ.n_nodes) {
-        /* structure=: the item is a tuple of the leaves, placed in the captured structure */
-        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != self->templ.n_leaves)
-            PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): each item must be a "
-                         "tuple of the structure's %zd leaves, got %.100s", self->templ.n_leaves,
-                         Py_TYPE(item)->tp_name);
-        else if (pl_flat_walk(f, item) == 0) {
-            pl_tree walked;
-            pl_flat_take_tree(f, &walked);
-            pl_tree_clear(&walked);
-            if (f->n_leaves != self->templ.n_leaves)
-                PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's "
-                             "%zd entries are array leaves", (Py_ssize_t)f->n_leaves,
-                             self->templ.n_leaves);
-            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)) &&
-                     !pl_handout_active(&self->handout))
-                Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
-        }
-    } else if (pl_flat_walk(f, item) == 0) {
-        if (pl_handout_active(&self->handout)) {
-            bt->output = pl_flat_device_arrays(f, bt->blk);
-            pl_flat_take_tree(f, &bt->tree);
-        } else {
-            bt->output = pl_flat_rebuild(f, bt->blk);
-        }
-    }
-    Py_DECREF(item);
-    if (!bt->output) {
-        bt->kind = B_ERROR;
-        bt->exc = fetch_exception();
-        pl_flat_clear(f);
-    } else {
-        bt->kind = B_READY;
-    }
-    if (atomic_load(&self->stop)) {
-        /* closed by user code the item ran (a __dlpack__, a constructor) */
-        Py_CLEAR(bt->output);
-        Py_CLEAR(bt->exc);
-        pl_flat_clear(f);
-        return -1;
-    }
-    return 0;
-}
-
-/* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
-static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
-{
-    producer_take_gil(self, p);
-    self->producer_in_user = 1;
-    release_previous(self, p);
-    int r = atomic_load(&self->stop) ? -1 : 1;
-    if (r > 0)
-        empty_graves(self, 0);
-    batch *bt = r > 0 ? PyMem_RawCalloc(1, sizeof(*bt)) : NULL;
-    if (r > 0 && !bt)
-        r = 0;
-    if (bt) {
-        uint64_t epoch = self->it_epoch;
-        if (epoch != p->last_epoch) {
-            p->last_epoch = epoch;
-            p->index = 0;
-        }
-        bt->epoch = epoch;
-        bt->index = p->index++;
-        if (read_item(self, p, bt, t_next) < 0) {
-            batch_free(bt);
-            bt = NULL;
-            r = -1;
-        }
-    }
-    self->producer_in_user = 0;
-    producer_give_gil(p);
-    if (r == 0)
-        pl_sleep_ns(1000000); /* out of memory for the batch record: try again shortly */
-    *out = bt;
-    return r;
-}
-
-/* The no-GIL part: copy a read batch and queue it. */
-static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t t_next)
-{
-    pl_flat *f = &p->flat;
-    if (bt->kind == B_READY) {
-        bt->bytes = f->layout.payload;
-        bt->padding = pl_layout_bytes(&f->layout) - f->layout.payload;
-        pl_xfer x = {self->b, self->device, self->pool, self->client, self->cap_follows,
-                     self->bound, self->depth, self->stager, self->copy_stream, &self->stop};
-        pl_xfer_times tm;
-        char what[256];
-        int rc = pl_transfer(&x, f->leaves, f->n_leaves, &f->layout, bt->blk, &tm, what, sizeof what);
-        pthread_mutex_lock(&self->mu);
-        self->next_ns += t_next;
-        self->staging_ns += tm.staging_ns;
-        self->copy_issue_ns += tm.issue_ns;
-        self->stalls += (uint64_t)tm.stalled;
-        self->stall_ns += tm.stall_ns;
-        pthread_mutex_unlock(&self->mu);
-        if (rc != PL_OK)
-            fail_batch(bt, rc, what);
-        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA or by
-         * the device gather stay there until the copy is done. Only sources read by DMA make the
-         * producer wait before next() (Note [sources reusing buffers]): a device-gathered
-         * source is a RowGather's, which no source refills. */
-        if (f->layout.direct && bt->kind == B_READY) {
-            pl_block_incref(bt->blk);
-            self->last_direct = bt->blk;
-        }
-        p->prev_owners = pl_flat_take_owners(f, &p->prev_n);
-        if (f->layout.direct || f->layout.gathered) {
-            pl_block_incref(bt->blk);
-            p->prev_blk = bt->blk;
-        }
-        pl_flat_release_leaves(f);
-    }
-    push_batch(self, bt);
-}
-
-static void pf_free_resources(pl_prefetcher_obj *self);
-
-/* A producer that close() left behind (stuck in user code) cleans up here. */
-static void producer_exit(pl_prefetcher_obj *self, producer *p)
-{
-    wait_direct_copy(self);
-    if (pl_py_finalizing())
-        return; /* the interpreter is going away: touch nothing of it */
-    producer_take_gil(self, p);
-    release_previous(self, p);
-    if (self->state == PF_DETACHED || self->state == PF_ORPHANED) {
-        pf_free_resources(self);
-        if (self->state == PF_ORPHANED) {
-            PyTypeObject *tp = Py_TYPE(self);
-            pl_handout_clear(&self->handout);
-            pl_tree_clear(&self->templ);
-            pthread_mutex_destroy(&self->mu);
-            pthread_cond_destroy(&self->cv);
-            tp->tp_free((PyObject *)self);
-            Py_DECREF(tp);
-        } else {
-            self->state = PF_CLOSED;
-            Py_DECREF(self); /* the reference close() gave this thread */
-        }
-    }
-    producer_give_gil_for_good(p);
-}
-
-static void *producer_main(void *arg)
-{
-    pl_prefetcher_obj *self = arg;
-    producer p;
-    memset(&p, 0, sizeof p);
-    self->b->set_device(self->device);
-    for (;;) {
-        if (producer_wait(self) < 0)
-            break;
-        wait_direct_copy(self);
-        if (pl_py_finalizing())
-            return NULL; /* the interpreter is going away: touch nothing of it */
-        batch *bt = NULL;
-        int64_t t_next = 0;
-        int r = pull_batch(self, &p, &bt, &t_next);
-        if (r < 0)
-            break;
-        if (r > 0)
-            ship_batch(self, &p, bt, t_next);
-    }
-    producer_exit(self, &p);
-    return NULL;
-}
 
 /* ---- consumer side (GIL held) ---- */
 
@@ -645,7 +81,7 @@ static int check_usable(pl_prefetcher_obj *self)
 {
     if (check_inherited(self) < 0)
         return -1;
-    if (pf_is_closed(self)) {
+    if (pl_pf_is_closed(self)) {
         PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher is closed");
         return -1;
     }
@@ -743,12 +179,12 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
         if (bt) {
             if (bt->epoch == self->consumer_epoch)
                 return bt;
-            batch_free(bt); /* from an abandoned epoch */
+            pl_pf_batch_free(bt); /* from an abandoned epoch */
             continue;
         }
         if (self->state != PF_OPEN) {
             /* another thread closed it, or took the end of the epoch */
-            if (pf_is_closed(self))
+            if (pl_pf_is_closed(self))
                 PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher was closed while waiting for a batch");
             return NULL;
         }
@@ -775,8 +211,8 @@ static PyObject *pf_next(PyObject *op)
         return NULL;
     if (self->state != PF_OPEN)
         return NULL; /* StopIteration */
-    lend_gil_to_producer(self);
-    empty_graves(self, 0);
+    pl_pf_lend_gil_to_producer(self);
+    pl_pf_empty_graves(self, 0);
     int64_t t0 = pl_now_ns();
     int waited = 0;
     batch *bt = take_batch(self, &waited);
@@ -791,13 +227,13 @@ static PyObject *pf_next(PyObject *op)
 
     if (bt->kind == B_END) {
         self->state = PF_EPOCH_DONE;
-        batch_free(bt);
+        pl_pf_batch_free(bt);
         return NULL;
     }
     if (bt->kind == B_ERROR) {
         self->state = PF_FAILED;
         raise_batch_error(self, bt);
-        batch_free(bt);
+        pl_pf_batch_free(bt);
         return NULL;
     }
     self->consumed_in_epoch++;
@@ -809,7 +245,7 @@ static PyObject *pf_next(PyObject *op)
         out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, leaves);
         Py_DECREF(leaves);
     }
-    batch_free(bt);
+    pl_pf_batch_free(bt);
     return out;
 }
 
@@ -827,84 +263,6 @@ static void live_unlink(pl_prefetcher_obj *self)
     if (self->live_next)
         self->live_next->live_prev = self->live_prev;
     self->live_prev = self->live_next = NULL;
-}
-
-/* Make `device` current on the calling (user's) thread for a moment, and put back what was
- * current before: pinloader must not change the device the user's framework works on. */
-static int device_push(const pl_backend *b, int device, int *prev)
-{
-    if (b->get_device(prev) != PL_OK)
-        *prev = -1;
-    return *prev == device ? PL_OK : b->set_device(device);
-}
-
-static void device_pop(const pl_backend *b, int device, int prev)
-{
-    if (prev >= 0 && prev != device)
-        b->set_device(prev);
-}
-
-/* Free the pipeline (GIL held; the producer has exited or is this thread). Called once. */
-static void pf_free_resources(pl_prefetcher_obj *self)
-{
-    if (pl_inherited(self->gen)) {
-        /* The parent's threads, streams and memory: touch none of it, drop only Python refs. */
-        self->head = self->tail = NULL;
-        self->graves = NULL;
-        self->stager = NULL;
-        self->copy_stream = NULL;
-        self->pool = NULL;
-        self->client = NULL;
-        Py_CLEAR(self->it);
-        return;
-    }
-    int prev_device = -1;
-    device_push(self->b, self->device, &prev_device);
-    if (self->copy_stream) {
-        pl_stream *stream = self->copy_stream;
-        const pl_backend *b = self->b;
-        Py_BEGIN_ALLOW_THREADS
-        b->stream_synchronize(stream);
-        Py_END_ALLOW_THREADS
-    }
-    pthread_mutex_lock(&self->mu);
-    batch *bt = self->head;
-    self->head = self->tail = NULL;
-    self->queued = 0;
-    pthread_mutex_unlock(&self->mu);
-    while (bt) {
-        batch *next = bt->next;
-        batch_free(bt);
-        bt = next;
-    }
-    empty_graves(self, 1);
-    Py_CLEAR(self->it);
-    pl_handout_drop_static(&self->handout);
-    pl_stager *stager = self->stager;
-    pl_stream *stream = self->copy_stream;
-    pl_pool *pool = self->pool;
-    pl_pool_client *client = self->client;
-    int own = self->own_pool;
-    self->stager = NULL; /* before the GIL is released: other threads may read them */
-    self->copy_stream = NULL;
-    self->pool = NULL;
-    self->client = NULL;
-    const pl_backend *b = self->b;
-    Py_BEGIN_ALLOW_THREADS
-    if (stager)
-        pl_stager_destroy(stager);
-    if (stream)
-        b->stream_destroy(stream);
-    /* The producer is gone (or is this thread, past its last reserve): the client can go. Its
-     * regions still pending come back to the pool later; a default or shared pool stays open. */
-    if (pool && client)
-        pl_pool_client_close(pool, client);
-    if (pool && own)
-        pl_pool_close(pool);
-    if (pool)
-        pl_pool_decref(pool);
-    Py_END_ALLOW_THREADS
-    device_pop(self->b, self->device, prev_device);
 }
 
 /* Stop the producer. Returns 1 if it was joined (or never ran here), 0 if it is inside user code
@@ -952,12 +310,12 @@ static int stop_producer(pl_prefetcher_obj *self)
 
 static void pf_close_impl(pl_prefetcher_obj *self)
 {
-    if (pf_is_closed(self))
+    if (pl_pf_is_closed(self))
         return;
     self->state = PF_CLOSED; /* no other caller gets past the check above from here on */
     live_unlink(self);
     if (stop_producer(self)) {
-        pf_free_resources(self);
+        pl_pf_free_resources(self);
     } else {
         self->state = PF_DETACHED;
         Py_INCREF(self); /* the detached producer's reference */
@@ -1041,7 +399,7 @@ static void pf_dealloc(PyObject *op)
     Py_CLEAR(self->source);
     Py_CLEAR(self->pool_obj);
     if (self->st) {
-        if (!pf_is_closed(self)) {
+        if (!pl_pf_is_closed(self)) {
             self->state = PF_CLOSED;
             live_unlink(self);
             if (!stop_producer(self)) {
@@ -1050,7 +408,7 @@ static void pf_dealloc(PyObject *op)
                 self->state = PF_ORPHANED;
                 return;
             }
-            pf_free_resources(self);
+            pl_pf_free_resources(self);
         }
         if (!pl_inherited(self->gen)) {
             /* In a forked child the parent's producer may have been waiting on cv: destroying
@@ -1065,183 +423,7 @@ static void pf_dealloc(PyObject *op)
     Py_DECREF(tp);
 }
 
-/* ---- construction ---- */
-
-static int parse_positive(PyObject *o, const char *name, long lo, long hi, long *out)
-{
-    long v = PyLong_AsLong(o);
-    if (v == -1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", name, Py_TYPE(o)->tp_name);
-        }
-        return -1;
-    }
-    if (v < lo || v > hi) {
-        PyErr_Format(PyExc_ValueError, "%s must be between %ld and %ld, got %ld", name, lo, hi, v);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
-typedef struct pf_options {
-    PyObject *iterable, *device, *pool_obj, *stream, *convert, *out, *structure;
-    long depth, threads;
-    int high_priority, capsule, is_static;
-    size_t max_pinned;
-    pl_pool *shared; /* borrowed from pool_obj */
-} pf_options;
-
-/* The constructor's arguments, checked. Returns 0 or -1 with an exception. */
-static int parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options *o)
-{
-    static char *kwlist[] = {"iterable", "device", "depth", "pool", "max_pinned_bytes",
-                             "staging_threads", "copy_stream_priority", "output", "stream",
-                             "convert", "static", "out", "structure", NULL};
-    PyObject *depth_obj = NULL, *max_pinned_obj = Py_None, *threads_obj = Py_None;
-    const char *priority = "high", *output = "array";
-    memset(o, 0, sizeof(*o));
-    o->device = o->pool_obj = o->stream = o->convert = o->out = o->structure = Py_None;
-    o->depth = 2;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO$OpOO:AsyncPrefetcher", kwlist, &o->iterable,
-                                     &o->device, &depth_obj, &o->pool_obj, &max_pinned_obj,
-                                     &threads_obj, &priority, &output, &o->stream, &o->convert,
-                                     &o->is_static, &o->out, &o->structure))
-        return -1;
-    if (o->out == Py_None) {
-        o->out = NULL;
-    } else if (!PyList_Check(o->out) && !PyTuple_Check(o->out)) {
-        PyErr_Format(PyExc_TypeError, "out must be a list or tuple of arrays (one per array leaf "
-                     "of a batch, in walk order), not %.100s", Py_TYPE(o->out)->tp_name);
-        return -1;
-    } else {
-        o->is_static = 1;
-    }
-    if (o->convert == Py_None)
-        o->convert = NULL;
-    else if (!PyCallable_Check(o->convert)) {
-        PyErr_Format(PyExc_TypeError, "convert must be a callable or None, not %.100s",
-                     Py_TYPE(o->convert)->tp_name);
-        return -1;
-    }
-    if (o->stream != Py_None && !PyCallable_Check(o->stream) &&
-        (!PyLong_Check(o->stream) || PyBool_Check(o->stream))) {
-        PyErr_Format(PyExc_TypeError, "stream must be None, a DLPack stream handle (int) or a "
-                     "callable returning one, not %.100s", Py_TYPE(o->stream)->tp_name);
-        return -1;
-    }
-    if (depth_obj && parse_positive(depth_obj, "depth", 1, 64, &o->depth) < 0)
-        return -1;
-    if (threads_obj != Py_None && parse_positive(threads_obj, "staging_threads", 1, 256, &o->threads) < 0)
-        return -1;
-    if (strcmp(priority, "high") == 0)
-        o->high_priority = 1;
-    else if (strcmp(priority, "normal") != 0 && strcmp(priority, "low") != 0) {
-        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high', 'normal' or 'low', "
-                     "got '%s'", priority);
-        return -1;
-    }
-    if (strcmp(output, "capsule") == 0)
-        o->capsule = 1;
-    else if (strcmp(output, "array") != 0) {
-        PyErr_Format(PyExc_ValueError, "output must be 'array' or 'capsule', got '%s'", output);
-        return -1;
-    }
-    if (max_pinned_obj != Py_None) {
-        long long v = PyLong_AsLongLong(max_pinned_obj);
-        if (v == -1 && PyErr_Occurred())
-            return -1;
-        if (v <= 0) {
-            PyErr_Format(PyExc_ValueError, "max_pinned_bytes must be > 0, got %lld", v);
-            return -1;
-        }
-        o->max_pinned = (size_t)v;
-    }
-    if (o->pool_obj != Py_None) {
-        if (!(o->shared = pl_pinned_pool_get(st, o->pool_obj))) {
-            PyErr_Format(PyExc_TypeError, "pool must be a pinloader.PinnedPool, not %.100s",
-                         Py_TYPE(o->pool_obj)->tp_name);
-            return -1;
-        }
-        if (pl_pool_closed(o->shared)) {
-            PyErr_SetString(PyExc_ValueError, "pool is closed");
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* The first iterator over the source, with a clear error for a non-iterable. */
-static PyObject *first_iterator(PyObject *iterable)
-{
-    PyObject *probe = PyObject_GetIter(iterable);
-    if (!probe && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "AsyncPrefetcher needs an iterable source, got %.100s",
-                     Py_TYPE(iterable)->tp_name);
-    }
-    return probe;
-}
-
-/* Copy stream, pinned pool and stager. Returns 0 or -1 with an exception (self is then
- * released by the caller; dealloc frees what was made). */
-static int setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
-{
-    const pl_backend *b = self->b;
-    int rc, prev_device = -1, dev = self->device, high = o->high_priority;
-    Py_BEGIN_ALLOW_THREADS
-    rc = device_push(b, dev, &prev_device);
-    if (rc == PL_OK)
-        rc = b->stream_create(high, &self->copy_stream);
-    device_pop(b, dev, prev_device);
-    Py_END_ALLOW_THREADS
-    if (rc != PL_OK) {
-        pl_raise_backend(self->st, b, rc, "creating the copy stream");
-        return -1;
-    }
-    /* The pool (see Note [default pool] in pool.c) and this prefetcher's client in it (Note
-     * [pinned bound] in transfer.c). */
-    size_t client_cap = o->max_pinned;
-    if (o->shared) {
-        pl_pool_incref(o->shared);
-        self->pool = o->shared;
-        self->pool_obj = Py_NewRef(o->pool_obj);
-        self->bound = o->max_pinned ? "max_pinned_bytes" : "the pool's max_bytes";
-    } else if (o->max_pinned > pl_pool_shared_cap()) {
-        /* More than the default pool may hold, asked for explicitly: a pool of its own. */
-        rc = pl_pool_create(b, dev, o->max_pinned, &self->pool);
-        self->own_pool = 1;
-        self->bound = "max_pinned_bytes";
-        if (rc != PL_OK) {
-            pl_raise_backend(self->st, b, rc, "creating the pinned pool");
-            return -1;
-        }
-    } else {
-        rc = pl_pool_default(b, dev, &self->pool);
-        if (rc != PL_OK) {
-            pl_raise_backend(self->st, b, rc, "the default pinned pool");
-            return -1;
-        }
-        self->cap_follows = !o->max_pinned;
-        self->bound = o->max_pinned ? "max_pinned_bytes" :
-            "the prefetcher's default bound, at most pinloader.default_pool_cap(); pass "
-            "max_pinned_bytes or a PinnedPool to allow more";
-        if (self->cap_follows)
-            client_cap = PL_MIN((size_t)1 << 20, pl_pool_cap(self->pool));
-    }
-    if ((rc = pl_pool_client_open(self->pool, client_cap, &self->client)) != PL_OK) {
-        self->client = NULL;
-        pl_raise_backend(self->st, b, rc, "opening the prefetcher's share of the pinned pool");
-        return -1;
-    }
-    long threads = o->threads ? o->threads : pl_default_staging_threads(); /* see Note [staging threads] in cpus.c */
-    if ((rc = pl_stager_create((int)threads, &self->stager)) != PL_OK) {
-        pl_raise_backend(self->st, b, rc, "starting staging threads");
-        return -1;
-    }
-    return 0;
-}
+/* ---- construction (the options: pf_options.c; the pipeline: pf_pipeline.c) ---- */
 
 /* Start the first epoch and the producer; link into the live list. */
 static int start_producer(pl_prefetcher_obj *self, PyObject *probe)
@@ -1251,7 +433,7 @@ static int start_producer(pl_prefetcher_obj *self, PyObject *probe)
     self->it_epoch = 1;
     self->consumer_epoch = 1;
     self->requested_epoch = 1;
-    if (pthread_create(&self->thread, NULL, producer_main, self) != 0) {
+    if (pthread_create(&self->thread, NULL, pl_pf_producer_main, self) != 0) {
         PyErr_SetString(PyExc_RuntimeError, "could not start the producer thread");
         return -1;
     }
@@ -1264,33 +446,13 @@ static int start_producer(pl_prefetcher_obj *self, PyObject *probe)
     return 0;
 }
 
-/* structure=: the structure every item's leaves are placed in (see pl_flat_structure). */
-static int capture_structure(pl_prefetcher_obj *self, PyObject *structure)
-{
-    pl_flat f;
-    PyObject *found = NULL;
-    pl_flat_init(&f, self->st, self->b, self->device);
-    int rc = pl_flat_structure(&f, structure, "structure", &found, NULL);
-    if (rc == 0) {
-        pl_flat_take_tree(&f, &self->templ);
-        self->templ.n_leaves = PyList_GET_SIZE(found);
-        if (!self->templ.n_leaves) {
-            PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher: structure= holds no array leaf");
-            rc = -1;
-        }
-    }
-    Py_XDECREF(found);
-    pl_flat_clear(&f);
-    return rc;
-}
-
 static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     pl_state *st = pl_state_of_type(type);
     pf_options o;
-    if (!st || parse_options(st, args, kwds, &o) < 0)
+    if (!st || pl_pf_parse_options(st, args, kwds, &o) < 0)
         return NULL;
-    PyObject *probe = first_iterator(o.iterable);
+    PyObject *probe = pl_pf_first_iterator(o.iterable);
     if (!probe)
         return NULL;
     const pl_backend *b;
@@ -1328,13 +490,13 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(self);
         return NULL;
     }
-    if (o.structure != Py_None && capture_structure(self, o.structure) < 0) {
+    if (o.structure != Py_None && pl_pf_capture_structure(self, o.structure) < 0) {
         Py_DECREF(probe);
         Py_DECREF(self);
         return NULL;
     }
     self->max_pinned = o.max_pinned;
-    if (setup_pipeline(self, &o) < 0 || start_producer(self, probe) < 0) {
+    if (pl_pf_setup_pipeline(self, &o) < 0 || start_producer(self, probe) < 0) {
         if (!self->it)
             Py_DECREF(probe);
         Py_DECREF(self);
@@ -1342,6 +504,8 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     return (PyObject *)self;
 }
+
+/* ---- stats, getters and the type ---- */
 
 static Py_ssize_t pf_len(PyObject *op)
 {
@@ -1446,10 +610,10 @@ static PyObject *pf_repr(PyObject *op)
     if (self->b->kind == PL_BACKEND_CUDA)
         return PyUnicode_FromFormat("<pinloader.AsyncPrefetcher device=cuda:%d depth=%d batches=%llu "
                                     "queued=%d%s>", self->device, self->depth, batches, queued,
-                                    pf_is_closed(self) ? " closed" : "");
+                                    pl_pf_is_closed(self) ? " closed" : "");
     return PyUnicode_FromFormat("<pinloader.AsyncPrefetcher device=cpu (host backend) depth=%d "
                                 "batches=%llu queued=%d%s>", self->depth, batches, queued,
-                                pf_is_closed(self) ? " closed" : "");
+                                pl_pf_is_closed(self) ? " closed" : "");
 }
 
 static PyObject *pf_get_device(PyObject *op, void *c)
@@ -1470,7 +634,7 @@ static PyObject *pf_get_depth(PyObject *op, void *c)
 static PyObject *pf_get_closed(PyObject *op, void *c)
 {
     (void)c;
-    return PyBool_FromLong(pf_is_closed((pl_prefetcher_obj *)op));
+    return PyBool_FromLong(pl_pf_is_closed((pl_prefetcher_obj *)op));
 }
 
 static PyObject *pf_get_source(PyObject *op, void *c)

@@ -1,0 +1,363 @@
+/* AsyncPrefetcher's producer thread: it waits for room in the queue, takes the GIL (Note [GIL
+ * handoff]) to call next() on the source and read the item with flatten.c, then, without the
+ * GIL, copies the batch with transfer.c and queues it (pf_queue.c). A producer that close()
+ * left inside user code frees the pipeline itself when it comes back (Note [stuck producers]
+ * in prefetcher.c). The object and its batches are in prefetcher_impl.h. */
+#include "prefetcher_impl.h"
+
+#include "transfer.h"
+#include "util.h"
+
+#include <sched.h>
+#include <string.h>
+
+/* ---- a batch's errors ---- */
+
+static void fail_batch(batch *bt, int code, const char *what)
+{
+    bt->kind = B_ERROR;
+    bt->err_code = code;
+    snprintf(bt->err_what, sizeof bt->err_what, "item %llu: %s", (unsigned long long)bt->index, what);
+}
+
+static void add_source_note(PyObject *exc, uint64_t index)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    PyObject *note = PyUnicode_FromFormat("raised by the source at item %llu of the epoch "
+                                          "(pinloader producer thread)", (unsigned long long)index);
+    if (note) {
+        PyObject *r = PyObject_CallMethod(exc, "add_note", "O", note);
+        Py_XDECREF(r);
+        Py_DECREF(note);
+    }
+    PyErr_Clear();
+#else
+    (void)exc;
+    (void)index;
+#endif
+}
+
+static PyObject *fetch_exception(void)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value && tb)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+/* ---- the producer thread ---- */
+
+/* What the producer carries from one batch to the next. */
+typedef struct producer {
+    uint64_t index, last_epoch;
+    pl_flat flat;
+    /* The previous batch's source objects, dropped at the next GIL acquisition (one per batch,
+     * see Note [GIL handoff]); with prev_blk, kept until its copy is done. */
+    PyObject **prev_owners;
+    Py_ssize_t prev_n;
+    pl_block *prev_blk;
+    /* See Note [producer thread state]. */
+    PyThreadState *ts;
+    int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
+    PyGILState_STATE gstate; /* only then */
+} producer;
+
+/* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
+static int producer_wait(pl_prefetcher_obj *self)
+{
+    pthread_mutex_lock(&self->mu);
+    while (!atomic_load(&self->stop) &&
+           (self->queued >= self->depth || self->finished_epoch == self->requested_epoch))
+        pthread_cond_wait(&self->cv, &self->mu);
+    pthread_mutex_unlock(&self->mu);
+    return atomic_load(&self->stop) ? -1 : 0;
+}
+
+/* Note [sources reusing buffers]
+ * Pageable leaves are staged before the source is asked for its next item, so a source may
+ * reuse or refill an array as soon as next() is called again. Leaves copied straight from
+ * pinned memory are read by the DMA engine later; to keep the same guarantee the producer
+ * waits for that batch's copy before calling next() again. */
+static void wait_direct_copy(pl_prefetcher_obj *self)
+{
+    if (self->last_direct) {
+        pl_block_sync_ready(self->last_direct);
+        pl_block_decref(self->last_direct);
+        self->last_direct = NULL;
+    }
+}
+
+/* Note [GIL handoff]
+ * The producer needs the GIL once per batch (next() on the source, reading the leaves). A
+ * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
+ * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
+ * per step anyway, lends it the GIL right there. */
+/* Note [producer thread state]
+ * The producer keeps one Python thread state for its whole life instead of making and deleting
+ * one per batch (PyGILState_Ensure / Release on a thread with no state): made on its first GIL
+ * hold with PyThreadState_New (which also makes it this thread's PyGILState state, so C code the
+ * source calls that uses PyGILState_Ensure finds it), swapped in and out with
+ * PyEval_RestoreThread / PyEval_SaveThread around each hold, and cleared and deleted with the GIL
+ * held when the producer ends (producer_exit). Besides the work saved per batch, a fork() never
+ * catches the interpreter's list of thread states in the middle of a producer's churn. The
+ * producer takes the GIL only after checking pl_py_finalizing(); once finalization has started
+ * it takes nothing and leaves its state to the interpreter, which deletes every thread state as
+ * it finalizes. If the state cannot be made (out of memory), each hold falls back to
+ * PyGILState_Ensure / Release. */
+static void producer_take_gil(pl_prefetcher_obj *self, producer *p)
+{
+    atomic_store(&self->gil_wanted, 1);
+    if (!p->ts && !p->ts_failed && !(p->ts = PyThreadState_New(self->interp)))
+        p->ts_failed = 1;
+    if (p->ts)
+        PyEval_RestoreThread(p->ts);
+    else
+        p->gstate = PyGILState_Ensure();
+    atomic_store(&self->gil_wanted, 0);
+}
+
+static void producer_give_gil(producer *p)
+{
+    if (p->ts)
+        PyEval_SaveThread();
+    else
+        PyGILState_Release(p->gstate);
+}
+
+/* The producer's last hold ends: its thread state goes with it (GIL held; releases it). */
+static void producer_give_gil_for_good(producer *p)
+{
+    if (p->ts) {
+        PyThreadState_Clear(p->ts);
+        PyThreadState_DeleteCurrent();
+        p->ts = NULL;
+    } else {
+        PyGILState_Release(p->gstate);
+    }
+}
+
+void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self)
+{
+    if (!atomic_load(&self->gil_wanted))
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < 2000 && atomic_load(&self->gil_wanted); i++)
+        sched_yield();
+    Py_END_ALLOW_THREADS
+}
+
+/* GIL held: the previous batch's owners go to the graveyard. */
+static void release_previous(pl_prefetcher_obj *self, producer *p)
+{
+    pl_pf_bury(self, p->prev_owners, p->prev_n, p->prev_blk);
+    if (p->prev_blk)
+        pl_block_decref(p->prev_blk);
+    p->prev_owners = NULL;
+    p->prev_n = 0;
+    p->prev_blk = NULL;
+}
+
+/* GIL held: next() on the source, then flatten the item into bt. Returns 0 with bt filled (as
+ * B_READY with an output, or B_END / B_ERROR), or -1 when close() came meanwhile. */
+static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
+{
+    PyObject *it = Py_XNewRef(self->it);
+    int64_t t0 = pl_now_ns();
+    PyObject *item = it ? PyIter_Next(it) : NULL;
+    *t_next = pl_now_ns() - t0;
+    Py_XDECREF(it);
+    if (atomic_load(&self->stop)) {
+        /* closed while the source was running: what it gave is not wanted */
+        Py_XDECREF(item);
+        PyErr_Clear();
+        return -1;
+    }
+    if (!item) {
+        if (PyErr_Occurred()) {
+            bt->kind = B_ERROR;
+            bt->exc = fetch_exception();
+            add_source_note(bt->exc, bt->index);
+        } else {
+            bt->kind = B_END;
+        }
+        return 0;
+    }
+    int rc = pl_block_create(self->b, self->device, &bt->blk);
+    if (rc != PL_OK) {
+        Py_DECREF(item);
+        fail_batch(bt, rc, "creating the batch's ready event");
+        return 0;
+    }
+    pl_flat *f = &p->flat;
+    pl_flat_init(f, self->st, self->b, self->device);
+    /* see Note [flatten in two passes] in flatten.h */
+    if (self->templ.n_nodes) {
+        /* structure=: the item is a tuple of the leaves, placed in the captured structure */
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != self->templ.n_leaves)
+            PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): each item must be a "
+                         "tuple of the structure's %zd leaves, got %.100s", self->templ.n_leaves,
+                         Py_TYPE(item)->tp_name);
+        else if (pl_flat_walk(f, item) == 0) {
+            pl_tree walked;
+            pl_flat_take_tree(f, &walked);
+            pl_tree_clear(&walked);
+            if (f->n_leaves != self->templ.n_leaves)
+                PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's "
+                             "%zd entries are array leaves", (Py_ssize_t)f->n_leaves,
+                             self->templ.n_leaves);
+            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)) &&
+                     !pl_handout_active(&self->handout))
+                Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
+        }
+    } else if (pl_flat_walk(f, item) == 0) {
+        if (pl_handout_active(&self->handout)) {
+            bt->output = pl_flat_device_arrays(f, bt->blk);
+            pl_flat_take_tree(f, &bt->tree);
+        } else {
+            bt->output = pl_flat_rebuild(f, bt->blk);
+        }
+    }
+    Py_DECREF(item);
+    if (!bt->output) {
+        bt->kind = B_ERROR;
+        bt->exc = fetch_exception();
+        pl_flat_clear(f);
+    } else {
+        bt->kind = B_READY;
+    }
+    if (atomic_load(&self->stop)) {
+        /* closed by user code the item ran (a __dlpack__, a constructor) */
+        Py_CLEAR(bt->output);
+        Py_CLEAR(bt->exc);
+        pl_flat_clear(f);
+        return -1;
+    }
+    return 0;
+}
+
+/* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
+static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
+{
+    producer_take_gil(self, p);
+    self->producer_in_user = 1;
+    release_previous(self, p);
+    int r = atomic_load(&self->stop) ? -1 : 1;
+    if (r > 0)
+        pl_pf_empty_graves(self, 0);
+    batch *bt = r > 0 ? PyMem_RawCalloc(1, sizeof(*bt)) : NULL;
+    if (r > 0 && !bt)
+        r = 0;
+    if (bt) {
+        uint64_t epoch = self->it_epoch;
+        if (epoch != p->last_epoch) {
+            p->last_epoch = epoch;
+            p->index = 0;
+        }
+        bt->epoch = epoch;
+        bt->index = p->index++;
+        if (read_item(self, p, bt, t_next) < 0) {
+            pl_pf_batch_free(bt);
+            bt = NULL;
+            r = -1;
+        }
+    }
+    self->producer_in_user = 0;
+    producer_give_gil(p);
+    if (r == 0)
+        pl_sleep_ns(1000000); /* out of memory for the batch record: try again shortly */
+    *out = bt;
+    return r;
+}
+
+/* The no-GIL part: copy a read batch and queue it. */
+static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t t_next)
+{
+    pl_flat *f = &p->flat;
+    if (bt->kind == B_READY) {
+        bt->bytes = f->layout.payload;
+        bt->padding = pl_layout_bytes(&f->layout) - f->layout.payload;
+        pl_xfer x = {self->b, self->device, self->pool, self->client, self->cap_follows,
+                     self->bound, self->depth, self->stager, self->copy_stream, &self->stop};
+        pl_xfer_times tm;
+        char what[256];
+        int rc = pl_transfer(&x, f->leaves, f->n_leaves, &f->layout, bt->blk, &tm, what, sizeof what);
+        pthread_mutex_lock(&self->mu);
+        self->next_ns += t_next;
+        self->staging_ns += tm.staging_ns;
+        self->copy_issue_ns += tm.issue_ns;
+        self->stalls += (uint64_t)tm.stalled;
+        self->stall_ns += tm.stall_ns;
+        pthread_mutex_unlock(&self->mu);
+        if (rc != PL_OK)
+            fail_batch(bt, rc, what);
+        /* The owners go to the graveyard at the next GIL acquisition; sources read by DMA or by
+         * the device gather stay there until the copy is done. Only sources read by DMA make the
+         * producer wait before next() (Note [sources reusing buffers]): a device-gathered
+         * source is a RowGather's, which no source refills. */
+        if (f->layout.direct && bt->kind == B_READY) {
+            pl_block_incref(bt->blk);
+            self->last_direct = bt->blk;
+        }
+        p->prev_owners = pl_flat_take_owners(f, &p->prev_n);
+        if (f->layout.direct || f->layout.gathered) {
+            pl_block_incref(bt->blk);
+            p->prev_blk = bt->blk;
+        }
+        pl_flat_release_leaves(f);
+    }
+    pl_pf_push_batch(self, bt);
+}
+
+/* A producer that close() left behind (stuck in user code) cleans up here. */
+static void producer_exit(pl_prefetcher_obj *self, producer *p)
+{
+    wait_direct_copy(self);
+    if (pl_py_finalizing())
+        return; /* the interpreter is going away: touch nothing of it */
+    producer_take_gil(self, p);
+    release_previous(self, p);
+    if (self->state == PF_DETACHED || self->state == PF_ORPHANED) {
+        pl_pf_free_resources(self);
+        if (self->state == PF_ORPHANED) {
+            PyTypeObject *tp = Py_TYPE(self);
+            pl_handout_clear(&self->handout);
+            pl_tree_clear(&self->templ);
+            pthread_mutex_destroy(&self->mu);
+            pthread_cond_destroy(&self->cv);
+            tp->tp_free((PyObject *)self);
+            Py_DECREF(tp);
+        } else {
+            self->state = PF_CLOSED;
+            Py_DECREF(self); /* the reference close() gave this thread */
+        }
+    }
+    producer_give_gil_for_good(p);
+}
+
+void *pl_pf_producer_main(void *arg)
+{
+    pl_prefetcher_obj *self = arg;
+    producer p;
+    memset(&p, 0, sizeof p);
+    self->b->set_device(self->device);
+    for (;;) {
+        if (producer_wait(self) < 0)
+            break;
+        wait_direct_copy(self);
+        if (pl_py_finalizing())
+            return NULL; /* the interpreter is going away: touch nothing of it */
+        batch *bt = NULL;
+        int64_t t_next = 0;
+        int r = pull_batch(self, &p, &bt, &t_next);
+        if (r < 0)
+            break;
+        if (r > 0)
+            ship_batch(self, &p, bt, t_next);
+    }
+    producer_exit(self, &p);
+    return NULL;
+}

@@ -1,0 +1,107 @@
+/* AsyncPrefetcher's queue of batches (producer to consumer, under mu) and its graveyard, the
+ * objects the producer drops at its next GIL hold (Note [producer and the GIL] in
+ * prefetcher.c). The object and its batches are in prefetcher_impl.h. */
+#include "prefetcher_impl.h"
+
+#include "util.h"
+
+/* ---- graveyard (GIL held) ---- */
+
+void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk)
+{
+    if (n == 0) {
+        PyMem_RawFree(objs);
+        return;
+    }
+    grave *g = PyMem_Malloc(sizeof(*g));
+    if (!g) {
+        /* Cannot defer: wait for the copy (if any) and drop now. */
+        if (blk) {
+            Py_BEGIN_ALLOW_THREADS
+            pl_block_sync_ready(blk);
+            Py_END_ALLOW_THREADS
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_DECREF(objs[i]);
+        PyMem_RawFree(objs);
+        return;
+    }
+    if (blk)
+        pl_block_incref(blk);
+    *g = (grave){self->graves, objs, n, blk};
+    self->graves = g;
+}
+
+/* Note [emptying graves]
+ * Dropping a source object runs its finalizers, which may release the GIL (a __del__ that
+ * sleeps, a deleter that takes a lock) and let the producer and a consumer both enter here. So
+ * the list is detached from the object first: each caller walks only the graves it took, and
+ * what is not ready yet is put back in front of whatever was buried meanwhile. */
+void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
+{
+    grave *list = self->graves, *keep = NULL, **keep_tail = &keep;
+    self->graves = NULL;
+    while (list) {
+        grave *g = list;
+        list = g->next;
+        if (g->blk && !wait && g->blk->b->event_query(g->blk->ready) == PL_ERR_NOT_READY) {
+            g->next = NULL;
+            *keep_tail = g;
+            keep_tail = &g->next;
+            continue;
+        }
+        if (g->blk && wait) {
+            Py_BEGIN_ALLOW_THREADS
+            pl_block_sync_ready(g->blk);
+            Py_END_ALLOW_THREADS
+        }
+        for (Py_ssize_t i = 0; i < g->n; i++)
+            Py_DECREF(g->objs[i]);
+        PyMem_RawFree(g->objs);
+        if (g->blk)
+            pl_block_decref(g->blk);
+        PyMem_Free(g);
+    }
+    *keep_tail = self->graves;
+    self->graves = keep;
+}
+
+/* ---- queue ---- */
+
+void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt)
+{
+    pthread_mutex_lock(&self->mu);
+    bt->next = NULL;
+    if (self->tail)
+        self->tail->next = bt;
+    else
+        self->head = bt;
+    self->tail = bt;
+    self->queued++;
+    if (bt->kind != B_READY)
+        self->finished_epoch = bt->epoch;
+    if (bt->kind == B_READY) {
+        int64_t now = pl_now_ns();
+        if (!self->first_batch_ns)
+            self->first_batch_ns = now;
+        self->last_batch_ns = now;
+        self->n_batches++;
+        self->n_bytes += bt->bytes;
+        self->n_padding += bt->padding;
+        size_t live = pl_block_live_bytes(self->b);
+        if (live > self->device_peak)
+            self->device_peak = live;
+    }
+    pthread_cond_broadcast(&self->cv);
+    pthread_mutex_unlock(&self->mu);
+}
+
+void pl_pf_batch_free(batch *bt)
+{
+    pl_tree_clear(&bt->tree);
+    Py_XDECREF(bt->output);
+    Py_XDECREF(bt->exc);
+    if (bt->blk)
+        pl_block_decref(bt->blk);
+    PyMem_RawFree(bt);
+}

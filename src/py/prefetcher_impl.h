@@ -1,0 +1,166 @@
+/* AsyncPrefetcher's private header: the object, its batches and graves, and the functions
+ * its files share. prefetcher.c holds the type (epochs, the consumer, the lifecycle,
+ * construction, stats and getters), pf_producer.c the producer thread, pf_pipeline.c the
+ * pipeline made and freed (copy stream, pool policy, stager), pf_options.c the constructor's
+ * options, pf_queue.c the queue and the graveyard. The public header is prefetcher.h.
+ *
+ * Locking: `mu` guards the queue, the flow-control counters and the stats; it is never held
+ * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
+ * atomic written under mu (so condition waits see it) and read anywhere, including by
+ * pl_pool_reserve without mu. */
+#ifndef PL_PREFETCHER_IMPL_H
+#define PL_PREFETCHER_IMPL_H
+
+#include "prefetcher.h"
+
+#include "block.h"
+#include "flatten.h"
+#include "handout.h"
+#include "pool.h"
+#include "stager.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#define WAIT_SAMPLES 4096
+
+/* ---- batches ---- */
+
+typedef enum { B_READY, B_END, B_ERROR } batch_kind;
+
+typedef struct batch {
+    struct batch *next;
+    batch_kind kind;
+    uint64_t epoch;
+    uint64_t index;       /* position in the epoch */
+    PyObject *output;     /* B_READY: the structure of DeviceArrays, or with a handout (Note
+                           * [handout] in handout.h) the tuple of the batch's DeviceArrays */
+    pl_tree tree;         /* with a handout: the item's structure, built when handed out */
+    PyObject *exc;        /* B_ERROR with a Python exception (source or bad leaf) */
+    int err_code;         /* B_ERROR from the backend */
+    char err_what[320];
+    pl_block *blk;        /* the batch's reference */
+    size_t bytes;         /* payload */
+    size_t padding;       /* alignment padding in the device block */
+} batch;
+
+typedef struct grave {
+    struct grave *next;
+    PyObject **objs;
+    Py_ssize_t n;
+    pl_block *blk; /* non-NULL: keep objs until blk's ready event completes */
+} grave;
+
+typedef enum { PF_OPEN, PF_EPOCH_DONE, PF_FAILED, PF_CLOSED, PF_DETACHED, PF_ORPHANED } pf_state;
+
+struct pl_prefetcher_obj {
+    PyObject_HEAD
+    PyObject *weakreflist;
+    pl_prefetcher_obj *live_prev, *live_next; /* GIL */
+    pl_state *st;
+    uint32_t gen; /* see Note [prefetcher lifecycle] in prefetcher.c */
+
+    /* configuration: set in tp_new, read-only afterwards (the pipeline pointers are cleared
+     * once, under the GIL, when the pipeline is freed) */
+    PyObject *source;
+    PyObject *pool_obj;
+    pl_pool *pool;         /* the default pool of the device, the given one, or a private one */
+    pl_pool_client *client; /* this prefetcher's bound within pool (Note [pinned bound]) */
+    int own_pool;          /* a private pool: max_pinned_bytes above the shared cap */
+    int cap_follows;       /* no max_pinned_bytes and no pool: the bound follows the batches */
+    const char *bound;     /* what sets the bound, for PoolExhausted messages */
+    size_t max_pinned;
+    const pl_backend *b;
+    int device;
+    int depth;
+    pl_handout handout;    /* output, convert, stream, static (Note [handout] in handout.h) */
+    pl_tree templ;         /* structure=: the items' structure, captured once (n_nodes 0: none) */
+    pl_stager *stager;
+    pl_stream *copy_stream;
+    pthread_t thread;
+    int thread_started;
+    PyInterpreterState *interp; /* the producer's thread state belongs to it */
+
+    /* GIL-protected */
+    pf_state state;
+    int producer_in_user;
+    pl_block *last_direct; /* producer only: the last batch copied straight from the source */
+    PyObject *it;
+    uint64_t it_epoch;
+    uint64_t consumer_epoch;
+    uint64_t consumed_in_epoch;
+    grave *graves;
+
+    atomic_int gil_wanted; /* the producer is waiting for the GIL (see Note [GIL handoff] in
+                            * pf_producer.c) */
+    atomic_int stop;       /* written under mu */
+
+    /* mu-protected */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    batch *head, *tail;
+    int queued;
+    uint64_t requested_epoch;
+    uint64_t finished_epoch;
+    /* stats */
+    uint64_t n_batches;
+    uint64_t n_bytes;
+    uint64_t n_padding;
+    int64_t first_batch_ns, last_batch_ns;
+    int64_t next_ns, staging_ns, copy_issue_ns;
+    int64_t wait_ns_total;
+    uint64_t n_waits;
+    double wait_samples[WAIT_SAMPLES];
+    size_t device_peak;
+    int64_t stall_ns;
+    uint64_t stalls;
+};
+
+/* The constructor's arguments, as pl_pf_parse_options checked them (pf_options.c). */
+typedef struct pf_options {
+    PyObject *iterable, *device, *pool_obj, *stream, *convert, *out, *structure;
+    long depth, threads;
+    int high_priority, capsule, is_static;
+    size_t max_pinned;
+    pl_pool *shared; /* borrowed from pool_obj */
+} pf_options;
+
+/* Closed, detached or orphaned (Note [prefetcher lifecycle] in prefetcher.c). */
+static inline int pl_pf_is_closed(const pl_prefetcher_obj *self)
+{
+    return self->state >= PF_CLOSED;
+}
+
+/* ---- pf_queue.c: the graveyard and the queue ---- */
+
+/* GIL held: drop objs (n of them, a PyMem_Raw array taken over) at a later GIL hold; with blk,
+ * not before blk's ready event has completed. */
+void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk);
+/* GIL held: drop what was buried; what waits for a copy is kept unless wait (Note [emptying
+ * graves] in pf_queue.c). */
+void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait);
+/* Queue a batch for the consumer (takes mu) and count it in the stats. */
+void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt);
+void pl_pf_batch_free(batch *bt);
+
+/* ---- pf_producer.c: the producer thread ---- */
+
+/* The producer thread's body (pthread_create's start routine; arg is the prefetcher). */
+void *pl_pf_producer_main(void *arg);
+/* The consumer's side of Note [GIL handoff] in pf_producer.c (GIL held). */
+void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self);
+
+/* ---- pf_pipeline.c: the pipeline ---- */
+
+/* Copy stream, pinned pool and client, stager. Returns 0 or -1 with an exception. */
+int pl_pf_setup_pipeline(pl_prefetcher_obj *self, const pf_options *o);
+/* Free the pipeline (GIL held; the producer has exited or is this thread). Called once. */
+void pl_pf_free_resources(pl_prefetcher_obj *self);
+
+/* ---- pf_options.c: the constructor's options ---- */
+
+int pl_pf_parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options *o);
+PyObject *pl_pf_first_iterator(PyObject *iterable);
+int pl_pf_capture_structure(pl_prefetcher_obj *self, PyObject *structure);
+
+#endif
