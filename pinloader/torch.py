@@ -17,6 +17,7 @@ from ._C import backend as _pl_backend
 __all__ = ["prefetch", "TorchPrefetcher"]
 
 _warned_pin_memory = False
+_real_current_stream = _torch.cuda.current_stream
 
 # torch.from_dlpack of a capsule ends in torch._C._from_dlpack; calling it directly skips the
 # Python-level dispatch (the capsules come from pinloader, nothing else).
@@ -122,12 +123,19 @@ class TorchPrefetcher(FrameworkPrefetcher):
         convert = _from_capsule_static if static and out is None else _from_capsule
         if self.device.type == "cuda":
             index = self.device.index
-            current = _torch.cuda.current_stream
+            raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is not None and _torch.cuda.current_stream is _real_current_stream:
 
-            def stream() -> int:
-                # Once per batch. torch's default stream (handle 0) is the legacy default
-                # stream, 1 in DLPack's numbering, as torch.from_dlpack itself passes it.
-                return current(index).cuda_stream or 1
+                def stream() -> int:
+                    # Once per batch: torch's current stream handle, without making a Stream
+                    # object. torch's default stream (handle 0) is the legacy default stream, 1
+                    # in DLPack's numbering, as torch.from_dlpack itself passes it.
+                    return raw(index) or 1
+            else:  # an older torch, or current_stream replaced (a profiler, a test): ask it
+                current = _torch.cuda.current_stream
+
+                def stream() -> int:
+                    return current(index).cuda_stream or 1
         else:
             stream = None  # type: ignore[assignment]
         handout = dict(output="capsule", stream=stream, convert=convert)
