@@ -169,7 +169,7 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
 def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
     """The rank's item order for what remains of ``epoch`` once the ranks together consumed its
     first ``position`` items: see Resuming in the module documentation of array_loader."""
-    from .array_loader import _order
+    from ._epoch_plan import _order
     n, world, rank = plan.num_items, plan.world_size, plan.rank
     g = min(max(int(position), 0), n)
     rest = n - g
@@ -208,7 +208,7 @@ class ResumableEpochs:
         return len(self._inner)
 
     def __iter__(self) -> Iterator[Any]:
-        from .array_loader import _epoch_batches
+        from ._epoch_plan import _epoch_batches
         plan, r = self._plan, self.resume
         if r is None or r[0] != plan.epoch:
             return iter(self._inner)

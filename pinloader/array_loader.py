@@ -54,15 +54,17 @@ Resuming (``ArrayLoader.state_dict`` / ``ArrayLoader.load_state_dict``)
 """
 from __future__ import annotations
 
-import mmap
 import os
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from . import _C, _resume
-from ._C import AsyncPrefetcher, Registration, RowGather, permutation, register_rows
+from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
+from ._epoch_plan import _Epochs, _Plan, _base_chain, _is_mapped, _mapping_bytes
+# _order and _epoch_batches are read from here by tests and benchmarks as well
+from ._epoch_plan import _epoch_batches, _order  # noqa: F401
 
 __all__ = ["ArrayLoader"]
 
@@ -77,89 +79,6 @@ _GATHER_MODES = ("auto", "host", "device")
 # 4 KiB. From 256 bytes on the device gather is faster, and it costs the host far less CPU and
 # memory traffic.
 _DEVICE_GATHER_MIN_SPAN = 256
-
-
-def _base_chain(arr: Any) -> Iterator[Any]:
-    base = getattr(arr, "base", None)
-    for _ in range(16):
-        if base is None:
-            return
-        yield base
-        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else None
-
-
-def _is_mapped(src: Any) -> bool:
-    """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects."""
-    if isinstance(src, (mmap.mmap, np.memmap)):
-        return True
-    return isinstance(src, np.ndarray) and any(isinstance(b, mmap.mmap) for b in _base_chain(src))
-
-
-def _mapping_bytes(src: Any) -> int:
-    """Size of the memory mapping under ``src`` (0 when it is not memory-mapped)."""
-    if isinstance(src, mmap.mmap):
-        return len(src)
-    if isinstance(src, np.ndarray):
-        for b in _base_chain(src):
-            if isinstance(b, mmap.mmap):
-                try:
-                    return len(b)
-                except ValueError:  # closed
-                    return 0
-    return 0
-
-
-def _maps_entry(addr: int) -> tuple[int, str] | None:
-    """(file offset of ``addr``, path) from /proc/self/maps, or None."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                parts = line.split(None, 5)
-                lo, _, hi = parts[0].partition("-")
-                if int(lo, 16) <= addr < int(hi, 16) and len(parts) == 6:
-                    return int(parts[2], 16) + addr - int(lo, 16), parts[5].strip()
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _owners(src: Any) -> Iterator[Any]:
-    """``src`` and what it views: array bases, and the object under a memoryview."""
-    for _ in range(32):
-        yield src
-        if isinstance(src, np.ndarray):
-            src = src.base
-        elif isinstance(src, memoryview):
-            try:
-                src = src.obj
-            except ValueError:  # released
-                return
-        else:
-            return
-        if src is None:
-            return
-
-
-def _file_mapping(src: Any) -> tuple[mmap.mmap, int, str] | None:
-    """The file mapping under ``src``: (its mmap, the file size it needs, the file's name), or
-    None when ``src`` maps no file. Note [truncated mappings]."""
-    m = next((b for b in _owners(src) if isinstance(b, mmap.mmap)), None)
-    if m is None:
-        return None
-    try:
-        if m.closed or len(m) == 0:
-            return None
-        m.size()  # an anonymous mapping has no file: OSError
-    except (OSError, ValueError):
-        return None
-    mm = next((b for b in _owners(src) if isinstance(b, np.memmap) and getattr(b, "_mmap", None) is m), None)
-    if mm is not None and isinstance(getattr(mm, "offset", None), int):
-        start = mm.offset - mm.offset % mmap.ALLOCATIONGRANULARITY
-        return m, start + len(m), str(mm.filename)
-    addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
-    where = _maps_entry(addr)
-    start, name = where if where is not None else (0, "(unknown file)")
-    return m, start + len(m), name
 
 
 def _mem_available() -> int | None:
@@ -220,54 +139,6 @@ def _int_arg(name: str, value: Any, lo: int) -> int:
     return int(value)
 
 
-class _Plan:
-    """What an epoch's generator needs; shared by the loader and the prefetcher's source (the
-    source must not reference the loader, which holds the prefetcher)."""
-
-    epoch = 0
-    cache: tuple[int, np.ndarray] | None = None
-    leaves: list[Any] = []
-    regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
-    dtypes: dict[str, Any] = {}  # leaf path -> the source's dtype when the loader was made
-    batch_size = n_batches = num_rows = num_items = num_samples = rank = seed = 0
-    world_size = 1
-    window: int | None = None
-    shuffle = drop_last = False
-
-
-def _order(plan: _Plan, epoch: int) -> np.ndarray:
-    """The rank's item order of an epoch: see the module documentation."""
-    cache = plan.cache
-    if cache is not None and cache[0] == epoch:
-        return cache[1]
-    n, L = plan.num_items, plan.window
-    spare = 0 if L is None else plan.num_rows - n * L
-    if plan.shuffle:
-        phase, order = permutation(n, plan.seed, epoch, spare)
-    else:
-        phase, order = 0, np.arange(n, dtype=np.int64)
-    world, count = plan.world_size, plan.num_samples
-    if world > 1 and count:
-        # Items rank, rank + world, ... of the epoch's order padded by wrapping around to its
-        # start (or cut) to num_samples * world items: item j of that is order[j % n]. Only
-        # the rank's own num_samples positions are made, whatever world_size is.
-        if count == 1:
-            pos = np.array([plan.rank % n], dtype=np.int64)
-        else:  # world < n here, so the positions stay below 2 * n
-            pos = np.arange(count, dtype=np.int64) * world + plan.rank
-            if pos[-1] >= n:
-                pos %= n
-        order = order[pos]
-    else:
-        order = order[:count]
-    if L is not None:
-        order = phase + order * L
-    order = np.ascontiguousarray(order, dtype=np.int64)
-    order.flags.writeable = False
-    plan.cache = (epoch, order)
-    return order
-
-
 # AsyncPrefetcher options that only change how a batch is handed out (Note [handout] in
 # src/py/handout.h), not what is read or copied.
 _HANDOUT_OPTS = frozenset({"output", "stream", "convert", "static", "out"})
@@ -291,82 +162,6 @@ def _same_device(running: str, wanted: Any) -> bool:
     if text in ("cpu", "cpu:0", "host"):
         return running == "cpu"
     return text == running or (text == "cuda" and running.startswith("cuda:"))
-
-
-class _Epochs:
-    """The re-iterable source given to the AsyncPrefetcher: each iter() is one epoch."""
-
-    def __init__(self, plan: _Plan) -> None:
-        self._plan = plan
-
-    def __len__(self) -> int:
-        return self._plan.n_batches
-
-    def __iter__(self) -> Iterator[Any]:
-        return _epoch_batches(self._plan, self._plan.epoch)
-
-
-def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
-    """Raise a clear error if the source no longer has the shape the loader was made for."""
-    try:
-        now = RowGather(src, ()).source_shape
-    except Exception as e:
-        raise ValueError(f"{path}: the source can no longer be read ({e})") from None
-    if now != shape:
-        raise ValueError(f"{path}: the source changed shape from {shape} to {now} under the "
-                         "ArrayLoader (resized or replaced while loading)")
-
-
-def _truncated(path: str, m: mmap.mmap, need: int, name: str) -> ValueError:
-    try:
-        now = f"{m.size()} bytes"
-    except (OSError, ValueError) as e:
-        now = f"unreadable ({e})"
-    return ValueError(f"{path}: the memory-mapped file {name} was truncated on disk while "
-                      f"loading: it is now {now}, the mapping needs {need} (the dataset was "
-                      "rewritten or cut short under the ArrayLoader)")
-
-
-def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
-    # Note [truncated mappings]
-    # Rows of a mapping past the end of its file fault with SIGBUS when a staging thread reads
-    # them, which kills the process: another job may rewrite or cut the dataset at any time.
-    # Before each batch (with the GIL, before its RowGathers exist) each file-mapped leaf's
-    # file size is checked (mmap.size(): one fstat) against the end of its mapping, and a
-    # shorter file is an error naming the leaf and the file. A file cut while a batch is being
-    # staged, after its check, is not caught: the check narrows the window to one batch.
-    order = _order(plan, epoch)
-    bs, n_batches = plan.batch_size, plan.n_batches
-    window = plan.window
-    any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
-    files = [(path, *fm) for path, src, _, _ in plan.leaves
-             if (fm := _file_mapping(src)) is not None]
-    for b in range(n_batches):
-        for path, m, need, name in files:
-            try:
-                ok = m.size() >= need
-            except (OSError, ValueError):
-                ok = False
-            if not ok:
-                raise _truncated(path, m, need, name)
-        lo = b * bs
-        rows = order[lo:lo + bs]
-        # Note [read-ahead] in src/py/gather.c: the next batch's rows (the first batch's own too)
-        ahead = order[(lo + bs if b else lo):lo + 2 * bs] if any_mapped else None
-        leaves = []
-        for path, src, mapped, shape in plan.leaves:
-            try:
-                g = RowGather(src, rows, window, ahead if mapped else None, plan.regs.get(path))
-            except (IndexError, ValueError, TypeError, BufferError) as e:
-                _check_shape(path, src, shape)
-                raise type(e)(f"{path}: {e}") from None
-            if g.source_shape != shape:
-                _check_shape(path, src, shape)
-            if g.dtype != plan.dtypes[path]:
-                raise ValueError(f"{path}: the source changed dtype from {plan.dtypes[path]} to "
-                                 f"{g.dtype} under the ArrayLoader")
-            leaves.append(g)
-        yield tuple(leaves)  # placed in the loader's structure by the prefetcher (structure=)
 
 
 class ArrayLoader:

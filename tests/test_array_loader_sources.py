@@ -58,7 +58,8 @@ def test_loader_readahead_policy(tmp_path, monkeypatch, readahead):
         g = real(*a, **kw)
         advised.append(g.advised_bytes)
         return g
-    monkeypatch.setattr(al, "RowGather", spy)
+    monkeypatch.setattr(al, "RowGather", spy)  # the constructor's probes
+    monkeypatch.setattr(pinloader._epoch_plan, "RowGather", spy)  # every batch's leaves
     if readahead == "auto-large":  # a mapping larger than the memory available
         monkeypatch.setattr(al, "_mem_available", lambda: 1 << 20)
         readahead = None
