@@ -147,3 +147,23 @@ def test_a_captured_step_replays_on_every_batch():
     want = [float(s["x"].astype(np.float64).sum() + s["y"].sum()) for s in src]
     np.testing.assert_allclose(got, want, rtol=1e-4)
     batches.close()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_batch_kept_past_the_next_one_holds_the_next_ones_values(device):
+    # The documented rule: a static batch is valid until the next one is taken. A consumer that
+    # keeps the previous batch by mistake sees it overwritten (in stream order), not a copy and
+    # not freed memory; a .clone() taken before keeps the old values.
+    src = source(3)
+    batches = pt.prefetch(src, device=device, static=True)
+    it = iter(batches)
+    kept = next(it)["x"]
+    saved = kept.clone()
+    b1 = next(it)
+    assert b1["x"] is kept
+    np.testing.assert_array_equal(kept.cpu().numpy(), src[1]["x"])
+    np.testing.assert_array_equal(saved.cpu().numpy(), src[0]["x"])
+    batches.close()
+    # after close() the kept tensor still owns its memory (the static buffer lives as long as
+    # anything refers to it) and holds the last batch taken
+    np.testing.assert_array_equal(kept.cpu().numpy(), src[1]["x"])
