@@ -25,3 +25,16 @@ const char *pl_error_string(const pl_backend *b, int code)
     default: return (b ? b : pl_backend_host())->error_string(code);
     }
 }
+
+int pl_device_push(const pl_backend *b, int device, int *prev)
+{
+    if (b->get_device(prev) != PL_OK)
+        *prev = -1;
+    return *prev == device ? PL_OK : b->set_device(device);
+}
+
+void pl_device_pop(const pl_backend *b, int device, int prev)
+{
+    if (prev >= 0 && prev != device)
+        b->set_device(prev);
+}

@@ -133,6 +133,12 @@ int pl_cuda_device_count(int *count);
 void pl_cuda_versions(int *driver, int *runtime);
 const char *pl_cuda_library_path(void);
 
+/* Make `device` current on the calling thread for a moment (*prev: what was current, or -1),
+ * and put it back with pl_device_pop: pinloader must not change the device the user's
+ * framework works on, and the legacy and per-thread default streams are per device. */
+int pl_device_push(const pl_backend *b, int device, int *prev);
+void pl_device_pop(const pl_backend *b, int device, int prev);
+
 /* Names for pinloader's own codes and the shared ones, for either backend; b == NULL names a
  * backend's code as the host backend does (backend.c). */
 const char *pl_error_name(const pl_backend *b, int code);

@@ -242,11 +242,11 @@ PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream)
     pl_dlpack_stream parsed[2];
     int have[2] = {0, 0};
     Py_ssize_t n = PyTuple_GET_SIZE(items);
-    PyObject *out = PyList_New(n);
+    PyObject *out = PyTuple_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         PyObject *o = PyTuple_GET_ITEM(items, i);
         if (!Py_IS_TYPE(o, st->DeviceArray_Type)) {
-            PyList_SET_ITEM(out, i, Py_NewRef(o));
+            PyTuple_SET_ITEM(out, i, Py_NewRef(o));
             continue;
         }
         DeviceArrayObject *da = (DeviceArrayObject *)o;
@@ -267,7 +267,7 @@ PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream)
             Py_CLEAR(out);
             break;
         }
-        PyList_SET_ITEM(out, i, cap);
+        PyTuple_SET_ITEM(out, i, cap);
     }
     return out;
 }
@@ -293,8 +293,10 @@ static PyObject *export_capsules(PyObject *m, PyObject *const *args, Py_ssize_t 
                             "not %.100s", Py_TYPE(leaves)->tp_name);
     if (!items)
         return NULL;
-    PyObject *out = pl_export_leaves(st, items, stream);
+    PyObject *caps = pl_export_leaves(st, items, stream);
     Py_DECREF(items);
+    PyObject *out = caps ? PySequence_List(caps) : NULL; /* the documented result: a list */
+    Py_XDECREF(caps);
     return out;
 }
 

@@ -31,7 +31,7 @@ int pl_device_array_view(pl_state *st, PyObject *o, pl_da_view *v);
 
 /* DLPack capsules (legacy "dltensor") of the DeviceArrays in `items` (a tuple; other objects
  * are passed through) for the consumer's `stream` (as __dlpack__'s stream argument): each
- * batch's block is waited on once per stream. A new list, or NULL with an exception naming
+ * batch's block is waited on once per stream. A new tuple, or NULL with an exception naming
  * "export_capsules: leaves[i]". */
 PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream);
 

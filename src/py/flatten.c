@@ -115,7 +115,7 @@ static int leaf_error(pl_flat *f, PyObject *type, const char *fmt, ...)
     return -1;
 }
 
-static void shape_text(char *buf, size_t n, int ndim, const int64_t *shape)
+void pl_shape_text(char *buf, size_t n, int ndim, const int64_t *shape)
 {
     size_t len = (size_t)snprintf(buf, n, "(");
     for (int i = 0; i < ndim && len < n; i++)
@@ -143,18 +143,23 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t elem)
     return 0;
 }
 
+/* Structure mode: append (the current path, obj) to list. 0, or -1 with an exception. */
+static int record_at_path(pl_flat *f, PyObject *list, PyObject *obj)
+{
+    PyObject *path = PyUnicode_FromStringAndSize(f->path, (Py_ssize_t)f->path_len);
+    PyObject *pair = path ? PyTuple_Pack(2, path, obj) : NULL;
+    int rc = pair ? PyList_Append(list, pair) : -1;
+    Py_XDECREF(path);
+    Py_XDECREF(pair);
+    return rc;
+}
+
 /* Append a node; returns its index, or -1. obj and key are new references taken here. */
 static Py_ssize_t push_node(pl_flat *f, fnode_kind kind, PyObject *obj, PyObject *key)
 {
-    if (f->passed && kind == FN_PASS) { /* structure mode: say where a non-array object is */
-        PyObject *path = PyUnicode_FromStringAndSize(f->path, (Py_ssize_t)f->path_len);
-        PyObject *pair = path ? PyTuple_Pack(2, path, obj) : NULL;
-        int rc = pair ? PyList_Append(f->passed, pair) : -1;
-        Py_XDECREF(path);
-        Py_XDECREF(pair);
-        if (rc < 0)
-            return -1;
-    }
+    /* structure mode: say where a non-array object is */
+    if (f->passed && kind == FN_PASS && record_at_path(f, f->passed, obj) < 0)
+        return -1;
     if (grow((void **)&f->nodes, &f->cap_nodes, f->n_nodes + 1, sizeof(pl_flat_node)) < 0)
         return -1;
     f->nodes[f->n_nodes] = (pl_flat_node){kind, Py_XNewRef(obj), Py_XNewRef(key), 0, -1};
@@ -202,7 +207,7 @@ static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char 
     int rc = pl_layout_add(&f->layout, L);
     if (rc != PL_LAYOUT_OK) {
         char st[256];
-        shape_text(st, sizeof st, ndim, shape);
+        pl_shape_text(st, sizeof st, ndim, shape);
         if (rc == PL_LAYOUT_NEGATIVE)
             return leaf_error(f, PyExc_ValueError, "shape %s has a negative dimension", st);
         return leaf_error(f, PyExc_ValueError, "shape %s is too large (%zu-byte elements; a batch "
@@ -362,7 +367,7 @@ static int dlpack_validate(pl_flat *f, const DLTensor *t, int64_t *shape, int64_
         shape[i] = t->shape[i];
         if (shape[i] < 0) {
             char st[256];
-            shape_text(st, sizeof st, t->ndim, t->shape);
+            pl_shape_text(st, sizeof st, t->ndim, t->shape);
             return leaf_error(f, PyExc_ValueError, "DLPack shape %s has a negative dimension", st);
         }
         empty |= shape[i] == 0;
@@ -389,7 +394,7 @@ static int dlpack_validate(pl_flat *f, const DLTensor *t, int64_t *shape, int64_
     overflow |= lo == INT64_MIN;
     if (!empty && overflow) {
         char st[256];
-        shape_text(st, sizeof st, t->ndim, t->shape);
+        pl_shape_text(st, sizeof st, t->ndim, t->shape);
         return leaf_error(f, PyExc_ValueError, "DLPack shape %s with its strides is too large", st);
     }
     uintptr_t base = (uintptr_t)t->data, addr;
@@ -628,12 +633,7 @@ static int structure_leaf(pl_flat *f, PyObject *obj, PyObject *key)
     if (!leaf)
         return 0;
     Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
-    PyObject *path = node >= 0 ? PyUnicode_FromStringAndSize(f->path, (Py_ssize_t)f->path_len) : NULL;
-    PyObject *pair = path ? PyTuple_Pack(2, path, obj) : NULL;
-    int rc = pair ? PyList_Append(f->found, pair) : -1;
-    Py_XDECREF(path);
-    Py_XDECREF(pair);
-    if (rc < 0)
+    if (node < 0 || record_at_path(f, f->found, obj) < 0)
         return -1;
     f->nodes[node].leaf = f->n_leaves++;
     return 1;

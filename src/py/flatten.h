@@ -69,6 +69,8 @@ void pl_flat_take_tree(pl_flat *f, pl_tree *out);
  * as it is: a tree builds any number of batches. */
 PyObject *pl_tree_build(const pl_tree *t, PyObject *leaves);
 void pl_tree_clear(pl_tree *t);
+/* "(2, 3)", "(4,)", "()": a shape as error messages write it, cut to fit n bytes. */
+void pl_shape_text(char *buf, size_t n, int ndim, const int64_t *shape);
 /* Add pinloader._C._leaves to the module. */
 int pl_flatten_init(PyObject *m);
 int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);

@@ -62,19 +62,34 @@ static void static_free(pl_static *S)
     PyMem_RawFree(S);
 }
 
-/* Make `device` current for a queue on a consumer stream (the legacy and per-thread default
- * streams are per device), remembering the caller's. */
-static int push_device(const pl_backend *b, int device, int *prev)
+/* An empty pl_static for n leaves, or NULL with MemoryError. */
+static pl_static *static_new(Py_ssize_t n)
 {
-    if (b->get_device(prev) != PL_OK)
-        *prev = -1;
-    return *prev == device ? PL_OK : b->set_device(device);
+    pl_static *S = PyMem_RawCalloc(1, sizeof(*S));
+    if (S)
+        S->leaf = PyMem_RawCalloc(n ? (size_t)n : 1, sizeof(static_leaf));
+    if (!S || !S->leaf) {
+        static_free(S);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    S->n = n;
+    return S;
 }
 
-static void pop_device(const pl_backend *b, int device, int prev)
+/* L's dtype and shape (a copy). 0, or -1 with MemoryError. */
+static int leaf_set_layout(static_leaf *L, int ndim, const int64_t *shape, DLDataType dtype)
 {
-    if (prev >= 0 && prev != device)
-        b->set_device(prev);
+    L->ndim = ndim;
+    L->dtype = dtype;
+    if (!ndim)
+        return 0;
+    if (!(L->shape = PyMem_RawMalloc((size_t)ndim * sizeof(int64_t)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(L->shape, shape, (size_t)ndim * sizeof(int64_t));
+    return 0;
 }
 
 static int leaf_view(pl_state *st, PyObject *leaves, Py_ssize_t i, pl_da_view *v)
@@ -91,15 +106,9 @@ static pl_static *static_make(pl_state *st, const pl_backend *b, int device, PyO
                               pl_stream *s)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(leaves);
-    pl_static *S = PyMem_RawCalloc(1, sizeof(*S));
-    if (S)
-        S->leaf = PyMem_RawCalloc(n ? (size_t)n : 1, sizeof(static_leaf));
-    if (!S || !S->leaf) {
-        static_free(S);
-        PyErr_NoMemory();
+    pl_static *S = static_new(n);
+    if (!S)
         return NULL;
-    }
-    S->n = n;
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         pl_da_view v;
@@ -113,22 +122,15 @@ static pl_static *static_make(pl_state *st, const pl_backend *b, int device, PyO
             goto fail;
         }
         L->nbytes = v.nbytes;
-        L->ndim = v.ndim;
-        L->dtype = v.dtype;
-        if (v.ndim) {
-            if (!(L->shape = PyMem_RawMalloc((size_t)v.ndim * sizeof(int64_t)))) {
-                PyErr_NoMemory();
-                goto fail;
-            }
-            memcpy(L->shape, v.shape, (size_t)v.ndim * sizeof(int64_t));
-        }
+        if (leaf_set_layout(L, v.ndim, v.shape, v.dtype) < 0)
+            goto fail;
     }
     int rc = pl_block_create(b, device, &S->blk), prev = -1;
     if (rc == PL_OK) {
         S->blk->no_memo = 1;
-        if ((rc = push_device(b, device, &prev)) == PL_OK)
+        if ((rc = pl_device_push(b, device, &prev)) == PL_OK)
             rc = pl_block_alloc(S->blk, total, s);
-        pop_device(b, device, prev);
+        pl_device_pop(b, device, prev);
     }
     if (rc != PL_OK) {
         pl_raise_backend(st, b, rc, "AsyncPrefetcher(static=True): allocating the static buffers");
@@ -158,15 +160,9 @@ fail:
 static pl_static *static_from_out(const pl_backend *b, int device, PyObject *out)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(out);
-    pl_static *S = PyMem_RawCalloc(1, sizeof(*S));
-    if (S)
-        S->leaf = PyMem_RawCalloc(n ? (size_t)n : 1, sizeof(static_leaf));
-    if (!S || !S->leaf) {
-        static_free(S);
-        PyErr_NoMemory();
+    pl_static *S = static_new(n);
+    if (!S)
         return NULL;
-    }
-    S->n = n;
     S->arrays = Py_NewRef(out);
     if (!(S->capsules = PyTuple_New(n)))
         goto fail;
@@ -225,15 +221,8 @@ static pl_static *static_from_out(const pl_backend *b, int device, PyObject *out
             goto fail;
         }
         L->ptr = L->nbytes ? (char *)t->data + t->byte_offset : NULL;
-        L->ndim = t->ndim;
-        L->dtype = t->dtype;
-        if (t->ndim) {
-            if (!(L->shape = PyMem_RawMalloc((size_t)t->ndim * sizeof(int64_t)))) {
-                PyErr_NoMemory();
-                goto fail;
-            }
-            memcpy(L->shape, t->shape, (size_t)t->ndim * sizeof(int64_t));
-        }
+        if (leaf_set_layout(L, t->ndim, t->shape, t->dtype) < 0)
+            goto fail;
     }
     return S;
 fail:
@@ -244,15 +233,6 @@ fail:
 static int same_dtype(DLDataType a, DLDataType b)
 {
     return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
-}
-
-static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
-{
-    size_t k = (size_t)snprintf(buf, cap, "(");
-    for (int d = 0; d < ndim && k < cap; d++)
-        k += (size_t)snprintf(buf + k, cap - k, d ? ", %lld" : "%lld", (long long)shape[d]);
-    if (k < cap)
-        snprintf(buf + k, cap - k, ndim == 1 ? ",)" : ")");
 }
 
 /* Whether batch leaf i fits static leaf L; its real rows in *rows. ValueError naming it if not. */
@@ -267,8 +247,8 @@ static int check_fits(pl_state *st, Py_ssize_t i, const pl_da_view *v, const sta
     if (ok)
         return 0;
     char got[160], want[160];
-    shape_str(got, sizeof got, v->ndim, v->shape);
-    shape_str(want, sizeof want, L->ndim, L->shape);
+    pl_shape_text(got, sizeof got, v->ndim, v->shape);
+    pl_shape_text(want, sizeof want, L->ndim, L->shape);
     PyObject *gd = pl_dtype_to_python(st, v->dtype), *wd = gd ? pl_dtype_to_python(st, L->dtype) : NULL;
     if (wd)
         PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): batch leaf %zd is %s %S, "
@@ -322,7 +302,7 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     }
     pl_stream *s = cuda ? (pl_stream *)ps.handle : NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(leaves);
-    int prev = -1, rc = cuda ? push_device(b, device, &prev) : PL_OK;
+    int prev = -1, rc = cuda ? pl_device_push(b, device, &prev) : PL_OK;
     if (rc != PL_OK) {
         pl_raise_backend(st, b, rc, "AsyncPrefetcher(static=True): making the device current");
         return -1;
@@ -334,7 +314,7 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
         pl_da_view v;
         if (leaf_view(st, leaves, i, &v) < 0 || (v.blk != waited && wait_batch(st, v.blk, s) < 0)) {
             if (cuda)
-                pop_device(b, device, prev);
+                pl_device_pop(b, device, prev);
             return -1;
         }
         waited = v.blk; /* the leaves of a batch share one block */
@@ -356,7 +336,7 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     }
     if (!S || PyErr_Occurred()) {
         if (cuda)
-            pop_device(b, device, prev);
+            pl_device_pop(b, device, prev);
         return -1;
     }
     const char *what = "";
@@ -383,7 +363,7 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     if (rc == PL_OK && cuda && waited)
         pl_block_note_use(waited, s); /* the batch's block too */
     if (cuda)
-        pop_device(b, device, prev);
+        pl_device_pop(b, device, prev);
     if (rc != PL_OK) {
         char msg[160];
         snprintf(msg, sizeof msg, "AsyncPrefetcher(static=True): %s", what);
@@ -398,13 +378,7 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
 static PyObject *deliver(pl_state *st, const pl_handout *h, PyObject *items, PyObject *stream)
 {
     PyObject *xs;
-    if (h->capsule) {
-        PyObject *caps = pl_export_leaves(st, items, stream);
-        xs = caps ? PyList_AsTuple(caps) : NULL;
-        Py_XDECREF(caps);
-    } else {
-        xs = Py_NewRef(items);
-    }
+    xs = h->capsule ? pl_export_leaves(st, items, stream) : Py_NewRef(items);
     if (!xs || !h->convert)
         return xs;
     Py_ssize_t n = PyTuple_GET_SIZE(xs);

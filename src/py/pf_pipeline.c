@@ -8,21 +8,6 @@
 #include "cpus.h"
 #include "util.h"
 
-/* Make `device` current on the calling (user's) thread for a moment, and put back what was
- * current before: pinloader must not change the device the user's framework works on. */
-static int device_push(const pl_backend *b, int device, int *prev)
-{
-    if (b->get_device(prev) != PL_OK)
-        *prev = -1;
-    return *prev == device ? PL_OK : b->set_device(device);
-}
-
-static void device_pop(const pl_backend *b, int device, int prev)
-{
-    if (prev >= 0 && prev != device)
-        b->set_device(prev);
-}
-
 /* ---- made (the pool policy) ---- */
 
 /* Copy stream, pinned pool and stager. Returns 0 or -1 with an exception (self is then
@@ -32,10 +17,10 @@ int pl_pf_setup_pipeline(pl_prefetcher_obj *self, const pf_options *o)
     const pl_backend *b = self->b;
     int rc, prev_device = -1, dev = self->device, high = o->high_priority;
     Py_BEGIN_ALLOW_THREADS
-    rc = device_push(b, dev, &prev_device);
+    rc = pl_device_push(b, dev, &prev_device);
     if (rc == PL_OK)
         rc = b->stream_create(high, &self->copy_stream);
-    device_pop(b, dev, prev_device);
+    pl_device_pop(b, dev, prev_device);
     Py_END_ALLOW_THREADS
     if (rc != PL_OK) {
         pl_raise_backend(self->st, b, rc, "creating the copy stream");
@@ -101,7 +86,7 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
         return;
     }
     int prev_device = -1;
-    device_push(self->b, self->device, &prev_device);
+    pl_device_push(self->b, self->device, &prev_device);
     if (self->copy_stream) {
         pl_stream *stream = self->copy_stream;
         const pl_backend *b = self->b;
@@ -146,5 +131,5 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
     if (pool)
         pl_pool_decref(pool);
     Py_END_ALLOW_THREADS
-    device_pop(self->b, self->device, prev_device);
+    pl_device_pop(self->b, self->device, prev_device);
 }
