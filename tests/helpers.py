@@ -376,3 +376,25 @@ def sample(shape, dtype, seed=0):
     if np.dtype(dtype).kind == "c":
         return (v + 1j * rng.integers(0, 250, size=shape)).astype(dtype)
     return v.astype(dtype)
+
+
+def map_leaves(obj, fn):
+    """obj rebuilt with every object that is not a container replaced by fn(object): the
+    containers the prefetcher rebuilds (dataclasses from their init fields, dicts and dict
+    subclasses from a shallow copy, namedtuples, lists, tuples), with their types."""
+    import copy
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: map_leaves(getattr(obj, f.name), fn)
+                            for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k in obj:
+            out[k] = map_leaves(obj[k], fn)
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*[map_leaves(v, fn) for v in obj])
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_leaves(v, fn) for v in obj)
+    return fn(obj)

@@ -5,14 +5,13 @@ host backend. The CUDA side of static batches is in tests/test_static_batches.py
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 
 import numpy as np
 import pytest
 
 import pinloader
-from helpers import CapsuleWrapper, drain
+from helpers import CapsuleWrapper, drain, map_leaves
 from pinloader import _C, AsyncPrefetcher
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -84,19 +83,7 @@ def _to_numpy(x):
 
 
 def _leaves_to_numpy(obj):
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: _leaves_to_numpy(getattr(obj, f.name))
-                            for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for k in obj:
-            out[k] = _leaves_to_numpy(obj[k])
-        return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*[_leaves_to_numpy(v) for v in obj])
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_leaves_to_numpy(v) for v in obj)
-    return _to_numpy(obj)
+    return map_leaves(obj, _to_numpy)
 
 
 def _deliver(path, src):
@@ -154,21 +141,7 @@ def test_array_loader_keeps_every_container_kind_of_its_arrays(kind):
 
 
 def _map_arrays(obj, fn, every_leaf=False):
-    if isinstance(obj, np.ndarray):
-        return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: _map_arrays(getattr(obj, f.name), fn, every_leaf)
-                            for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for k in obj:
-            out[k] = _map_arrays(obj[k], fn, every_leaf)
-        return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*[_map_arrays(v, fn, every_leaf) for v in obj])
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_arrays(v, fn, every_leaf) for v in obj)
-    return fn(obj) if every_leaf else obj
+    return map_leaves(obj, lambda x: fn(x) if every_leaf or isinstance(x, np.ndarray) else x)
 
 
 # ---- stream= and convert= ----

@@ -198,6 +198,7 @@ def test_torch_door_looks_the_stream_up_once_per_batch_and_follows_it(monkeypatc
 
 @pytest.mark.parametrize("door", ["torch", "cupy", "jax", "capsule", "array"])
 def test_every_container_kind_through_every_door_on_the_gpu(door):
+    from helpers import map_leaves
     from test_handout import STRUCTURES, _canon
 
     def to_numpy(x):
@@ -215,23 +216,8 @@ def test_every_container_kind_through_every_door_on_the_gpu(door):
         return torch.from_dlpack(x).cpu().numpy()
 
     def leaves_to_numpy(obj):
-        import copy
-        import dataclasses
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return type(obj)(**{f.name: leaves_to_numpy(getattr(obj, f.name))
-                                for f in dataclasses.fields(obj) if f.init})
-        if isinstance(obj, dict):
-            out = copy.copy(obj)
-            for k in obj:
-                out[k] = leaves_to_numpy(obj[k])
-            return out
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*[leaves_to_numpy(v) for v in obj])
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(leaves_to_numpy(v) for v in obj)
-        if isinstance(obj, (str, int, float, type(None))):
-            return obj
-        return to_numpy(obj)
+        return map_leaves(obj, lambda x: x if isinstance(x, (str, int, float, type(None)))
+                          else to_numpy(x))
 
     def make(src):
         if door == "torch":
