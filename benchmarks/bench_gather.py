@@ -12,12 +12,21 @@ interleaved (each round runs every row once, in order):
   torch_index     torch's best user-level alternative: torch.index_select(src, 0, idx,
                   out=pinned) with all threads, then .to(device, non_blocking=True), two
                   pinned buffers in turn
+  numpy_index     plain NumPy, one thread: np.take(src, idx, axis=0, out=buf) into a reused
+                  buffer (pinned on CUDA, then .to(device, non_blocking=True) as torch_index
+                  does; on the host backend the gather itself is the one copy)
   dma_ceiling     the physical reference: one cudaMemcpyAsync of the batch's bytes from
-                  resident pinned memory per batch (no gather at all)
+                  resident pinned memory per batch (no gather at all); on the host backend one
+                  memcpy of the batch's bytes from resident memory
 Each figure is delivered bytes per second over --batches batches after a warm-up epoch,
 torch.cuda.synchronize() included; host CPU per batch is the process's CPU time (all threads)
-divided by the batches. The table reports the median over the rounds with the range, and each
-path's ratio to the DMA ceiling measured in the same round.
+divided by the batches. For the loader rows the JSON also keeps where the producer thread's
+time went, per batch (stats(): producer_s_total, gil_wait_s_total, next_s_total,
+staging_s_total, sort_s_total). The table reports the median over the rounds with the range,
+and each path's ratio to the DMA ceiling measured in the same round.
+
+Without a GPU (--device cpu, or no CUDA) the same rows run on pinloader's host backend, where
+torch_index is left out: ArrayLoader against NumPy on the machine at hand.
 """
 from __future__ import annotations
 
@@ -32,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 ROW_SIZES = [64, 512, 4096, 150_528]
-PATHS = ["host_gather", "device_gather", "auto", "torch_index", "dma_ceiling"]
+PATHS = ["host_gather", "device_gather", "auto", "torch_index", "numpy_index", "dma_ceiling"]
+HOST_PATHS = ["host_gather", "device_gather", "auto", "numpy_index", "dma_ceiling"]
+PRODUCER_STATS = ("producer_s_total", "gil_wait_s_total", "next_s_total", "staging_s_total", "sort_s_total")
 
 
 def _anon_huge() -> str:
@@ -67,13 +78,20 @@ def make_source(row_bytes: int, source_bytes: int, hugepages: bool = False) -> n
     return src
 
 
+def _sync(torch):
+    if torch is not None:
+        torch.cuda.synchronize()
+
+
 def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     L = pinloader.ArrayLoader(src, bs, device=device, seed=1, **opts)
     n_per_epoch = len(L)
+    take = torch.from_dlpack if torch is not None else np.from_dlpack
     it = iter(L)
     for _ in range(min(5, n_per_epoch - 1)):  # warm-up: registration, slabs, the kernel's load
-        torch.from_dlpack(next(it))
-    torch.cuda.synchronize()
+        take(next(it))
+    _sync(torch)
+    st0 = L.stats()
     done = 0
     t0, c0 = time.perf_counter(), time.process_time()
     while done < batches:
@@ -82,13 +100,18 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
         except StopIteration:
             it = iter(L)
             continue
-        torch.from_dlpack(b)
+        take(b)
         done += 1
-    torch.cuda.synchronize()
+    _sync(torch)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = L.stats()
     L.close()
+    # the producer's time per batch over the timed batches (the prefetcher may have run a few
+    # batches ahead, so these are close to, not exactly, the timed ones)
+    made = max(1, st["batches"] - st0["batches"])
+    producer = {k.replace("_s_total", "_ms_per_batch"): (st[k] - st0[k]) / made * 1e3 for k in PRODUCER_STATS}
     return {"gbps": done * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / done * 1e3,
+            "wall_ms_per_batch": dt / done * 1e3, **producer,
             "gather": st["gather"], "batches_per_epoch": n_per_epoch,
             "reason": "; ".join(i["reason"] for i in st["gather_leaves"] if i["reason"])}
 
@@ -118,7 +141,50 @@ def run_torch_index(torch, src, bs, batches, device):
     return {"gbps": batches * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / batches * 1e3}
 
 
+def run_numpy_index(torch, src, bs, batches, device):
+    n = src.shape[0]
+    rng = np.random.default_rng(1)
+    if torch is not None:
+        pinned = [torch.empty((bs, src.shape[1]), dtype=torch.uint8).pin_memory() for _ in range(2)]
+        bufs = [p.numpy() for p in pinned]
+    else:
+        bufs = [np.empty((bs, src.shape[1]), np.uint8) for _ in range(2)]
+    evs = [None, None]
+    out = None
+    for warm in (True, False):
+        _sync(torch)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for k in range(2 if warm else batches):
+            i = k % 2
+            if evs[i] is not None:
+                evs[i].synchronize()  # the copy that read this buffer is done
+            idx = rng.integers(0, n, bs)
+            np.take(src, idx, axis=0, out=bufs[i])
+            if torch is not None:
+                out = pinned[i].to(device, non_blocking=True)
+                evs[i] = torch.cuda.Event()
+                evs[i].record()
+        _sync(torch)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    del out
+    return {"gbps": batches * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / batches * 1e3}
+
+
+def run_host_copy(nbytes, batches):
+    """The host backend's ceiling: one memcpy of the batch's bytes from resident memory."""
+    host = np.full(nbytes, 3, np.uint8)
+    dst = np.empty_like(host)
+    np.copyto(dst, host)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(batches):
+        np.copyto(dst, host)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"gbps": batches * nbytes / dt / 1e9, "cpu_ms_per_batch": cpu / batches * 1e3}
+
+
 def run_dma(torch, nbytes, batches, device):
+    if torch is None:
+        return run_host_copy(nbytes, batches)
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
@@ -140,15 +206,28 @@ def main() -> int:
     ap.add_argument("--source-bytes", type=C.parse_size, default=C.parse_size("2G"))
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--paths", type=C.choice_list(PATHS), default=PATHS)
+    ap.add_argument("--paths", type=C.choice_list(PATHS), default=None,
+                    help="default: every path (on the host backend, all but torch_index)")
+    ap.add_argument("--depth", type=int, default=None, help="ArrayLoader depth (default: its own)")
+    ap.add_argument("--staging-threads", type=int, default=None,
+                    help="ArrayLoader staging_threads (default: the CPU budget)")
     ap.add_argument("--hugepages", action="store_true",
                     help="the source in transparent huge pages (madvise(MADV_HUGEPAGE) before "
                          "the first touch); the run prints how much of it got them")
     args = ap.parse_args()
-    torch = C.require_cuda(args.device)
     import pinloader
 
-    results: dict = {"machine": C.machine_info(torch, args.device), "args": vars(args), "rows": {}}
+    host = args.device == "cpu" or pinloader.backend() != "cuda"
+    torch = None if host else C.require_cuda(args.device)
+    device = "cpu" if host else args.device
+    if args.paths is None:
+        args.paths = HOST_PATHS if host else PATHS
+    if host and "torch_index" in args.paths:
+        C.fail("torch_index needs a CUDA device; leave it out on the host backend")
+    opts = {k: v for k, v in (("depth", args.depth), ("staging_threads", args.staging_threads)) if v is not None}
+
+    results: dict = {"machine": C.machine_info(torch, device), "args": vars(args), "rows": {},
+                     "backend": "host" if host else "cuda"}
     for row in args.rows:
         bs = 256 if row >= 65536 else batch_rows(row, args.batch_bytes)
         src = make_source(row, args.source_bytes, args.hugepages)
@@ -158,36 +237,47 @@ def main() -> int:
         for rnd in range(args.rounds):
             for p in args.paths:
                 if p == "host_gather":
-                    r = run_loader(torch, pinloader, src, bs, args.batches, args.device, gather="host")
+                    r = run_loader(torch, pinloader, src, bs, args.batches, device, gather="host", **opts)
                 elif p == "device_gather":
-                    r = run_loader(torch, pinloader, src, bs, args.batches, args.device, gather="device")
+                    r = run_loader(torch, pinloader, src, bs, args.batches, device, gather="device", **opts)
                 elif p == "auto":
-                    r = run_loader(torch, pinloader, src, bs, args.batches, args.device)
+                    r = run_loader(torch, pinloader, src, bs, args.batches, device, **opts)
                 elif p == "torch_index":
-                    r = run_torch_index(torch, src, bs, args.batches, args.device)
+                    r = run_torch_index(torch, src, bs, args.batches, device)
+                elif p == "numpy_index":
+                    r = run_numpy_index(torch, src, bs, args.batches, device)
                 else:
-                    r = run_dma(torch, bs * row, args.batches, args.device)
+                    r = run_dma(torch, bs * row, args.batches, device)
                 r["round"] = rnd
                 per[p].append(r)
                 C.log(f"  round {rnd} {p:14s} {r['gbps']:7.2f} GB/s  {r['cpu_ms_per_batch']:7.3f} ms CPU/batch"
-                      + (f"  [{r['gather']}]" if "gather" in r else ""))
+                      + (f"  [{r['gather']}] producer {r['producer_ms_per_batch']:.3f} ms/batch "
+                         f"(GIL wait {r['gil_wait_ms_per_batch']:.3f}, next {r['next_ms_per_batch']:.3f}, "
+                         f"staging {r['staging_ms_per_batch']:.3f}, sort {r['sort_ms_per_batch']:.3f}) "
+                         f"of {r['wall_ms_per_batch']:.3f} ms/batch" if "gather" in r else ""))
         results["rows"][str(row)] = {"batch": bs, "source_bytes": src.nbytes, "runs": per}
         del src
 
     lines = C.machine_summary_lines(results["machine"]) + [""]
-    head = ["row bytes x batch"] + [f"{p} GB/s" for p in args.paths] + ["device / DMA", "device CPU ms/batch"]
+    ceiling = "dma_ceiling" if not host else "host memcpy"
+    head = (["row bytes x batch"] + [f"{p} GB/s" for p in args.paths]
+            + [f"device / {ceiling}", f"host / {ceiling}", "host / numpy", "device CPU ms/batch"])
     table = []
     for row, rec in results["rows"].items():
         runs = rec["runs"]
         cells = [f"{row} x {rec['batch']}"]
         for p in args.paths:
             cells.append(C.fmt_summary(C.summarize(r["gbps"] for r in runs[p])))
-        if "device_gather" in runs and "dma_ceiling" in runs:
-            rat = [d["gbps"] / c["gbps"] for d, c in zip(runs["device_gather"], runs["dma_ceiling"])]
-            cells.append(C.fmt_summary(C.summarize(rat)))
+        for a, b in (("device_gather", "dma_ceiling"), ("host_gather", "dma_ceiling"),
+                     ("host_gather", "numpy_index")):
+            if a in runs and b in runs:  # ratios within each round
+                cells.append(C.fmt_summary(C.summarize(x["gbps"] / y["gbps"] for x, y in zip(runs[a], runs[b]))))
+            else:
+                cells.append("–")
+        if "device_gather" in runs:
             cells.append(C.fmt_summary(C.summarize(r["cpu_ms_per_batch"] for r in runs["device_gather"]), 3))
         else:
-            cells += ["–", "–"]
+            cells.append("–")
         table.append(cells)
         if "auto" in runs:
             rec["auto_picked"] = runs["auto"][0].get("gather")

@@ -3,7 +3,8 @@
 registered with cudaHostRegister, against one DMA of the same bytes: a sweep of UNROLL and of
 the grid (blocks per multiprocessor), to choose the launch that backend_cuda.c uses. Rows of
 --rows bytes, --batch-bytes per batch, random rows sorted as pinloader sorts them; GB/s of
-delivered bytes over --launches launches, median of --repeats."""
+delivered bytes over --launches launches, median of --repeats. --order random also times the
+rows in batch order (unsorted), which says what the producer's sort buys."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,9 @@ def main() -> int:
     ap.add_argument("--source-bytes", type=C.parse_size, default=C.parse_size("1G"))
     ap.add_argument("--launches", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--order", type=C.choice_list(["sorted", "random"]), default=["sorted"],
+                    help="the table's order: sorted by source row (as pinloader sorts it), or "
+                         "the batch's random order")
     args = ap.parse_args()
     C.require_cuda(args.device)
     import cupy as cp
@@ -43,8 +47,10 @@ def main() -> int:
         cp.cuda.runtime.hostRegister(src.ctypes.data, src.nbytes, 3)  # portable | mapped
         dev_src = src.ctypes.data  # unified addressing: the device reads registered memory at its host address
         bs = max(1, args.batch_bytes // row)
-        rows = np.sort(np.random.default_rng(0).integers(0, n, bs))
-        table = cp.asarray(np.stack([rows, np.arange(bs)], 1).astype(np.int64))
+        rows = np.random.default_rng(0).integers(0, n, bs)
+        tables = {"random": cp.asarray(np.stack([rows, np.arange(bs)], 1).astype(np.int64))}
+        srt = np.argsort(rows, kind="stable")
+        tables["sorted"] = cp.asarray(np.stack([rows[srt], srt], 1).astype(np.int64))
         dst = cp.empty(bs * row, cp.uint8)
         host = cp.cuda.alloc_pinned_memory(bs * row)
         start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -58,7 +64,8 @@ def main() -> int:
             best_dma.append(args.launches * bs * row / cp.cuda.get_elapsed_time(start, stop) / 1e6)
         dma = statistics.median(best_dma)
         unit = 16 if row % 16 == 0 else 8 if row % 8 == 0 else 4 if row % 4 == 0 else 1
-        for unroll in args.unroll:
+        for order, unroll in ((o, u) for o in args.order for u in args.unroll):
+            table = tables[order]
             mod = cp.RawModule(code=code, options=("-std=c++17", f"-DUNROLL={unroll}"))
             k = mod.get_function(f"pl_gather_{unit}")
             units = row // unit
@@ -75,12 +82,13 @@ def main() -> int:
                     stop.synchronize()
                     gbps.append(args.launches * bs * row / cp.cuda.get_elapsed_time(start, stop) / 1e6)
                 g = statistics.median(gbps)
-                out["runs"].append({"row": row, "unroll": unroll, "blocks_per_sm": bps, "gbps": g,
-                                    "dma_gbps": dma, "runs_gbps": gbps})
-                line = f"row {row:7d} B  unroll {unroll:2d}  blocks/SM {bps:3d}: {g:6.2f} GB/s = {g / dma:.2f}x DMA ({dma:.1f})"
+                out["runs"].append({"row": row, "order": order, "unroll": unroll, "blocks_per_sm": bps,
+                                    "gbps": g, "dma_gbps": dma, "runs_gbps": gbps})
+                line = (f"row {row:7d} B  {order:6s}  unroll {unroll:2d}  blocks/SM {bps:3d}: {g:6.2f} GB/s "
+                        f"= {g / dma:.2f}x DMA ({dma:.1f})")
                 C.log(line)
                 lines.append(line)
-        want = np.stack([src[r] for r in rows[:4]])
+        want = src[rows[:4]]
         got = cp.asnumpy(dst[:4 * row]).reshape(4, row)
         assert (got == want).all(), "the kernel delivered wrong bytes"
         cp.cuda.runtime.hostUnregister(src.ctypes.data)

@@ -92,3 +92,6 @@ class PrefetcherStats(TypedDict):
     pool_cap: int
     pool_slabs_created: int
     pool_waits: int
+    sort_s_total: float
+    gil_wait_s_total: float
+    producer_s_total: float

@@ -15,7 +15,7 @@ STATS_KEYS = {
     "batches", "bytes", "padding_bytes", "h2d_gbps", "wait_s_total", "wait_ms_mean", "wait_ms_p99", "next_s_total",
     "staging_s_total", "copy_issue_s_total", "pinned_bytes_in_use", "pinned_bytes_reserved",
     "pinned_bytes_peak", "pinned_cap", "device_bytes_peak", "pinned_stalls", "pinned_stall_s",
-    "queued", "backend",
+    "queued", "backend", "sort_s_total", "gil_wait_s_total", "producer_s_total",
 }
 
 
@@ -46,7 +46,8 @@ def test_stats_fields_are_sane():
     assert st["bytes"] + st["padding_bytes"] == rounded
     assert st["backend"] == "host"
     for k in ("h2d_gbps", "wait_s_total", "wait_ms_mean", "wait_ms_p99", "next_s_total",
-              "staging_s_total", "copy_issue_s_total", "pinned_stall_s"):
+              "staging_s_total", "copy_issue_s_total", "pinned_stall_s", "sort_s_total",
+              "gil_wait_s_total", "producer_s_total"):
         assert isinstance(st[k], float) and st[k] >= 0.0, k
     for k in ("pinned_bytes_in_use", "pinned_bytes_reserved", "pinned_bytes_peak", "pinned_cap",
               "device_bytes_peak", "pinned_stalls", "queued"):
@@ -57,6 +58,9 @@ def test_stats_fields_are_sane():
     assert st["device_bytes_peak"] >= max(-(-v.nbytes // ALIGN) * ALIGN for v in items[-1].values()
                                           if isinstance(v, np.ndarray))
     assert 0 <= st["queued"] <= 3
+    assert st["sort_s_total"] == 0.0  # no device-gathered leaf: no pair table was built
+    # the producer's rounds contain their own waits for the GIL and the source's next()
+    assert st["producer_s_total"] >= st["gil_wait_s_total"] + st["next_s_total"] > 0.0
     assert st["wait_ms_p99"] >= 0.0
     assert st["wait_ms_mean"] * 12 <= st["wait_s_total"] * 1000 + 1e-6 or st["wait_s_total"] == 0
 

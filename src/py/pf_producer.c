@@ -55,6 +55,8 @@ static PyObject *fetch_exception(void)
 typedef struct producer {
     uint64_t index, last_epoch;
     pl_flat flat;
+    int64_t round_start_ns; /* this round's start (after the wait for room), for the stats */
+    int64_t gil_wait_ns;    /* this round's wait for the GIL */
     /* The previous batch's source objects, dropped at the next GIL acquisition (one per batch,
      * see Note [GIL handoff]); with prev_blk, kept until its copy is done. */
     PyObject **prev_owners;
@@ -242,7 +244,9 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
 /* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
 static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
 {
+    int64_t t0 = pl_now_ns();
     producer_take_gil(self, p);
+    p->gil_wait_ns = pl_now_ns() - t0;
     self->producer_in_user = 1;
     release_previous(self, p);
     int r = atomic_load(&self->stop) ? -1 : 1;
@@ -291,6 +295,9 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
         self->copy_issue_ns += tm.issue_ns;
         self->stalls += (uint64_t)tm.stalled;
         self->stall_ns += tm.stall_ns;
+        self->sort_ns += tm.sort_ns;
+        self->gil_wait_ns += p->gil_wait_ns;
+        self->producer_ns += pl_now_ns() - p->round_start_ns;
         pthread_mutex_unlock(&self->mu);
         if (rc != PL_OK)
             fail_batch(bt, rc, what);
@@ -352,6 +359,7 @@ void *pl_pf_producer_main(void *arg)
             return NULL; /* the interpreter is going away: touch nothing of it */
         batch *bt = NULL;
         int64_t t_next = 0;
+        p.round_start_ns = pl_now_ns();
         int r = pull_batch(self, &p, &bt, &t_next);
         if (r < 0)
             break;

@@ -546,6 +546,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     uint64_t batches = self->n_batches, bytes = self->n_bytes, padding = self->n_padding, waits = self->n_waits, stalls = self->stalls;
     int64_t span = self->last_batch_ns - self->first_batch_ns;
     int64_t next_ns = self->next_ns, staging_ns = self->staging_ns, issue_ns = self->copy_issue_ns;
+    int64_t sort_ns = self->sort_ns, gil_wait_ns = self->gil_wait_ns, producer_ns = self->producer_ns;
     int64_t wait_total = self->wait_ns_total, stall_ns = self->stall_ns;
     size_t dev_peak = self->device_peak;
     int queued = self->queued;
@@ -566,7 +567,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     double gbps = span > 0 && batches > 1 ? (double)bytes * (double)(batches - 1) / (double)batches / (double)span : 0.0;
     return Py_BuildValue(
         "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s,"
-        "s:n,s:n,s:n,s:n,s:K,s:K}",
+        "s:n,s:n,s:n,s:n,s:K,s:K,s:d,s:d,s:d}",
         "batches", (unsigned long long)batches, "bytes", (unsigned long long)bytes,
         "padding_bytes", (unsigned long long)padding,
         "h2d_gbps", gbps, "wait_s_total", (double)wait_total / 1e9,
@@ -581,7 +582,9 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
         "pool_bytes_reserved", (Py_ssize_t)ps.reserved_bytes, "pool_bytes_in_use", (Py_ssize_t)ps.in_use_bytes,
         "pool_bytes_peak", (Py_ssize_t)ps.peak_reserved_bytes, "pool_cap", (Py_ssize_t)ps.max_bytes,
         "pool_slabs_created", (unsigned long long)ps.slabs_created,
-        "pool_waits", (unsigned long long)ps.waits);
+        "pool_waits", (unsigned long long)ps.waits,
+        "sort_s_total", (double)sort_ns / 1e9, "gil_wait_s_total", (double)gil_wait_ns / 1e9,
+        "producer_s_total", (double)producer_ns / 1e9);
 }
 
 static PyObject *pf_enter(PyObject *op, PyObject *noargs)

@@ -108,6 +108,9 @@ struct pl_prefetcher_obj {
     uint64_t n_padding;
     int64_t first_batch_ns, last_batch_ns;
     int64_t next_ns, staging_ns, copy_issue_ns;
+    int64_t sort_ns;     /* the device gathers' pair tables (pl_xfer_times.sort_ns) */
+    int64_t gil_wait_ns; /* the producer waiting to take the GIL */
+    int64_t producer_ns; /* the producer's rounds, from room in the queue to the batch queued */
     int64_t wait_ns_total;
     uint64_t n_waits;
     double wait_samples[WAIT_SAMPLES];
