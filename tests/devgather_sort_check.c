@@ -1,7 +1,12 @@
-/* The pair-table sort of the device gather (pl_gather_sort, src/core/devgather.c) against its
- * contract on every path it has (few pairs, packed keys, wide offsets), both directions:
- * every slot once, each row its slot's, rows in order, ties by slot. Compiled and run by
- * tests/test_device_gather.py. */
+/* The pair table of the device gather (src/core/devgather.c) against its contract:
+ * - pl_gather_sort on every path it has (few pairs, packed keys, wide offsets), both
+ *   directions: every slot once, each row its slot's, rows in order, ties by slot;
+ * - pl_gather_in_order: pair i is (rows[i], i);
+ * - pl_gather_stage_edges over a sorted and an in-order table with repeated edge rows: every
+ *   pair of an item outside the registered range names a staged copy holding that item's
+ *   bytes, each distinct edge item is staged once, the other pairs are untouched, and a cap
+ *   below the distinct edges is refused.
+ * Compiled and run by tests/test_device_gather.py. */
 #include "devgather.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +27,28 @@ int main(void){
       if (rows[out[i].slot]!=out[i].row) bad++;
       if (i){ int64_t a=out[i-1].row,b=out[i].row; if (desc? a<b : a>b) bad++; if (a==b && out[i-1].slot>out[i].slot) bad++; } }
     free(seen); free(rows); free(out);
+  }
+  /* edges: 40 rows of 24 bytes, rows 0-2 and 37-39 outside [lo, hi) */
+  enum { R = 40, SPAN = 24, N = 300 };
+  char src[R * SPAN];
+  for (int i = 0; i < R * SPAN; i++) src[i] = (char)(i * 7 + 3);
+  const char *lo = src + 3 * SPAN, *hi = src + 37 * SPAN;
+  for (int sorted = 0; sorted < 2; sorted++) for (int cap_short = 0; cap_short < 2; cap_short++) {
+    int64_t rows[N]; pl_gather_pair t[N]; char edge[R * SPAN];
+    for (int i = 0; i < N; i++) rows[i] = rand() % R;
+    if (sorted) pl_gather_sort(rows, N, 0, t); else pl_gather_in_order(rows, N, t);
+    if (!sorted) for (int i = 0; i < N; i++) if (t[i].row != rows[i] || t[i].slot != i) bad++;
+    int distinct = 0;
+    for (int r = 0; r < R; r++) { int any = 0; for (int i = 0; i < N; i++) any |= rows[i] == r; if (any && (r < 3 || r >= 37)) distinct++; }
+    int64_t k = pl_gather_stage_edges(t, N, sorted, src, SPAN, SPAN, lo, hi, edge, cap_short ? distinct - 1 : distinct);
+    if (cap_short) { if (k != -1) bad++; continue; }
+    if (k != distinct) bad++;
+    for (int i = 0; i < N; i++) {
+      int64_t want = rows[t[i].slot];
+      const char *item = t[i].row >= 0 ? src + t[i].row * SPAN : edge + (-1 - t[i].row) * SPAN;
+      if (t[i].row >= 0 ? (t[i].row != want || want < 3 || want >= 37) : (-1 - t[i].row >= k)) { bad++; continue; }
+      for (int b = 0; b < SPAN; b++) if (item[b] != src[want * SPAN + b]) { bad++; break; }
+    }
   }
   printf("bad=%d\n", bad); return bad != 0;
 }

@@ -365,8 +365,9 @@ def test_cuda_auto_prefers_the_device_gather_and_consumer_streams_wait():
     L.close()
 
 
-def test_pair_table_sort_meets_its_contract(tmp_path):
-    # pl_gather_sort on all its paths, compiled with the sanitizers where the compiler has them
+def test_pair_table_meets_its_contract(tmp_path):
+    # pl_gather_sort on all its paths, pl_gather_in_order, and pl_gather_stage_edges over
+    # sorted and in-order tables (tests/devgather_sort_check.c), compiled with the sanitizers where the compiler has them
     import shutil
     import subprocess
 

@@ -9,11 +9,17 @@
  * no pinned slab for the data. A device-gathered leaf of a batch takes:
  * - its output area in the device block like any leaf (the "direct" area of the layout: no
  *   pinned bytes, see Note [batch layout] in transfer.h);
- * - a table of pl_gather_pair {source row, batch slot}, one per item, sorted by source row,
- *   written by the producer into the batch's pinned region (16 bytes per item) and copied with
- *   the staged area; the kernel reads it from the device block. Sorting makes consecutive
- *   threads read consecutive host addresses (fewer page translations over PCIe, longer bursts)
- *   while every item still lands in its own slot, so the batch is exactly source[rows].
+ * - a table of pl_gather_pair {source row, batch slot}, one per item, written by the producer
+ *   into the batch's pinned region (16 bytes per item) and copied with the staged area; the
+ *   kernel reads it from the device block. Every item lands in its own slot whatever the
+ *   table's order, so the batch is exactly source[rows]. Items under PL_GATHER_SORT_BELOW
+ *   bytes are sorted by source row, so that consecutive threads read consecutive host
+ *   addresses; larger ones stay in batch order. Measured on the H200 (bench_gather_kernel.py
+ *   --order sorted,random, 4 MiB batches of random rows of a 1 GiB source): 64-byte rows
+ *   23.6 GB/s sorted against 6.7 in batch order, 512-byte rows 43.8 against 44.2, 4 KiB
+ *   47.2 against 47.0. Above that size a warp's loads are whole rows either way and the order
+ *   buys nothing, while the producer's sort cost 0.11 ms of the 0.15 ms it spent on a batch
+ *   of 8,192 rows, more than the kernel's 0.10 ms, and made it the bound.
  * The kernel is queued on the copy stream after the staged area's copies and before the
  * batch's ready event: the consumer's stream-side wait, the block's lifetime and the stats are
  * the same as for any batch. The RowGather (and with it the registration and the source) is
@@ -58,16 +64,22 @@ int pl_gather_unit(const pl_gather_args *g);
 /* Fill `out` with n pairs (rows[i], i) sorted by source address (row * sign of the stride),
  * ties by slot. Radix sort on the producer thread: O(n) for the batch sizes that matter. */
 int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out);
+/* Fill `out` with the n pairs (rows[i], i) in batch order. */
+void pl_gather_in_order(const int64_t *rows, int64_t n, pl_gather_pair *out);
+/* Items of at least this many bytes are gathered in batch order, smaller ones sorted: see
+ * Note [device gather]. */
+#define PL_GATHER_SORT_BELOW 512
 
 /* Items of a source (n_items of `span` bytes, row 0 at host address src, rows `stride` apart)
  * that do not lie inside the registered host range [lo, hi): the most edge copies a batch can
  * need. */
 int64_t pl_gather_edge_items(const char *src, int64_t stride, size_t span, int64_t n_items,
                              const char *lo, const char *hi);
-/* Mark the pairs whose items lie outside [lo, hi) as edge items and copy each distinct one
- * (pairs sorted by row: repeats are adjacent) to edge + k * span. Returns the number of
- * distinct edge items, or -1 if more than cap. */
-int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, const char *src, int64_t stride,
+/* Mark the pairs whose items lie outside [lo, hi) as edge items and copy each distinct one to
+ * edge + k * span. `sorted`: the pairs are sorted by row (pl_gather_sort), so repeats are
+ * adjacent; else they are in any order (pl_gather_in_order). Returns the number of distinct
+ * edge items, -1 if more than cap, -2 if out of memory. */
+int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, int sorted, const char *src, int64_t stride,
                               size_t span, const char *lo, const char *hi, char *edge, int64_t cap);
 
 /* ---- registered host ranges ---- */

@@ -6,10 +6,9 @@
  *
  * One thread moves one unit of V bytes (V = 16, 8, 4, 2 or 1: the widest that divides the
  * source's base address, its row stride and the item span, chosen by the host). Unit u of the
- * batch belongs to pair u / span_units of the table: the pairs are sorted by source row, so
- * consecutive threads read consecutive bytes of one row and then the next row in address
- * order (fewer PCIe page translations, longer bursts), and each row is written to the slot the
- * pair names. Every thread keeps UNROLL loads in flight before it stores, which is what keeps
+ * batch belongs to pair u / span_units of the table, so consecutive threads read consecutive
+ * bytes of one row and then the next pair's row (for small rows the pairs are sorted by source
+ * row: the next row in address order), and each row is written to the slot the pair names. Every thread keeps UNROLL loads in flight before it stores, which is what keeps
  * the PCIe link busy: host memory is microseconds away. Items that reach into the source's
  * first or last partial page, which is not registered (Note [registered sources] in
  * src/core/devgather.h), were copied by the host into the batch's staged area: a pair whose row is

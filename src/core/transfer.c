@@ -212,12 +212,21 @@ static int write_tables(const pl_xfer_leaf *leaves, int n, pl_region *region)
         if (!L->gather.src || !L->copy.nbytes)
             continue;
         pl_gather_pair *t = (pl_gather_pair *)((char *)region->ptr + L->gather.table_off);
-        int rc = pl_gather_sort(L->copy.rows, L->copy.shape[0], L->gather.row_stride < 0, t);
-        if (rc != PL_OK)
-            return rc;
-        if (pl_gather_stage_edges(t, L->copy.shape[0], L->copy.src, L->gather.row_stride, L->gather.span,
-                                  L->gather.lo, L->gather.hi, (char *)region->ptr + L->gather.edge_off,
-                                  L->gather.edge_cap) < 0)
+        /* see Note [device gather] in devgather.h: only small items gain from the sort */
+        const int sorted = L->gather.span < PL_GATHER_SORT_BELOW;
+        if (sorted) {
+            int rc = pl_gather_sort(L->copy.rows, L->copy.shape[0], L->gather.row_stride < 0, t);
+            if (rc != PL_OK)
+                return rc;
+        } else {
+            pl_gather_in_order(L->copy.rows, L->copy.shape[0], t);
+        }
+        int64_t k = pl_gather_stage_edges(t, L->copy.shape[0], sorted, L->copy.src, L->gather.row_stride,
+                                          L->gather.span, L->gather.lo, L->gather.hi,
+                                          (char *)region->ptr + L->gather.edge_off, L->gather.edge_cap);
+        if (k == -2)
+            return PL_ERR_NO_MEMORY;
+        if (k < 0)
             return PL_ERR_INVALID_VALUE; /* cannot happen: edge_cap bounds the distinct edges */
     }
     return PL_OK;
@@ -263,9 +272,11 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
     }
     if (region) {
         int64_t t0 = pl_now_ns();
-        rc = write_tables(leaves, n, region);
-        times->sort_ns = pl_now_ns() - t0;
-        t0 = pl_now_ns();
+        if (lay->gathered) {
+            rc = write_tables(leaves, n, region);
+            times->sort_ns = pl_now_ns() - t0;
+            t0 = pl_now_ns();
+        }
         if (rc == PL_OK)
             rc = stage(x, leaves, n, lay, region, blk);
         times->staging_ns = pl_now_ns() - t0;
