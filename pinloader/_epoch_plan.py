@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._C import Registration, RowGather, permutation
+from ._C import Registration, RowGather, _epoch_table, permutation
 
 
 def _base_chain(arr: Any) -> Iterator[Any]:
@@ -137,8 +137,9 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
         order = order[:count]
     if L is not None:
         order = phase + order * L
-    order = np.ascontiguousarray(order, dtype=np.int64)
-    order.flags.writeable = False
+    # read-only, and read in place by the batches' RowGathers (Note [epoch row tables] in
+    # src/py/gather.c); the unsharded order of plain rows is permutation()'s own table
+    order = _epoch_table(order)
     plan.cache = (epoch, order)
     return order
 

@@ -169,6 +169,7 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
 def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
     """The rank's item order for what remains of ``epoch`` once the ranks together consumed its
     first ``position`` items: see Resuming in the module documentation of array_loader."""
+    from ._C import _epoch_table
     from ._epoch_plan import _order
     n, world, rank = plan.num_items, plan.world_size, plan.rank
     g = min(max(int(position), 0), n)
@@ -185,9 +186,7 @@ def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
         full = _order(whole, epoch)
         # continue the order cyclically from position g: the padding wraps to the epoch's start
         out = full[(g + np.arange(rank, length, world, dtype=np.int64)) % n]
-    out = np.ascontiguousarray(out, dtype=np.int64)
-    out.flags.writeable = False
-    return out
+    return _epoch_table(out)  # read-only, read in place (Note [epoch row tables] in src/py/gather.c)
 
 
 def batches_of(plan: Any, items: int) -> int:

@@ -115,6 +115,51 @@ def test_rowgathers_reusing_freed_row_tables_hold_their_own_rows():
         assert np.array_equal(g.rows, rows)
 
 
+def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
+    # Note [epoch row tables] in src/py/gather.c
+    import sys
+
+    a = sample((1000, 5), np.float32, 8)
+    order = _C._epoch_table(np.random.default_rng(2).permutation(1000))
+    assert order.dtype == np.int64 and not order.flags.writeable
+    for arr in (order, order[10:20], order[::2], order.view(np.uint64)):
+        with pytest.raises(ValueError):
+            arr.flags.writeable = True  # nothing can make the table writable again
+        with pytest.raises(ValueError):
+            arr[0] = 1
+    assert not _C.permutation(10, 1, 2)[1].flags.writeable
+    part = order[100:356]
+    before = sys.getrefcount(part)
+    g = _C.RowGather(a, part)
+    assert sys.getrefcount(part) == before + 1  # borrowed in place, not copied
+    expect = order[100:356].copy()
+    del part, order  # the RowGather keeps the table alive
+    plain = np.array(expect)
+    before = sys.getrefcount(plain)
+    h = _C.RowGather(a, plain)
+    assert sys.getrefcount(plain) == before  # any other array is copied
+    plain[:] = 0
+    for x in (g, h):
+        assert np.array_equal(x.rows, expect)
+        with pinloader.AsyncPrefetcher([(x,)], device=DEVICE) as pf:
+            (y,), = list(pf)
+            assert np.array_equal(np.from_dlpack(y), a[expect])
+    # a table whose entries do not all fit the source: each row checked, the first bad one named
+    wide = _C._epoch_table(np.r_[np.arange(10), 5000])
+    assert np.array_equal(_C.RowGather(a, wide[:10]).rows, np.arange(10))
+    with pytest.raises(IndexError, match=r"rows\[10\] = 5000 is out of range for a source of 1000 rows"):
+        _C.RowGather(a, wide)
+    # a strided view of a table is copied (only contiguous slices are read in place)
+    s = _C._epoch_table(np.arange(64))[::3]
+    assert np.array_equal(_C.RowGather(a, s).rows, np.arange(0, 64, 3))
+    # windows: each window checked to fit, by the table's largest entry
+    assert _C.RowGather(a, _C._epoch_table([0, 990]), window=10).shape == (2, 10, 5)
+    with pytest.raises(IndexError, match="a window of 10 rows"):
+        _C.RowGather(a, _C._epoch_table([0, 991]), window=10)
+    with pytest.raises(ValueError, match="1-D"):
+        _C._epoch_table(np.zeros((2, 2), np.int64))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_rowgather_property(data):
