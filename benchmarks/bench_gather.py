@@ -43,7 +43,8 @@ import _common as C  # noqa: E402
 ROW_SIZES = [64, 512, 4096, 150_528]
 PATHS = ["host_gather", "device_gather", "auto", "torch_index", "numpy_index", "dma_ceiling"]
 HOST_PATHS = ["host_gather", "device_gather", "auto", "numpy_index", "dma_ceiling"]
-PRODUCER_STATS = ("producer_s_total", "gil_wait_s_total", "next_s_total", "staging_s_total", "sort_s_total")
+PRODUCER_STATS = ("producer_s_total", "gil_wait_s_total", "next_s_total", "staging_s_total", "sort_s_total",
+                  "copy_issue_s_total")
 
 
 def _anon_huge() -> str:
@@ -90,7 +91,7 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     it = iter(L)
     # warm-up: registration, the kernel's load, and the pinned slabs of depth + 2 batches in
     # flight (made as the first batches need them: a 38 MB batch takes one 64 MiB slab each)
-    for _ in range(min(10, n_per_epoch - 1)):
+    for _ in range(min(20, n_per_epoch - 1)):
         take(next(it))
     _sync(torch)
     st0 = L.stats()
@@ -257,7 +258,8 @@ def main() -> int:
                 C.log(f"  round {rnd} {p:14s} {r['gbps']:7.2f} GB/s  {r['cpu_ms_per_batch']:7.3f} ms CPU/batch"
                       + (f"  [{r['gather']}] producer {r['producer_ms_per_batch']:.3f} ms/batch "
                          f"(GIL wait {r['gil_wait_ms_per_batch']:.3f}, next {r['next_ms_per_batch']:.3f}, "
-                         f"staging {r['staging_ms_per_batch']:.3f}, sort {r['sort_ms_per_batch']:.3f}) "
+                         f"staging {r['staging_ms_per_batch']:.3f}, sort {r['sort_ms_per_batch']:.3f}, "
+                         f"issue {r['copy_issue_ms_per_batch']:.3f}) "
                          f"of {r['wall_ms_per_batch']:.3f} ms/batch; {r['pinned_stalls']} stalls, "
                          f"{r['pool_slabs_created']} slabs made" if "gather" in r else ""))
         results["rows"][str(row)] = {"batch": bs, "source_bytes": src.nbytes, "runs": per}

@@ -15,11 +15,14 @@
  *   table's order, so the batch is exactly source[rows]. Items under PL_GATHER_SORT_BELOW
  *   bytes are sorted by source row, so that consecutive threads read consecutive host
  *   addresses; larger ones stay in batch order. Measured on the H200 (bench_gather_kernel.py
- *   --order sorted,random, 4 MiB batches of random rows of a 1 GiB source): 64-byte rows
- *   23.6 GB/s sorted against 6.7 in batch order, 512-byte rows 43.8 against 44.2, 4 KiB
- *   47.2 against 47.0. Above that size a warp's loads are whole rows either way and the order
- *   buys nothing, while the producer's sort cost 0.11 ms of the 0.15 ms it spent on a batch
- *   of 8,192 rows, more than the kernel's 0.10 ms, and made it the bound.
+ *   --order sorted,random, 4 MiB batches of random rows of a 1 GiB source), sorted against
+ *   batch order: 64-byte rows 23.6 against 6.7 GB/s, 128 bytes 28.6 against 14.9, 256 bytes
+ *   40.6 against 37.0, 512 bytes 43.8 against 44.2 (45.1 against 43.9 from a 64 MiB source),
+ *   4 KiB 47.2 against 47.0. From 256 bytes on a warp's loads cover whole rows either way and
+ *   the order buys little or nothing, while the producer's sort costs about 13 ns a row on
+ *   that host (0.11 ms of the 0.15 ms it spent on a batch of 8,192 rows, 0.27 ms for 16,384),
+ *   more than the kernel's time for the batch: it made the producer the bound. Below 256
+ *   bytes the host gather is faster than either (ArrayLoader's gather="auto").
  * The kernel is queued on the copy stream after the staged area's copies and before the
  * batch's ready event: the consumer's stream-side wait, the block's lifetime and the stats are
  * the same as for any batch. The RowGather (and with it the registration and the source) is
@@ -68,7 +71,7 @@ int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pai
 void pl_gather_in_order(const int64_t *rows, int64_t n, pl_gather_pair *out);
 /* Items of at least this many bytes are gathered in batch order, smaller ones sorted: see
  * Note [device gather]. */
-#define PL_GATHER_SORT_BELOW 512
+#define PL_GATHER_SORT_BELOW 256
 
 /* Items of a source (n_items of `span` bytes, row 0 at host address src, rows `stride` apart)
  * that do not lie inside the registered host range [lo, hi): the most edge copies a batch can
