@@ -1,11 +1,11 @@
 /* The pair table of the device gather (src/core/devgather.c) against its contract:
  * - pl_gather_sort on every path it has (few pairs, packed keys, wide offsets), both
  *   directions: every slot once, each row its slot's, rows in order, ties by slot;
- * - pl_gather_in_order: pair i is (rows[i], i);
- * - pl_gather_stage_edges over a sorted and an in-order table with repeated edge rows: every
- *   pair of an item outside the registered range names a staged copy holding that item's
- *   bytes, each distinct edge item is staged once, the other pairs are untouched, and a cap
- *   below the distinct edges is refused.
+ * - pl_gather_stage_edges (over a sorted table) and pl_gather_fill_in_order (the table in batch
+ *   order), with repeated edge rows: pair i of an in-order table is slot i, every pair of an
+ *   item outside the registered range names a staged copy holding that item's bytes, each
+ *   distinct edge item is staged once, the other pairs name their row, and a cap below the
+ *   distinct edges is refused.
  * Compiled and run by tests/test_device_gather.py. */
 #include "devgather.h"
 #include <stdio.h>
@@ -28,25 +28,29 @@ int main(void){
       if (i){ int64_t a=out[i-1].row,b=out[i].row; if (desc? a<b : a>b) bad++; if (a==b && out[i-1].slot>out[i].slot) bad++; } }
     free(seen); free(rows); free(out);
   }
-  /* edges: 40 rows of 24 bytes, rows 0-2 and 37-39 outside [lo, hi) */
-  enum { R = 40, SPAN = 24, N = 300 };
-  char src[R * SPAN];
-  for (int i = 0; i < R * SPAN; i++) src[i] = (char)(i * 7 + 3);
-  const char *lo = src + 3 * SPAN, *hi = src + 37 * SPAN;
-  for (int sorted = 0; sorted < 2; sorted++) for (int cap_short = 0; cap_short < 2; cap_short++) {
-    int64_t rows[N]; pl_gather_pair t[N]; char edge[R * SPAN];
+  /* edges: R rows of 24 bytes, rows [in0, in1) inside [lo, hi), the others edge items: a few
+   * (40 rows, 3-37 inside), or more than the 64 the in-order fill keeps on its stack */
+  enum { RMAX = 200, SPAN = 24, N = 600 };
+  static char src[RMAX * SPAN], edge[RMAX * SPAN];
+  for (int i = 0; i < RMAX * SPAN; i++) src[i] = (char)(i * 7 + 3);
+  const int configs[2][3] = {{40, 3, 37}, {200, 100, 110}};
+  for (int c = 0; c < 2; c++) for (int sorted = 0; sorted < 2; sorted++) for (int cap_short = 0; cap_short < 2; cap_short++) {
+    const int R = configs[c][0], in0 = configs[c][1], in1 = configs[c][2];
+    const char *lo = src + in0 * SPAN, *hi = src + in1 * SPAN;
+    int64_t rows[N]; pl_gather_pair t[N];
     for (int i = 0; i < N; i++) rows[i] = rand() % R;
-    if (sorted) pl_gather_sort(rows, N, 0, t); else pl_gather_in_order(rows, N, t);
-    if (!sorted) for (int i = 0; i < N; i++) if (t[i].row != rows[i] || t[i].slot != i) bad++;
     int distinct = 0;
-    for (int r = 0; r < R; r++) { int any = 0; for (int i = 0; i < N; i++) any |= rows[i] == r; if (any && (r < 3 || r >= 37)) distinct++; }
-    int64_t k = pl_gather_stage_edges(t, N, sorted, src, SPAN, SPAN, lo, hi, edge, cap_short ? distinct - 1 : distinct);
+    for (int r = 0; r < R; r++) { int any = 0; for (int i = 0; i < N; i++) any |= rows[i] == r; if (any && (r < in0 || r >= in1)) distinct++; }
+    int64_t cap = cap_short ? distinct - 1 : distinct, k;
+    if (sorted) { pl_gather_sort(rows, N, 0, t); k = pl_gather_stage_edges(t, N, src, SPAN, SPAN, lo, hi, edge, cap); }
+    else { k = pl_gather_fill_in_order(rows, N, t, src, SPAN, SPAN, lo, hi, edge, cap);
+           for (int i = 0; k >= 0 && i < N; i++) if (t[i].slot != i) bad++; }
     if (cap_short) { if (k != -1) bad++; continue; }
     if (k != distinct) bad++;
     for (int i = 0; i < N; i++) {
       int64_t want = rows[t[i].slot];
       const char *item = t[i].row >= 0 ? src + t[i].row * SPAN : edge + (-1 - t[i].row) * SPAN;
-      if (t[i].row >= 0 ? (t[i].row != want || want < 3 || want >= 37) : (-1 - t[i].row >= k)) { bad++; continue; }
+      if (t[i].row >= 0 ? (t[i].row != want || want < in0 || want >= in1) : (-1 - t[i].row >= k)) { bad++; continue; }
       for (int b = 0; b < SPAN; b++) if (item[b] != src[want * SPAN + b]) { bad++; break; }
     }
   }

@@ -57,12 +57,6 @@ static int cmp_pair(const void *x, const void *y)
     return a->slot < b->slot ? -1 : a->slot > b->slot;
 }
 
-void pl_gather_in_order(const int64_t *rows, int64_t n, pl_gather_pair *out)
-{
-    for (int64_t i = 0; i < n; i++)
-        out[i] = (pl_gather_pair){rows[i], i};
-}
-
 int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out)
 {
     if (n <= 0)
@@ -152,41 +146,58 @@ int64_t pl_gather_edge_items(const char *src, int64_t stride, size_t span, int64
     return n_items - in;
 }
 
-int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, int sorted, const char *src, int64_t stride,
+int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, const char *src, int64_t stride,
                               size_t span, const char *lo, const char *hi, char *edge, int64_t cap)
 {
-    /* A repeat of an edge item is staged once. In a sorted table repeats are side by side, so
-     * only the last staged row is compared; in batch order each edge pair looks through the
-     * rows staged so far (seen[], at most cap of them: a few, see devgather.h). */
-    int64_t small[64], *seen = small;
-    if (!sorted && cap > 64 && !(seen = malloc((size_t)cap * sizeof(int64_t))))
-        return -2;
     int64_t k = 0, last_row = -1, last_k = -1;
     for (int64_t i = 0; i < n; i++) {
         const char *a = src + t[i].row * stride;
         if (inside(a, span, lo, hi))
             continue;
-        int64_t j = -1;
-        if (sorted) {
-            if (t[i].row == last_row)
-                j = last_k;
-        } else {
-            for (int64_t q = 0; q < k && j < 0; q++)
-                if (seen[q] == t[i].row)
-                    j = q;
+        if (t[i].row != last_row) { /* sorted: a repeat is next to the first */
+            if (k == cap)
+                return -1;
+            memcpy(edge + (size_t)k * span, a, span);
+            last_row = t[i].row;
+            last_k = k++;
         }
+        t[i].row = -1 - last_k;
+    }
+    return k;
+}
+
+int64_t pl_gather_fill_in_order(const int64_t *rows, int64_t n, pl_gather_pair *t, const char *src,
+                                int64_t stride, size_t span, const char *lo, const char *hi, char *edge,
+                                int64_t cap)
+{
+    /* One pass: each pair written once. A repeat of an edge item is staged once: each edge
+     * pair looks through the rows staged so far (seen[], at most cap of them, a few: the items
+     * touching a source's first and last partial pages). */
+    int64_t small[64], *seen = small;
+    if (cap > 64 && !(seen = malloc((size_t)cap * sizeof(int64_t))))
+        return -2;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = rows[i];
+        const char *a = src + r * stride;
+        if (inside(a, span, lo, hi)) {
+            t[i] = (pl_gather_pair){r, i};
+            continue;
+        }
+        int64_t j = -1;
+        for (int64_t q = 0; q < k && j < 0; q++)
+            if (seen[q] == r)
+                j = q;
         if (j < 0) {
             if (k == cap) {
                 k = -1;
                 break;
             }
             memcpy(edge + (size_t)k * span, a, span);
-            if (!sorted)
-                seen[k] = t[i].row;
-            last_row = t[i].row;
-            last_k = j = k++;
+            seen[k] = r;
+            j = k++;
         }
-        t[i].row = -1 - j;
+        t[i] = (pl_gather_pair){-1 - j, i};
     }
     if (seen != small)
         free(seen);

@@ -67,8 +67,6 @@ int pl_gather_unit(const pl_gather_args *g);
 /* Fill `out` with n pairs (rows[i], i) sorted by source address (row * sign of the stride),
  * ties by slot. Radix sort on the producer thread: O(n) for the batch sizes that matter. */
 int pl_gather_sort(const int64_t *rows, int64_t n, int descending, pl_gather_pair *out);
-/* Fill `out` with the n pairs (rows[i], i) in batch order. */
-void pl_gather_in_order(const int64_t *rows, int64_t n, pl_gather_pair *out);
 /* Items of at least this many bytes are gathered in batch order, smaller ones sorted: see
  * Note [device gather]. */
 #define PL_GATHER_SORT_BELOW 256
@@ -78,12 +76,17 @@ void pl_gather_in_order(const int64_t *rows, int64_t n, pl_gather_pair *out);
  * need. */
 int64_t pl_gather_edge_items(const char *src, int64_t stride, size_t span, int64_t n_items,
                              const char *lo, const char *hi);
-/* Mark the pairs whose items lie outside [lo, hi) as edge items and copy each distinct one to
- * edge + k * span. `sorted`: the pairs are sorted by row (pl_gather_sort), so repeats are
- * adjacent; else they are in any order (pl_gather_in_order). Returns the number of distinct
- * edge items, -1 if more than cap, -2 if out of memory. */
-int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, int sorted, const char *src, int64_t stride,
+/* Mark the pairs whose items lie outside [lo, hi) as edge items and copy each distinct one
+ * (pairs sorted by row, pl_gather_sort: repeats are adjacent) to edge + k * span. Returns the
+ * number of distinct edge items, or -1 if more than cap. */
+int64_t pl_gather_stage_edges(pl_gather_pair *t, int64_t n, const char *src, int64_t stride,
                               size_t span, const char *lo, const char *hi, char *edge, int64_t cap);
+/* The table in batch order, in one pass: pair i is (rows[i], i), or (-1 - k, i) for an item
+ * outside [lo, hi), each distinct one copied once to edge + k * span. Returns the number of
+ * distinct edge items, -1 if more than cap, -2 if out of memory. */
+int64_t pl_gather_fill_in_order(const int64_t *rows, int64_t n, pl_gather_pair *t, const char *src,
+                                int64_t stride, size_t span, const char *lo, const char *hi, char *edge,
+                                int64_t cap);
 
 /* ---- registered host ranges ---- */
 

@@ -212,18 +212,19 @@ static int write_tables(const pl_xfer_leaf *leaves, int n, pl_region *region)
         if (!L->gather.src || !L->copy.nbytes)
             continue;
         pl_gather_pair *t = (pl_gather_pair *)((char *)region->ptr + L->gather.table_off);
+        char *edge = (char *)region->ptr + L->gather.edge_off;
+        int64_t k;
         /* see Note [device gather] in devgather.h: only small items gain from the sort */
-        const int sorted = L->gather.span < PL_GATHER_SORT_BELOW;
-        if (sorted) {
+        if (L->gather.span < PL_GATHER_SORT_BELOW) {
             int rc = pl_gather_sort(L->copy.rows, L->copy.shape[0], L->gather.row_stride < 0, t);
             if (rc != PL_OK)
                 return rc;
+            k = pl_gather_stage_edges(t, L->copy.shape[0], L->copy.src, L->gather.row_stride,
+                                      L->gather.span, L->gather.lo, L->gather.hi, edge, L->gather.edge_cap);
         } else {
-            pl_gather_in_order(L->copy.rows, L->copy.shape[0], t);
+            k = pl_gather_fill_in_order(L->copy.rows, L->copy.shape[0], t, L->copy.src, L->gather.row_stride,
+                                        L->gather.span, L->gather.lo, L->gather.hi, edge, L->gather.edge_cap);
         }
-        int64_t k = pl_gather_stage_edges(t, L->copy.shape[0], sorted, L->copy.src, L->gather.row_stride,
-                                          L->gather.span, L->gather.lo, L->gather.hi,
-                                          (char *)region->ptr + L->gather.edge_off, L->gather.edge_cap);
         if (k == -2)
             return PL_ERR_NO_MEMORY;
         if (k < 0)
