@@ -90,31 +90,6 @@ def test_duplicate_rows_and_rowgather_direct():
     assert "RowGather" in repr(g)
 
 
-def test_rowgathers_reusing_freed_row_tables_hold_their_own_rows():
-    # tables of 64 KiB and more are kept for reuse when a RowGather dies (Note [row tables] in
-    # src/py/gather.c): each new RowGather must see its own rows, never a dead one's, whether
-    # it gets a cached table (larger or equal) or a fresh one, with live ones interleaved
-    a = sample((40_000, 3), np.int16, 5)
-    rng = np.random.default_rng(11)
-    live = []
-    for n in (20_000, 9_000, 30_000, 8_192, 20_000, 70_000, 16_384, 9_000, 8_192):
-        rows = rng.integers(0, len(a), n)
-        g = _C.RowGather(a, rows)
-        rows_copy = rows.copy()
-        rows[:] = 0
-        assert np.array_equal(g.rows, rows_copy)
-        with pinloader.AsyncPrefetcher([(g,)], device=DEVICE) as pf:
-            (x,), = list(pf)
-            assert np.array_equal(np.from_dlpack(x), a[rows_copy])
-        if n % 2 == 0:
-            live.append((g, rows_copy))  # some stay alive while later ones are made
-        del g
-    with pytest.raises(IndexError, match=r"rows\[8999\] = 40000 is out of range"):
-        _C.RowGather(a, np.r_[np.zeros(8_999, np.int64), 40_000])  # a refused table goes back too
-    for g, rows in live:
-        assert np.array_equal(g.rows, rows)
-
-
 def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
     # Note [epoch row tables] in src/py/gather.c
     import sys

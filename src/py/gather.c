@@ -72,9 +72,9 @@ typedef struct {
     PyObject *registration; /* a Registration for the device gather, or NULL */
     PyObject *source;     /* what the caller passed */
     Py_buffer held;       /* an export on the object the array views; held.obj NULL if none */
-    int64_t *rows;        /* n_rows validated starts (Note [row tables]) */
-    size_t rows_bytes;    /* the table's capacity in bytes; 0 when rows are borrowed */
-    PyObject *rows_owner; /* the epoch table's array rows are borrowed from, or NULL */
+    int64_t *rows;        /* n_rows validated starts: PyMem_Malloc'd, or borrowed */
+    PyObject *rows_owner; /* the epoch table's array rows are borrowed from (Note [epoch row
+                           * tables]), or NULL when rows is the RowGather's own */
     Py_ssize_t n_rows;
     int64_t window;       /* 0: single rows */
     int64_t advised;      /* bytes given to madvise (Note [read-ahead]) */
@@ -275,78 +275,6 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
 
 /* ---- rows ---- */
 
-/* Note [row tables]
- * A RowGather copies its rows into a table it owns (Note [array sources]), and an ArrayLoader
- * makes one RowGather per leaf per batch. A batch's table (8 bytes a row: 512 KiB for 65,536
- * rows) is above malloc's mmap threshold, so each batch would map fresh pages, fault them in
- * and unmap them again, and an unmap interrupts every other thread of the process that may
- * hold the mapping in its TLB (the staging threads): measured on the 16-core H200 host, the
- * producer's next() of a batch of 65,536 rows took 0.33 ms with the staging threads running
- * and 0.10 ms without. So a freed table of at least ROW_TABLE_CACHE_MIN bytes goes to a small
- * cache in the module state (PL_ROW_TABLE_CACHE tables, guarded by the GIL, which every
- * RowGather's constructor and dealloc hold), and the next RowGather takes the smallest cached
- * table that fits, if it is at most four times what it needs. When the cache is full, the
- * smallest table is freed in favour of a larger one. What the cache holds is bounded by
- * PL_ROW_TABLE_CACHE times the largest table a process's loaders use (a few MiB), and freed
- * with the module. */
-#define ROW_TABLE_CACHE_MIN ((size_t)64 << 10)
-
-static int64_t *row_table_take(pl_state *st, size_t need, size_t *got)
-{
-    int best = -1;
-    for (int i = 0; st && i < PL_ROW_TABLE_CACHE; i++) {
-        size_t have = st->row_table_bytes[i];
-        if (st->row_tables[i] && have >= need && have / 4 <= need &&
-            (best < 0 || have < st->row_table_bytes[best]))
-            best = i;
-    }
-    if (best >= 0) {
-        int64_t *t = st->row_tables[best];
-        *got = st->row_table_bytes[best];
-        st->row_tables[best] = NULL;
-        st->row_table_bytes[best] = 0;
-        return t;
-    }
-    *got = need;
-    return PyMem_Malloc(need ? need : 1);
-}
-
-static void row_table_give(pl_state *st, int64_t *t, size_t bytes)
-{
-    if (!t)
-        return;
-    if (st && bytes >= ROW_TABLE_CACHE_MIN) {
-        int slot = -1;
-        for (int i = 0; i < PL_ROW_TABLE_CACHE && slot < 0; i++)
-            if (!st->row_tables[i])
-                slot = i;
-        if (slot < 0) { /* full: replace the smallest if this one is larger */
-            slot = 0;
-            for (int i = 1; i < PL_ROW_TABLE_CACHE; i++)
-                if (st->row_table_bytes[i] < st->row_table_bytes[slot])
-                    slot = i;
-            if (st->row_table_bytes[slot] >= bytes) {
-                PyMem_Free(t);
-                return;
-            }
-            PyMem_Free(st->row_tables[slot]);
-        }
-        st->row_tables[slot] = t;
-        st->row_table_bytes[slot] = bytes;
-        return;
-    }
-    PyMem_Free(t);
-}
-
-void pl_row_tables_free(pl_state *st)
-{
-    for (int i = 0; i < PL_ROW_TABLE_CACHE; i++) {
-        PyMem_Free(st->row_tables[i]);
-        st->row_tables[i] = NULL;
-        st->row_table_bytes[i] = 0;
-    }
-}
-
 /* Note [epoch row tables]
  * A loader's epoch order is made once per epoch and read a batch at a time. The RowGathers of
  * its batches need not copy and check their rows (a batch of 65,536 rows: 1 MiB of memory
@@ -476,11 +404,10 @@ static PyObject *gather_epoch_table(PyObject *m, PyObject *obj)
     return out;
 }
 
-/* Copy `obj` (1-D integers) into a table from row_table_take (*cap_out: its capacity in bytes),
- * each entry r checked: 0 <= r and r + span <= limit. Returns 0, or -1 with an exception
- * naming `what`. */
-static int read_rows(pl_state *st, PyObject *obj, const char *what, int64_t span, int64_t limit,
-                     int64_t **out, Py_ssize_t *n_out, size_t *cap_out)
+/* Copy `obj` (1-D integers) into a new PyMem_Malloc'd table, each entry r checked:
+ * 0 <= r and r + span <= limit. Returns 0, or -1 with an exception naming `what`. */
+static int read_rows(PyObject *obj, const char *what, int64_t span, int64_t limit, int64_t **out,
+                     Py_ssize_t *n_out)
 {
     PyArrayObject *a = (PyArrayObject *)PyArray_FROM_O(obj);
     if (!a)
@@ -506,8 +433,7 @@ static int read_rows(pl_state *st, PyObject *obj, const char *what, int64_t span
     }
     Py_ssize_t n = PyArray_SIZE(c);
     const int64_t *v = PyArray_DATA(c);
-    size_t cap;
-    int64_t *rows = row_table_take(st, (size_t)(n > 0 ? n : 1) * sizeof(int64_t), &cap);
+    int64_t *rows = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
     if (!rows) {
         Py_DECREF(c);
         Py_DECREF(a);
@@ -529,7 +455,7 @@ static int read_rows(pl_state *st, PyObject *obj, const char *what, int64_t span
             else
                 PyErr_Format(PyExc_IndexError, "%s[%zd] = %lld is out of range for a source of %lld rows",
                              what, i, (long long)r, (long long)limit);
-            row_table_give(st, rows, cap);
+            PyMem_Free(rows);
             Py_DECREF(c);
             Py_DECREF(a);
             return -1;
@@ -540,7 +466,6 @@ static int read_rows(pl_state *st, PyObject *obj, const char *what, int64_t span
     Py_DECREF(a);
     *out = rows;
     *n_out = n;
-    *cap_out = cap;
     return 0;
 }
 
@@ -648,7 +573,7 @@ static int attach_registration(RowGatherObject *g, PyObject *reg_obj)
     return 0;
 }
 
-static void rg_clear_fields(RowGatherObject *g, pl_state *st)
+static void rg_clear_fields(RowGatherObject *g)
 {
     if (g->held.obj)
         PyBuffer_Release(&g->held);
@@ -659,9 +584,8 @@ static void rg_clear_fields(RowGatherObject *g, pl_state *st)
     if (g->rows_owner)
         Py_CLEAR(g->rows_owner); /* borrowed from an epoch table */
     else
-        row_table_give(st, g->rows, g->rows_bytes);
+        PyMem_Free(g->rows);
     g->rows = NULL;
-    g->rows_bytes = 0;
 }
 
 static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -731,11 +655,8 @@ static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto error;
     }
     const int64_t span_rows = g->window ? g->window : 1;
-    pl_state *st = pl_state_of_type(type);
-    if (!st)
-        goto error;
     if (!borrow_rows(rows_obj, span_rows, n_src, &g->rows, &g->n_rows, &g->rows_owner) &&
-        read_rows(st, rows_obj, "rows", span_rows, n_src, &g->rows, &g->n_rows, &g->rows_bytes) < 0)
+        read_rows(rows_obj, "rows", span_rows, n_src, &g->rows, &g->n_rows) < 0)
         goto error;
     /* the gathered size, checked: n * window * row elements * itemsize */
     int64_t total = (int64_t)PyDataType_ELSIZE(d);
@@ -752,10 +673,9 @@ static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (ahead_obj != Py_None) {
         int64_t *ahead;
         Py_ssize_t n_ahead;
-        size_t ahead_bytes = 0;
         PyObject *ahead_owner = NULL;
         if (!borrow_rows(ahead_obj, span_rows, n_src, &ahead, &n_ahead, &ahead_owner) &&
-            read_rows(st, ahead_obj, "readahead", span_rows, n_src, &ahead, &n_ahead, &ahead_bytes) < 0)
+            read_rows(ahead_obj, "readahead", span_rows, n_src, &ahead, &n_ahead) < 0)
             goto error;
         const char *data = PyArray_DATA(a);
         const npy_intp *shape = PyArray_DIMS(a), *strides = PyArray_STRIDES(a);
@@ -769,7 +689,7 @@ static PyObject *rg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         if (ahead_owner)
             Py_DECREF(ahead_owner);
         else
-            row_table_give(st, ahead, ahead_bytes);
+            PyMem_Free(ahead);
     }
     return (PyObject *)g;
 
@@ -793,12 +713,7 @@ static void rg_dealloc(PyObject *op)
 {
     PyTypeObject *tp = Py_TYPE(op);
     PyObject_GC_UnTrack(op);
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    pl_state *st = pl_state_of_type(tp); /* NULL (error cleared): the table is just freed */
-    PyErr_Clear();
-    PyErr_Restore(et, ev, tb);
-    rg_clear_fields((RowGatherObject *)op, st);
+    rg_clear_fields((RowGatherObject *)op);
     tp->tp_free(op);
     Py_DECREF(tp);
 }

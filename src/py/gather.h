@@ -28,8 +28,6 @@ typedef struct pl_row_gather_leaf {
 int pl_row_gather_check(pl_state *st, PyObject *o);
 
 int pl_gather_init(PyObject *m, pl_state *st);
-/* Free the row tables cached in st (Note [row tables] in gather.c); at module free. */
-void pl_row_tables_free(pl_state *st);
 
 /* The layout of RowGather o (already validated when o was made; cannot fail). Valid while o
  * is alive. */

@@ -320,7 +320,6 @@ static int module_clear(PyObject *m)
 
 static void module_free(void *m)
 {
-    pl_row_tables_free(pl_state_of_module((PyObject *)m));
     module_clear((PyObject *)m);
 }
 

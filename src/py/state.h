@@ -21,8 +21,6 @@ typedef struct pl_prefetcher_obj pl_prefetcher_obj;
 #define pl_py_finalizing() _Py_IsFinalizing()
 #endif
 
-#define PL_ROW_TABLE_CACHE 8
-
 typedef struct {
     PyTypeObject *PinnedPool_Type;
     PyTypeObject *PinnedBuffer_Type;
@@ -40,10 +38,6 @@ typedef struct {
     PyObject *default_pools;
     /* Live prefetchers, closed by _shutdown() at interpreter exit. Guarded by the GIL. */
     pl_prefetcher_obj *live;
-    /* Freed RowGather row tables kept for the next RowGather (Note [row tables] in gather.c).
-     * Guarded by the GIL. */
-    int64_t *row_tables[PL_ROW_TABLE_CACHE];
-    size_t row_table_bytes[PL_ROW_TABLE_CACHE];
 } pl_state;
 
 /* The module's definition, given once by PyInit__C (module.c) before any lookup by type. */
