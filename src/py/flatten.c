@@ -888,6 +888,33 @@ PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk)
     return out;
 }
 
+pl_leaves *pl_flat_leaf_views(pl_flat *f, pl_block *blk)
+{
+    size_t dims = 0;
+    for (int i = 0; i < f->n_leaves; i++)
+        dims += (size_t)f->leaves[i].copy.ndim;
+    pl_leaves *out = PyMem_RawMalloc(sizeof(pl_leaves) + (size_t)f->n_leaves * sizeof(pl_da_view) +
+                                     dims * sizeof(int64_t));
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    out->n = f->n_leaves;
+    int64_t *shapes = (int64_t *)(out->v + f->n_leaves);
+    for (int i = 0; i < f->n_leaves; i++) {
+        const pl_xfer_leaf *L = &f->leaves[i];
+        int ndim = L->copy.ndim;
+        size_t nbytes = f->dtypes[i].bits / 8; /* as pl_device_array_new counts it */
+        for (int d = 0; d < ndim; d++)
+            nbytes *= (size_t)L->copy.shape[d];
+        if (ndim)
+            memcpy(shapes, L->copy.shape, (size_t)ndim * sizeof(int64_t));
+        out->v[i] = (pl_da_view){blk, L->off, nbytes, ndim, ndim ? shapes : NULL, f->dtypes[i]};
+        shapes += ndim;
+    }
+    return out;
+}
+
 PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk)
 {
     PyObject *leaves = pl_flat_device_arrays(f, blk);

@@ -16,6 +16,7 @@
 
 #include "state.h"
 
+#include "device_array.h"
 #include "dlpack.h"
 #include "transfer.h"
 
@@ -64,6 +65,22 @@ PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk);
  * order; and the walked nodes, moved into *out. */
 PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk);
 void pl_flat_take_tree(pl_flat *f, pl_tree *out);
+
+/* Note [batch leaves]
+ * A batch handed out through the handout (Note [handout] in handout.h) carries its array leaves
+ * as what a DeviceArray of each would view -- block, offset, bytes, dtype, shape -- in one
+ * allocation, not as a DeviceArray per leaf: the handout exports the capsules (or copies into
+ * the static buffers) straight from these views, and makes DeviceArrays only where they are
+ * delivered (output="array" with convert=). Each export takes its own block reference, as a
+ * DeviceArray's does, so the views only need to live as long as the batch: `blk` in each is
+ * borrowed from the batch's own reference, which outlives the handout. */
+typedef struct pl_leaves {
+    Py_ssize_t n;
+    pl_da_view v[]; /* n views in walk order, then their shapes */
+} pl_leaves;
+/* The walked leaves as views of blk (PyMem_Raw; free with PyMem_RawFree), or NULL with
+ * MemoryError. */
+pl_leaves *pl_flat_leaf_views(pl_flat *f, pl_block *blk);
 /* The item's structure with leaf i replaced by leaves[i] (a tuple of t->n_leaves objects);
  * user constructors (namedtuple, dataclass, copy.copy of a dict subclass) run here. t is left
  * as it is: a tree builds any number of batches. */

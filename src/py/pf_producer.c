@@ -209,20 +209,21 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
                 PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's "
                              "%zd entries are array leaves", (Py_ssize_t)f->n_leaves,
                              self->templ.n_leaves);
-            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)) &&
-                     !pl_handout_active(&self->handout))
+            else if (pl_handout_active(&self->handout))
+                bt->leaves = pl_flat_leaf_views(f, bt->blk); /* Note [batch leaves] */
+            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)))
                 Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
         }
     } else if (pl_flat_walk(f, item) == 0) {
         if (pl_handout_active(&self->handout)) {
-            bt->output = pl_flat_device_arrays(f, bt->blk);
-            pl_flat_take_tree(f, &bt->tree);
+            if ((bt->leaves = pl_flat_leaf_views(f, bt->blk))) /* Note [batch leaves] */
+                pl_flat_take_tree(f, &bt->tree);
         } else {
             bt->output = pl_flat_rebuild(f, bt->blk);
         }
     }
     Py_DECREF(item);
-    if (!bt->output) {
+    if (!bt->output && !bt->leaves) {
         bt->kind = B_ERROR;
         bt->exc = fetch_exception();
         pl_flat_clear(f);
@@ -232,6 +233,8 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
     if (atomic_load(&self->stop)) {
         /* closed by user code the item ran (a __dlpack__, a constructor) */
         Py_CLEAR(bt->output);
+        PyMem_RawFree(bt->leaves);
+        bt->leaves = NULL;
         Py_CLEAR(bt->exc);
         pl_flat_clear(f);
         return -1;
