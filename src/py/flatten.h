@@ -31,6 +31,27 @@ typedef struct pl_tree {
     Py_ssize_t n_leaves;
 } pl_tree;
 
+/* Note [lazy paths]
+ * An error names the leaf by its path ("item['x'][2].y"), and structure mode records each
+ * leaf's path; but almost every walk succeeds, and formatting every step's text (a repr() and
+ * an encode per dict key, a printf per index) cost more than reading the leaves. So the walk
+ * keeps the path as a stack of steps, and pl_flat_path_text renders the text only when it is
+ * read. A step whose text needs no user code (an index, an exact str or int key, an exact str
+ * field name) keeps its object and is rendered then; any other key's repr() (or name's str())
+ * is still taken when the walk reaches it, as user code may raise there or answer differently
+ * later, and that text is kept with the step. The objects are borrowed from the snapshots the
+ * walk holds while it is below them (the pairs list, the fields tuple), and the root's text
+ * from the caller of the walk. The text is what formatting each step in turn gave: the same
+ * repr() cut to 159 bytes, the whole cut to 511. */
+enum { PL_FLAT_MAX_NEST = 256 };
+
+typedef struct pl_path_step {
+    int kind;        /* see path_step_kind in flatten.c */
+    PyObject *obj;   /* borrowed (Note [lazy paths]) */
+    Py_ssize_t index;
+    char *text;      /* the root's (borrowed), or a key's taken at once (PyMem_Raw, owned) */
+} pl_path_step;
+
 typedef struct pl_flat {
     /* target, set by pl_flat_init */
     pl_state *st;
@@ -49,7 +70,9 @@ typedef struct pl_flat {
     Py_ssize_t n_nodes, cap_nodes;
     PyObject *found;        /* structure mode: the (path, leaf) list, else NULL */
     PyObject *passed;       /* structure mode: the (path, object) list of the others, or NULL */
-    char path[512];
+    pl_path_step steps[PL_FLAT_MAX_NEST + 2]; /* the root, then one per level (Note [lazy paths]) */
+    int n_steps;
+    char path[512];  /* the rendered text, valid after path_render */
     size_t path_len;
 } pl_flat;
 
