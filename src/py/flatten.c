@@ -10,6 +10,7 @@
 #include "util.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <string.h>
 
 #define MAX_NEST PL_FLAT_MAX_NEST
@@ -812,10 +813,23 @@ static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
 
 void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device)
 {
-    memset(f, 0, sizeof(*f));
+    memset(f, 0, offsetof(pl_flat, steps)); /* n_steps 0: steps and path are written first */
+    f->path_len = 0;
+    f->path[0] = 0;
     f->st = st;
     f->b = b;
     f->device = device;
+}
+
+void pl_flat_begin(pl_flat *f)
+{
+    pl_xfer_leaf *leaves = f->leaves;
+    DLDataType *dtypes = f->dtypes;
+    Py_ssize_t cap = f->cap_leaves;
+    pl_flat_init(f, f->st, f->b, f->device);
+    f->leaves = leaves;
+    f->dtypes = dtypes;
+    f->cap_leaves = cap;
 }
 
 int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,

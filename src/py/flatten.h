@@ -70,13 +70,18 @@ typedef struct pl_flat {
     Py_ssize_t n_nodes, cap_nodes;
     PyObject *found;        /* structure mode: the (path, leaf) list, else NULL */
     PyObject *passed;       /* structure mode: the (path, object) list of the others, or NULL */
-    pl_path_step steps[PL_FLAT_MAX_NEST + 2]; /* the root, then one per level (Note [lazy paths]) */
     int n_steps;
+    /* last: pl_flat_init leaves these two unwritten, as nothing reads them before writing */
+    pl_path_step steps[PL_FLAT_MAX_NEST + 2]; /* the root, then one per level (Note [lazy paths]) */
     char path[512];  /* the rendered text, valid after path_render */
     size_t path_len;
 } pl_flat;
 
 void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device);
+/* Start reading the next item with f, keeping its leaf buffers (leaves, dtypes) for reuse: a
+ * producer reads one item after another. f must hold nothing else: its owners taken and its
+ * nodes taken or cleared, or f just made by pl_flat_init or emptied by pl_flat_clear. */
+void pl_flat_begin(pl_flat *f);
 /* Read the item (see Note [flatten in two passes]). Returns 0, or -1 with an exception set:
  * TypeError/ValueError naming the leaf's path for bad leaves, or whatever user code raised
  * (a BaseException that is not an Exception, such as KeyboardInterrupt, always unchanged). */

@@ -193,7 +193,7 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
         return 0;
     }
     pl_flat *f = &p->flat;
-    pl_flat_init(f, self->st, self->b, self->device);
+    pl_flat_begin(f); /* the last item's leaf buffers are reused */
     /* see Note [flatten in two passes] in flatten.h */
     if (self->templ.n_nodes) {
         /* structure=: the item is a tuple of the leaves, placed in the captured structure */
@@ -310,7 +310,7 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
             pl_block_incref(bt->blk);
             p->prev_blk = bt->blk;
         }
-        pl_flat_release_leaves(f);
+        /* the leaf buffers stay for the next item (pl_flat_begin), freed when the thread ends */
     }
     pl_pf_push_batch(self, bt);
 }
@@ -346,13 +346,16 @@ void *pl_pf_producer_main(void *arg)
     pl_prefetcher_obj *self = arg;
     producer p;
     memset(&p, 0, sizeof p);
+    pl_flat_init(&p.flat, self->st, self->b, self->device);
     self->b->set_device(self->device);
     for (;;) {
         if (producer_wait(self) < 0)
             break;
         wait_direct_copy(self);
-        if (pl_py_finalizing())
+        if (pl_py_finalizing()) {
+            pl_flat_release_leaves(&p.flat); /* PyMem_Raw, not the interpreter's */
             return NULL; /* the interpreter is going away: touch nothing of it */
+        }
         batch *bt = NULL;
         int64_t t_next = 0;
         int r = pull_batch(self, &p, &bt, &t_next);
@@ -362,5 +365,6 @@ void *pl_pf_producer_main(void *arg)
             ship_batch(self, &p, bt, t_next);
     }
     producer_exit(self, &p);
+    pl_flat_release_leaves(&p.flat); /* PyMem_Raw: no GIL needed */
     return NULL;
 }
