@@ -432,3 +432,35 @@ def test_output_array_with_convert_gets_device_arrays_made_at_the_handout():
     assert seen == [pinloader.DeviceArray] * 6
     assert [(int(a[0]), b["y"].shape, float(b["y"][1, 2])) for a, b in out] == \
         [(i, (2, 3), float(i)) for i in range(3)]
+
+
+def test_a_batch_of_many_leaves_released_in_any_order_frees_its_block():
+    # Exported from the batch's views (Note [batch leaves] in src/py/flatten.h): every rank,
+    # each capsule released on its own, consumed or not, in any order; the last frees the block.
+    import gc
+    import random
+
+    from helpers import live_blocks
+
+    gc.collect()
+    shapes = [(), (3,), (2, 3), (1, 2, 2), (0,), (4, 1)]
+
+    def item(i):
+        return [np.full(shapes[j % len(shapes)], i * 100 + j, np.float64) for j in range(70)]
+
+    blocks0 = live_blocks()[0]
+    with AsyncPrefetcher([item(i) for i in range(3)], device="cpu", output="capsule") as pf:
+        batches = list(pf)
+    rng = random.Random(5)
+    for i, caps in enumerate(batches):
+        arrays = {j: np.from_dlpack(CapsuleWrapper(caps[j])) for j in range(0, 70, 3)}
+        for j, a in arrays.items():
+            assert a.shape == shapes[j % len(shapes)]
+            assert a.size == 0 or float(a.flat[0]) == i * 100 + j
+        order = list(range(70))
+        rng.shuffle(order)
+        for j in order:  # unconsumed capsules and consumed ones' arrays, mixed
+            caps[j] = None
+            arrays.pop(j, None)
+    del batches, caps, arrays, a
+    assert live_blocks()[0] <= blocks0
