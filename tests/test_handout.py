@@ -371,3 +371,96 @@ def test_a_convert_that_closes_the_prefetcher_gets_its_batch_and_then_a_clean_er
     assert pf.closed and pf.static_arrays is None
     with pytest.raises(ValueError, match="closed"):
         next(pf)
+
+
+# ---- a batch's leaves exported straight from its block (Note [batch leaves]) ----
+
+
+def _host_waits():
+    c = _C._debug_counters()
+    return c["host_consumer_waits"], c["host_consumer_waits_skipped"]
+
+
+def test_capsules_of_a_held_batch_stay_valid_after_later_batches_and_close():
+    from helpers import live_blocks
+
+    import gc
+
+    gc.collect()
+    src = [{f"k{j}": np.full(5, 10 * i + j, np.float32) for j in range(6)} for i in range(6)]
+    blocks0 = live_blocks()[0]
+    pf = AsyncPrefetcher(src, device="cpu", output="capsule")
+    it = iter(pf)
+    held = next(it)  # raw capsules, unconsumed
+    assert sorted(held) == [f"k{j}" for j in range(6)]
+    later = [next(it) for _ in range(3)]
+    del later
+    pf.close()
+    assert live_blocks()[0] >= blocks0 + 1  # the held capsules keep their batch's block
+    for j in range(6):
+        a = np.from_dlpack(CapsuleWrapper(held[f"k{j}"]))
+        assert a.tolist() == [float(j)] * 5
+    del a, held
+    assert live_blocks()[0] <= blocks0  # and the last capsule's release frees it
+
+
+@pytest.mark.parametrize("convert", [None, "numpy"])
+def test_a_handed_out_batch_waits_once_for_its_copy_whatever_its_leaf_count(convert):
+    n_leaves, n_batches = 9, 4
+    src = [{f"k{j}": np.full(3, i + j, np.int32) for j in range(n_leaves)} for i in range(n_batches)]
+    fn = (lambda cap: np.from_dlpack(CapsuleWrapper(cap))) if convert else None
+    waits0, skipped0 = _host_waits()
+    with AsyncPrefetcher(src, device="cpu", output="capsule", convert=fn) as pf:
+        out = list(pf)
+    waits, skipped = _host_waits()
+    assert waits - waits0 == n_batches
+    assert skipped - skipped0 == n_batches * (n_leaves - 1)
+    if convert:
+        assert [int(b["k4"][0]) for b in out] == [4 + i for i in range(n_batches)]
+
+
+def test_output_array_with_convert_gets_device_arrays_made_at_the_handout():
+    seen = []
+
+    def convert(x):
+        seen.append(type(x))
+        return np.from_dlpack(x)
+
+    src = [(np.full(2, i, np.int64), {"y": np.full((2, 3), i, np.float32)}) for i in range(3)]
+    with AsyncPrefetcher(src, device="cpu", convert=convert) as pf:
+        out = list(pf)
+    assert seen == [pinloader.DeviceArray] * 6
+    assert [(int(a[0]), b["y"].shape, float(b["y"][1, 2])) for a, b in out] == \
+        [(i, (2, 3), float(i)) for i in range(3)]
+
+
+def test_a_batch_of_many_leaves_released_in_any_order_frees_its_block():
+    # Exported from the batch's views (Note [batch leaves] in src/py/flatten.h): every rank,
+    # each capsule released on its own, consumed or not, in any order; the last frees the block.
+    import gc
+    import random
+
+    from helpers import live_blocks
+
+    gc.collect()
+    shapes = [(), (3,), (2, 3), (1, 2, 2), (0,), (4, 1)]
+
+    def item(i):
+        return [np.full(shapes[j % len(shapes)], i * 100 + j, np.float64) for j in range(70)]
+
+    blocks0 = live_blocks()[0]
+    with AsyncPrefetcher([item(i) for i in range(3)], device="cpu", output="capsule") as pf:
+        batches = list(pf)
+    rng = random.Random(5)
+    for i, caps in enumerate(batches):
+        arrays = {j: np.from_dlpack(CapsuleWrapper(caps[j])) for j in range(0, 70, 3)}
+        for j, a in arrays.items():
+            assert a.shape == shapes[j % len(shapes)]
+            assert a.size == 0 or float(a.flat[0]) == i * 100 + j
+        order = list(range(70))
+        rng.shuffle(order)
+        for j in order:  # unconsumed capsules and consumed ones' arrays, mixed
+            caps[j] = None
+            arrays.pop(j, None)
+    del batches, caps, arrays, a
+    assert live_blocks()[0] <= blocks0

@@ -286,3 +286,54 @@ def test_bad_output_and_priority_arguments():
     with pinloader.AsyncPrefetcher([np.arange(2)], device=DEVICE, copy_stream_priority="low") as pf:
         (b,) = drain(pf)  # "low" is "normal": the device's least priority
         assert_leaf_equal(np.arange(2), b)
+
+
+class _CountedKey:
+    """A dict key whose repr() is user code: counted, and different on each call."""
+
+    calls = 0
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        return self is other
+
+    def __repr__(self):
+        _CountedKey.calls += 1
+        return f"K{_CountedKey.calls}"
+
+
+class _Name(str):
+    """A field name that is a str subclass: its str() is taken as the walk reaches it."""
+
+
+def test_paths_name_every_step_kind_and_take_user_reprs_once_per_walk():
+    # Note [lazy paths] in src/py/flatten.h: exact str and int keys, indices and exact str
+    # field names are rendered only when an error (or structure mode) reads the path; any
+    # other key's repr() still runs once when the walk reaches it, and the error shows that
+    # text, not a later call's.
+    import collections
+
+    NT = collections.namedtuple("NT", ["image", "label"])
+    bad = np.array([object()], dtype=object)
+    key = _CountedKey()
+    long_key = "k" * 300
+    item = {"a": [0, {5: NT(np.zeros(2), {key: {long_key: bad}})}]}
+    _CountedKey.calls = 0
+    with pinloader.AsyncPrefetcher([{key: np.zeros(2)}], device=DEVICE) as pf:
+        assert len(list(pf)) == 1
+    assert _CountedKey.calls == 1  # a good item: one repr() per walk, as before
+    with pinloader.AsyncPrefetcher([item], device=DEVICE) as pf:
+        with pytest.raises(TypeError) as info:
+            next(pf)
+    assert _CountedKey.calls == 2
+    # a step's text is repr() cut to 159 bytes: the quote and 158 k
+    want = "item['a'][1][5].label[K2]['" + "k" * 158 + "]: object arrays"
+    assert str(info.value).startswith(want), str(info.value)
+    # structure mode records the same paths, the text of each taken once
+    fields = NT(np.zeros(1), [np.zeros(1)])
+    named = type("Named", (tuple,), {"_fields": (_Name("first"),)})((np.zeros(1),))
+    found, _ = pinloader._C._leaves({"x": fields, 3: named, -1: [{"y": np.zeros(1)}]}, "root")
+    assert [p for p, _ in found] == ["root['x'].image", "root['x'].label[0]", "root[3].first",
+                                     "root[-1][0]['y']"]

@@ -172,25 +172,33 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, P
     return -1;
 }
 
-/* Export self for a parsed consumer stream: the wait, then the capsule. */
-static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const pl_dlpack_stream *s,
-                                   int versioned, Py_ssize_t leaf)
+/* Export the view v (on DLPack device dev) for a parsed consumer stream: the wait, then the
+ * capsule. A DeviceArray's exports and a handed-out batch's (pl_export_views) both come here. */
+static PyObject *export_view(pl_state *st, const pl_da_view *v, DLDevice dev, const pl_dlpack_stream *s,
+                             int versioned, Py_ssize_t leaf)
 {
-    pl_block *blk = self->blk;
+    pl_block *blk = v->blk;
     int cuda = blk->b->kind == PL_BACKEND_CUDA;
     da_export e = {blk, cuda ? (pl_stream *)s->handle : NULL, cuda, 0};
     /* On the host backend the CPU reads the data as soon as it has the capsule: always wait. */
     if ((!cuda || s->kind == PL_DLPACK_SYNC) && consumer_wait(st, blk, e.stream, &e.memo, leaf) < 0)
         return NULL;
     pl_block_incref(blk);
-    pl_dlpack_view v = {
-        .data = self->nbytes && blk->ptr ? (char *)blk->ptr + self->offset : NULL,
-        .device = {self->device_type, self->device_id},
-        .dtype = self->dtype,
-        .ndim = self->ndim,
-        .shape = self->shape,
+    pl_dlpack_view dv = {
+        .data = v->nbytes && blk->ptr ? (char *)blk->ptr + v->offset : NULL,
+        .device = dev,
+        .dtype = v->dtype,
+        .ndim = v->ndim,
+        .shape = v->shape,
     };
-    return pl_dlpack_export(&v, versioned, &e, sizeof e, da_export_release);
+    return pl_dlpack_export(&dv, versioned, &e, sizeof e, da_export_release);
+}
+
+static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const pl_dlpack_stream *s,
+                                   int versioned, Py_ssize_t leaf)
+{
+    pl_da_view v = {self->blk, self->offset, self->nbytes, self->ndim, self->shape, self->dtype};
+    return export_view(st, &v, (DLDevice){self->device_type, self->device_id}, s, versioned, leaf);
 }
 
 /* What every export of a DeviceArray requires (__dlpack__, __cuda_array_interface__ and each
@@ -199,19 +207,28 @@ static PyObject *da_export_capsule(pl_state *st, DeviceArrayObject *self, const 
  *   while it rebuilds an item has none yet (see Note [flatten in two passes] in flatten.h), so
  *   it is refused rather than exported with a null pointer;
  * - it was made in this process, not inherited through fork().
- * `where` names the entry point (and leaf) in the message. */
-static int check_exportable(DeviceArrayObject *self, const char *where)
+ * `leaf` (>= 0: export_capsules' leaves[leaf], -1: the array's own method) names the entry
+ * point in the message. */
+static int check_block_exportable(pl_block *blk, size_t nbytes, Py_ssize_t leaf)
 {
-    if (self->nbytes && !self->blk->ptr) {
+    if (nbytes && !blk->ptr) {
+        char where[64] = "";
+        if (leaf >= 0) /* formatted only here: export_capsules runs this for every leaf */
+            snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", leaf);
         PyErr_Format(PyExc_BufferError, "%sthis DeviceArray's batch is still being prepared (it "
                      "cannot be exported inside a constructor the prefetcher calls)", where);
         return -1;
     }
-    if (pl_block_inherited(self->blk)) {
+    if (pl_block_inherited(blk)) {
         pl_raise_forked("DeviceArray");
         return -1;
     }
     return 0;
+}
+
+static int check_exportable(DeviceArrayObject *self, Py_ssize_t leaf)
+{
+    return check_block_exportable(self->blk, self->nbytes, leaf);
 }
 
 static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
@@ -223,7 +240,7 @@ static PyObject *da_dlpack(PyObject *op, PyObject *args, PyObject *kwds)
         return NULL;
     DeviceArrayObject *self = (DeviceArrayObject *)op;
     pl_state *st = pl_state_of_type(Py_TYPE(op));
-    if (!st || check_exportable(self, "") < 0)
+    if (!st || check_exportable(self, -1) < 0)
         return NULL;
     int cuda = self->blk->b->kind == PL_BACKEND_CUDA;
     pl_dlpack_stream s;
@@ -250,9 +267,7 @@ PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream)
             continue;
         }
         DeviceArrayObject *da = (DeviceArrayObject *)o;
-        char where[64];
-        snprintf(where, sizeof where, "export_capsules: leaves[%zd]: ", i);
-        if (check_exportable(da, where) < 0) {
+        if (check_exportable(da, i) < 0) {
             Py_CLEAR(out);
             break;
         }
@@ -268,6 +283,42 @@ PyObject *pl_export_leaves(pl_state *st, PyObject *items, PyObject *stream)
             break;
         }
         PyTuple_SET_ITEM(out, i, cap);
+    }
+    return out;
+}
+
+PyObject *pl_export_views(pl_state *st, const pl_da_view *v, Py_ssize_t n, DLDevice dev,
+                          PyObject *stream)
+{
+    pl_dlpack_stream parsed;
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        if (check_block_exportable(v[i].blk, v[i].nbytes, i) < 0 ||
+            (i == 0 && pl_dlpack_parse_stream(stream, v[i].blk->b->kind == PL_BACKEND_CUDA,
+                                              "a host-backend DeviceArray", &parsed) < 0)) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *cap = export_view(st, &v[i], dev, &parsed, 0, i);
+        if (!cap) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, cap);
+    }
+    return out;
+}
+
+PyObject *pl_device_arrays_of(pl_state *st, const pl_da_view *v, Py_ssize_t n, DLDevice dev)
+{
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *a = pl_device_array_new(st, v[i].blk, v[i].offset, v[i].ndim, v[i].shape,
+                                          v[i].dtype, dev.device_type, dev.device_id);
+        if (!a)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i, a);
     }
     return out;
 }
@@ -434,7 +485,7 @@ static PyObject *da_get_cai(PyObject *op, void *c)
         PyErr_SetString(PyExc_AttributeError, "__cuda_array_interface__ exists only for CUDA device arrays");
         return NULL;
     }
-    if (check_exportable(self, "") < 0)
+    if (check_exportable(self, -1) < 0)
         return NULL;
     pl_stream *legacy = (pl_stream *)(uintptr_t)1;
     int rc = pl_block_consumer_wait(self->blk, legacy, NULL);

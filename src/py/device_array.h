@@ -29,6 +29,17 @@ typedef struct pl_da_view {
 /* 0 with *v filled when o is a DeviceArray, else -1 (no exception). */
 int pl_device_array_view(pl_state *st, PyObject *o, pl_da_view *v);
 
+/* A batch's leaves without DeviceArrays (Note [batch leaves] in flatten.h): n views on DLPack
+ * device dev, all in one block.
+ * pl_export_views: their legacy "dltensor" capsules for the consumer's `stream`, exactly as
+ *   pl_export_leaves exports DeviceArrays viewing the same memory (one wait per block and
+ *   stream, each capsule a block reference; errors name "export_capsules: leaves[i]"). A new
+ *   tuple, or NULL with an exception.
+ * pl_device_arrays_of: a DeviceArray per view (a new tuple), or NULL with an exception. */
+PyObject *pl_export_views(pl_state *st, const pl_da_view *v, Py_ssize_t n, DLDevice dev,
+                          PyObject *stream);
+PyObject *pl_device_arrays_of(pl_state *st, const pl_da_view *v, Py_ssize_t n, DLDevice dev);
+
 /* DLPack capsules (legacy "dltensor") of the DeviceArrays in `items` (a tuple; other objects
  * are passed through) for the consumer's `stream` (as __dlpack__'s stream argument): each
  * batch's block is waited on once per stream. A new tuple, or NULL with an exception naming

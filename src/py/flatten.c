@@ -10,9 +10,10 @@
 #include "util.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <string.h>
 
-#define MAX_NEST 256
+#define MAX_NEST PL_FLAT_MAX_NEST
 
 typedef enum {
     FN_PASS,       /* obj passes through unchanged */
@@ -74,9 +75,17 @@ static int optional_attr(PyObject *o, const char *name, PyObject **out)
     return 0;
 }
 
-/* ---- paths ---- */
+/* ---- paths (Note [lazy paths] in flatten.h) ---- */
 
-static size_t path_push(pl_flat *f, const char *fmt, ...)
+typedef enum {
+    PATH_ROOT,  /* text: the root's name, borrowed */
+    PATH_INDEX, /* "[index]" */
+    PATH_KEY,   /* "[repr(obj)]", obj an exact str or int */
+    PATH_ATTR,  /* ".obj", obj an exact str */
+    PATH_TEXT,  /* text, owned: a key's "[repr]" or a name's ".str" taken when walked */
+} path_step_kind;
+
+static void path_append(pl_flat *f, const char *fmt, ...)
 {
     size_t old = f->path_len;
     va_list ap;
@@ -85,22 +94,112 @@ static size_t path_push(pl_flat *f, const char *fmt, ...)
     va_end(ap);
     if (n > 0)
         f->path_len = PL_MIN(sizeof f->path - 1, old + (size_t)n);
-    return old;
 }
 
-static void path_pop(pl_flat *f, size_t old)
+/* Room for one more step (the walk's nesting limit bounds them; SystemError past it). */
+static pl_path_step *path_step(pl_flat *f, int kind, size_t *mark)
 {
-    f->path_len = old;
-    f->path[old] = 0;
+    if (f->n_steps >= (int)(sizeof f->steps / sizeof f->steps[0])) {
+        PyErr_SetString(PyExc_SystemError, "pinloader: path deeper than the nesting limit");
+        return NULL;
+    }
+    *mark = (size_t)f->n_steps;
+    pl_path_step *p = &f->steps[f->n_steps++];
+    *p = (pl_path_step){kind, NULL, 0, NULL};
+    return p;
 }
 
-/* "[repr(key)]" for dict entries, ".name" for attributes; -1 only with a BaseException. */
+static void path_pop(pl_flat *f, size_t mark)
+{
+    while (f->n_steps > (int)mark) {
+        pl_path_step *p = &f->steps[--f->n_steps];
+        if (p->kind == PATH_TEXT)
+            PyMem_RawFree(p->text);
+    }
+}
+
+static void path_root(pl_flat *f, const char *root)
+{
+    size_t mark;
+    pl_path_step *p = path_step(f, PATH_ROOT, &mark); /* the first: never full */
+    if (p)
+        p->text = (char *)root;
+}
+
+static size_t path_push_index(pl_flat *f, Py_ssize_t i)
+{
+    size_t mark;
+    pl_path_step *p = path_step(f, PATH_INDEX, &mark);
+    if (p)
+        p->index = i;
+    return p ? mark : (size_t)-1;
+}
+
+/* "[repr(key)]" for dict entries, ".name" for attributes. Exact str and int keys are rendered
+ * when read; any other key's text is taken now (user code). -1 with an exception: a
+ * BaseException from that code, or MemoryError. */
 static int path_push_text(pl_flat *f, PyObject *key, int as_attr, size_t *mark)
 {
-    char text[160];
+    int lazy = as_attr ? PyUnicode_CheckExact(key) : PyUnicode_CheckExact(key) || PyLong_CheckExact(key);
+    if (lazy) {
+        pl_path_step *p = path_step(f, as_attr ? PATH_ATTR : PATH_KEY, mark);
+        if (!p)
+            return -1;
+        p->obj = key;
+        return 0;
+    }
+    char text[160], step[164];
     if (text_of(key, !as_attr, text, sizeof text) < 0)
         return -1;
-    *mark = as_attr ? path_push(f, ".%s", text) : path_push(f, "[%s]", text);
+    snprintf(step, sizeof step, as_attr ? ".%s" : "[%s]", text);
+    size_t len = strlen(step);
+    char *copy = PyMem_RawMalloc(len + 1);
+    if (!copy) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(copy, step, len + 1);
+    pl_path_step *p = path_step(f, PATH_TEXT, mark);
+    if (!p) {
+        PyMem_RawFree(copy);
+        return -1;
+    }
+    p->text = copy;
+    return 0;
+}
+
+/* Render the path into f->path. A pending exception is kept. -1 only with a BaseException
+ * that is not an Exception pending (text_of's rule); no exact str or int repr raises one. */
+static int path_render(pl_flat *f)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    f->path_len = 0;
+    f->path[0] = 0;
+    for (int i = 0; i < f->n_steps; i++) {
+        const pl_path_step *p = &f->steps[i];
+        char text[160];
+        switch (p->kind) {
+        case PATH_ROOT:
+        case PATH_TEXT:
+            path_append(f, "%s", p->text);
+            break;
+        case PATH_INDEX:
+            path_append(f, "[%zd]", p->index);
+            break;
+        case PATH_KEY:
+        case PATH_ATTR:
+            if (text_of(p->obj, p->kind == PATH_KEY, text, sizeof text) < 0) {
+                Py_XDECREF(type);
+                Py_XDECREF(value);
+                Py_XDECREF(tb);
+                return -1;
+            }
+            path_append(f, p->kind == PATH_KEY ? "[%s]" : ".%s", text);
+            break;
+        }
+    }
+    PyErr_Restore(type, value, tb);
     return 0;
 }
 
@@ -111,6 +210,8 @@ static int leaf_error(pl_flat *f, PyObject *type, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
+    if (path_render(f) < 0)
+        return -1;
     PyErr_Format(type, "%s: %s", f->path, why);
     return -1;
 }
@@ -146,6 +247,8 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t elem)
 /* Structure mode: append (the current path, obj) to list. 0, or -1 with an exception. */
 static int record_at_path(pl_flat *f, PyObject *list, PyObject *obj)
 {
+    if (path_render(f) < 0)
+        return -1;
     PyObject *path = PyUnicode_FromStringAndSize(f->path, (Py_ssize_t)f->path_len);
     PyObject *pair = path ? PyTuple_Pack(2, path, obj) : NULL;
     int rc = pair ? PyList_Append(list, pair) : -1;
@@ -492,8 +595,8 @@ static int walk_seq(pl_flat *f, PyObject *obj, PyObject *key, int level, fnode_k
         size_t mark;
         if (name && PyUnicode_Check(name))
             rc = path_push_text(f, name, 1, &mark);
-        else
-            mark = path_push(f, "[%zd]", i);
+        else if ((mark = path_push_index(f, i)) == (size_t)-1)
+            rc = -1;
         if (rc == 0)
             rc = walk_child(f, PyTuple_GET_ITEM(items, i), NULL, level, mark);
     }
@@ -710,10 +813,23 @@ static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
 
 void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device)
 {
-    memset(f, 0, sizeof(*f));
+    memset(f, 0, offsetof(pl_flat, steps)); /* n_steps 0: steps and path are written first */
+    f->path_len = 0;
+    f->path[0] = 0;
     f->st = st;
     f->b = b;
     f->device = device;
+}
+
+void pl_flat_begin(pl_flat *f)
+{
+    pl_xfer_leaf *leaves = f->leaves;
+    DLDataType *dtypes = f->dtypes;
+    Py_ssize_t cap = f->cap_leaves;
+    pl_flat_init(f, f->st, f->b, f->device);
+    f->leaves = leaves;
+    f->dtypes = dtypes;
+    f->cap_leaves = cap;
 }
 
 int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
@@ -722,9 +838,10 @@ int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **fo
     f->found = PyList_New(0);
     f->passed = passed ? PyList_New(0) : NULL;
     int rc = f->found && (!passed || f->passed) ? 0 : -1;
-    path_push(f, "%s", root);
+    path_root(f, root);
     if (rc == 0)
         rc = walk(f, obj, NULL, 0);
+    path_pop(f, 0);
     *found = f->found;
     if (passed)
         *passed = f->passed;
@@ -739,8 +856,10 @@ int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **fo
 
 int pl_flat_walk(pl_flat *f, PyObject *item)
 {
-    path_push(f, "item");
-    if (walk(f, item, NULL, 0) < 0)
+    path_root(f, "item");
+    int rc = walk(f, item, NULL, 0);
+    path_pop(f, 0);
+    if (rc < 0)
         return -1;
     pl_layout_finish(&f->layout, f->leaves, f->n_leaves);
     return 0;
@@ -884,6 +1003,33 @@ PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk)
             Py_CLEAR(out);
         else
             PyTuple_SET_ITEM(out, i, a);
+    }
+    return out;
+}
+
+pl_leaves *pl_flat_leaf_views(pl_flat *f, pl_block *blk)
+{
+    size_t dims = 0;
+    for (int i = 0; i < f->n_leaves; i++)
+        dims += (size_t)f->leaves[i].copy.ndim;
+    pl_leaves *out = PyMem_RawMalloc(sizeof(pl_leaves) + (size_t)f->n_leaves * sizeof(pl_da_view) +
+                                     dims * sizeof(int64_t));
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    out->n = f->n_leaves;
+    int64_t *shapes = (int64_t *)(out->v + f->n_leaves);
+    for (int i = 0; i < f->n_leaves; i++) {
+        const pl_xfer_leaf *L = &f->leaves[i];
+        int ndim = L->copy.ndim;
+        size_t nbytes = f->dtypes[i].bits / 8; /* as pl_device_array_new counts it */
+        for (int d = 0; d < ndim; d++)
+            nbytes *= (size_t)L->copy.shape[d];
+        if (ndim)
+            memcpy(shapes, L->copy.shape, (size_t)ndim * sizeof(int64_t));
+        out->v[i] = (pl_da_view){blk, L->off, nbytes, ndim, ndim ? shapes : NULL, f->dtypes[i]};
+        shapes += ndim;
     }
     return out;
 }

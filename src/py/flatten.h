@@ -16,6 +16,7 @@
 
 #include "state.h"
 
+#include "device_array.h"
 #include "dlpack.h"
 #include "transfer.h"
 
@@ -29,6 +30,27 @@ typedef struct pl_tree {
     Py_ssize_t n_nodes;
     Py_ssize_t n_leaves;
 } pl_tree;
+
+/* Note [lazy paths]
+ * An error names the leaf by its path ("item['x'][2].y"), and structure mode records each
+ * leaf's path; but almost every walk succeeds, and formatting every step's text (a repr() and
+ * an encode per dict key, a printf per index) cost more than reading the leaves. So the walk
+ * keeps the path as a stack of steps, and pl_flat_path_text renders the text only when it is
+ * read. A step whose text needs no user code (an index, an exact str or int key, an exact str
+ * field name) keeps its object and is rendered then; any other key's repr() (or name's str())
+ * is still taken when the walk reaches it, as user code may raise there or answer differently
+ * later, and that text is kept with the step. The objects are borrowed from the snapshots the
+ * walk holds while it is below them (the pairs list, the fields tuple), and the root's text
+ * from the caller of the walk. The text is what formatting each step in turn gave: the same
+ * repr() cut to 159 bytes, the whole cut to 511. */
+enum { PL_FLAT_MAX_NEST = 256 };
+
+typedef struct pl_path_step {
+    int kind;        /* see path_step_kind in flatten.c */
+    PyObject *obj;   /* borrowed (Note [lazy paths]) */
+    Py_ssize_t index;
+    char *text;      /* the root's (borrowed), or a key's taken at once (PyMem_Raw, owned) */
+} pl_path_step;
 
 typedef struct pl_flat {
     /* target, set by pl_flat_init */
@@ -48,11 +70,18 @@ typedef struct pl_flat {
     Py_ssize_t n_nodes, cap_nodes;
     PyObject *found;        /* structure mode: the (path, leaf) list, else NULL */
     PyObject *passed;       /* structure mode: the (path, object) list of the others, or NULL */
-    char path[512];
+    int n_steps;
+    /* last: pl_flat_init leaves these two unwritten, as nothing reads them before writing */
+    pl_path_step steps[PL_FLAT_MAX_NEST + 2]; /* the root, then one per level (Note [lazy paths]) */
+    char path[512];  /* the rendered text, valid after path_render */
     size_t path_len;
 } pl_flat;
 
 void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device);
+/* Start reading the next item with f, keeping its leaf buffers (leaves, dtypes) for reuse: a
+ * producer reads one item after another. f must hold nothing else: its owners taken and its
+ * nodes taken or cleared, or f just made by pl_flat_init or emptied by pl_flat_clear. */
+void pl_flat_begin(pl_flat *f);
 /* Read the item (see Note [flatten in two passes]). Returns 0, or -1 with an exception set:
  * TypeError/ValueError naming the leaf's path for bad leaves, or whatever user code raised
  * (a BaseException that is not an Exception, such as KeyboardInterrupt, always unchanged). */
@@ -64,6 +93,22 @@ PyObject *pl_flat_rebuild(pl_flat *f, pl_block *blk);
  * order; and the walked nodes, moved into *out. */
 PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk);
 void pl_flat_take_tree(pl_flat *f, pl_tree *out);
+
+/* Note [batch leaves]
+ * A batch handed out through the handout (Note [handout] in handout.h) carries its array leaves
+ * as what a DeviceArray of each would view -- block, offset, bytes, dtype, shape -- in one
+ * allocation, not as a DeviceArray per leaf: the handout exports the capsules (or copies into
+ * the static buffers) straight from these views, and makes DeviceArrays only where they are
+ * delivered (output="array" with convert=). Each export takes its own block reference, as a
+ * DeviceArray's does, so the views only need to live as long as the batch: `blk` in each is
+ * borrowed from the batch's own reference, which outlives the handout. */
+typedef struct pl_leaves {
+    Py_ssize_t n;
+    pl_da_view v[]; /* n views in walk order, then their shapes */
+} pl_leaves;
+/* The walked leaves as views of blk (PyMem_Raw; free with PyMem_RawFree), or NULL with
+ * MemoryError. */
+pl_leaves *pl_flat_leaf_views(pl_flat *f, pl_block *blk);
 /* The item's structure with leaf i replaced by leaves[i] (a tuple of t->n_leaves objects);
  * user constructors (namedtuple, dataclass, copy.copy of a dict subclass) run here. t is left
  * as it is: a tree builds any number of batches. */

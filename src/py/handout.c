@@ -92,37 +92,26 @@ static int leaf_set_layout(static_leaf *L, int ndim, const int64_t *shape, DLDat
     return 0;
 }
 
-static int leaf_view(pl_state *st, PyObject *leaves, Py_ssize_t i, pl_da_view *v)
-{
-    if (pl_device_array_view(st, PyTuple_GET_ITEM(leaves, i), v) < 0) {
-        PyErr_Format(PyExc_SystemError, "pinloader: batch leaf %zd is not a DeviceArray", i);
-        return -1;
-    }
-    return 0;
-}
-
 /* The static buffers, laid out from the first batch's leaves. */
-static pl_static *static_make(pl_state *st, const pl_backend *b, int device, PyObject *leaves,
+static pl_static *static_make(pl_state *st, const pl_backend *b, int device, const pl_leaves *leaves,
                               pl_stream *s)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(leaves);
+    Py_ssize_t n = leaves->n;
     pl_static *S = static_new(n);
     if (!S)
         return NULL;
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        pl_da_view v;
+        const pl_da_view *v = &leaves->v[i];
         static_leaf *L = &S->leaf[i];
-        if (leaf_view(st, leaves, i, &v) < 0)
-            goto fail;
         if (pl_align_up_checked(total, PL_ALIGN, &L->off) != 0 ||
-            __builtin_add_overflow(L->off, v.nbytes, &total)) {
+            __builtin_add_overflow(L->off, v->nbytes, &total)) {
             PyErr_SetString(PyExc_OverflowError, "AsyncPrefetcher(static=True): the static "
                             "buffers' size overflows");
             goto fail;
         }
-        L->nbytes = v.nbytes;
-        if (leaf_set_layout(L, v.ndim, v.shape, v.dtype) < 0)
+        L->nbytes = v->nbytes;
+        if (leaf_set_layout(L, v->ndim, v->shape, v->dtype) < 0)
             goto fail;
     }
     int rc = pl_block_create(b, device, &S->blk), prev = -1;
@@ -288,7 +277,7 @@ static int wait_batch(pl_state *st, pl_block *blk, pl_stream *s)
 /* Copy the batch's leaves into the static buffers on the consumer's stream (see Note [static
  * batches]). */
 static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout *h,
-                       PyObject *leaves, PyObject *stream)
+                       const pl_leaves *leaves, PyObject *stream)
 {
     int cuda = b->kind == PL_BACKEND_CUDA;
     pl_dlpack_stream ps;
@@ -301,7 +290,7 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
         return -1;
     }
     pl_stream *s = cuda ? (pl_stream *)ps.handle : NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(leaves);
+    Py_ssize_t n = leaves->n;
     int prev = -1, rc = cuda ? pl_device_push(b, device, &prev) : PL_OK;
     if (rc != PL_OK) {
         pl_raise_backend(st, b, rc, "AsyncPrefetcher(static=True): making the device current");
@@ -311,13 +300,13 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
      * nothing of h is held across it (another thread may close the prefetcher meanwhile). */
     pl_block *waited = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        pl_da_view v;
-        if (leaf_view(st, leaves, i, &v) < 0 || (v.blk != waited && wait_batch(st, v.blk, s) < 0)) {
+        pl_block *blk = leaves->v[i].blk;
+        if (blk != waited && wait_batch(st, blk, s) < 0) {
             if (cuda)
                 pl_device_pop(b, device, prev);
             return -1;
         }
-        waited = v.blk; /* the leaves of a batch share one block */
+        waited = blk; /* the leaves of a batch share one block */
     }
     /* From here on the GIL is held throughout. */
     if (!h->statics)
@@ -328,10 +317,8 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
         PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): the batch has %zd array "
                      "leaves, the static batch (laid out from the first batch) %zd", n, S->n);
     for (Py_ssize_t i = 0; S && n == S->n && i < n && !PyErr_Occurred(); i++) {
-        pl_da_view v;
         int64_t rows;
-        leaf_view(st, leaves, i, &v);
-        if (check_fits(st, i, &v, &S->leaf[i], &rows) == 0 && (valid < 0 || rows < valid))
+        if (check_fits(st, i, &leaves->v[i], &S->leaf[i], &rows) == 0 && (valid < 0 || rows < valid))
             valid = rows;
     }
     if (!S || PyErr_Occurred()) {
@@ -341,16 +328,15 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     }
     const char *what = "";
     for (Py_ssize_t i = 0; rc == PL_OK && i < n; i++) {
-        pl_da_view v;
-        leaf_view(st, leaves, i, &v);
+        const pl_da_view *v = &leaves->v[i];
         const static_leaf *L = &S->leaf[i];
         char *dst = L->ptr;
         what = "copying a leaf into its static buffer";
-        if (v.nbytes)
-            rc = b->memcpy_d2d_async(dst, (const char *)v.blk->ptr + v.offset, v.nbytes, s);
-        if (rc == PL_OK && v.nbytes < L->nbytes) {
+        if (v->nbytes)
+            rc = b->memcpy_d2d_async(dst, (const char *)v->blk->ptr + v->offset, v->nbytes, s);
+        if (rc == PL_OK && v->nbytes < L->nbytes) {
             what = "zeroing the rows after a short batch's";
-            rc = b->memzero_async(dst + v.nbytes, L->nbytes - v.nbytes, s);
+            rc = b->memzero_async(dst + v->nbytes, L->nbytes - v->nbytes, s);
         }
     }
     if (rc == PL_OK && cuda && S->blk) {
@@ -374,11 +360,9 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     return 0;
 }
 
-/* The delivered leaves for `items` (DeviceArrays): capsules for `stream` and/or convert(). */
-static PyObject *deliver(pl_state *st, const pl_handout *h, PyObject *items, PyObject *stream)
+/* convert() of each of xs (a tuple, consumed): a new tuple, or NULL with an exception. */
+static PyObject *convert_all(const pl_handout *h, PyObject *xs)
 {
-    PyObject *xs;
-    xs = h->capsule ? pl_export_leaves(st, items, stream) : Py_NewRef(items);
     if (!xs || !h->convert)
         return xs;
     Py_ssize_t n = PyTuple_GET_SIZE(xs);
@@ -394,8 +378,27 @@ static PyObject *deliver(pl_state *st, const pl_handout *h, PyObject *items, PyO
     return out;
 }
 
+/* The delivered leaves for `items` (the static buffers' DeviceArrays): capsules for `stream`
+ * and/or convert(). */
+static PyObject *deliver(pl_state *st, const pl_handout *h, PyObject *items, PyObject *stream)
+{
+    return convert_all(h, h->capsule ? pl_export_leaves(st, items, stream) : Py_NewRef(items));
+}
+
+/* The delivered leaves of a batch, from its views (Note [batch leaves] in flatten.h): capsules
+ * for `stream` or DeviceArrays, then convert(). */
+static PyObject *deliver_batch(pl_state *st, const pl_backend *b, int device, const pl_handout *h,
+                               const pl_leaves *leaves, PyObject *stream)
+{
+    int cuda = b->kind == PL_BACKEND_CUDA;
+    DLDevice dev = {cuda ? kDLCUDA : kDLCPU, cuda ? device : 0};
+    PyObject *xs = h->capsule ? pl_export_views(st, leaves->v, leaves->n, dev, stream)
+                              : pl_device_arrays_of(st, leaves->v, leaves->n, dev);
+    return convert_all(h, xs);
+}
+
 PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_handout *h,
-                           const pl_tree *tree, PyObject *leaves)
+                           const pl_tree *tree, const pl_leaves *leaves)
 {
     PyObject *out = NULL, *items = NULL;
     if (!h->stream) {
@@ -423,7 +426,7 @@ PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_han
             h->statics->converted = Py_NewRef(items);
         Py_DECREF(arrays);
     } else {
-        items = deliver(st, h, leaves, stream);
+        items = deliver_batch(st, b, device, h, leaves, stream);
     }
     if (items)
         out = pl_tree_build(tree, items);

@@ -2,16 +2,17 @@
  * become what the consumer asked for, and its structure is rebuilt around them.
  *
  * Note [handout]
- * The producer walks each item once (flatten.c) and keeps its tree (pl_tree) and its leaves, a
- * tuple of DeviceArrays in walk order. When the consumer takes the batch, pl_handout_batch
- * turns each leaf into the delivered object and builds the structure once, in C:
+ * The producer walks each item once (flatten.c) and keeps its tree (pl_tree) and its leaves,
+ * as views of the batch's block in walk order (Note [batch leaves] in flatten.h). When the
+ * consumer takes the batch, pl_handout_batch turns each leaf into the delivered object and
+ * builds the structure once, in C:
  *   - output="array" (no convert, not static): the producer has already built the structure
  *     of DeviceArrays, and this file is not involved;
- *   - output="capsule": every leaf is exported for the consumer's stream in one pass (the
- *     stream waits on the batch's copy once);
- *   - convert=f: each delivered leaf is f(x), x the capsule (output="capsule") or the
- *     DeviceArray (output="array"): a framework's DLPack import applied in place, so a torch,
- *     CuPy or JAX batch is walked once and built once;
+ *   - output="capsule": every leaf is exported for the consumer's stream in one pass, straight
+ *     from its view (the stream waits on the batch's copy once; no DeviceArray is made);
+ *   - convert=f: each delivered leaf is f(x), x the capsule (output="capsule") or a DeviceArray
+ *     made from the view (output="array"): a framework's DLPack import applied in place, so a
+ *     torch, CuPy or JAX batch is walked once and built once;
  *   - static=True: the leaves are copied into the prefetcher's static buffers first (Note
  *     [static batches] in handout.c), and the delivered leaves are the same objects every
  *     batch; with out=, the buffers are the user's (any DLPack exporters), delivered as they
@@ -47,11 +48,12 @@ static inline int pl_handout_active(const pl_handout *h)
     return h->capsule || h->convert || h->is_static;
 }
 
-/* The batch to hand out: `leaves` (a tuple of the batch's DeviceArrays, walk order) made into
- * the delivered objects and placed in `tree`. A new reference, or NULL with an exception (a
- * static batch that does not fit the static layout: ValueError naming the leaf). */
+/* The batch to hand out: `leaves` (the batch's array leaves, walk order; their block must
+ * stay referenced by the caller until this returns) made into the delivered objects and placed
+ * in `tree`. A new reference, or NULL with an exception (a static batch that does not fit the
+ * static layout: ValueError naming the leaf). */
 PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_handout *h,
-                           const pl_tree *tree, PyObject *leaves);
+                           const pl_tree *tree, const pl_leaves *leaves);
 /* The static buffers' DeviceArrays (a new tuple), or None before the first static batch and
  * with out=. */
 PyObject *pl_handout_static_arrays(const pl_handout *h);

@@ -195,7 +195,7 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
         return 0;
     }
     pl_flat *f = &p->flat;
-    pl_flat_init(f, self->st, self->b, self->device);
+    pl_flat_begin(f); /* the last item's leaf buffers are reused */
     /* see Note [flatten in two passes] in flatten.h */
     if (self->templ.n_nodes) {
         /* structure=: the item is a tuple of the leaves, placed in the captured structure */
@@ -211,20 +211,21 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
                 PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's "
                              "%zd entries are array leaves", (Py_ssize_t)f->n_leaves,
                              self->templ.n_leaves);
-            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)) &&
-                     !pl_handout_active(&self->handout))
+            else if (pl_handout_active(&self->handout))
+                bt->leaves = pl_flat_leaf_views(f, bt->blk); /* Note [batch leaves] */
+            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)))
                 Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
         }
     } else if (pl_flat_walk(f, item) == 0) {
         if (pl_handout_active(&self->handout)) {
-            bt->output = pl_flat_device_arrays(f, bt->blk);
-            pl_flat_take_tree(f, &bt->tree);
+            if ((bt->leaves = pl_flat_leaf_views(f, bt->blk))) /* Note [batch leaves] */
+                pl_flat_take_tree(f, &bt->tree);
         } else {
             bt->output = pl_flat_rebuild(f, bt->blk);
         }
     }
     Py_DECREF(item);
-    if (!bt->output) {
+    if (!bt->output && !bt->leaves) {
         bt->kind = B_ERROR;
         bt->exc = fetch_exception();
         pl_flat_clear(f);
@@ -234,6 +235,8 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
     if (atomic_load(&self->stop)) {
         /* closed by user code the item ran (a __dlpack__, a constructor) */
         Py_CLEAR(bt->output);
+        PyMem_RawFree(bt->leaves);
+        bt->leaves = NULL;
         Py_CLEAR(bt->exc);
         pl_flat_clear(f);
         return -1;
@@ -314,7 +317,7 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
             pl_block_incref(bt->blk);
             p->prev_blk = bt->blk;
         }
-        pl_flat_release_leaves(f);
+        /* the leaf buffers stay for the next item (pl_flat_begin), freed when the thread ends */
     }
     pl_pf_push_batch(self, bt);
 }
@@ -350,13 +353,16 @@ void *pl_pf_producer_main(void *arg)
     pl_prefetcher_obj *self = arg;
     producer p;
     memset(&p, 0, sizeof p);
+    pl_flat_init(&p.flat, self->st, self->b, self->device);
     self->b->set_device(self->device);
     for (;;) {
         if (producer_wait(self) < 0)
             break;
         wait_direct_copy(self);
-        if (pl_py_finalizing())
+        if (pl_py_finalizing()) {
+            pl_flat_release_leaves(&p.flat); /* PyMem_Raw, not the interpreter's */
             return NULL; /* the interpreter is going away: touch nothing of it */
+        }
         batch *bt = NULL;
         int64_t t_next = 0;
         p.round_start_ns = pl_now_ns();
@@ -367,5 +373,6 @@ void *pl_pf_producer_main(void *arg)
             ship_batch(self, &p, bt, t_next);
     }
     producer_exit(self, &p);
+    pl_flat_release_leaves(&p.flat); /* PyMem_Raw: no GIL needed */
     return NULL;
 }

@@ -100,6 +100,7 @@ void pl_pf_batch_free(batch *bt)
 {
     pl_tree_clear(&bt->tree);
     Py_XDECREF(bt->output);
+    PyMem_RawFree(bt->leaves);
     Py_XDECREF(bt->exc);
     if (bt->blk)
         pl_block_decref(bt->blk);

@@ -239,11 +239,10 @@ static PyObject *pf_next(PyObject *op)
     self->consumed_in_epoch++;
     PyObject *out = bt->output;
     bt->output = NULL;
-    if (pl_handout_active(&self->handout)) {
-        PyObject *leaves = out;
+    if (bt->leaves) {
+        /* bt (its block reference, which the views borrow) lives until the handout is done */
         const pl_tree *tree = self->templ.n_nodes ? &self->templ : &bt->tree;
-        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, leaves);
-        Py_DECREF(leaves);
+        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, bt->leaves);
     }
     pl_pf_batch_free(bt);
     return out;

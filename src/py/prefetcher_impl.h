@@ -33,8 +33,9 @@ typedef struct batch {
     batch_kind kind;
     uint64_t epoch;
     uint64_t index;       /* position in the epoch */
-    PyObject *output;     /* B_READY: the structure of DeviceArrays, or with a handout (Note
-                           * [handout] in handout.h) the tuple of the batch's DeviceArrays */
+    PyObject *output;     /* B_READY without a handout: the structure of DeviceArrays */
+    pl_leaves *leaves;    /* B_READY with a handout (Note [handout] in handout.h): the array
+                           * leaves as views of blk (Note [batch leaves] in flatten.h) */
     pl_tree tree;         /* with a handout: the item's structure, built when handed out */
     PyObject *exc;        /* B_ERROR with a Python exception (source or bad leaf) */
     int err_code;         /* B_ERROR from the backend */
