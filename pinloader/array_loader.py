@@ -400,7 +400,8 @@ class ArrayLoader:
         exactly."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
             raise TypeError(f"ArrayLoader: epoch must be an int, not {type(epoch).__name__}")
-        return _order(self._plan, int(epoch))
+        # a view: the loader's own cached order stays out of reach of ndarray.__setstate__
+        return _order(self._plan, int(epoch)).view()
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""

@@ -251,3 +251,19 @@ def test_windows_sharded():
     starts = sorted(s for sh in shards for s in sh.tolist())
     assert len(starts) == 30 and len(set(starts)) == 29  # 29 windows padded to 30
     assert all(s % 34 == starts[0] % 34 for s in starts)
+
+
+def test_indices_is_read_only_and_cannot_repoint_the_loaders_order():
+    # Note [epoch row tables] in src/py/gather.c: what indices() returns is the loader's order,
+    # read-only; re-pointing it (ndarray.__setstate__) leaves the loader's batches unchanged
+    data = np.arange(100, dtype=np.int64)
+    with pinloader.ArrayLoader(data, 10, seed=3, device=DEVICE) as L:
+        idx = L.indices(0)
+        want = idx.copy()
+        with pytest.raises(ValueError):
+            idx[0] = 5
+        idx.__setstate__((1, (1,), np.dtype(np.int64), False, b"\0" * 8))
+        got = np.concatenate([np.from_dlpack(b).copy() for b in L])
+        assert got.tolist() == data[want].tolist()
+        assert L.indices(0).tolist() == want.tolist()
+

@@ -104,13 +104,21 @@ def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
             arr[0] = 1
     assert not _C.permutation(10, 1, 2)[1].flags.writeable
     part = order[100:356]
-    before = sys.getrefcount(part)
+    capsule = part.base.base  # the slice's base is the table array, whose base owns the memory
+    before = sys.getrefcount(capsule)
     g = _C.RowGather(a, part)
-    assert sys.getrefcount(part) == before + 1  # borrowed in place, not copied
+    assert sys.getrefcount(capsule) == before + 1  # borrowed in place, not copied
     expect = order[100:356].copy()
-    del part, order  # the RowGather keeps the table alive
+    # re-pointing the arrays (public NumPy API) drops their bases: the RowGather's own
+    # reference keeps the table's memory alive
+    part.__setstate__((1, (1,), np.dtype(np.int64), False, b"\0" * 8))
+    order.__setstate__((1, (1,), np.dtype(np.int64), False, b"\0" * 8))
+    del part, order, capsule
+    junk = [np.full(260, 1 << 40, np.int64) for _ in range(100)]  # would reuse freed memory
+    del junk
     plain = np.array(expect)
     before = sys.getrefcount(plain)
+    assert plain.base is None
     h = _C.RowGather(a, plain)
     assert sys.getrefcount(plain) == before  # any other array is copied
     plain[:] = 0

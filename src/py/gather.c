@@ -73,8 +73,8 @@ typedef struct {
     PyObject *source;     /* what the caller passed */
     Py_buffer held;       /* an export on the object the array views; held.obj NULL if none */
     int64_t *rows;        /* n_rows validated starts: PyMem_Malloc'd, or borrowed */
-    PyObject *rows_owner; /* the epoch table's array rows are borrowed from (Note [epoch row
-                           * tables]), or NULL when rows is the RowGather's own */
+    PyObject *rows_owner; /* the capsule of the epoch table rows are borrowed from (Note [epoch
+                           * row tables]), or NULL when rows is the RowGather's own */
     Py_ssize_t n_rows;
     int64_t window;       /* 0: single rows */
     int64_t advised;      /* bytes given to madvise (Note [read-ahead]) */
@@ -282,11 +282,13 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
  * copies about 6.5 GB/s) when the order is immutable and checked once: _epoch_table(order)
  * copies it into an epoch table, memory owned by a capsule that exports no buffer, and
  * returns a read-only int64 array over it (NumPy refuses to make it or a view of it writeable,
- * since its base offers no writable buffer); the table records its smallest and largest entry.
- * A RowGather given such an array, or a C-contiguous slice of one (found through the array's
- * bases, its bytes checked to lie inside the table: np.lib.stride_tricks can point a view
- * anywhere), keeps a reference to it and reads the rows in place; they are checked against the
- * source once, by the table's range. Anything else (other arrays, lists, a table whose range
+ * since its base offers no writable buffer; only raw-pointer tools such as ctypes or a
+ * hand-made __array_interface__ could write it, and those can write anything); the table
+ * records its smallest and largest entry. A RowGather given such an array, or a C-contiguous
+ * slice of one (found through the array's bases, its bytes checked to lie inside the table on
+ * whole entries: np.lib.stride_tricks can point a view anywhere), keeps a reference to the
+ * table's capsule (not to the array, which ndarray.__setstate__ can re-point elsewhere) and
+ * reads the rows in place; they are checked against the source once, by the table's range. Anything else (other arrays, lists, a table whose range
  * does not fit the source) is copied and checked row by row as before. permutation() returns
  * an epoch table too. */
 #define EPOCH_TABLE_CAPSULE "pinloader._epoch_table"
@@ -343,8 +345,9 @@ static void epoch_table_range(epoch_table *t)
     t->hi = t->n ? hi : -1;
 }
 
-/* The epoch table that array a lies inside (see the Note), or NULL (no exception). */
-static const epoch_table *epoch_table_of(PyArrayObject *a)
+/* The epoch table that array a lies inside (see the Note), or NULL (no exception); *cap gets
+ * its capsule (borrowed). */
+static const epoch_table *epoch_table_of(PyArrayObject *a, PyObject **cap)
 {
     if (PyArray_NDIM(a) != 1 || PyArray_TYPE(a) != NPY_INT64 || !PyArray_ISNOTSWAPPED(a) ||
         !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || PyArray_ISWRITEABLE(a))
@@ -357,25 +360,30 @@ static const epoch_table *epoch_table_of(PyArrayObject *a)
     const epoch_table *t = PyCapsule_GetPointer(base, EPOCH_TABLE_CAPSULE);
     const char *p = PyArray_DATA(a), *lo = (const char *)t->data;
     size_t len = (size_t)PyArray_SIZE(a) * sizeof(int64_t);
+    /* inside the table, on whole entries (not only where NumPy calls int64 aligned) */
     if (p < lo || (size_t)(p - lo) > (size_t)t->n * sizeof(int64_t) ||
-        len > (size_t)t->n * sizeof(int64_t) - (size_t)(p - lo))
+        len > (size_t)t->n * sizeof(int64_t) - (size_t)(p - lo) || (size_t)(p - lo) % sizeof(int64_t))
         return NULL;
+    *cap = base;
     return t;
 }
 
 /* If obj is (a slice of) an epoch table whose entries all fit [0, limit - span], borrow it:
- * *out its rows, *owner a new reference keeping them. Returns 1 if borrowed, else 0. */
+ * *out its rows, *owner a new reference to the table's capsule, which owns the memory (not to
+ * obj or any array: ndarray.__setstate__ can re-point an array at other memory and drop its
+ * base, so only the capsule keeps the rows alive). Returns 1 if borrowed, else 0. */
 static int borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out, Py_ssize_t *n_out,
                        PyObject **owner)
 {
     if (!PyArray_Check(obj))
         return 0;
-    const epoch_table *t = epoch_table_of((PyArrayObject *)obj);
+    PyObject *cap;
+    const epoch_table *t = epoch_table_of((PyArrayObject *)obj, &cap);
     if (!t || (t->n && (t->lo < 0 || t->hi > limit - span)))
         return 0;
     *out = PyArray_DATA((PyArrayObject *)obj);
     *n_out = PyArray_SIZE((PyArrayObject *)obj);
-    *owner = Py_NewRef(obj);
+    *owner = Py_NewRef(cap);
     return 1;
 }
 
@@ -391,7 +399,8 @@ static PyObject *gather_epoch_table(PyObject *m, PyObject *obj)
         Py_DECREF(a);
         return NULL;
     }
-    const epoch_table *whole = epoch_table_of(a);
+    PyObject *cap;
+    const epoch_table *whole = epoch_table_of(a, &cap);
     if (whole && whole->n == PyArray_SIZE(a) && PyArray_DATA(a) == (void *)whole->data)
         return (PyObject *)a; /* already a whole table: nothing to copy */
     epoch_table *t;
