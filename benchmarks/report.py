@@ -379,6 +379,7 @@ def _round_ratios(runs, ref_runs, key):
 
 GATHER_LABELS = {"host_gather": 'ArrayLoader(gather="host")', "device_gather": 'ArrayLoader(gather="device")',
                  "auto": "ArrayLoader() (auto)", "torch_index": "torch index_select + copy",
+                 "numpy_index": "NumPy take + copy (one thread)",
                  "dma_ceiling": "one DMA from resident pinned memory"}
 
 
@@ -437,7 +438,8 @@ def plot_static(payload, stem, out_dir):
 def plot_gather_kernel(payload, stem, out_dir):
     """bench_gather_kernel.py: the kernel alone against one DMA, per row size and launch."""
     runs = payload["runs"]
-    names = [f"{r['row']:,} B rows, UNROLL {r['unroll']}, {r['blocks_per_sm']} blocks/SM" for r in runs]
+    names = [f"{r['row']:,} B rows{', ' + r['order'] if 'order' in r else ''}, UNROLL {r['unroll']}, "
+             f"{r['blocks_per_sm']} blocks/SM" for r in runs]
     triples = [(r["gbps"] / r["dma_gbps"], min(r["runs_gbps"]) / r["dma_gbps"],
                 max(r["runs_gbps"]) / r["dma_gbps"]) for r in runs]
     fig, ax = plt.subplots(figsize=(11, 0.28 * len(runs) + 1.6))

@@ -74,10 +74,11 @@ _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
 # over registered host memory) and smaller ones with the host gather. Measured on the H200
 # (benchmarks/bench_gather.py, loader-bound, 4 MiB batches, medians of 3 interleaved rounds;
-# benchmarks/results/h200_2026-12-01b/gather_final.md): host / device GB/s 7.8 / 2.8 at
-# 64-byte rows, 10.7 / 5.3 at 128, 10.2 / 14.2 at 256, 15.2 / 33.5 at 512, 18.2 / 42.0 at
+# benchmarks/results/h200_2026-12-02/gather_final.md): host / device GB/s 15.9 / 3.9 at
+# 64-byte rows, 17.9 / 6.7 at 128, 17.8 / 21.5 at 256, 18.5 / 35.0 at 512, 20.4 / 40.9 at
 # 4 KiB. From 256 bytes on the device gather is faster, and it costs the host far less CPU and
-# memory traffic.
+# memory traffic; below, the kernel needs its rows sorted (Note [device gather] in
+# src/core/devgather.h) and the sort costs the producer more than the host gather does.
 _DEVICE_GATHER_MIN_SPAN = 256
 
 

@@ -55,10 +55,11 @@ def test_report_names_the_machine_and_reads_ratios():
     assert (med, lo, hi) == (1.0, 0.5, 1.5)
 
 
-def test_the_device_gather_results_are_drawn(tmp_path):
-    # bench_gather, bench_gather_kernel, bench_models and bench_static results (their own
-    # result kinds), each with its committed chart
-    later = RESULTS / "h200_2026-12-01b"
+@pytest.mark.parametrize("folder", ["h200_2026-12-01b", "h200_2026-12-02"])
+def test_the_device_gather_results_are_drawn(tmp_path, folder):
+    # bench_gather (on the GPU and on the host backend), bench_gather_kernel, bench_models,
+    # bench_static and bench_overhead results, each with its committed chart
+    later = RESULTS / folder
     files = sorted(later.glob("*.json"))
     assert files
     out = _report(*map(str, files), "--out", str(tmp_path))
