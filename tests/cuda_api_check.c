@@ -34,6 +34,7 @@ SAME_VALUE(cudaErrorInvalidDevice);
 SAME_VALUE(cudaErrorNotReady);
 SAME_VALUE(cudaErrorUnknown);
 SAME_VALUE(cudaHostAllocPortable);
+SAME_VALUE(cudaHostAllocMapped);
 SAME_VALUE(cudaHostRegisterPortable);
 SAME_VALUE(cudaHostRegisterMapped);
 SAME_VALUE(cudaHostRegisterReadOnly);

@@ -295,6 +295,32 @@ def test_rows_in_the_partial_first_and_last_pages(device, offset):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_tables_read_in_place_or_copied_with_host_staged_leaves(device):
+    # Note [mapped tables] in src/core/transfer.c: a batch whose array leaves are all
+    # device-gathered has its kernel read the pair table and edge items from the pinned region;
+    # a batch that also stages a leaf on the host copies them with it. Both, with edge items
+    # (rows in the partial pages) and rows sorted (under 256 bytes) and in batch order.
+    buf = np.random.default_rng(9).integers(0, 255, 200 * 1024 + 333, dtype=np.uint8)
+    small = buf[333:333 + 100 * 700].reshape(700, 100)      # 100-byte rows: the table sorted
+    big = buf[333:333 + 400 * 500].reshape(500, 400)        # 400-byte rows: in batch order
+    regs = [_C.register_rows(small, device=device), _C.register_rows(big, device=device)]
+    assert [why for _, why in regs] == ["", ""]
+    rs, rb = np.array([0, 699, 5, 699, 0, 350] * 7), np.array([499, 0, 7, 0, 499, 250] * 7)
+    host_leaf = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]  # strided: host-staged
+    items = [(_C.RowGather(small, rs, registration=regs[0][0]), _C.RowGather(big, rb, registration=regs[1][0])),
+             (_C.RowGather(small, rs, registration=regs[0][0]), host_leaf,
+              _C.RowGather(big, rb, registration=regs[1][0]))]
+    with pinloader.AsyncPrefetcher(items, device=device) as pf:
+        pure, mixed = [[to_numpy(x) for x in b] for b in pf]
+    for got in (pure, mixed):
+        np.testing.assert_array_equal(got[0], small[rs])
+        np.testing.assert_array_equal(got[-1], big[rb])
+    np.testing.assert_array_equal(mixed[1], host_leaf)
+    for reg, _ in regs:
+        reg.close()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_sharded_drop_last_and_padding(device):
     src = np.arange(1003 * 3, dtype=np.float64).reshape(1003, 3)  # 24 KB: edge rows in most batches
     for world in (1, 3, 4):

@@ -103,6 +103,9 @@ typedef struct pl_backend {
     /* Whether [p, p + n) already lies in one page-locked range known to the runtime (pinned by
      * the user or another library): *dev its device address for p, else *dev = NULL. */
     int (*host_mapped)(const void *p, size_t n, void **dev);
+    /* The address devices read p at, p in memory host_alloc made (mapped for every device:
+     * Note [mapped tables] in transfer.c), or an error. The host backend: p itself. */
+    int (*host_device_ptr)(void *p, void **dev);
     /* PL_OK when the gather kernel can run on `device` (loading it on first use), else an
      * error with *why, a static sentence, saying what is missing. */
     int (*gather_ready)(int device, const char **why);

@@ -265,14 +265,16 @@ static int cuda_event_wait(pl_event *e, int64_t timeout_ns)
  * ~5x faster than cudaHostAlloc for 1 GiB on an H200 host (about 141 ms with 8 prefaulting
  * threads against 724 ms). cudaHostAlloc is the
  * fallback when registration is refused (RLIMIT_MEMLOCK, some virtualised hosts). Both are
- * portable (usable from every device's context). host_free tells the two apart by trying
- * cudaHostUnregister first. */
+ * portable (usable from every device's context) and mapped (kernels read a device gather's pair
+ * table straight from the slab: Note [mapped tables] in transfer.c). host_free tells the two
+ * apart by trying cudaHostUnregister first. */
 static int cuda_host_alloc(size_t n, int numa_node, void **out)
 {
     void *p = NULL;
     int rc = pl_os_alloc(n, numa_node, &p);
     if (rc == PL_OK) {
-        pl_cudaError_t crc = cu.cudaHostRegister(p, PL_ALIGN_UP(n, pl_page_size()), pl_cudaHostRegisterPortable);
+        pl_cudaError_t crc = cu.cudaHostRegister(p, PL_ALIGN_UP(n, pl_page_size()),
+                                                 pl_cudaHostRegisterPortable | pl_cudaHostRegisterMapped);
         if (crc == pl_cudaSuccess) {
             *out = p;
             return PL_OK;
@@ -280,7 +282,7 @@ static int cuda_host_alloc(size_t n, int numa_node, void **out)
         cu.cudaGetLastError();
         pl_os_free(p, n);
     }
-    pl_cudaError_t crc = cu.cudaHostAlloc(&p, n, pl_cudaHostAllocPortable);
+    pl_cudaError_t crc = cu.cudaHostAlloc(&p, n, pl_cudaHostAllocPortable | pl_cudaHostAllocMapped);
     if (crc == pl_cudaSuccess)
         *out = p;
     return (int)crc;
@@ -496,6 +498,18 @@ static int cuda_host_mapped(const void *p, size_t n, void **dev)
     return PL_OK;
 }
 
+static int cuda_host_device_ptr(void *p, void **dev)
+{
+    void *d = NULL;
+    pl_cudaError_t crc = cu.cudaHostGetDevicePointer(&d, p, 0);
+    if (crc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        return (int)crc;
+    }
+    *dev = d;
+    return PL_OK;
+}
+
 /* The kernels of src/core/gather_kernel.cu, by unit size, loaded once per process. A library is
  * not tied to a context: the driver loads it into each device's context at its first launch
  * there (JIT-compiling the PTX if no cubin fits the device). */
@@ -632,6 +646,7 @@ static const pl_backend cuda_backend = {
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
     .host_mapped = cuda_host_mapped,
+    .host_device_ptr = cuda_host_device_ptr,
     .gather_ready = cuda_gather_ready,
     .gather_launch = cuda_gather_launch,
     .error_name = cuda_error_name,

@@ -399,6 +399,12 @@ static int host_host_mapped(const void *p, size_t n, void **dev)
     return PL_OK;
 }
 
+static int host_host_device_ptr(void *p, void **dev)
+{
+    *dev = p; /* the host backend's device is the host */
+    return PL_OK;
+}
+
 /* ---- memory ---- */
 
 static int host_host_alloc(size_t n, int numa_node, void **out)
@@ -612,6 +618,7 @@ static const pl_backend host_backend = {
     .host_register = host_host_register,
     .host_unregister = host_host_unregister,
     .host_mapped = host_host_mapped,
+    .host_device_ptr = host_host_device_ptr,
     .gather_ready = host_gather_ready,
     .gather_launch = host_gather_launch,
     .error_name = host_error_name,

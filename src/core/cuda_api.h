@@ -47,6 +47,7 @@ typedef struct pl_CUkern_st *pl_cudaKernel_t;
 
 /* ---- flags (#defines in driver_types.h) ---- */
 #define pl_cudaHostAllocPortable 0x01
+#define pl_cudaHostAllocMapped 0x02
 #define pl_cudaHostRegisterPortable 0x01
 #define pl_cudaHostRegisterMapped 0x02
 #define pl_cudaHostRegisterReadOnly 0x08

@@ -233,16 +233,40 @@ static int write_tables(const pl_xfer_leaf *leaves, int n, pl_region *region)
     return PL_OK;
 }
 
-/* Queue the device-gathered leaves' kernels, after the staged area's copies (their tables). */
-static int launch_gathers(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, pl_block *blk)
+/* Note [mapped tables]
+ * A device gather's kernel reads its pair table and edge items from the staged area. When the
+ * staged area holds nothing else (every array leaf of the batch is device-gathered, as in an
+ * ArrayLoader whose sources are registered), the kernel reads them straight from the pinned
+ * region, which host_alloc mapped for every device, and the staged area is not copied at all.
+ * Copied, the table's DMA would sit on the copy stream between the previous batch's kernel and
+ * this one's, a gap of a few microseconds per batch in a pipeline whose kernels run back to
+ * back; read in place, each row's pair crosses the link once more (16 bytes per item, which
+ * the GPU's cache shares among the threads that copy the row). The region is released after
+ * the copy stream passes the kernel, as any staged region after its copy. Where the runtime
+ * gives no device address for the region, the staged area is copied as before. */
+
+/* Whether any leaf is staged by the host (its bytes in the staged area besides the tables). */
+static int has_host_staged(const pl_xfer_leaf *leaves, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (!leaves[i].direct && !leaves[i].gather.src && leaves[i].copy.nbytes)
+            return 1;
+    return 0;
+}
+
+/* Queue the device-gathered leaves' kernels, after the staged area's copies (their tables);
+ * tables: where the kernel reads the staged area (the batch's block, or the pinned region's
+ * device address: Note [mapped tables]). */
+static int launch_gathers(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, pl_block *blk,
+                          const char *tables)
 {
     for (int i = 0; i < n; i++) {
         const pl_xfer_leaf *L = &leaves[i];
         if (!L->gather.src || !L->copy.nbytes)
             continue;
         pl_gather_args g = {(char *)blk->ptr + L->off,
-                            (const pl_gather_pair *)((char *)blk->ptr + L->gather.table_off),
-                            L->gather.src, (const char *)blk->ptr + L->gather.edge_off,
+                            (const pl_gather_pair *)(tables + L->gather.table_off),
+                            L->gather.src, tables + L->gather.edge_off,
                             L->gather.row_stride, L->gather.span, L->copy.shape[0], x->device};
         PL_NVTX_PUSH("pinloader.gather");
         int rc = x->b->gather_launch(&g, x->copy_stream);
@@ -271,14 +295,21 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
         snprintf(what, what_len, "allocating device memory for the batch");
         return rc;
     }
+    const char *tables = (const char *)blk->ptr;
     if (region) {
         int64_t t0 = pl_now_ns();
+        int mapped = 0;
         if (lay->gathered) {
             rc = write_tables(leaves, n, region);
             times->sort_ns = pl_now_ns() - t0;
             t0 = pl_now_ns();
+            void *dev = NULL; /* see Note [mapped tables] */
+            if (rc == PL_OK && !has_host_staged(leaves, n) && b->host_device_ptr(region->ptr, &dev) == PL_OK && dev) {
+                tables = dev;
+                mapped = 1;
+            }
         }
-        if (rc == PL_OK)
+        if (rc == PL_OK && !mapped)
             rc = stage(x, leaves, n, lay, region, blk);
         times->staging_ns = pl_now_ns() - t0;
         if (rc != PL_OK) {
@@ -297,7 +328,7 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
                                      x->copy_stream);
     }
     if (rc == PL_OK)
-        rc = launch_gathers(x, leaves, n, blk);
+        rc = launch_gathers(x, leaves, n, blk, tables);
     if (rc == PL_OK) {
         rc = b->event_record(blk->ready, x->copy_stream);
         blk->ready_recorded = rc == PL_OK;
