@@ -10,8 +10,9 @@
  * - its output area in the device block like any leaf (the "direct" area of the layout: no
  *   pinned bytes, see Note [batch layout] in transfer.h);
  * - a table of pl_gather_pair {source row, batch slot}, one per item, written by the producer
- *   into the batch's pinned region (16 bytes per item) and copied with the staged area; the
- *   kernel reads it from the device block. Every item lands in its own slot whatever the
+ *   into the batch's pinned region (16 bytes per item); the kernel reads it there, through
+ *   the region's device address, or from the device block when the staged area is copied
+ *   (Note [mapped tables] in transfer.c). Every item lands in its own slot whatever the
  *   table's order, so the batch is exactly source[rows]. Items under PL_GATHER_SORT_BELOW
  *   bytes are sorted by source row, so that consecutive threads read consecutive host
  *   addresses; larger ones stay in batch order. Measured on the H200 (bench_gather_kernel.py

@@ -12,7 +12,9 @@
  * the PCIe link busy: host memory is microseconds away. Items that reach into the source's
  * first or last partial page, which is not registered (Note [registered sources] in
  * src/core/devgather.h), were copied by the host into the batch's staged area: a pair whose row is
- * -1 - k reads the k-th of them, at edge + k * span, from device memory. */
+ * -1 - k reads the k-th of them, at edge + k * span, where the table is (the batch's device
+ * block, or the pinned region mapped for the device: Note [mapped tables] in
+ * src/core/transfer.c). */
 
 struct pl_pair {
     long long row;  /* source row (or window start); -1 - k: the k-th staged edge item */
