@@ -141,6 +141,10 @@ def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
         _C.RowGather(a, _C._epoch_table([0, 991]), window=10)
     with pytest.raises(ValueError, match="1-D"):
         _C._epoch_table(np.zeros((2, 2), np.int64))
+    for lossy in (np.array([0.5, 1.0]), np.array([2**63], np.uint64)):  # never truncated
+        with pytest.raises(TypeError):
+            _C._epoch_table(lossy)
+    assert _C._epoch_table(np.array([3, 1], np.int32)).tolist() == [3, 1]
 
 
 @settings(max_examples=40, deadline=None)

@@ -288,9 +288,11 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
  * slice of one (found through the array's bases, its bytes checked to lie inside the table on
  * whole entries: np.lib.stride_tricks can point a view anywhere), keeps a reference to the
  * table's capsule (not to the array, which ndarray.__setstate__ can re-point elsewhere) and
- * reads the rows in place; they are checked against the source once, by the table's range. Anything else (other arrays, lists, a table whose range
- * does not fit the source) is copied and checked row by row as before. permutation() returns
- * an epoch table too. */
+ * reads the rows in place; they are checked against the source once, by the table's range.
+ * Anything else (other arrays, lists, a table whose range does not fit the source) is copied
+ * and checked row by row as before. permutation() returns an epoch table too. _epoch_table
+ * takes integers only by NumPy's safe casts: floats, or uint64 that int64 cannot hold, are a
+ * TypeError, never a silently truncated order. */
 #define EPOCH_TABLE_CAPSULE "pinloader._epoch_table"
 
 typedef struct epoch_table {
@@ -391,7 +393,7 @@ static int borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out
 static PyObject *gather_epoch_table(PyObject *m, PyObject *obj)
 {
     (void)m;
-    PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY); /* safe casts */
     if (!a)
         return NULL;
     if (PyArray_NDIM(a) != 1) {
@@ -1151,8 +1153,9 @@ static int as_u64(PyObject *o, const char *name, uint64_t *out)
 PyDoc_STRVAR(permutation_doc,
 "permutation(n, seed, epoch, phase_range=0) -> (phase, perm)\n--\n\n"
 "The epoch's sampling order: perm is a permutation of range(n) (a read-only int64 array) and\n"
-"phase an int in [0, phase_range], drawn first from the same stream. Specified in src/py/gather.c (Note\n"
-"[epoch permutation]) so that it is identical on every machine and NumPy version.");
+"phase an int in [0, phase_range], drawn first from the same stream. Specified in\n"
+"src/py/gather.c (Note [epoch permutation]) so that it is identical on every machine and NumPy\n"
+"version.");
 
 static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
 {
