@@ -20,7 +20,8 @@ interleaved (each round runs every row once, in order):
                   memcpy of the batch's bytes from resident memory
 Each figure is delivered bytes per second over --batches batches after a warm-up epoch,
 torch.cuda.synchronize() included; host CPU per batch is the process's CPU time (all threads)
-divided by the batches. For the loader rows the JSON also keeps where the producer thread's
+divided by the batches, and for the loader rows also by thread name (the main thread, pinloader's
+pl-producer and pl-stage threads, the CUDA driver's own). For the loader rows the JSON also keeps where the producer thread's
 time went, per batch (stats(): producer_s_total, gil_wait_s_total, next_s_total,
 staging_s_total, sort_s_total). The table reports the median over the rounds with the range,
 and each path's ratio to the DMA ceiling measured in the same round.
@@ -79,6 +80,51 @@ def make_source(row_bytes: int, source_bytes: int, hugepages: bool = False) -> n
     return src
 
 
+def _thread_clock_ns(tid: int) -> int:
+    """CPU time of thread `tid` of this process, exact to the moment (Linux's per-thread CPU
+    clock, clockid (~tid << 3) | 6, as pthread_getcpuclockid makes; /proc's schedstat lags a
+    running thread by up to a scheduler tick)."""
+    try:
+        return time.clock_gettime_ns((~tid << 3) | 6)
+    except (OSError, OverflowError):
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+
+
+def thread_cpu_ns(names: bool = True) -> dict[int, tuple[str, int]]:
+    """Each thread of this process: tid -> (its name, or "" without `names`; its CPU time so far
+    in ns) (Linux); empty where /proc/self/task cannot be read."""
+    import os
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            name = ""
+            if names:
+                with open(f"/proc/self/task/{t}/comm") as f:
+                    name = f.read().strip()
+            out[int(t)] = (name, _thread_clock_ns(int(t)))
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended meanwhile
+    return out
+
+
+def cpu_by_thread_name(before: dict, after: dict, per: int) -> dict[str, float]:
+    """CPU ms per batch between two thread_cpu_ns() snapshots, summed by thread name (the main
+    thread is "main"; pinloader names its threads pl-producer, pl-stage, pl-host-stream)."""
+    import os
+    main = os.getpid()
+    by: dict[str, float] = {}
+    for tid, (name, ns) in after.items():
+        d = ns - before.get(tid, (name, 0))[1]
+        key = "main" if tid == main else name
+        by[key] = by.get(key, 0.0) + d / 1e6 / max(1, per)
+    return {k: round(v, 4) for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
 def _sync(torch):
     if torch is not None:
         torch.cuda.synchronize()
@@ -96,6 +142,7 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     _sync(torch)
     st0 = L.stats()
     done = 0
+    th0 = thread_cpu_ns(names=False)
     t0, c0 = time.perf_counter(), time.process_time()
     while done < batches:
         try:
@@ -107,6 +154,7 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
         done += 1
     _sync(torch)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    threads = cpu_by_thread_name(th0, thread_cpu_ns(), done)
     st = L.stats()
     L.close()
     # the producer's time per batch over the timed batches (the prefetcher may have run a few
@@ -116,7 +164,7 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     producer["pinned_stalls"] = st["pinned_stalls"] - st0["pinned_stalls"]
     producer["pool_slabs_created"] = st["pool_slabs_created"] - st0["pool_slabs_created"]
     return {"gbps": done * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / done * 1e3,
-            "wall_ms_per_batch": dt / done * 1e3, **producer,
+            "wall_ms_per_batch": dt / done * 1e3, **producer, "thread_cpu_ms_per_batch": threads,
             "gather": st["gather"], "batches_per_epoch": n_per_epoch,
             "reason": "; ".join(i["reason"] for i in st["gather_leaves"] if i["reason"])}
 
@@ -261,7 +309,9 @@ def main() -> int:
                          f"staging {r['staging_ms_per_batch']:.3f}, sort {r['sort_ms_per_batch']:.3f}, "
                          f"issue {r['copy_issue_ms_per_batch']:.3f}) "
                          f"of {r['wall_ms_per_batch']:.3f} ms/batch; {r['pinned_stalls']} stalls, "
-                         f"{r['pool_slabs_created']} slabs made" if "gather" in r else ""))
+                         f"{r['pool_slabs_created']} slabs made; CPU ms/batch by thread "
+                         + ", ".join(f"{k} {v:.3f}" for k, v in list(r["thread_cpu_ms_per_batch"].items())[:6])
+                         if "gather" in r else ""))
         results["rows"][str(row)] = {"batch": bs, "source_bytes": src.nbytes, "runs": per}
         del src
 

@@ -1,15 +1,18 @@
 """The epoch plan of an ArrayLoader (pinloader/array_loader.py): which items each rank takes in
-an epoch, in what order, and the per-batch tuples of RowGather leaves the loader's prefetcher
-places in its structure (AsyncPrefetcher's structure=). Shared by the loader and by the resumed
-epoch (pinloader/_resume.py), which both build on it; it imports neither."""
+an epoch, in what order, and the epoch's batches the loader's prefetcher places in its structure
+(AsyncPrefetcher's structure=): a RowBatches, whose batches the prefetcher makes in C without
+the GIL (Note [native epochs] in src/py/gather.c), or, where a file-mapped source's file cannot
+be opened for its size check, a generator of tuples of RowGather leaves. Shared by the loader
+and by the resumed epoch (pinloader/_resume.py), which both build on it; it imports neither."""
 from __future__ import annotations
 
 import mmap
+import os
 from typing import Any, Iterator
 
 import numpy as np
 
-from ._C import Registration, RowGather, _epoch_table, permutation
+from ._C import Registration, RowBatches, RowGather, _epoch_table, permutation
 
 
 def _base_chain(arr: Any) -> Iterator[Any]:
@@ -42,17 +45,52 @@ def _mapping_bytes(src: Any) -> int:
     return 0
 
 
-def _maps_entry(addr: int) -> tuple[int, str] | None:
-    """(file offset of ``addr``, path) from /proc/self/maps, or None."""
+def _maps_line(addr: int) -> list[str] | None:
+    """The /proc/self/maps line of the mapping holding ``addr``, split into its six fields
+    (range, permissions, file offset, device, inode, path), or None."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 parts = line.split(None, 5)
                 lo, _, hi = parts[0].partition("-")
                 if int(lo, 16) <= addr < int(hi, 16) and len(parts) == 6:
-                    return int(parts[2], 16) + addr - int(lo, 16), parts[5].strip()
+                    return parts
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _maps_entry(addr: int) -> tuple[int, str] | None:
+    """(file offset of ``addr``, path) from /proc/self/maps, or None."""
+    parts = _maps_line(addr)
+    if parts is None:
+        return None
+    try:
+        return int(parts[2], 16) + addr - int(parts[0].partition("-")[0], 16), parts[5].strip()
+    except ValueError:
+        return None
+
+
+def _open_mapped_file(m: mmap.mmap, name: str) -> int | None:
+    """A read-only descriptor of the file that ``m`` maps, opened by ``name`` and checked to be
+    that very file (the device and inode /proc/self/maps gives for the mapping), or None (the
+    file was renamed over, deleted, or cannot be opened)."""
+    try:
+        parts = _maps_line(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        if parts is None:
+            return None
+        major, _, minor = parts[3].partition(":")
+        dev, ino = (int(major, 16), int(minor, 16)), int(parts[4])
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError, TypeError, BufferError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_ino == ino and (os.major(st.st_dev), os.minor(st.st_dev)) == dev:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
     return None
 
 
@@ -101,6 +139,7 @@ class _Plan:
 
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
+    native = True  # RowBatches where it can be (False: the generator; for tests)
     leaves: list[Any] = []
     regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
     dtypes: dict[str, Any] = {}  # leaf path -> the source's dtype when the loader was made
@@ -178,14 +217,68 @@ def _truncated(path: str, m: mmap.mmap, need: int, name: str) -> ValueError:
                       "rewritten or cut short under the ArrayLoader)")
 
 
+def _probe(plan: _Plan, path: str, src: Any, shape: tuple[int, ...]) -> RowGather:
+    """A RowGather over no rows of ``src``: its own view of the source, checked against the shape
+    and dtype the loader was made with, and the leaf's registration."""
+    try:
+        g = RowGather(src, np.empty(0, np.int64), plan.window, None, plan.regs.get(path))
+    except (IndexError, ValueError, TypeError, BufferError) as e:
+        _check_shape(path, src, shape)
+        raise type(e)(f"{path}: {e}") from None
+    if g.source_shape != shape:
+        _check_shape(path, src, shape)
+    if g.dtype != plan.dtypes[path]:
+        raise ValueError(f"{path}: the source changed dtype from {plan.dtypes[path]} to "
+                         f"{g.dtype} under the ArrayLoader")
+    return g
+
+
 def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
+    """The epoch's batches: a RowBatches (Note [native epochs] in src/py/gather.c), or the
+    generator where a mapped file cannot be opened for its size check."""
+    if not plan.native:
+        return _epoch_generator(plan, epoch)
+    order = _order(plan, epoch)
+    leaves: list[tuple[str, RowGather, bool, int, int, str | None]] = []
+    fd = -1
+    try:
+        for path, src, mapped, shape in plan.leaves:
+            fd, need, name = -1, 0, None
+            fm = _file_mapping(src)
+            if fm is not None:
+                m, need, name = fm
+                try:
+                    ok = m.size() >= need
+                except (OSError, ValueError):
+                    ok = False
+                if not ok:
+                    raise _truncated(path, m, need, name)
+                opened = _open_mapped_file(m, name)
+                if opened is None:
+                    return _epoch_generator(plan, epoch)
+                fd = opened
+            leaves.append((path, _probe(plan, path, src, shape), mapped, fd, need, name))
+            fd = -1
+        return RowBatches(leaves, order, plan.batch_size, plan.n_batches)
+    finally:
+        for leaf in leaves:
+            if leaf[3] >= 0:
+                os.close(leaf[3])  # RowBatches keeps its own duplicates
+        if fd >= 0:
+            os.close(fd)
+
+
+def _epoch_generator(plan: _Plan, epoch: int) -> Iterator[Any]:
     # Note [truncated mappings]
     # Rows of a mapping past the end of its file fault with SIGBUS when a staging thread reads
     # them, which kills the process: another job may rewrite or cut the dataset at any time.
-    # Before each batch (with the GIL, before its RowGathers exist) each file-mapped leaf's
-    # file size is checked (mmap.size(): one fstat) against the end of its mapping, and a
-    # shorter file is an error naming the leaf and the file. A file cut while a batch is being
-    # staged, after its check, is not caught: the check narrows the window to one batch.
+    # Before each batch is read, each file-mapped leaf's file size is checked against the end of
+    # its mapping (one fstat), and a shorter file is an error naming the leaf and the file. A
+    # RowBatches checks it in C, on a descriptor _open_mapped_file matched to the mapping
+    # (Note [native epochs] in src/py/gather.c); this generator, used where no such descriptor
+    # can be had, checks it with mmap.size() before the batch's RowGathers exist. A file cut
+    # while a batch is being staged, after its check, is not caught: the check narrows the
+    # window to one batch.
     order = _order(plan, epoch)
     bs, n_batches = plan.batch_size, plan.n_batches
     window = plan.window

@@ -95,3 +95,4 @@ class PrefetcherStats(TypedDict):
     sort_s_total: float
     gil_wait_s_total: float
     producer_s_total: float
+    producer_gil_holds: int

@@ -1,11 +1,14 @@
 """ArrayLoader: batches of rows of in-memory or memory-mapped arrays, gathered straight into
-pinned memory by the prefetcher's staging threads and copied to the device.
+pinned memory by the prefetcher's staging threads (or read by a kernel on the GPU straight from
+the registered sources) and copied to the device.
 
 The loader is a second kind of *source* for :class:`pinloader.AsyncPrefetcher`, not a second
-pipeline: a Python generator yields, per batch, a tuple of :class:`pinloader._C.RowGather`
-leaves (one GIL acquisition per batch, no Python per sample), which the prefetcher places in the
-structure of ``arrays`` it captured once (``structure=``), and the prefetcher's staging threads read the rows from the sources into the pinned region (the
-only host copy), then copy the batch to the device like any other.
+pipeline: each epoch is a :class:`pinloader._C.RowBatches` (made with the GIL when the epoch
+begins), whose batches the prefetcher's producer makes in C without taking the GIL at all
+(Note [native epochs] in ``src/py/gather.c``): the training thread never lends it the GIL.
+The prefetcher places each batch's leaves in the structure of ``arrays`` it captured once
+(``structure=``); the staging threads read the rows from the sources into the pinned region
+(the only host copy), then the batch is copied to the device like any other.
 
 Sampling (see ``ArrayLoader.indices``)
 --------------------------------------

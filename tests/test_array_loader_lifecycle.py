@@ -121,22 +121,25 @@ def test_array_loader_container_constructor_calling_next_on_the_loader():
     box = {}
     class Pair(collections.namedtuple("Pair", ["x", "y"])):
         def __new__(cls, x, y):
-            # the batch's structure is built on the producer thread, around its DeviceArrays
-            if isinstance(x, pinloader.DeviceArray) and "L" in box:
+            # the batch's structure is built where the batch is handed out (the producer makes
+            # an ArrayLoader's batches in C: Note [native epochs] in src/py/gather.c), so a
+            # next() in here is the consumer's own, nested: it takes the following batch
+            if isinstance(x, pinloader.DeviceArray) and "L" in box and "seen" not in box:
+                box["seen"] = "entered"
                 try:
-                    next(box["L"])
-                    box["seen"] = "returned"
+                    box["seen"] = f"returned {type(next(box['L'])).__name__}"
                 except Exception as e:
                     box["seen"] = f"{type(e).__name__}: {e}"
             return super().__new__(cls, x, y)
     data = np.arange(40.0).reshape(20, 2)
-    L = box["L"] = pinloader.ArrayLoader(Pair(data, data[:, 0]), 5, device="cpu")
-    print("BATCHES", len(list(L)), flush=True)
+    L = box["L"] = pinloader.ArrayLoader(Pair(data, data[:, 0]), 5, device="cpu", shuffle=False)
+    got = [np.from_dlpack(b.y).copy() for b in L]
+    print("BATCHES", len(got), flush=True)
     print("SEEN", box.get("seen"), flush=True)
     L.close()
     """
     p = run_py(code, timeout=60, watchdog=True)
     assert p.returncode == 0, describe(p)
-    assert "BATCHES 4" in p.stdout, describe(p)
-    assert "SEEN RuntimeError: AsyncPrefetcher: next() was called on the prefetcher's own producer" \
-        in p.stdout, describe(p)
+    # nothing hangs; the nested next() took batch 1, the loop the other three
+    assert "BATCHES 3" in p.stdout, describe(p)
+    assert "SEEN returned Pair" in p.stdout, describe(p)

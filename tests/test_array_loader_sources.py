@@ -51,15 +51,14 @@ def test_loader_readahead_policy(tmp_path, monkeypatch, readahead):
     import pinloader.array_loader as al
     mm = np.memmap(tmp_path / "r.bin", dtype=np.float64, mode="w+", shape=(4096, 64))
     mm[:] = np.arange(4096)[:, None]
-    advised = []
-    real = al.RowGather
+    epochs = []
+    real = pinloader._epoch_plan.RowBatches
 
     def spy(*a, **kw):
-        g = real(*a, **kw)
-        advised.append(g.advised_bytes)
-        return g
-    monkeypatch.setattr(al, "RowGather", spy)  # the constructor's probes
-    monkeypatch.setattr(pinloader._epoch_plan, "RowGather", spy)  # every batch's leaves
+        rb = real(*a, **kw)
+        epochs.append(rb)
+        return rb
+    monkeypatch.setattr(pinloader._epoch_plan, "RowBatches", spy)  # each epoch's batches
     if readahead == "auto-large":  # a mapping larger than the memory available
         monkeypatch.setattr(al, "_mem_available", lambda: 1 << 20)
         readahead = None
@@ -67,16 +66,16 @@ def test_loader_readahead_policy(tmp_path, monkeypatch, readahead):
     for i, x, _ in collect(L):
         assert np.array_equal(x[:, 0], i.astype(np.float64))
     L.close()
-    advised = advised[3:]  # the constructor's probes
+    assert len(epochs) == 1 and epochs[0].adopted  # made in C by the producer
+    per_leaf = epochs[0].advised  # (batches, bytes) per leaf
     if readahead is False or (readahead is None and not al._mem_available() == 1 << 20):
-        assert not any(advised)
+        assert per_leaf == ((0, 0),) * 3
     else:
         # the mapped leaf of every batch but the last is advised (the next batch's rows, the
         # first batch's own too); the in-RAM leaves are not
-        assert len(advised) == 3 * len(L)
-        assert [bool(a) for a in advised[1::3]] == [True] * (len(L) - 1) + [False]
-        assert not any(advised[0::3]) and not any(advised[2::3])
-        assert advised[1] >= 2 * 100 * 512
+        assert per_leaf[1][0] == len(L) - 1
+        assert per_leaf[1][1] >= (len(L) - 1) * 100 * 512 + 100 * 512
+        assert per_leaf[0] == (0, 0) and per_leaf[2] == (0, 0)
 
 
 def test_pinned_bytes_stay_under_cap_with_memmap_larger_than_cap(tmp_path):
@@ -123,13 +122,21 @@ def test_source_cannot_be_closed_or_resized_while_loading(tmp_path):
 def test_source_resized_under_the_loader_is_a_clear_error():
     torch = pytest.importorskip("torch")
     t = torch.arange(400, dtype=torch.float32).reshape(100, 4)
+    want = t.numpy().copy()
     L = pinloader.ArrayLoader(t, 10, device=DEVICE, depth=1)
+    order = L.indices(0)
     it = iter(L)
-    next(it)
-    t.resize_(20, 4)  # torch allows it; the loader notices at the next batch it reads
+    got = [np.from_dlpack(next(it)).copy()]
+    t.resize_(20, 4)  # torch allows it (the storage stays: the epoch's export holds it)
+    # the epoch in flight reads the layout it began with (Note [native epochs] in
+    # src/py/gather.c): every row as it was, none lost or torn
+    got += [np.from_dlpack(next(it)).copy() for _ in range(len(L) - 1)]  # next(): iter() starts an epoch
+    with pytest.raises(StopIteration):
+        next(it)
+    assert np.array_equal(np.concatenate(got), want[order])
+    # the next epoch notices, with a clear error
     with pytest.raises(ValueError, match=r"arrays: the source changed shape from \(100, 4\) to \(20, 4\)"):
-        for _ in range(12):
-            next(it)
+        list(L)
     # not silently empty afterwards: the next iteration reports it again
     with pytest.raises(ValueError, match="changed shape"):
         list(L)

@@ -15,7 +15,7 @@ STATS_KEYS = {
     "batches", "bytes", "padding_bytes", "h2d_gbps", "wait_s_total", "wait_ms_mean", "wait_ms_p99", "next_s_total",
     "staging_s_total", "copy_issue_s_total", "pinned_bytes_in_use", "pinned_bytes_reserved",
     "pinned_bytes_peak", "pinned_cap", "device_bytes_peak", "pinned_stalls", "pinned_stall_s",
-    "queued", "backend", "sort_s_total", "gil_wait_s_total", "producer_s_total",
+    "queued", "backend", "sort_s_total", "gil_wait_s_total", "producer_s_total", "producer_gil_holds",
 }
 
 
@@ -61,6 +61,8 @@ def test_stats_fields_are_sane():
     assert st["sort_s_total"] == 0.0  # no device-gathered leaf: no pair table was built
     # the producer's rounds contain their own waits for the GIL and the source's next()
     assert st["producer_s_total"] >= st["gil_wait_s_total"] + st["next_s_total"] > 0.0
+    # a Python source: the GIL once per item, and once for the end of the epoch
+    assert st["producer_gil_holds"] == 13
     assert st["wait_ms_p99"] >= 0.0
     assert st["wait_ms_mean"] * 12 <= st["wait_s_total"] * 1000 + 1e-6 or st["wait_s_total"] == 0
 

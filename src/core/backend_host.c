@@ -183,6 +183,7 @@ static int host_event_wait(pl_event *e, int64_t timeout_ns)
 static void *stream_main(void *arg)
 {
     pl_stream *s = arg;
+    pl_thread_name("pl-host-stream");
     for (;;) {
         pthread_mutex_lock(&s->mu);
         while (!s->head)

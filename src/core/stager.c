@@ -358,6 +358,7 @@ static void *worker_main(void *arg)
 {
     pl_stager *s = arg;
     uint64_t seen = 0;
+    pl_thread_name("pl-stage");
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (!s->stop && s->gen == seen)

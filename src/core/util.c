@@ -54,6 +54,15 @@ void pl_sleep_ns(int64_t ns)
     }
 }
 
+void pl_thread_name(const char *name)
+{
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), name); /* at most 15 characters */
+#else
+    (void)name;
+#endif
+}
+
 void pl_deadline(struct timespec *ts, int64_t ns)
 {
     clock_gettime(CLOCK_MONOTONIC, ts);

@@ -50,6 +50,8 @@ size_t pl_memlock_limit(void);
 int pl_cpu_count(void);
 int64_t pl_now_ns(void);
 void pl_sleep_ns(int64_t ns);
+/* Name the calling thread ("pl-producer", seen in top -H, py-spy, gdb); best effort. */
+void pl_thread_name(const char *name);
 
 /* Absolute CLOCK_MONOTONIC deadline `ns` from now, for pthread_cond_timedwait on a condvar
  * initialised with pl_cond_init. */

@@ -277,23 +277,15 @@ static int add_owner(pl_flat *f, PyObject *o)
     return 0;
 }
 
-/* Add an array leaf to the layout (see Note [batch layout]) and its node. `owner` keeps the
- * memory at `data` alive. */
-/* Add an array leaf; `rows` and `gather` (both optional) make it row-gathered or
- * device-gathered (see Note [device gather] in devgather.h). */
-static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
-                         const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned,
-                         const int64_t *rows, const pl_xfer_gather *gather)
+/* Fill leaf slot f->n_leaves (its room already made, ndim checked) and add it to the layout
+ * (see Note [batch layout]); `rows` and `gather` (both optional) make it row-gathered or
+ * device-gathered (see Note [device gather] in devgather.h). Returns PL_LAYOUT_OK, or the
+ * layout's refusal with its text in `why`. No GIL needed: the leaves of an ArrayLoader batch are
+ * added here without it (pl_flat_add_rows). */
+static int put_leaf(pl_flat *f, const char *data, int ndim, const int64_t *shape, const int64_t *strides,
+                    DLDataType dt, int pinned, const int64_t *rows, const pl_xfer_gather *gather,
+                    char *why, size_t n_why)
 {
-    if (ndim < 0 || ndim > PL_MAX_DIMS)
-        return leaf_error(f, PyExc_ValueError, "%d dimensions (at most %d are supported)", ndim, PL_MAX_DIMS);
-    Py_ssize_t cap = f->cap_leaves;
-    if (grow((void **)&f->leaves, &cap, f->n_leaves + 1, sizeof(pl_xfer_leaf)) < 0)
-        return -1;
-    cap = f->cap_leaves;
-    if (grow((void **)&f->dtypes, &cap, f->n_leaves + 1, sizeof(DLDataType)) < 0)
-        return -1;
-    f->cap_leaves = cap;
     pl_xfer_leaf *L = &f->leaves[f->n_leaves];
     memset(L, 0, sizeof(*L));
     L->copy.src = data;
@@ -312,11 +304,41 @@ static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char 
         char st[256];
         pl_shape_text(st, sizeof st, ndim, shape);
         if (rc == PL_LAYOUT_NEGATIVE)
-            return leaf_error(f, PyExc_ValueError, "shape %s has a negative dimension", st);
-        return leaf_error(f, PyExc_ValueError, "shape %s is too large (%zu-byte elements; a batch "
-                          "holds at most %zu bytes)", st, (size_t)L->copy.itemsize, PL_LAYOUT_MAX_BYTES);
+            snprintf(why, n_why, "shape %s has a negative dimension", st);
+        else
+            snprintf(why, n_why, "shape %s is too large (%zu-byte elements; a batch holds at most "
+                     "%zu bytes)", st, (size_t)L->copy.itemsize, PL_LAYOUT_MAX_BYTES);
+        return rc;
     }
     f->dtypes[f->n_leaves] = dt;
+    return PL_LAYOUT_OK;
+}
+
+/* Room for n more leaves (GIL held): 0, or -1 with MemoryError. */
+static int reserve_leaves(pl_flat *f, Py_ssize_t n)
+{
+    Py_ssize_t cap = f->cap_leaves;
+    if (grow((void **)&f->leaves, &cap, f->n_leaves + n, sizeof(pl_xfer_leaf)) < 0)
+        return -1;
+    cap = f->cap_leaves;
+    if (grow((void **)&f->dtypes, &cap, f->n_leaves + n, sizeof(DLDataType)) < 0)
+        return -1;
+    f->cap_leaves = cap;
+    return 0;
+}
+
+/* Add an array leaf and its node. `owner` keeps the memory at `data` alive. */
+static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
+                         const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned,
+                         const int64_t *rows, const pl_xfer_gather *gather)
+{
+    if (ndim < 0 || ndim > PL_MAX_DIMS)
+        return leaf_error(f, PyExc_ValueError, "%d dimensions (at most %d are supported)", ndim, PL_MAX_DIMS);
+    if (reserve_leaves(f, 1) < 0)
+        return -1;
+    char why[400];
+    if (put_leaf(f, data, ndim, shape, strides, dt, pinned, rows, gather, why, sizeof why) != PL_LAYOUT_OK)
+        return leaf_error(f, PyExc_ValueError, "%s", why);
     Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
     if (node < 0 || add_owner(f, owner) < 0)
         return -1;
@@ -390,29 +412,70 @@ static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
  * a registration of the prefetcher's backend, by the device gather (Note [device gather] in
  * devgather.h). Its rows were validated when it was made; the RowGather, kept as the owner,
  * keeps them, the registration and the source alive until the batch's copy is done. */
+/* Put the row-gathered leaf g in slot f->n_leaves (room made): PL_LAYOUT_OK, or a refusal
+ * with its text in why (-1: registered for another backend). No GIL needed. */
+static int put_row_leaf(pl_flat *f, const pl_row_gather_leaf *g, char *why, size_t n_why)
+{
+    int64_t shape[PL_MAX_DIMS];
+    for (int i = 0; i < g->ndim; i++)
+        shape[i] = g->shape[i];
+    pl_xfer_gather dg = {0};
+    if (g->reg) {
+        if (pl_hostreg_backend(g->reg) != f->b) {
+            snprintf(why, n_why, "its source was registered for the %s backend, but the prefetcher "
+                     "copies with the %s backend", pl_hostreg_backend(g->reg)->name, f->b->name);
+            return -1;
+        }
+        /* the kernel reads rows at device addresses computed from row 0's, which need not lie
+         * in the registered range (only the items that do are read there: Note [device
+         * gather] in devgather.h) */
+        dg.src = pl_hostreg_device_ptr(g->reg, g->src);
+        dg.row_stride = g->strides[0];
+        dg.span = g->span;
+        dg.lo = pl_hostreg_base(g->reg);
+        dg.hi = dg.lo + pl_hostreg_bytes(g->reg);
+        dg.edge_items = pl_gather_edge_items(g->src, g->strides[0], g->span, g->n_items, dg.lo, dg.hi);
+    }
+    return put_leaf(f, g->src, g->ndim, shape, g->strides, g->dtype, 0, g->rows, g->reg ? &dg : NULL,
+                    why, n_why);
+}
+
 static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
 {
     pl_row_gather_leaf g;
     pl_row_gather_layout(obj, &g);
-    int64_t shape[PL_MAX_DIMS];
-    for (int i = 0; i < g.ndim; i++)
-        shape[i] = g.shape[i];
-    pl_xfer_gather dg = {0};
-    if (g.reg) {
-        if (pl_hostreg_backend(g.reg) != f->b)
-            return leaf_error(f, PyExc_ValueError, "its source was registered for the %s backend, but the "
-                              "prefetcher copies with the %s backend", pl_hostreg_backend(g.reg)->name, f->b->name);
-        /* the kernel reads rows at device addresses computed from row 0's, which need not lie
-         * in the registered range (only the items that do are read there: Note [device
-         * gather] in devgather.h) */
-        dg.src = pl_hostreg_device_ptr(g.reg, g.src);
-        dg.row_stride = g.strides[0];
-        dg.span = g.span;
-        dg.lo = pl_hostreg_base(g.reg);
-        dg.hi = dg.lo + pl_hostreg_bytes(g.reg);
-        dg.edge_items = pl_gather_edge_items(g.src, g.strides[0], g.span, g.n_items, dg.lo, dg.hi);
+    if (reserve_leaves(f, 1) < 0)
+        return -1;
+    char why[400];
+    if (put_row_leaf(f, &g, why, sizeof why) != PL_LAYOUT_OK)
+        return leaf_error(f, PyExc_ValueError, "%s", why);
+    Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
+    if (node < 0 || add_owner(f, obj) < 0)
+        return -1;
+    f->nodes[node].leaf = f->n_leaves++;
+    return 0;
+}
+
+int pl_flat_reserve_rows(pl_flat *f, Py_ssize_t n)
+{
+    return reserve_leaves(f, n);
+}
+
+int pl_flat_add_rows(pl_flat *f, const pl_row_gather_leaf *g, char *why, size_t n_why)
+{
+    if (f->n_leaves >= f->cap_leaves) {
+        snprintf(why, n_why, "no room reserved for the leaf");
+        return -1;
     }
-    return add_leaf_rows(f, key, obj, g.src, g.ndim, shape, g.strides, g.dtype, 0, g.rows, g.reg ? &dg : NULL);
+    if (put_row_leaf(f, g, why, n_why) != PL_LAYOUT_OK)
+        return -1;
+    f->n_leaves++;
+    return 0;
+}
+
+void pl_flat_finish_rows(pl_flat *f)
+{
+    pl_layout_finish(&f->layout, f->leaves, f->n_leaves);
 }
 
 /* ---- DLPack leaves ---- */
@@ -1009,15 +1072,21 @@ PyObject *pl_flat_device_arrays(pl_flat *f, pl_block *blk)
 
 pl_leaves *pl_flat_leaf_views(pl_flat *f, pl_block *blk)
 {
+    pl_leaves *out = pl_flat_leaf_views_raw(f, blk);
+    if (!out)
+        PyErr_NoMemory();
+    return out;
+}
+
+pl_leaves *pl_flat_leaf_views_raw(pl_flat *f, pl_block *blk)
+{
     size_t dims = 0;
     for (int i = 0; i < f->n_leaves; i++)
         dims += (size_t)f->leaves[i].copy.ndim;
     pl_leaves *out = PyMem_RawMalloc(sizeof(pl_leaves) + (size_t)f->n_leaves * sizeof(pl_da_view) +
                                      dims * sizeof(int64_t));
-    if (!out) {
-        PyErr_NoMemory();
+    if (!out)
         return NULL;
-    }
     out->n = f->n_leaves;
     int64_t *shapes = (int64_t *)(out->v + f->n_leaves);
     for (int i = 0; i < f->n_leaves; i++) {

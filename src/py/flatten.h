@@ -18,6 +18,7 @@
 
 #include "device_array.h"
 #include "dlpack.h"
+#include "gather.h"
 #include "transfer.h"
 
 typedef struct pl_flat_node pl_flat_node;
@@ -109,6 +110,8 @@ typedef struct pl_leaves {
 /* The walked leaves as views of blk (PyMem_Raw; free with PyMem_RawFree), or NULL with
  * MemoryError. */
 pl_leaves *pl_flat_leaf_views(pl_flat *f, pl_block *blk);
+/* The same without the GIL: NULL (no exception) when out of memory. */
+pl_leaves *pl_flat_leaf_views_raw(pl_flat *f, pl_block *blk);
 /* The item's structure with leaf i replaced by leaves[i] (a tuple of t->n_leaves objects);
  * user constructors (namedtuple, dataclass, copy.copy of a dict subclass) run here. t is left
  * as it is: a tree builds any number of batches. */
@@ -126,6 +129,14 @@ int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);
  * structure once (AsyncPrefetcher's structure=, pinloader._C._leaves). */
 int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
                       PyObject **passed);
+/* ArrayLoader batches made without the GIL (Note [native epochs] in gather.c): the leaves of
+ * the batch are row-gathered leaves only, added in order after pl_flat_begin, with no nodes
+ * and no owners (the epoch's RowBatches keeps the sources). pl_flat_reserve_rows makes room for
+ * n leaves (GIL held; 0, or -1 with MemoryError); pl_flat_add_rows adds one (no GIL; 0, or -1
+ * with the reason in why); pl_flat_finish_rows fixes the layout once all are added. */
+int pl_flat_reserve_rows(pl_flat *f, Py_ssize_t n);
+int pl_flat_add_rows(pl_flat *f, const pl_row_gather_leaf *g, char *why, size_t n_why);
+void pl_flat_finish_rows(pl_flat *f);
 /* Take the owners (the caller drops them later, with the GIL); *n gets their count. */
 PyObject **pl_flat_take_owners(pl_flat *f, Py_ssize_t *n);
 /* Free the leaves and the layout (no GIL needed: transfer reads them without it). */

@@ -294,6 +294,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->Prim_Type);
     Py_VISIT(st->RowGather_Type);
     Py_VISIT(st->Registration_Type);
+    Py_VISIT(st->RowBatches_Type);
     Py_VISIT(st->CudaError);
     Py_VISIT(st->PoolExhausted);
     Py_VISIT(st->numpy_dtype_fn);
@@ -312,6 +313,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->Prim_Type);
     Py_CLEAR(st->RowGather_Type);
     Py_CLEAR(st->Registration_Type);
+    Py_CLEAR(st->RowBatches_Type);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->PoolExhausted);
     Py_CLEAR(st->numpy_dtype_fn);

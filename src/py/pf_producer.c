@@ -1,6 +1,8 @@
 /* AsyncPrefetcher's producer thread: it waits for room in the queue, takes the GIL (Note [GIL
  * handoff]) to call next() on the source and read the item with flatten.c, then, without the
- * GIL, copies the batch with transfer.c and queues it (pf_queue.c). A producer that close()
+ * GIL, copies the batch with transfer.c and queues it (pf_queue.c). An ArrayLoader's epoch (a
+ * RowBatches) is adopted with the GIL once, and its batches are then made without it (Note
+ * [native epochs] in gather.c). A producer that close()
  * left inside user code frees the pipeline itself when it comes back (Note [stuck producers]
  * in prefetcher.c). The object and its batches are in prefetcher_impl.h. */
 #include "prefetcher_impl.h"
@@ -18,6 +20,14 @@ static void fail_batch(batch *bt, int code, const char *what)
     bt->kind = B_ERROR;
     bt->err_code = code;
     snprintf(bt->err_what, sizeof bt->err_what, "item %llu: %s", (unsigned long long)bt->index, what);
+}
+
+/* A source's batch is bad (found without the GIL): ValueError(what) for the consumer. */
+static void fail_source(batch *bt, const char *what)
+{
+    bt->kind = B_ERROR;
+    bt->err_value = 1;
+    snprintf(bt->err_what, sizeof bt->err_what, "%s", what);
 }
 
 static void add_source_note(PyObject *exc, uint64_t index)
@@ -66,15 +76,23 @@ typedef struct producer {
     PyThreadState *ts;
     int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
     PyGILState_STATE gstate; /* only then */
+    /* The epoch's RowBatches this producer adopted (Note [native epochs] in gather.c), kept
+     * until its last batch is copied: then buried with prev_blk, that batch's block. */
+    PyObject *native;
+    uint64_t native_epoch;
+    int native_leaves;
+    pl_row_gather_leaf *native_out; /* native_leaves entries (PyMem_Raw) */
+    uint64_t want_epoch;            /* the epoch asked for, as producer_wait last saw it */
 } producer;
 
 /* Wait (no GIL) until there is room and work; returns 0 to go on, -1 to exit. */
-static int producer_wait(pl_prefetcher_obj *self)
+static int producer_wait(pl_prefetcher_obj *self, producer *p)
 {
     pthread_mutex_lock(&self->mu);
     while (!atomic_load(&self->stop) &&
            (self->queued >= self->depth || self->finished_epoch == self->requested_epoch))
         pthread_cond_wait(&self->cv, &self->mu);
+    p->want_epoch = self->requested_epoch;
     pthread_mutex_unlock(&self->mu);
     return atomic_load(&self->stop) ? -1 : 0;
 }
@@ -152,9 +170,33 @@ void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self)
     Py_END_ALLOW_THREADS
 }
 
-/* GIL held: the previous batch's owners go to the graveyard. */
-static void release_previous(pl_prefetcher_obj *self, producer *p)
+/* GIL held: the adopted RowBatches goes to the graveyard with the last batch made from it
+ * (copies finish in order on the copy stream, so that one finishes last); unless `keep` and it
+ * is still the source's current epoch. */
+static void retire_native(pl_prefetcher_obj *self, producer *p, int keep)
 {
+    if (!p->native || (keep && p->native == self->it))
+        return;
+    PyObject **objs = PyMem_RawMalloc(sizeof(PyObject *));
+    if (objs) {
+        objs[0] = p->native;
+        pl_pf_bury(self, objs, 1, p->prev_blk);
+    } else {
+        if (p->prev_blk) {
+            Py_BEGIN_ALLOW_THREADS
+            pl_block_sync_ready(p->prev_blk);
+            Py_END_ALLOW_THREADS
+        }
+        Py_DECREF(p->native);
+    }
+    p->native = NULL;
+}
+
+/* GIL held: the previous batch's owners go to the graveyard (and, at the producer's end, the
+ * adopted RowBatches: `all`). */
+static void release_previous(pl_prefetcher_obj *self, producer *p, int all)
+{
+    retire_native(self, p, !all);
     pl_pf_bury(self, p->prev_owners, p->prev_n, p->prev_blk);
     if (p->prev_blk)
         pl_block_decref(p->prev_blk);
@@ -165,8 +207,52 @@ static void release_previous(pl_prefetcher_obj *self, producer *p)
 
 /* GIL held: next() on the source, then flatten the item into bt. Returns 0 with bt filled (as
  * B_READY with an output, or B_END / B_ERROR), or -1 when close() came meanwhile. */
+static void native_item(pl_prefetcher_obj *self, producer *p, batch *bt);
+
+/* GIL held: adopt `it`, the epoch's RowBatches, and make its first batch (Note [native
+ * epochs] in gather.c). */
+static void adopt_native(pl_prefetcher_obj *self, producer *p, batch *bt, PyObject *it)
+{
+    int n;
+    if (pl_row_batches_adopt(it, &n) < 0 || pl_flat_reserve_rows(&p->flat, n) < 0) {
+        bt->kind = B_ERROR;
+        bt->exc = fetch_exception();
+        return;
+    }
+    if (n != self->templ.n_leaves) {
+        PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): the source's batches have %d "
+                     "leaves, the structure %zd", n, self->templ.n_leaves);
+        bt->kind = B_ERROR;
+        bt->exc = fetch_exception();
+        return;
+    }
+    pl_row_gather_leaf *out = PyMem_RawRealloc(p->native_out, (size_t)n * sizeof(*out));
+    if (!out) {
+        PyErr_NoMemory();
+        bt->kind = B_ERROR;
+        bt->exc = fetch_exception();
+        return;
+    }
+    p->native_out = out;
+    p->native_leaves = n;
+    p->native = Py_NewRef(it);
+    p->native_epoch = bt->epoch;
+    native_item(self, p, bt);
+}
+
 static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
 {
+    if (self->it && self->templ.n_nodes && pl_row_batches_check(self->st, self->it)) {
+        int64_t t0 = pl_now_ns();
+        if (self->it == p->native) { /* adopted already (an epoch restarted meanwhile) */
+            p->native_epoch = bt->epoch;
+            native_item(self, p, bt);
+        } else {
+            adopt_native(self, p, bt, self->it);
+        }
+        *t_next = pl_now_ns() - t0;
+        return atomic_load(&self->stop) ? -1 : 0;
+    }
     PyObject *it = Py_XNewRef(self->it);
     int64_t t0 = pl_now_ns();
     PyObject *item = it ? PyIter_Next(it) : NULL;
@@ -244,14 +330,76 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
     return 0;
 }
 
+/* bt (its epoch and index set) from the adopted RowBatches, GIL or not: B_READY with its leaves
+ * as views (Note [batch leaves] in flatten.h; the consumer builds the structure around them),
+ * B_END, or B_ERROR. Nothing here needs Python. */
+static void native_item(pl_prefetcher_obj *self, producer *p, batch *bt)
+{
+    char why[sizeof bt->err_what];
+    int r = pl_row_batches_next(p->native, p->native_out, why, sizeof why);
+    if (r == 0) {
+        bt->kind = B_END;
+        return;
+    }
+    if (r < 0) {
+        fail_source(bt, why);
+        return;
+    }
+    int rc = pl_block_create(self->b, self->device, &bt->blk);
+    if (rc != PL_OK) {
+        fail_batch(bt, rc, "creating the batch's ready event");
+        return;
+    }
+    pl_flat *f = &p->flat;
+    pl_flat_begin(f);
+    for (int i = 0; i < p->native_leaves; i++)
+        if (pl_flat_add_rows(f, &p->native_out[i], why, sizeof why) < 0) {
+            fail_source(bt, why);
+            return;
+        }
+    pl_flat_finish_rows(f);
+    if (!(bt->leaves = pl_flat_leaf_views_raw(f, bt->blk))) {
+        fail_batch(bt, PL_ERR_NO_MEMORY, "the batch's leaf views");
+        return;
+    }
+    bt->kind = B_READY;
+}
+
+/* A round of an adopted epoch, without the GIL: 1 with *out a batch to ship, 0 to try again. */
+static int native_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
+{
+    p->gil_wait_ns = 0;
+    /* the previous batch carried no source objects: its block needs no grave, only the one
+     * this round's batch replaces it with (retire_native buries the RowBatches with the last) */
+    if (p->prev_blk) {
+        pl_block_decref(p->prev_blk);
+        p->prev_blk = NULL;
+    }
+    batch *bt = PyMem_RawCalloc(1, sizeof(*bt));
+    if (!bt) {
+        pl_sleep_ns(1000000);
+        return 0;
+    }
+    bt->epoch = p->native_epoch;
+    bt->index = p->index++;
+    int64_t t0 = pl_now_ns();
+    native_item(self, p, bt);
+    *t_next = pl_now_ns() - t0;
+    *out = bt;
+    return 1;
+}
+
 /* The GIL part of one round. Returns 1 with *out a batch to ship, 0 to try again, -1 to exit. */
 static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
 {
     int64_t t0 = pl_now_ns();
     producer_take_gil(self, p);
     p->gil_wait_ns = pl_now_ns() - t0;
+    pthread_mutex_lock(&self->mu);
+    self->gil_holds++;
+    pthread_mutex_unlock(&self->mu);
     self->producer_in_user = 1;
-    release_previous(self, p);
+    release_previous(self, p, 0);
     int r = atomic_load(&self->stop) ? -1 : 1;
     if (r > 0)
         pl_pf_empty_graves(self, 0);
@@ -329,7 +477,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
     if (pl_py_finalizing())
         return; /* the interpreter is going away: touch nothing of it */
     producer_take_gil(self, p);
-    release_previous(self, p);
+    release_previous(self, p, 1);
     if (self->state == PF_DETACHED || self->state == PF_ORPHANED) {
         pl_pf_free_resources(self);
         if (self->state == PF_ORPHANED) {
@@ -353,20 +501,25 @@ void *pl_pf_producer_main(void *arg)
     pl_prefetcher_obj *self = arg;
     producer p;
     memset(&p, 0, sizeof p);
+    pl_thread_name("pl-producer");
     pl_flat_init(&p.flat, self->st, self->b, self->device);
     self->b->set_device(self->device);
     for (;;) {
-        if (producer_wait(self) < 0)
+        if (producer_wait(self, &p) < 0)
             break;
         wait_direct_copy(self);
         if (pl_py_finalizing()) {
             pl_flat_release_leaves(&p.flat); /* PyMem_Raw, not the interpreter's */
+            PyMem_RawFree(p.native_out);
             return NULL; /* the interpreter is going away: touch nothing of it */
         }
         batch *bt = NULL;
         int64_t t_next = 0;
         p.round_start_ns = pl_now_ns();
-        int r = pull_batch(self, &p, &bt, &t_next);
+        /* an adopted epoch's batches need no GIL, and carry no source objects (prev_n 0) */
+        int r = p.native && p.native_epoch == p.want_epoch && !p.prev_n
+                    ? native_batch(self, &p, &bt, &t_next)
+                    : pull_batch(self, &p, &bt, &t_next);
         if (r < 0)
             break;
         if (r > 0)
@@ -374,5 +527,6 @@ void *pl_pf_producer_main(void *arg)
     }
     producer_exit(self, &p);
     pl_flat_release_leaves(&p.flat); /* PyMem_Raw: no GIL needed */
+    PyMem_RawFree(p.native_out);
     return NULL;
 }

@@ -150,6 +150,10 @@ static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
         Py_DECREF(exc);
         return NULL;
     }
+    if (bt->err_value) {
+        PyErr_SetString(PyExc_ValueError, bt->err_what);
+        return NULL;
+    }
     if (bt->err_code == PL_ERR_OVER_CAP) {
         PyErr_SetString(self->st->PoolExhausted, bt->err_what);
         return NULL;
@@ -546,6 +550,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     int64_t span = self->last_batch_ns - self->first_batch_ns;
     int64_t next_ns = self->next_ns, staging_ns = self->staging_ns, issue_ns = self->copy_issue_ns;
     int64_t sort_ns = self->sort_ns, gil_wait_ns = self->gil_wait_ns, producer_ns = self->producer_ns;
+    uint64_t gil_holds = self->gil_holds;
     int64_t wait_total = self->wait_ns_total, stall_ns = self->stall_ns;
     size_t dev_peak = self->device_peak;
     int queued = self->queued;
@@ -566,7 +571,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
     double gbps = span > 0 && batches > 1 ? (double)bytes * (double)(batches - 1) / (double)batches / (double)span : 0.0;
     return Py_BuildValue(
         "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:n,s:n,s:n,s:n,s:n,s:K,s:d,s:i,s:s,"
-        "s:n,s:n,s:n,s:n,s:K,s:K,s:d,s:d,s:d}",
+        "s:n,s:n,s:n,s:n,s:K,s:K,s:d,s:d,s:d,s:K}",
         "batches", (unsigned long long)batches, "bytes", (unsigned long long)bytes,
         "padding_bytes", (unsigned long long)padding,
         "h2d_gbps", gbps, "wait_s_total", (double)wait_total / 1e9,
@@ -583,7 +588,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
         "pool_slabs_created", (unsigned long long)ps.slabs_created,
         "pool_waits", (unsigned long long)ps.waits,
         "sort_s_total", (double)sort_ns / 1e9, "gil_wait_s_total", (double)gil_wait_ns / 1e9,
-        "producer_s_total", (double)producer_ns / 1e9);
+        "producer_s_total", (double)producer_ns / 1e9, "producer_gil_holds", (unsigned long long)gil_holds);
 }
 
 static PyObject *pf_enter(PyObject *op, PyObject *noargs)

@@ -39,7 +39,8 @@ typedef struct batch {
     pl_tree tree;         /* with a handout: the item's structure, built when handed out */
     PyObject *exc;        /* B_ERROR with a Python exception (source or bad leaf) */
     int err_code;         /* B_ERROR from the backend */
-    char err_what[320];
+    int err_value;        /* B_ERROR: a bad source found without the GIL, ValueError(err_what) */
+    char err_what[640];
     pl_block *blk;        /* the batch's reference */
     size_t bytes;         /* payload */
     size_t padding;       /* alignment padding in the device block */
@@ -111,6 +112,7 @@ struct pl_prefetcher_obj {
     int64_t next_ns, staging_ns, copy_issue_ns;
     int64_t sort_ns;     /* the device gathers' pair tables (pl_xfer_times.sort_ns) */
     int64_t gil_wait_ns; /* the producer waiting to take the GIL */
+    uint64_t gil_holds;  /* rounds in which the producer took the GIL */
     int64_t producer_ns; /* the producer's rounds, from room in the queue to the batch queued */
     int64_t wait_ns_total;
     uint64_t n_waits;

@@ -30,6 +30,7 @@ typedef struct {
     PyTypeObject *Prim_Type;
     PyTypeObject *RowGather_Type;
     PyTypeObject *Registration_Type;
+    PyTypeObject *RowBatches_Type;
     PyObject *CudaError;
     PyObject *PoolExhausted;
     PyObject *numpy_dtype_fn; /* numpy.dtype */
