@@ -18,8 +18,10 @@ interleaved (each round runs every row once, in order):
   dma_ceiling     the physical reference: one cudaMemcpyAsync of the batch's bytes from
                   resident pinned memory per batch (no gather at all); on the host backend one
                   memcpy of the batch's bytes from resident memory
-Each figure is delivered bytes per second over --batches batches after a warm-up epoch,
-torch.cuda.synchronize() included; host CPU per batch is the process's CPU time (all threads)
+Each figure is delivered bytes per second over --batches batches after a warm-up epoch, the
+wait for the device's last copy included (a blocking-sync event: the waiting thread sleeps, so
+the GPU's lag is not counted as CPU time, as torch.cuda.synchronize()'s spin would count it);
+host CPU per batch is the process's CPU time (all threads)
 divided by the batches, and for the loader rows also by thread name (the main thread, pinloader's
 pl-producer and pl-stage threads, the CUDA driver's own). For the loader rows the JSON also keeps where the producer thread's
 time went, per batch (stats(): producer_s_total, gil_wait_s_total, next_s_total,
@@ -126,8 +128,14 @@ def cpu_by_thread_name(before: dict, after: dict, per: int) -> dict[str, float]:
 
 
 def _sync(torch):
+    """Wait until the device has done everything queued on the current stream (every row's
+    results are consumed there), the calling thread asleep: a blocking-sync event, not
+    torch.cuda.synchronize(), which spins a CPU for as long as the GPU is behind and so would
+    count the GPU's lag as the host's CPU time."""
     if torch is not None:
-        torch.cuda.synchronize()
+        ev = torch.cuda.Event(blocking=True)
+        ev.record()
+        ev.synchronize()
 
 
 def run_loader(torch, pinloader, src, bs, batches, device, **opts):
@@ -177,7 +185,7 @@ def run_torch_index(torch, src, bs, batches, device):
     evs = [None, None]
     out = None
     for warm in (True, False):
-        torch.cuda.synchronize()
+        _sync(torch)
         t0, c0 = time.perf_counter(), time.process_time()
         for k in range(2 if warm else batches):
             i = k % 2
@@ -186,9 +194,9 @@ def run_torch_index(torch, src, bs, batches, device):
             idx = torch.randint(0, n, (bs,), generator=g)
             torch.index_select(t, 0, idx, out=bufs[i])
             out = bufs[i].to(device, non_blocking=True)
-            evs[i] = torch.cuda.Event()
+            evs[i] = torch.cuda.Event(blocking=True)  # waited on asleep, as _sync
             evs[i].record()
-        torch.cuda.synchronize()
+        _sync(torch)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     del out
     return {"gbps": batches * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / batches * 1e3}
@@ -215,7 +223,7 @@ def run_numpy_index(torch, src, bs, batches, device):
             np.take(src, idx, axis=0, out=bufs[i])
             if torch is not None:
                 out = pinned[i].to(device, non_blocking=True)
-                evs[i] = torch.cuda.Event()
+                evs[i] = torch.cuda.Event(blocking=True)
                 evs[i].record()
         _sync(torch)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -245,7 +253,7 @@ def run_dma(torch, nbytes, batches, device):
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(batches):
         dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
+    _sync(torch)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"gbps": batches * nbytes / dt / 1e9, "cpu_ms_per_batch": cpu / batches * 1e3}
 

@@ -210,10 +210,14 @@ static int cuda_stream_wait_event(pl_stream *s, pl_event *e)
     return (int)cu.cudaStreamWaitEvent((pl_cudaStream_t)s, (pl_cudaEvent_t)e, 0);
 }
 
+/* Every event pinloader makes is blocking-sync: a thread that waits on one in
+ * cudaEventSynchronize (the producer behind a direct copy, close() draining its copies) sleeps
+ * until the GPU signals it, rather than spinning a CPU for the whole copy as the runtime's
+ * default schedule does. Queries and stream waits are the same either way. */
 static int cuda_event_create(pl_event **out)
 {
     pl_cudaEvent_t e;
-    pl_cudaError_t rc = cu.cudaEventCreateWithFlags(&e, pl_cudaEventDisableTiming);
+    pl_cudaError_t rc = cu.cudaEventCreateWithFlags(&e, pl_cudaEventDisableTiming | pl_cudaEventBlockingSync);
     if (rc == pl_cudaSuccess)
         *out = (pl_event *)e;
     return (int)rc;
