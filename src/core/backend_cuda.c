@@ -210,14 +210,14 @@ static int cuda_stream_wait_event(pl_stream *s, pl_event *e)
     return (int)cu.cudaStreamWaitEvent((pl_cudaStream_t)s, (pl_cudaEvent_t)e, 0);
 }
 
-/* Every event pinloader makes is blocking-sync: a thread that waits on one in
- * cudaEventSynchronize (the producer behind a direct copy, close() draining its copies) sleeps
- * until the GPU signals it, rather than spinning a CPU for the whole copy as the runtime's
- * default schedule does. Queries and stream waits are the same either way. */
+/* Events are not blocking-sync (cudaEventBlockingSync): measured on the H200, that flag costs
+ * the driver's event-handler thread 0.03-0.05 ms of CPU per batch whether or not anyone waits
+ * (benchmarks/results/h200_2026-12-02/gather_blocking.md), more than the spinning waits it
+ * would save, which are rare (a direct copy's producer, close()). */
 static int cuda_event_create(pl_event **out)
 {
     pl_cudaEvent_t e;
-    pl_cudaError_t rc = cu.cudaEventCreateWithFlags(&e, pl_cudaEventDisableTiming | pl_cudaEventBlockingSync);
+    pl_cudaError_t rc = cu.cudaEventCreateWithFlags(&e, pl_cudaEventDisableTiming);
     if (rc == pl_cudaSuccess)
         *out = (pl_event *)e;
     return (int)rc;
