@@ -11,10 +11,14 @@
  * few batches.
  *
  * Note [slab reuse]
- * A region released "after stream s" gets an event recorded on s and joins the pending list.
- * Pending regions are polled out of order (every event is queried, not only the oldest), so one
- * slow copy never holds back the others. A region returns to its slab's free extents only once
- * its event has completed: pinned memory is never overwritten while a copy still reads it.
+ * A region released "after stream s" gets an event recorded on s and joins the pending list,
+ * which is kept in release order, oldest first. Pending regions are polled out of order (every
+ * event is queried, not only the oldest), so one slow copy never holds back the others. A
+ * reservation that must wait for one sleeps on the oldest's event: on one copy stream that is
+ * the copy that finishes first, so the waiter wakes while the later copies still run and issues
+ * its batch behind them (waiting on the newest, it would find the GPU idle). A region returns to
+ * its slab's free extents only once its event has completed: pinned memory is never
+ * overwritten while a copy still reads it.
  *
  * Note [pool locking]
  * One mutex, `mu`, guards every mutable field of the pool, its slabs and their extents. It is
@@ -103,6 +107,7 @@ int pl_pool_create(const pl_backend *b, int device, size_t max_bytes, pl_pool **
     atomic_init(&p->refcount, 1);
     p->b = b;
     p->device = device;
+    p->pending_tail = &p->pending;
     p->gen = pl_generation();
     p->max_bytes = max_bytes ? max_bytes : pl_pool_default_cap();
     p->st.max_bytes = p->max_bytes;
@@ -284,6 +289,7 @@ void pl_pool_poll(pl_pool *p)
     pthread_mutex_lock(&p->mu);
     pl_region *list = p->pending;
     p->pending = NULL;
+    p->pending_tail = &p->pending;
     pthread_mutex_unlock(&p->mu);
     if (!list)
         return;
@@ -306,8 +312,13 @@ void pl_pool_poll(pl_pool *p)
     }
 
     pthread_mutex_lock(&p->mu);
-    *wtail = p->pending; /* keep anything added meanwhile */
-    p->pending = waiting;
+    if (waiting) {
+        /* the older ones first, then anything released meanwhile */
+        *wtail = p->pending;
+        if (!p->pending)
+            p->pending_tail = wtail;
+        p->pending = waiting;
+    }
     int freed = 0;
     while (ready) {
         pl_region *r = ready;
@@ -497,7 +508,7 @@ static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
     }
     if (stop_requested(stop))
         return finish_locked(p, rs, PL_ERR_STOPPED);
-    pl_event *oldest = p->pending ? p->pending->event : NULL;
+    pl_event *oldest = p->pending ? p->pending->event : NULL; /* Note [slab reuse] */
     if (oldest) {
         pthread_mutex_unlock(&p->mu);
         /* Events are never destroyed before the pool, so a racing poller recycling this one
@@ -629,8 +640,9 @@ int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
         }
         if (p->cap_events >= need) {
             r->event = e;
-            r->next = p->pending;
-            p->pending = r;
+            r->next = NULL;
+            *p->pending_tail = r;
+            p->pending_tail = &r->next;
             p->st.pending++;
             pthread_mutex_unlock(&p->mu);
             return PL_OK;

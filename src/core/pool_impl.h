@@ -32,7 +32,8 @@ struct pl_pool {
     pthread_cond_t cv;      /* broadcast when regions or slab bytes come back */
     size_t max_bytes;       /* guarded by mu */
     struct pl_slab *slabs;  /* guarded by mu (pl_slab is pool.c's own) */
-    pl_region *pending;     /* guarded by mu */
+    pl_region *pending;     /* guarded by mu; oldest first (Note [slab reuse] in pool.c) */
+    pl_region **pending_tail; /* where the next release is appended (&pending when empty) */
     pl_event **events;      /* guarded by mu: free list of reusable events */
     size_t n_events, cap_events;
     size_t creating;        /* guarded by mu: slab bytes being made outside the lock */
