@@ -1,7 +1,8 @@
-/* The pool waits for the oldest pending release (Note [slab reuse] in src/core/pool.c), built
- * against a fake backend whose events complete only when the test says so: three regions are
- * released after one stream in turn, a fourth reservation must wait, and the first event it
- * waits on must be the first release's. Prints "bad=0" when every check holds. Built and run by
+/* The pool's pending releases (Note [slab reuse] in src/core/pool.c), against a fake backend
+ * whose events complete only when the test says so: three regions are released after one
+ * stream in turn, a fourth reservation must wait, and the first event it waits on must be the
+ * first release's; polling asks one event per stream whose oldest release is not done, not one
+ * per pending region. Prints "bad=0" when every check holds. Built and run by
  * tests/test_pool.py. */
 #include "pool.h"
 #include "backend.h"
@@ -14,7 +15,7 @@ typedef struct {
     int id, done, recorded;
 } fake_event;
 
-static int n_events, waited_first = -1, bad;
+static int n_events, waited_first = -1, bad, queries;
 
 static int f_event_create(pl_event **out)
 {
@@ -27,7 +28,11 @@ static int f_event_create(pl_event **out)
 }
 static int f_event_destroy(pl_event *e) { free(e); return PL_OK; }
 static int f_event_record(pl_event *e, pl_stream *s) { (void)s; ((fake_event *)e)->recorded++; ((fake_event *)e)->done = 0; return PL_OK; }
-static int f_event_query(pl_event *e) { return ((fake_event *)e)->done ? PL_OK : PL_ERR_NOT_READY; }
+static int f_event_query(pl_event *e)
+{
+    queries++;
+    return ((fake_event *)e)->done ? PL_OK : PL_ERR_NOT_READY;
+}
 static int f_event_sync(pl_event *e) { ((fake_event *)e)->done = 1; return PL_OK; }
 /* A wait completes the event it waits on: the copy it stands for finishes during the wait. */
 static int f_event_wait(pl_event *e, int64_t timeout_ns)
@@ -92,6 +97,32 @@ int main(void)
     CHECK(waited_first == 1);
     pl_pool_release(p, r5);
     pl_pool_release(p, r6);
+
+    /* polling: one query per stream until its oldest release is done */
+    pl_pool *q;
+    CHECK(pl_pool_create(&b, 0, 8 * region, &q) == PL_OK);
+    pl_region *t[5];
+    for (int i = 0; i < 5; i++)
+        CHECK(pl_pool_reserve(q, region, 0, NULL, &t[i]) == PL_OK);
+    for (int i = 0; i < 3; i++)
+        CHECK(pl_pool_release_after(q, t[i], s) == PL_OK);
+    pl_stream *s2 = (pl_stream *)(uintptr_t)32;
+    CHECK(pl_pool_release_after(q, t[3], s2) == PL_OK);
+    CHECK(pl_pool_release_after(q, t[4], s2) == PL_OK);
+    queries = 0;
+    pl_pool_poll(q);
+    CHECK(queries == 2); /* s's oldest and s2's oldest */
+    pl_pool_get_stats(q, &st);
+    CHECK(st.pending == 5);
+    /* s's first copy finishes: it is freed, its second is asked, the third is not */
+    queries = 0;
+    f_event_sync(t[0]->event); /* t[0] is pending: the pool keeps it, its event attached */
+    pl_pool_poll(q);
+    CHECK(queries == 3); /* t[0] (done), t[1] (not), t[3] (not) */
+    pl_pool_get_stats(q, &st);
+    CHECK(st.pending == 4);
+    pl_pool_close(q); /* drains: every wait completes its event */
+    pl_pool_decref(q);
     pl_pool_close(p);
     pl_pool_decref(p);
     printf("bad=%d\n", bad);

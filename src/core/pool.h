@@ -42,6 +42,7 @@ typedef struct pl_region {
     pl_event *event;        /* the event gating reuse while pending */
     uint32_t magic;
     struct pl_pool_client *client; /* charged for it until it is back (Note [pool clients]) */
+    pl_stream *stream;      /* while pending: the stream its event was recorded on */
 } pl_region;
 
 typedef struct {
