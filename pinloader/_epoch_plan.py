@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from typing import Any, Iterator
 
 import numpy as np
@@ -45,24 +46,9 @@ def _mapping_bytes(src: Any) -> int:
     return 0
 
 
-def _maps_line(addr: int) -> list[str] | None:
-    """The /proc/self/maps line of the mapping holding ``addr``, split into its six fields
-    (range, permissions, file offset, device, inode, path), or None."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                parts = line.split(None, 5)
-                lo, _, hi = parts[0].partition("-")
-                if int(lo, 16) <= addr < int(hi, 16) and len(parts) == 6:
-                    return parts
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _maps_entry(addr: int) -> tuple[int, str] | None:
     """(file offset of ``addr``, path) from /proc/self/maps, or None."""
-    parts = _maps_line(addr)
+    parts = _maps_lines([addr]).get(addr)
     if parts is None:
         return None
     try:
@@ -71,27 +57,96 @@ def _maps_entry(addr: int) -> tuple[int, str] | None:
         return None
 
 
-def _open_mapped_file(m: mmap.mmap, name: str) -> int | None:
-    """A read-only descriptor of the file that ``m`` maps, opened by ``name`` and checked to be
-    that very file (the device and inode /proc/self/maps gives for the mapping), or None (the
-    file was renamed over, deleted, or cannot be opened)."""
+class _MappedFile:
+    """A read-only descriptor of a file that a source maps, matched to the mapping, for the
+    RowBatches' size checks (Note [native epochs] in src/py/gather.c). Closed with its last
+    reference, never earlier: a RowBatches may outlive the loader that opened it."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _maps_lines(addrs: list[int]) -> dict[int, list[str]]:
+    """For each address, the /proc/self/maps line of the mapping holding it, split into its six
+    fields (range, permissions, file offset, device, inode, path); one read of the file."""
+    out: dict[int, list[str]] = {}
+    want = sorted(set(addrs))
+    if not want:
+        return out
     try:
-        parts = _maps_line(np.frombuffer(m, dtype=np.uint8).ctypes.data)
-        if parts is None:
-            return None
-        major, _, minor = parts[3].partition(":")
-        dev, ino = (int(major, 16), int(minor, 16)), int(parts[4])
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, ValueError, TypeError, BufferError):
-        return None
-    try:
-        st = os.fstat(fd)
-        if st.st_ino == ino and (os.major(st.st_dev), os.minor(st.st_dev)) == dev:
-            return fd
-    except OSError:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                if len(parts) != 6:
+                    continue
+                lo_s, _, hi_s = parts[0].partition("-")
+                lo, hi = int(lo_s, 16), int(hi_s, 16)
+                for a in want:
+                    if lo <= a < hi:
+                        out[a] = parts
+    except (OSError, ValueError, IndexError):
         pass
-    os.close(fd)
-    return None
+    return out
+
+
+def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.mmap, int, str]]:
+    """Per file-mapped leaf (by path): a _MappedFile of the very file it maps (the device and
+    inode /proc/self/maps gives for the mapping, matched by a stat before the open and an fstat
+    after: a name now naming another file, a FIFO or nothing at all gives None), and the mapping,
+    the file size it needs and the file's name (_file_mapping). Opened once per loader, one
+    descriptor per file."""
+    found = {}
+    for path, src, _, _ in plan.leaves:
+        fm = _file_mapping(src)
+        if fm is not None:
+            try:
+                found[path] = (fm, np.frombuffer(fm[0], dtype=np.uint8).ctypes.data)
+            except (ValueError, TypeError, BufferError):
+                found[path] = (fm, None)
+    lines = _maps_lines([a for _, a in found.values() if a is not None])
+    by_file: dict[tuple[int, int, int], _MappedFile | None] = {}
+    out: dict[str, tuple[_MappedFile | None, mmap.mmap, int, str]] = {}
+    for path, ((m, need, name), addr) in found.items():
+        out[path] = (None, m, need, name)
+        parts = lines.get(addr) if addr is not None else None
+        if parts is None:
+            continue
+        try:
+            major, _, minor = parts[3].partition(":")
+            key = (int(major, 16), int(minor, 16), int(parts[4]))
+        except ValueError:
+            continue
+        if key not in by_file:
+            by_file[key] = _open_matching(name, key)
+        out[path] = (by_file[key], m, need, name)
+    return out
+
+
+def _open_matching(name: str, key: tuple[int, int, int]) -> _MappedFile | None:
+    def same(st: os.stat_result) -> bool:
+        return stat.S_ISREG(st.st_mode) and (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == key
+    try:
+        if not same(os.stat(name)):
+            return None
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError, TypeError):
+        return None  # gone, unreadable, or out of descriptors: the generator checks instead
+    f = _MappedFile(fd)
+    try:
+        return f if same(os.fstat(fd)) else None
+    except OSError:
+        return None
 
 
 def _owners(src: Any) -> Iterator[Any]:
@@ -140,6 +195,7 @@ class _Plan:
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
     native = True  # RowBatches where it can be (False: the generator; for tests)
+    files: dict[str, Any] | None = None  # _open_mapped_files, made at the first native epoch
     leaves: list[Any] = []
     regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
     dtypes: dict[str, Any] = {}  # leaf path -> the source's dtype when the loader was made
@@ -235,37 +291,36 @@ def _probe(plan: _Plan, path: str, src: Any, shape: tuple[int, ...]) -> RowGathe
 
 def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
     """The epoch's batches: a RowBatches (Note [native epochs] in src/py/gather.c), or the
-    generator where a mapped file cannot be opened for its size check."""
+    generator where a mapped file cannot be opened for its size check. A source found changed
+    or cut short is the first batch's error, as the generator reports it, not iter()'s."""
     if not plan.native:
         return _epoch_generator(plan, epoch)
-    order = _order(plan, epoch)
-    leaves: list[tuple[str, RowGather, bool, int, int, str | None]] = []
-    fd = -1
     try:
+        order = _order(plan, epoch)
+        if plan.files is None:
+            plan.files = _open_mapped_files(plan)
+        leaves: list[tuple[str, RowGather, bool, Any, int, str | None]] = []
         for path, src, mapped, shape in plan.leaves:
-            fd, need, name = -1, 0, None
-            fm = _file_mapping(src)
-            if fm is not None:
-                m, need, name = fm
-                try:
-                    ok = m.size() >= need
-                except (OSError, ValueError):
-                    ok = False
-                if not ok:
-                    raise _truncated(path, m, need, name)
-                opened = _open_mapped_file(m, name)
-                if opened is None:
+            file, need, name = None, 0, None
+            if path in plan.files:
+                file, m, need, name = plan.files[path]
+                if file is None:
                     return _epoch_generator(plan, epoch)
-                fd = opened
-            leaves.append((path, _probe(plan, path, src, shape), mapped, fd, need, name))
-            fd = -1
+                try:
+                    now = os.fstat(file.fileno()).st_size
+                except OSError:
+                    now = -1
+                if now < need:
+                    raise _truncated(path, m, need, name)
+            leaves.append((path, _probe(plan, path, src, shape), mapped, file, need, name))
         return RowBatches(leaves, order, plan.batch_size, plan.n_batches)
-    finally:
-        for leaf in leaves:
-            if leaf[3] >= 0:
-                os.close(leaf[3])  # RowBatches keeps its own duplicates
-        if fd >= 0:
-            os.close(fd)
+    except Exception as e:  # noqa: BLE001 -- raised by the first next(), as the generator did
+        return _raise_at_first_batch(e)
+
+
+def _raise_at_first_batch(e: Exception) -> Iterator[Any]:
+    raise e
+    yield  # a generator
 
 
 def _epoch_generator(plan: _Plan, epoch: int) -> Iterator[Any]:

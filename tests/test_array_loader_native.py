@@ -13,7 +13,7 @@ import pytest
 import pinloader
 from pinloader import _C
 from pinloader._epoch_plan import _epoch_batches
-from helpers import collect, ids
+from helpers import collect, describe, ids, run_py
 
 DEVICE = "cpu"
 
@@ -110,7 +110,7 @@ def test_row_batches_constructor_refuses_bad_arguments():
     a = np.zeros((10, 3), np.float32)
     probe = _C.RowGather(a, [])
     table = _C._epoch_table(np.arange(10))
-    leaf = ("arrays", probe, False, -1, 0, None)
+    leaf = ("arrays", probe, False, None, 0, None)
     with pytest.raises(TypeError, match="epoch table"):
         _C.RowBatches([leaf], np.arange(10), 3, 4)
     with pytest.raises(ValueError, match="do not fit"):
@@ -120,19 +120,21 @@ def test_row_batches_constructor_refuses_bad_arguments():
     with pytest.raises(ValueError, match="leaves"):
         _C.RowBatches([], table, 3, 4)
     with pytest.raises(TypeError):
-        _C.RowBatches([("arrays", a, False, -1, 0, None)], table, 3, 4)  # not a RowGather
+        _C.RowBatches([("arrays", a, False, None, 0, None)], table, 3, 4)  # not a RowGather
     with pytest.raises(TypeError, match="tuple"):
-        _C.RowBatches([["arrays", probe, False, -1, 0, None]], table, 3, 4)
+        _C.RowBatches([["arrays", probe, False, None, 0, None]], table, 3, 4)
     with pytest.raises(ValueError, match="file's name"):
         _C.RowBatches([("arrays", probe, False, 0, 10, None)], table, 3, 4)
-    with pytest.raises(OSError):
-        _C.RowBatches([("arrays", probe, False, 1 << 30, 10, "f")], table, 3, 4)  # no such descriptor
+    with pytest.raises(TypeError):
+        _C.RowBatches([("arrays", probe, False, object(), 10, "f")], table, 3, 4)  # no fileno()
+    with pytest.raises(ValueError):
+        _C.RowBatches([("arrays", probe, False, -3, 10, "f")], table, 3, 4)  # a negative descriptor
     # rows outside a leaf's source: checked once, against the table's range
     with pytest.raises(IndexError, match="rows 0 to 10"):
         _C.RowBatches([leaf], _C._epoch_table(np.arange(11)), 3, 4)
     win = _C.RowGather(a, [], window=4)
     with pytest.raises(IndexError, match="7 items"):
-        _C.RowBatches([("arrays", win, False, -1, 0, None)], table, 3, 4)
+        _C.RowBatches([("arrays", win, False, None, 0, None)], table, 3, 4)
     ok = _C.RowBatches([leaf], table, 3, 3)  # drop_last: 3 batches of 3, one row left
     assert [len(g[0].rows) for g in ok] == [3, 3, 3]
 
@@ -166,3 +168,140 @@ def test_deleted_mapped_file_falls_back_to_the_generator(tmp_path):
         got = np.concatenate([g["x"] for g in collect(L)])
         assert np.array_equal(got[:, 0], L.indices(0))
         assert L.stats()["producer_gil_holds"] == 11  # the generator: once per batch, and the end
+
+
+# ---- found by a hostile review of the native epochs ----------------------------------------------
+
+@pytest.mark.hostile
+def test_an_epochs_sources_live_until_its_last_device_gather_is_done():
+    # A RowBatches holding the only reference to its source: the producer gives it up when the
+    # next epoch begins, but only once the last batch made from it is copied (the copies are
+    # held back here until after the switch). Freed early, the held copy reads unmapped memory.
+    code = """
+    import numpy as np
+    from pinloader import _C, AsyncPrefetcher
+    N, D, BS = 2048, 8192, 1024  # 64 MiB sources: freed, they go back to the OS
+    class Src:
+        k = 0
+        def __iter__(self):
+            Src.k += 1
+            a = np.full((N, D), Src.k, np.float32)
+            reg, why = _C.register_rows(a, None, "cpu")
+            probe = _C.RowGather(a, np.empty(0, np.int64), None, None, reg)
+            reg.close()  # the RowGather keeps its own hold on the registered range
+            return _C.RowBatches([("x", probe, False, None, 0, None)], _C._epoch_table(np.arange(N)), BS, N // BS)
+    pf = AsyncPrefetcher(Src(), device="cpu", depth=2, structure=(np.empty((1, D), np.float32),))
+    bad = 0
+    for e in range(1, 9):
+        _C._debug_hold_copies(True)
+        got = [next(pf) for _ in range(2)]
+        iter(pf)  # the next epoch: the producer retires this one's RowBatches
+        junk = [np.ones((N, D), np.float32) for _ in range(2)]
+        _C._debug_hold_copies(False)
+        bad += sum(not (np.from_dlpack(b[0]) == e).all() for b in got)
+        del junk, got
+    pf.close()
+    print("BAD", bad)
+    """
+    p = run_py(code, timeout=120, watchdog=True)
+    assert p.returncode == 0 and "BAD 0" in p.stdout, describe(p)
+
+
+@pytest.mark.hostile
+def test_closing_the_registration_does_not_pull_the_range_from_under_an_epoch():
+    a = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)
+    base = _C._registered_bytes("host")
+    reg, why = _C.register_rows(a, None, "cpu")
+    assert reg is not None, why
+    rb = _C.RowBatches([("x", _C.RowGather(a, [], None, None, reg), False, None, 0, None)],
+                       _C._epoch_table(np.arange(4096)), 64, 64)
+    pf = pinloader.AsyncPrefetcher(rb, device="cpu", depth=1, structure=(np.empty((1, 1024), np.float32),))
+    first = next(pf)
+    reg.close()  # the epoch's probe still holds the range
+    assert _C._registered_bytes("host") > base
+    junk = [bytearray(64) for _ in range(20000)]
+    rest = list(pf)
+    got = np.concatenate([np.from_dlpack(first[0])] + [np.from_dlpack(b[0]) for b in rest])
+    assert np.array_equal(got, a)
+    del rb, pf, rest, first, junk
+    import gc
+    gc.collect()
+    assert _C._registered_bytes("host") == base  # unregistered with the last holder
+
+
+def test_a_source_cut_between_epochs_is_the_first_batchs_error_and_ends_the_epoch(tmp_path):
+    # found when the epoch begins, reported as the generator did: by the first next(), after
+    # which the loader hands out nothing stale
+    path = tmp_path / "cut.bin"
+    mm = np.memmap(path, dtype=np.float32, mode="w+", shape=(400, 16))
+    mm[:] = np.arange(400, dtype=np.float32)[:, None]
+    mm.flush()
+    L = pinloader.ArrayLoader({"x": mm}, 40, device=DEVICE, shuffle=False)
+    assert len(collect(L)) == 10
+    os.truncate(path, 4096)
+    it = iter(L)  # no error yet
+    with pytest.raises(ValueError, match=r"arrays\['x'\]: the memory-mapped file .*cut.bin was truncated"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    with pytest.raises(ValueError, match="was truncated"):
+        list(L)  # and again at the next epoch
+    L.close()
+
+
+def test_descriptors_one_per_mapped_file_opened_once_per_loader(tmp_path):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    maps = {}
+    for k in range(40):
+        mm = np.memmap(tmp_path / f"m{k}.bin", dtype=np.int32, mode="w+", shape=(200, 4))
+        mm[:] = k
+        maps[f"m{k}"] = mm
+    maps["again"] = np.memmap(tmp_path / "m0.bin", dtype=np.int32, mode="r", shape=(200, 4))  # the same file
+    base = fds()
+    L = pinloader.ArrayLoader(maps, 50, device=DEVICE)
+    counts = []
+    for _ in range(4):
+        got = collect(L)
+        assert all((g["m7"] == 7).all() and (g["again"] == 0).all() for g in got)
+        counts.append(fds())
+    assert L.stats()["producer_gil_holds"] == 4  # native epochs, not the generator
+    L.close()
+    del L
+    import gc
+    gc.collect()
+    # one descriptor per file (m0 once), the same in every epoch, all closed with the loader
+    assert counts[0] - base <= 40 + 8 and len(set(counts)) == 1, (base, counts)
+    assert fds() <= base + 2
+
+
+@pytest.mark.hostile
+def test_a_mapped_files_name_now_naming_a_fifo_does_not_hang(tmp_path):
+    code = f"""
+    import os, numpy as np, pinloader
+    p = {str(tmp_path / "f.bin")!r}
+    mm = np.memmap(p, np.float32, "w+", shape=(1000, 16)); mm[:] = 1; mm.flush()
+    L = pinloader.ArrayLoader({{"x": mm}}, 100, device="cpu")
+    os.unlink(p); os.mkfifo(p)
+    print("BATCHES", len(list(L)), flush=True)
+    L.close()
+    """
+    p = run_py(code, timeout=60, watchdog=True)
+    assert p.returncode == 0 and "BATCHES 10" in p.stdout, describe(p)
+
+
+def test_a_failed_batch_read_from_python_is_read_again(tmp_path):
+    path = tmp_path / "m.bin"
+    mm = np.memmap(path, dtype=np.int32, mode="w+", shape=(1000, 64))
+    mm[:] = np.arange(1000, dtype=np.int32)[:, None]
+    mm.flush()
+    L = pinloader.ArrayLoader({"x": mm}, 100, device=DEVICE, shuffle=False)
+    rb = _epoch_batches(L._plan, 0)
+    assert next(rb)[0].rows[0] == 0
+    os.truncate(path, 100)
+    with pytest.raises(ValueError, match="truncated"):
+        next(rb)
+    os.truncate(path, 1000 * 64 * 4)
+    assert next(rb)[0].rows[0] == 100  # batch 1, not skipped
+    del rb
+    L.close()

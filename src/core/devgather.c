@@ -391,6 +391,20 @@ int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t bud
     return PL_REG_OK;
 }
 
+pl_hostreg *pl_hostreg_dup(const pl_hostreg *h)
+{
+    size_t size = sizeof(*h) + (size_t)h->n_parts * sizeof(entry *);
+    pl_hostreg *d = malloc(size);
+    if (!d)
+        return NULL;
+    memcpy(d, h, size);
+    pthread_mutex_lock(&reg_mu);
+    for (int i = 0; i < h->n_parts; i++)
+        h->parts[i]->refs++;
+    pthread_mutex_unlock(&reg_mu);
+    return d;
+}
+
 void pl_hostreg_release(pl_hostreg *h)
 {
     if (!h)

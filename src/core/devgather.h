@@ -132,6 +132,10 @@ enum {
 int pl_hostreg_acquire(const pl_backend *b, const void *lo, size_t n, size_t budget,
                        int prefer_read_only, pl_hostreg **out, int *err);
 void pl_hostreg_release(pl_hostreg *r);
+/* A second handle on the same range (its entries stay registered until both are released), or
+ * NULL when out of memory: a RowGather holds its own, so closing the Registration it was made
+ * with cannot unregister what its batches still read. */
+pl_hostreg *pl_hostreg_dup(const pl_hostreg *r);
 /* The device's address of host address p inside r. */
 const char *pl_hostreg_device_ptr(const pl_hostreg *r, const void *p);
 /* 1 if [p, p + n) lies inside r. */

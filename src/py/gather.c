@@ -50,7 +50,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -74,6 +73,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *array;      /* the ndarray rows are read from: the RowGather's own view */
     PyObject *registration; /* a Registration for the device gather, or NULL */
+    pl_hostreg *reg;      /* with it: the RowGather's own handle on its range (pl_hostreg_dup),
+                           * which the Registration's close() does not release */
     PyObject *source;     /* what the caller passed */
     Py_buffer held;       /* an export on the object the array views; held.obj NULL if none */
     int64_t *rows;        /* n_rows validated starts: PyMem_Malloc'd, or borrowed */
@@ -101,9 +102,8 @@ void pl_row_gather_layout(PyObject *o, pl_row_gather_leaf *out)
     out->span = 0;
     out->n_items = PyArray_DIMS(a)[0] - (g->window ? g->window - 1 : 0);
     if (g->registration) {
-        RegistrationObject *r = (RegistrationObject *)g->registration;
-        out->reg = r->reg;
-        out->span = r->span;
+        out->reg = g->reg;
+        out->span = ((RegistrationObject *)g->registration)->span;
     }
     out->dtype = g->dtype;
     out->rows = g->rows;
@@ -584,6 +584,10 @@ static int attach_registration(RowGatherObject *g, PyObject *reg_obj)
                      "these rows (%s)", r->span, why ? why : "a different item size");
         return -1;
     }
+    if (!(g->reg = pl_hostreg_dup(r->reg))) {
+        PyErr_NoMemory();
+        return -1;
+    }
     g->registration = Py_NewRef(reg_obj);
     return 0;
 }
@@ -596,6 +600,13 @@ static void rg_clear_fields(RowGatherObject *g)
     Py_CLEAR(g->array);
     Py_CLEAR(g->source);
     Py_CLEAR(g->registration);
+    pl_hostreg *h = g->reg;
+    g->reg = NULL;
+    if (h) { /* a range inherited through fork() is left alone (pl_hostreg_release) */
+        Py_BEGIN_ALLOW_THREADS
+        pl_hostreg_release(h);
+        Py_END_ALLOW_THREADS
+    }
     if (g->rows_owner)
         Py_CLEAR(g->rows_owner); /* borrowed from an epoch table */
     else
@@ -884,7 +895,8 @@ static PyType_Spec rg_spec = {
  * the batch's slice of the table, the read-ahead of the next batch's rows for memory-mapped
  * leaves (Note [read-ahead]), and the size check of their files (Note [truncated mappings] in
  * pinloader/_epoch_plan.py) by fstat() on a descriptor of the mapped file, which the Python
- * side opened and matched to the mapping's device and inode. The producer holds the RowBatches,
+ * side opened once per loader and matched to the mapping's device and inode (the RowBatches
+ * holds the object that owns it). The producer holds the RowBatches,
  * and so every source, until the last batch it made from it is copied. Read from Python instead
  * (__next__), a RowBatches gives the same batches as tuples of RowGathers. Either way it has one
  * reader. Each source's view is taken once per epoch, not once per batch: a source reshaped in
@@ -892,7 +904,7 @@ static PyType_Spec rg_spec = {
  * flight reads the layout it began with, from memory the held export keeps alive. */
 typedef struct {
     char *path;         /* "arrays['x']" (PyMem_Raw) */
-    char *file;         /* with fd: the file's name for messages (PyMem_Raw) */
+    char *name;         /* with fd: the file's name for messages (PyMem_Raw) */
     PyObject *probe;    /* a RowGather: the held source, its view and its registration */
     pl_row_gather_leaf lay; /* the probe's layout; rows and shape[0] set per batch */
     /* read-ahead: the view's layout, copied (the view is never changed: nobody else has it) */
@@ -900,7 +912,8 @@ typedef struct {
     npy_intp shape[PL_MAX_DIMS], strides[PL_MAX_DIMS];
     size_t itemsize;
     int64_t window;
-    int fd;             /* a file-mapped leaf: a descriptor of the file (ours), else -1 */
+    PyObject *file;     /* a file-mapped leaf: what holds a descriptor of the file, else NULL */
+    int fd;             /* its descriptor (file->fileno()), else -1 */
     int64_t need;       /* the file size its mapping needs */
     int64_t advised_batches, advised_bytes; /* read-ahead so far (__atomic: read any time) */
 } rb_leaf;
@@ -946,7 +959,7 @@ static int rb_file_check(const rb_leaf *L, char *why, size_t n_why)
     }
     snprintf(why, n_why, "%s: the memory-mapped file %s was truncated on disk while loading: it is "
              "now %s, the mapping needs %lld (the dataset was rewritten or cut short under the "
-             "ArrayLoader)", L->path, L->file, now, (long long)L->need);
+             "ArrayLoader)", L->path, L->name, now, (long long)L->need);
     return -1;
 }
 
@@ -960,10 +973,12 @@ static void rb_span(const RowBatchesObject *rb, int64_t b, int64_t *lo, int64_t 
 /* The rows to read ahead with batch b: the next batch's (the first batch's own too). */
 static void rb_ahead(const RowBatchesObject *rb, int64_t b, int64_t *lo, int64_t *n)
 {
-    int64_t start = b * rb->batch_size + (b ? rb->batch_size : 0);
-    int64_t end = PL_MIN(b * rb->batch_size + 2 * rb->batch_size, rb->n_rows);
-    *lo = PL_MIN(start, rb->n_rows);
-    *n = end > *lo ? end - *lo : 0;
+    /* b * batch_size < n_rows (b is a batch): only the additions can overflow, so clamp */
+    int64_t at = b * rb->batch_size, bs = PL_MIN(rb->batch_size, rb->n_rows);
+    int64_t start = PL_MIN(at + (b ? bs : 0), rb->n_rows);
+    int64_t end = PL_MIN(at + 2 * bs, rb->n_rows);
+    *lo = start;
+    *n = end > start ? end - start : 0;
 }
 
 static void rb_count_advice(rb_leaf *L, int64_t bytes)
@@ -1018,31 +1033,34 @@ static void rb_clear_leaves(RowBatchesObject *rb)
     rb->n_leaves = 0;
     for (int i = 0; i < n; i++) {
         Py_XDECREF(leaves[i].probe);
+        Py_XDECREF(leaves[i].file);
         PyMem_RawFree(leaves[i].path);
-        PyMem_RawFree(leaves[i].file);
-        if (leaves[i].fd >= 0)
-            close(leaves[i].fd);
+        PyMem_RawFree(leaves[i].name);
     }
     PyMem_Free(leaves);
 }
 
-/* One entry of `leaves`, (path, probe, readahead, fd, need, file), into L. */
+/* One entry of `leaves`, (path, probe, readahead, file, need, name), into L. */
 static int rb_leaf_init(pl_state *st, rb_leaf *L, PyObject *entry, const epoch_table *t)
 {
-    const char *path, *file = NULL;
-    PyObject *probe;
-    int readahead, fd;
+    const char *path, *name = NULL;
+    PyObject *probe, *file;
+    int readahead, fd = -1;
     long long need;
     if (!PyTuple_Check(entry)) {
         PyErr_Format(PyExc_TypeError, "RowBatches: each leaf must be a tuple, not %.100s", Py_TYPE(entry)->tp_name);
         return -1;
     }
-    if (!PyArg_ParseTuple(entry, "sO!piLz:RowBatches leaf", &path, st->RowGather_Type, &probe, &readahead,
-                          &fd, &need, &file))
+    if (!PyArg_ParseTuple(entry, "sO!pOLz:RowBatches leaf", &path, st->RowGather_Type, &probe, &readahead,
+                          &file, &need, &name))
         return -1;
-    if (fd >= 0 && (!file || need < 0)) {
-        PyErr_SetString(PyExc_ValueError, "RowBatches: a file-mapped leaf needs its file's name and size");
-        return -1;
+    if (file != Py_None) {
+        if (!name || need < 0) {
+            PyErr_SetString(PyExc_ValueError, "RowBatches: a file-mapped leaf needs its file's name and size");
+            return -1;
+        }
+        if ((fd = PyObject_AsFileDescriptor(file)) < 0)
+            return -1;
     }
     RowGatherObject *g = (RowGatherObject *)probe;
     PyArrayObject *a = (PyArrayObject *)g->array;
@@ -1062,17 +1080,14 @@ static int rb_leaf_init(pl_state *st, rb_leaf *L, PyObject *entry, const epoch_t
     L->window = g->window;
     L->need = need;
     L->path = raw_strdup(path);
-    L->file = file ? raw_strdup(file) : NULL;
-    if (!L->path || (file && !L->file)) {
+    L->name = name ? raw_strdup(name) : NULL;
+    if (!L->path || (name && !L->name)) {
         PyErr_NoMemory();
         return -1;
     }
     if (fd >= 0) {
-        L->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0); /* ours: the caller closes its own */
-        if (L->fd < 0) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            return -1;
-        }
+        L->file = Py_NewRef(file); /* owns fd: it stays open while this RowBatches lives */
+        L->fd = fd;
     }
     return 0;
 }
@@ -1127,6 +1142,10 @@ static PyObject *rb_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             return NULL;
         }
     }
+    if (PyList_GET_SIZE(leaves) != n) {
+        Py_DECREF(rb);
+        return PyErr_Format(PyExc_RuntimeError, "RowBatches: the leaves list changed while it was read");
+    }
     return (PyObject *)rb;
 }
 
@@ -1141,7 +1160,7 @@ static PyObject *rb_next(PyObject *op)
     }
     if (rb->next >= rb->n_batches)
         return NULL;
-    int64_t b = rb->next++, lo, n, alo, an;
+    int64_t b = rb->next, lo, n, alo, an; /* advanced once the batch is made */
     char why[640];
     for (int i = 0; i < rb->n_leaves; i++)
         if (rb->leaves[i].fd >= 0 && rb_file_check(&rb->leaves[i], why, sizeof why) < 0)
@@ -1171,6 +1190,8 @@ static PyObject *rb_next(PyObject *op)
     Py_XDECREF(rows);
     Py_XDECREF(ahead);
     rb->reading = 0;
+    if (out)
+        rb->next = b + 1;
     return out;
 }
 
@@ -1180,8 +1201,10 @@ static int rb_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(rb->order);
     Py_VISIT(rb->table);
-    for (int i = 0; i < rb->n_leaves; i++)
+    for (int i = 0; i < rb->n_leaves; i++) {
         Py_VISIT(rb->leaves[i].probe);
+        Py_VISIT(rb->leaves[i].file);
+    }
     return 0;
 }
 
@@ -1241,8 +1264,9 @@ PyDoc_STRVAR(rb_doc,
 "RowBatches(leaves, order, batch_size, n_batches)\n--\n\n"
 "One epoch of an ArrayLoader (Note [native epochs] in src/py/gather.c): batch b is rows\n"
 "order[b*batch_size:(b+1)*batch_size] of every leaf. `leaves`: a list of (path, probe,\n"
-"readahead, fd, need, file): probe a RowGather over the source (its rows unused), fd -1 or a\n"
-"descriptor of the file the source maps (duplicated here) whose size must stay >= need.\n"
+"readahead, file, need, name): probe a RowGather over the source (its rows unused), file None\n"
+"or an object with fileno() (held) of the file the source maps, named `name`, whose size must\n"
+"stay >= need.\n"
 "`order`: an epoch table (_epoch_table). An AsyncPrefetcher makes the batches in C without\n"
 "the GIL; iterated from Python it yields tuples of RowGathers. One reader per epoch.");
 

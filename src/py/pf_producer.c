@@ -369,12 +369,6 @@ static void native_item(pl_prefetcher_obj *self, producer *p, batch *bt)
 static int native_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
 {
     p->gil_wait_ns = 0;
-    /* the previous batch carried no source objects: its block needs no grave, only the one
-     * this round's batch replaces it with (retire_native buries the RowBatches with the last) */
-    if (p->prev_blk) {
-        pl_block_decref(p->prev_blk);
-        p->prev_blk = NULL;
-    }
     batch *bt = PyMem_RawCalloc(1, sizeof(*bt));
     if (!bt) {
         pl_sleep_ns(1000000);
@@ -462,6 +456,13 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
         }
         p->prev_owners = pl_flat_take_owners(f, &p->prev_n);
         if (f->layout.direct || f->layout.gathered) {
+            /* A GIL round buried the previous block with its owners already; an adopted
+             * epoch's batches have no owners, and their block is needed only until the next
+             * one that reads the sources replaces it: retire_native buries the RowBatches with
+             * the last of them (a round that makes no such batch, the epoch's end or an error,
+             * keeps the one before). */
+            if (p->prev_blk)
+                pl_block_decref(p->prev_blk);
             pl_block_incref(bt->blk);
             p->prev_blk = bt->blk;
         }
