@@ -18,7 +18,10 @@ interleaved (each round runs every row once, in order):
   dma_ceiling     the physical reference: one cudaMemcpyAsync of the batch's bytes from
                   resident pinned memory per batch (no gather at all); on the host backend one
                   memcpy of the batch's bytes from resident memory
-Each figure is delivered bytes per second over --batches batches after a warm-up epoch, the
+Each figure is delivered bytes per second over --batches batches after a warm-up (until the
+pinned pool is steady: no slab made in 10 batches; the JSON keeps how many, and how many epoch
+ends fell in the timed batches: the producer stops at an epoch's end until the next iter(), so
+each one drains the pipeline; a source of at least warm-up + --batches batches keeps them out), the
 wait for the device's last copy included (a blocking-sync event: the waiting thread sleeps, so
 the GPU's lag is not counted as CPU time, as torch.cuda.synchronize()'s spin would count it);
 host CPU per batch is the process's CPU time (all threads)
@@ -143,20 +146,31 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     n_per_epoch = len(L)
     take = torch.from_dlpack if torch is not None else np.from_dlpack
     it = iter(L)
-    # warm-up: registration, the kernel's load, and the pinned slabs of depth + 2 batches in
-    # flight (made as the first batches need them: a 38 MB batch takes one 64 MiB slab each)
-    for _ in range(min(20, n_per_epoch - 1)):
-        take(next(it))
+    # warm-up: registration, the kernel's load, and the pinned slabs of the batches in flight
+    # (made as the first batches need them: a 38 MB batch takes one 64 MiB slab each), until
+    # the pool is steady: no slab made in the last 10 batches (20 batches at least, 100 at most)
+    warm, steady_since, slabs = 0, 0, L.stats()["pool_slabs_created"]
+    while warm < 100 and (warm < 20 or warm - steady_since < 10):
+        try:
+            take(next(it))
+        except StopIteration:
+            it = iter(L)
+            continue
+        warm += 1
+        now = L.stats()["pool_slabs_created"]
+        if now != slabs:
+            slabs, steady_since = now, warm
     _sync(torch)
     st0 = L.stats()
-    done = 0
+    done = boundaries = 0
     th0 = thread_cpu_ns(names=False)
     t0, c0 = time.perf_counter(), time.process_time()
     while done < batches:
         try:
             b = next(it)  # next(), not a for loop: iter() on an ArrayLoader starts an epoch
         except StopIteration:
-            it = iter(L)
+            it = iter(L)  # the producer stops at an epoch's end until iter(): a drain
+            boundaries += 1
             continue
         take(b)
         done += 1
@@ -173,6 +187,7 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     producer["pool_slabs_created"] = st["pool_slabs_created"] - st0["pool_slabs_created"]
     return {"gbps": done * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / done * 1e3,
             "wall_ms_per_batch": dt / done * 1e3, **producer, "thread_cpu_ms_per_batch": threads,
+            "warmup_batches": warm, "epoch_boundaries": boundaries,
             "gather": st["gather"], "batches_per_epoch": n_per_epoch,
             "reason": "; ".join(i["reason"] for i in st["gather_leaves"] if i["reason"])}
 
@@ -317,7 +332,8 @@ def main() -> int:
                          f"staging {r['staging_ms_per_batch']:.3f}, sort {r['sort_ms_per_batch']:.3f}, "
                          f"issue {r['copy_issue_ms_per_batch']:.3f}) "
                          f"of {r['wall_ms_per_batch']:.3f} ms/batch; {r['pinned_stalls']} stalls, "
-                         f"{r['pool_slabs_created']} slabs made; CPU ms/batch by thread "
+                         f"{r['pool_slabs_created']} slabs made, {r['warmup_batches']} warm-up batches, "
+                         f"{r['epoch_boundaries']} epoch ends; CPU ms/batch by thread "
                          + ", ".join(f"{k} {v:.3f}" for k, v in list(r["thread_cpu_ms_per_batch"].items())[:6])
                          if "gather" in r else ""))
         results["rows"][str(row)] = {"batch": bs, "source_bytes": src.nbytes, "runs": per}
