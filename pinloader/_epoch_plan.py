@@ -106,7 +106,7 @@ def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.
     after: a name now naming another file, a FIFO or nothing at all gives None), and the mapping,
     the file size it needs and the file's name (_file_mapping). Opened once per loader, one
     descriptor per file."""
-    found = {}
+    found: dict[str, tuple[tuple[mmap.mmap, int, str], int | None]] = {}
     for path, src, _, _ in plan.leaves:
         fm = _file_mapping(src)
         if fm is not None:
@@ -195,6 +195,8 @@ class _Plan:
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
     native = True  # RowBatches where it can be (False: the generator; for tests)
+    source_kind = ""  # the last epoch's: "native" (a RowBatches) or "generator"
+    source_reason = ""  # why the generator, when it was
     files: dict[str, Any] | None = None  # _open_mapped_files, made at the first native epoch
     leaves: list[Any] = []
     regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
@@ -294,7 +296,9 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
     generator where a mapped file cannot be opened for its size check. A source found changed
     or cut short is the first batch's error, as the generator reports it, not iter()'s."""
     if not plan.native:
+        plan.source_kind, plan.source_reason = "generator", "native epochs turned off"
         return _epoch_generator(plan, epoch)
+    plan.source_kind, plan.source_reason = "native", ""
     try:
         order = _order(plan, epoch)
         if plan.files is None:
@@ -305,6 +309,9 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
             if path in plan.files:
                 file, m, need, name = plan.files[path]
                 if file is None:
+                    plan.source_kind = "generator"
+                    plan.source_reason = (f"{path}: the file it maps ({name}) could not be opened for its "
+                                          "size check (renamed, deleted or unreadable): each batch takes the GIL")
                     return _epoch_generator(plan, epoch)
                 try:
                     now = os.fstat(file.fileno()).st_size

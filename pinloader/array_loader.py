@@ -532,14 +532,18 @@ class ArrayLoader:
 
     def stats(self) -> dict[str, Any]:
         """The prefetcher's :meth:`~pinloader.AsyncPrefetcher.stats` (empty before the first
-        iteration) and the loader's epoch, rank and world size."""
+        iteration) and the loader's epoch, rank and world size; how its batches are gathered
+        (``gather``, ``gather_leaves``, ``registered_bytes``); and how the last epoch's batches
+        were made: ``epoch_source`` ``"native"`` (in C, without the GIL) or ``"generator"``
+        (a Python generator, one GIL hold per batch), with ``epoch_source_reason``."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
         modes = {i["gather"] for i in self._gather_info}
         s.update(epoch=self._epoch, rank=self.rank, world_size=self.world_size,
                  batches_per_epoch=len(self),
                  gather=modes.pop() if len(modes) == 1 else "mixed",
                  gather_leaves=[dict(i) for i in self._gather_info],
-                 registered_bytes=sum(r.nbytes for r in self._regs.values() if r.owned))
+                 registered_bytes=sum(r.nbytes for r in self._regs.values() if r.owned),
+                 epoch_source=self._plan.source_kind, epoch_source_reason=self._plan.source_reason)
         return s
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ def test_producer_takes_the_gil_once_per_epoch(gather):
             assert np.array_equal(np.concatenate([g["w"] for g in got]), d["w"][order])
         st = L.stats()
     assert st["batches"] == 3 * 400
+    assert st["epoch_source"] == "native" and st["epoch_source_reason"] == ""
     # one hold per epoch (adopting its RowBatches), not one per batch (before: 1203)
     assert st["producer_gil_holds"] == 3
     assert st["gather"] == gather
@@ -167,7 +168,11 @@ def test_deleted_mapped_file_falls_back_to_the_generator(tmp_path):
         assert not isinstance(_epoch_batches(L._plan, 0), _C.RowBatches)
         got = np.concatenate([g["x"] for g in collect(L)])
         assert np.array_equal(got[:, 0], L.indices(0))
-        assert L.stats()["producer_gil_holds"] == 11  # the generator: once per batch, and the end
+        st = L.stats()
+        assert st["producer_gil_holds"] == 11  # the generator: once per batch, and the end
+        assert st["epoch_source"] == "generator"
+        assert st["epoch_source_reason"].startswith("arrays['x']: the file it maps (") and "gone.bin" in \
+            st["epoch_source_reason"] and st["epoch_source_reason"].endswith("each batch takes the GIL")
 
 
 # ---- found by a hostile review of the native epochs ----------------------------------------------
