@@ -112,7 +112,8 @@ static void wait_direct_copy(pl_prefetcher_obj *self)
 }
 
 /* Note [GIL handoff]
- * The producer needs the GIL once per batch (next() on the source, reading the leaves). A
+ * The producer needs the GIL once per batch of a Python source (next() on the source, reading
+ * the leaves; an ArrayLoader's epoch needs it once, Note [native epochs] in gather.c). A
  * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
  * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
  * per step anyway, lends it the GIL right there. */
