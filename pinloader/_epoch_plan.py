@@ -275,11 +275,13 @@ def _truncated(path: str, m: mmap.mmap, need: int, name: str) -> ValueError:
                       "rewritten or cut short under the ArrayLoader)")
 
 
-def _probe(plan: _Plan, path: str, src: Any, shape: tuple[int, ...]) -> RowGather:
-    """A RowGather over no rows of ``src``: its own view of the source, checked against the shape
-    and dtype the loader was made with, and the leaf's registration."""
+def _row_gather(plan: _Plan, path: str, src: Any, shape: tuple[int, ...], rows: Any,
+                ahead: Any = None) -> RowGather:
+    """A RowGather of ``rows`` of ``src`` (with ``ahead`` read ahead), with the leaf's
+    registration: its own view of the source, checked against the shape and dtype the loader
+    was made with. Over no rows, it is a RowBatches' probe."""
     try:
-        g = RowGather(src, np.empty(0, np.int64), plan.window, None, plan.regs.get(path))
+        g = RowGather(src, rows, plan.window, ahead, plan.regs.get(path))
     except (IndexError, ValueError, TypeError, BufferError) as e:
         _check_shape(path, src, shape)
         raise type(e)(f"{path}: {e}") from None
@@ -319,7 +321,8 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
                     now = -1
                 if now < need:
                     raise _truncated(path, m, need, name)
-            leaves.append((path, _probe(plan, path, src, shape), mapped, file, need, name))
+            probe = _row_gather(plan, path, src, shape, np.empty(0, np.int64))
+            leaves.append((path, probe, mapped, file, need, name))
         return RowBatches(leaves, order, plan.batch_size, plan.n_batches)
     except Exception as e:  # noqa: BLE001 -- raised by the first next(), as the generator did
         return _raise_at_first_batch(e)
@@ -343,7 +346,6 @@ def _epoch_generator(plan: _Plan, epoch: int) -> Iterator[Any]:
     # window to one batch.
     order = _order(plan, epoch)
     bs, n_batches = plan.batch_size, plan.n_batches
-    window = plan.window
     any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
     files = [(path, *fm) for path, src, _, _ in plan.leaves
              if (fm := _file_mapping(src)) is not None]
@@ -359,17 +361,6 @@ def _epoch_generator(plan: _Plan, epoch: int) -> Iterator[Any]:
         rows = order[lo:lo + bs]
         # Note [read-ahead] in src/py/gather.c: the next batch's rows (the first batch's own too)
         ahead = order[(lo + bs if b else lo):lo + 2 * bs] if any_mapped else None
-        leaves = []
-        for path, src, mapped, shape in plan.leaves:
-            try:
-                g = RowGather(src, rows, window, ahead if mapped else None, plan.regs.get(path))
-            except (IndexError, ValueError, TypeError, BufferError) as e:
-                _check_shape(path, src, shape)
-                raise type(e)(f"{path}: {e}") from None
-            if g.source_shape != shape:
-                _check_shape(path, src, shape)
-            if g.dtype != plan.dtypes[path]:
-                raise ValueError(f"{path}: the source changed dtype from {plan.dtypes[path]} to "
-                                 f"{g.dtype} under the ArrayLoader")
-            leaves.append(g)
+        leaves = [_row_gather(plan, path, src, shape, rows, ahead if mapped else None)
+                  for path, src, mapped, shape in plan.leaves]
         yield tuple(leaves)  # placed in the loader's structure by the prefetcher (structure=)

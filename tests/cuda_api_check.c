@@ -45,7 +45,6 @@ SAME_VALUE(cudaDevAttrMultiProcessorCount);
 SAME_VALUE(cudaDevAttrHostRegisterReadOnlySupported);
 SAME_VALUE(cudaStreamNonBlocking);
 SAME_VALUE(cudaEventDisableTiming);
-SAME_VALUE(cudaEventBlockingSync);
 SAME_VALUE(cudaMemcpyHostToHost);
 SAME_VALUE(cudaMemcpyHostToDevice);
 SAME_VALUE(cudaMemcpyDeviceToHost);

@@ -398,3 +398,28 @@ def map_leaves(obj, fn):
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_leaves(v, fn) for v in obj)
     return fn(obj)
+
+
+def run_c_check(tmp_path, check, core_sources):
+    """Build tests/<check> against src/core/<core_sources> (with ASan and UBSan where the compiler
+    has them) and run it: it must print "bad=0" and exit 0. Skips without a C compiler."""
+    import shutil
+
+    import pytest
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    core = os.path.join(root, "src", "core")
+    exe = tmp_path / os.path.splitext(check)[0]
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)  # the sanitizer jobs preload their runtime into Python only
+    cmd = ([cc, "-std=gnu11", "-O1", "-fsanitize=address,undefined", "-I", core, os.path.join(root, "tests", check)]
+           + [os.path.join(core, f) for f in core_sources] + ["-o", str(exe), "-lpthread"])
+    if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
+        cmd = [c for c in cmd if not c.startswith("-fsanitize")]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "bad=0", r.stdout + r.stderr

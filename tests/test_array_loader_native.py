@@ -140,8 +140,9 @@ def test_row_batches_constructor_refuses_bad_arguments():
     assert [len(g[0].rows) for g in ok] == [3, 3, 3]
 
 
-def test_file_cut_after_the_epoch_began_is_reported_by_the_native_check(tmp_path):
-    # the RowBatches checks on its own descriptor: closing the caller's changes nothing
+def cut_after_one_batch(tmp_path):
+    """A loader over a 1000 x 64 int32 memmap and its epoch 0's RowBatches, read one batch, then
+    the file cut to 100 bytes: (path, loader, RowBatches)."""
     path = tmp_path / "m.bin"
     mm = np.memmap(path, dtype=np.int32, mode="w+", shape=(1000, 64))
     mm[:] = np.arange(1000, dtype=np.int32)[:, None]
@@ -149,7 +150,14 @@ def test_file_cut_after_the_epoch_began_is_reported_by_the_native_check(tmp_path
     L = pinloader.ArrayLoader({"x": mm}, 100, device=DEVICE, shuffle=False)
     rb = _epoch_batches(L._plan, 0)
     assert next(rb)[0].rows[0] == 0
-    os.truncate(path, 100)  # before the next batch's rows are read: none of them are touched
+    os.truncate(path, 100)
+    return path, L, rb
+
+
+def test_file_cut_after_the_epoch_began_is_reported_by_the_native_check(tmp_path):
+    # the RowBatches checks on its own descriptor: closing the caller's changes nothing
+    # cut before the next batch's rows are read: none of them are touched
+    path, L, rb = cut_after_one_batch(tmp_path)
     with pytest.raises(ValueError, match=r"^arrays\['x'\]: the memory-mapped file .*m.bin was truncated on disk "
                                          r"while loading: it is now 100 bytes, the mapping needs 256000"):
         next(rb)
@@ -296,14 +304,7 @@ def test_a_mapped_files_name_now_naming_a_fifo_does_not_hang(tmp_path):
 
 
 def test_a_failed_batch_read_from_python_is_read_again(tmp_path):
-    path = tmp_path / "m.bin"
-    mm = np.memmap(path, dtype=np.int32, mode="w+", shape=(1000, 64))
-    mm[:] = np.arange(1000, dtype=np.int32)[:, None]
-    mm.flush()
-    L = pinloader.ArrayLoader({"x": mm}, 100, device=DEVICE, shuffle=False)
-    rb = _epoch_batches(L._plan, 0)
-    assert next(rb)[0].rows[0] == 0
-    os.truncate(path, 100)
+    path, L, rb = cut_after_one_batch(tmp_path)
     with pytest.raises(ValueError, match="truncated"):
         next(rb)
     os.truncate(path, 1000 * 64 * 4)

@@ -14,6 +14,7 @@ import pytest
 
 import pinloader
 from pinloader import _C
+from helpers import run_c_check
 
 BACKENDS = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
 
@@ -394,22 +395,4 @@ def test_cuda_auto_prefers_the_device_gather_and_consumer_streams_wait():
 def test_pair_table_meets_its_contract(tmp_path):
     # pl_gather_sort on all its paths, pl_gather_in_order, and pl_gather_stage_edges over
     # sorted and in-order tables (tests/devgather_sort_check.c), compiled with the sanitizers where the compiler has them
-    import shutil
-    import subprocess
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    exe = tmp_path / "sortcheck"
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)  # the sanitizer jobs preload their runtime into Python only
-    cmd = [cc, "-std=gnu11", "-O1", "-fsanitize=address,undefined", "-I", os.path.join(root, "src", "core"),
-           os.path.join(root, "tests", "devgather_sort_check.c"),
-           os.path.join(root, "src", "core", "devgather.c"), "-o", str(exe), "-lpthread"]
-    if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
-        cmd = [c for c in cmd if not c.startswith("-fsanitize")]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0 and r.stdout.strip() == "bad=0", r.stdout + r.stderr
+    run_c_check(tmp_path, "devgather_sort_check.c", ["devgather.c"])

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import pinloader
 from pinloader import PinnedPool, PoolExhausted, _C
-from helpers import ALIGN, KiB, MiB, child_env, pool_stats, values, wait_for
+from helpers import ALIGN, KiB, MiB, child_env, pool_stats, run_c_check, values, wait_for
 
 JOIN_S = 30.0  # bound on waits that must end: a hang becomes a failure
 
@@ -495,25 +495,5 @@ def test_pool_trim_frees_nothing_pending_and_pending_regions_are_not_reused():
 def test_a_waiting_reservation_waits_on_the_oldest_release(tmp_path):
     # Note [slab reuse] in src/core/pool.c, against a fake backend (tests/pool_order_check.c):
     # waiting on the newest release would find the GPU idle when it wakes
-    import os
-    import shutil
-    import subprocess
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    core = os.path.join(root, "src", "core")
-    exe = tmp_path / "poolcheck"
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)  # the sanitizer jobs preload their runtime into Python only
-    cmd = [cc, "-std=gnu11", "-O1", "-fsanitize=address,undefined", "-I", core,
-           os.path.join(root, "tests", "pool_order_check.c")] + \
-        [os.path.join(core, f) for f in ("pool.c", "pool_client.c", "pool_debug.c", "pool_default.c",
-                                         "util.c", "numa.c")] + ["-o", str(exe), "-lpthread"]
-    if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
-        cmd = [c for c in cmd if not c.startswith("-fsanitize")]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0 and r.stdout.strip() == "bad=0", r.stdout + r.stderr
+    run_c_check(tmp_path, "pool_order_check.c",
+                ["pool.c", "pool_client.c", "pool_debug.c", "pool_default.c", "util.c", "numa.c"])

@@ -52,7 +52,6 @@ typedef struct pl_CUkern_st *pl_cudaKernel_t;
 #define pl_cudaHostRegisterMapped 0x02
 #define pl_cudaHostRegisterReadOnly 0x08
 #define pl_cudaStreamNonBlocking 0x01
-#define pl_cudaEventBlockingSync 0x01
 #define pl_cudaEventDisableTiming 0x02
 
 /* ---- enums ---- */

@@ -327,6 +327,19 @@ static int reserve_leaves(pl_flat *f, Py_ssize_t n)
     return 0;
 }
 
+/* The leaf put in slot f->n_leaves (rc: what put_leaf or put_row_leaf answered, why: its
+ * refusal) becomes the walk's: its node, and `owner`, which keeps its memory alive. */
+static int keep_leaf(pl_flat *f, int rc, const char *why, PyObject *key, PyObject *owner)
+{
+    if (rc != PL_LAYOUT_OK)
+        return leaf_error(f, PyExc_ValueError, "%s", why);
+    Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
+    if (node < 0 || add_owner(f, owner) < 0)
+        return -1;
+    f->nodes[node].leaf = f->n_leaves++;
+    return 0;
+}
+
 /* Add an array leaf and its node. `owner` keeps the memory at `data` alive. */
 static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
                          const int64_t *shape, const int64_t *strides, DLDataType dt, int pinned,
@@ -337,13 +350,8 @@ static int add_leaf_rows(pl_flat *f, PyObject *key, PyObject *owner, const char 
     if (reserve_leaves(f, 1) < 0)
         return -1;
     char why[400];
-    if (put_leaf(f, data, ndim, shape, strides, dt, pinned, rows, gather, why, sizeof why) != PL_LAYOUT_OK)
-        return leaf_error(f, PyExc_ValueError, "%s", why);
-    Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
-    if (node < 0 || add_owner(f, owner) < 0)
-        return -1;
-    f->nodes[node].leaf = f->n_leaves++;
-    return 0;
+    int rc = put_leaf(f, data, ndim, shape, strides, dt, pinned, rows, gather, why, sizeof why);
+    return keep_leaf(f, rc, why, key, owner);
 }
 
 static int add_leaf(pl_flat *f, PyObject *key, PyObject *owner, const char *data, int ndim,
@@ -447,13 +455,7 @@ static int row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj)
     if (reserve_leaves(f, 1) < 0)
         return -1;
     char why[400];
-    if (put_row_leaf(f, &g, why, sizeof why) != PL_LAYOUT_OK)
-        return leaf_error(f, PyExc_ValueError, "%s", why);
-    Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
-    if (node < 0 || add_owner(f, obj) < 0)
-        return -1;
-    f->nodes[node].leaf = f->n_leaves++;
-    return 0;
+    return keep_leaf(f, put_row_leaf(f, &g, why, sizeof why), why, key, obj);
 }
 
 int pl_flat_reserve_rows(pl_flat *f, Py_ssize_t n)
