@@ -103,7 +103,31 @@ def describe(p):
 
 
 # The parent's side of the fork tests: wait for a child, kill it (and say "HANG") past timeout.
+# Before the kill, a hung child's threads are written to stderr (which describe() shows): each
+# thread's kernel state, and its native stack where gdb is installed, so that a hang seen once
+# in CI says where it was.
 WAIT_CHILD = '''
+def dump_hung_child(pid):
+    import glob, shutil, subprocess
+    sys.stderr.write(f"---- child {{pid}} hung; its threads:\\n")
+    for task in sorted(glob.glob(f"/proc/{{pid}}/task/*")):
+        fields = []
+        for name in ("comm", "wchan", "syscall"):
+            try:
+                with open(f"{{task}}/{{name}}") as f:
+                    fields.append(f"{{name}}={{f.read().strip()}}")
+            except OSError:
+                pass
+        sys.stderr.write(f"  {{task.rsplit('/', 1)[1]}}: {{' '.join(fields)}}\\n")
+    if shutil.which("gdb"):
+        try:
+            out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt"],
+                                 capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            out = f"gdb failed: {{e}}"
+        sys.stderr.write(out[-20000:] + "\\n")
+    sys.stderr.flush()
+
 def wait_child(pid, timeout={timeout}):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,6 +135,7 @@ def wait_child(pid, timeout={timeout}):
         if done:
             return os.waitstatus_to_exitcode(status)
         time.sleep({poll})
+    dump_hung_child(pid)
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     return "HANG"

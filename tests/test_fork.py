@@ -299,7 +299,7 @@ import numpy as np
 import pinloader
 from pinloader import _C
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-""" + WAIT_CHILD.format(timeout=10.0, poll=0.002) + """
+""" + WAIT_CHILD.format(timeout=30.0, poll=0.002) + """
 def child(fn):
     code = 99
     try:
