@@ -109,7 +109,21 @@ def _wants_readahead(src: Any, readahead: bool | None) -> bool:
 
 def _hold(src: Any) -> list[memoryview]:
     """Buffer exports that keep the object under ``src`` from being closed or resized while the
-    loader lives (Python raises BufferError instead)."""
+    loader lives (Python raises BufferError instead). A CPU torch tensor: a NumPy view of it.
+    torch's ``resize_`` grows a tensor by moving its storage's memory and freeing the old block,
+    which an epoch in flight still reads (its DLPack export holds the storage, not the memory).
+    ``Tensor.numpy()`` marks the storage not resizable, for good: torch then refuses ("Trying to
+    resize storage that is not resizable"), during the loader's life and after it, as it does
+    for every tensor made by ``torch.from_numpy``. Shrinking needs no new memory and stays
+    allowed: the next epoch reports the changed shape."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(src, torch.Tensor):
+        if src.device.type != "cpu":
+            return []
+        try:
+            return [memoryview(src.detach().numpy())]
+        except (RuntimeError, TypeError, ValueError):
+            return []  # a dtype NumPy lacks: the source is refused anyway
     target = src
     if isinstance(src, np.ndarray):
         target = next((b for b in _base_chain(src) if not isinstance(b, np.ndarray)), None)
@@ -181,7 +195,12 @@ class ArrayLoader:
         batch's rows: shape ``(batch, *array.shape[1:])``, or with ``windows=L``
         ``(batch, L, *array.shape[1:])``. Sources are read in place and never pinned, so a
         memory-mapped file larger than RAM works; they are held (cannot be closed or resized)
-        until :meth:`close`.
+        until :meth:`close`. A CPU torch tensor can no longer grow with ``resize_`` once given
+        to an ArrayLoader, even after :meth:`close` (torch marks its storage not resizable, as
+        for tensors made by ``torch.from_numpy``). A file mapping reached only through another
+        object (a tensor made by ``torch.from_numpy`` over a memmap) cannot be held: closing
+        that mapping under the loader crashes the process, as any read of a closed mapping
+        would.
     batch_size : int
         Items per batch (rows, or windows).
     shuffle : bool, default True

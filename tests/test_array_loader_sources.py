@@ -143,6 +143,27 @@ def test_source_resized_under_the_loader_is_a_clear_error():
     L.close()
 
 
+@pytest.mark.hostile
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_torch_source_cannot_grow_under_the_loader(dtype):
+    # resize_ grows a tensor by moving its storage's memory and freeing the old block, which the
+    # epoch in flight reads: the loader takes a NumPy view of the tensor, which makes torch
+    # refuse (before: a use-after-free in the staging threads, a segfault)
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1 << 14).to(getattr(torch, dtype)).reshape(1 << 12, 4)
+    want = t.numpy().copy()
+    L = pinloader.ArrayLoader(t, 256, device=DEVICE, depth=1)
+    order = L.indices(0)
+    it = iter(L)
+    got = [np.from_dlpack(next(it)).copy()]
+    with pytest.raises(RuntimeError, match="not resizable"):
+        t.resize_(1 << 15, 4)
+    # (torch sets the new shape before it refuses: the next epoch would report it)
+    got += [np.from_dlpack(next(it)).copy() for _ in range(len(L) - 1)]  # iter() starts an epoch
+    assert np.array_equal(np.concatenate(got), want[order])
+    L.close()
+
+
 def closed_sources():
     m = mmap.mmap(-1, 4096)
     m.close()
