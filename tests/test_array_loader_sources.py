@@ -279,3 +279,36 @@ def test_anonymous_mmap_and_file_that_grew_are_fine(tmp_path):
     L = pinloader.ArrayLoader((np.frombuffer(anon, np.uint8).reshape(64, -1), mm), 8, device=DEVICE)
     assert sum(1 for _ in L) == 8
     L.close()
+
+
+class _ExportInterrupted:
+    """A DLPack exporter interrupted (Ctrl-C) while it exports."""
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **kw):
+        raise KeyboardInterrupt
+
+
+class _LookupInterrupted:
+    """An object interrupted while its __dlpack__ is looked up."""
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __getattr__(self, name):
+        if name == "__dlpack__":
+            raise KeyboardInterrupt
+        raise AttributeError(name)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("cls", [_ExportInterrupted, _LookupInterrupted])
+def test_ctrl_c_while_a_source_is_read_stays_keyboard_interrupt(cls):
+    # before: TypeError "source: could not read it through DLPack" (while exporting), or
+    # "source must be a NumPy array..." (while looking __dlpack__ up)
+    with pytest.raises(KeyboardInterrupt):
+        _C.RowGather(cls(), [0])
+    with pytest.raises(KeyboardInterrupt):
+        pinloader.ArrayLoader({"x": cls()}, 1, device=DEVICE)

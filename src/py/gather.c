@@ -188,6 +188,21 @@ static void hold_base(RowGatherObject *g, PyArrayObject *a)
     }
 }
 
+/* Whether o has the attribute: 1 or 0, or -1 with a KeyboardInterrupt or SystemExit raised
+ * while looking (which stay what they are); any other error reads as "no". */
+static int has_attr(PyObject *o, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (v) {
+        Py_DECREF(v);
+        return 1;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 /* The source as an ndarray (new reference), its owners held in g. */
 static PyObject *source_array(RowGatherObject *g, PyObject *src)
 {
@@ -195,7 +210,12 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
         hold_base(g, (PyArrayObject *)src);
         return Py_NewRef(src);
     }
-    if (PyObject_HasAttrString(src, "__dlpack_device__") && PyObject_HasAttrString(src, "__dlpack__")) {
+    int dl = has_attr(src, "__dlpack_device__");
+    if (dl > 0)
+        dl = has_attr(src, "__dlpack__");
+    if (dl < 0)
+        return NULL;
+    if (dl) {
         PyObject *dev = PyObject_CallMethod(src, "__dlpack_device__", NULL);
         if (!dev)
             return NULL;
@@ -219,6 +239,8 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
         PyObject *np = PyImport_ImportModule("numpy");
         PyObject *arr = np ? PyObject_CallMethod(np, "from_dlpack", "O", src) : NULL;
         Py_XDECREF(np);
+        if (!arr && !PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL; /* KeyboardInterrupt, SystemExit: as they are */
         if (!arr || !PyArray_Check(arr)) {
             PyObject *type_, *value, *tb;
             PyErr_Fetch(&type_, &value, &tb);
