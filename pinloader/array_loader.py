@@ -451,7 +451,20 @@ class ArrayLoader:
             return 0
         return self._epoch + 1 if (self._consumed or self._done) else self._epoch
 
+    def _check_structure(self) -> None:
+        """The prefetcher places leaf i of each batch where the structure's leaf i is when it
+        is made (at the first iteration, and again after an error or a load_state_dict): a
+        structure changed since the loader was made (a dict reordered, an entry replaced) would
+        put each batch's arrays under the wrong names."""
+        leaves, _ = _C._leaves(self._structure, "arrays")
+        now = [(path, id(src)) for path, src in leaves]
+        if now != [(path, id(src)) for path, src, _, _ in self._plan.leaves]:
+            raise ValueError("ArrayLoader: arrays was changed after the loader was made (entries "
+                             "added, removed, replaced or reordered); make a new ArrayLoader "
+                             "over the new arrays")
+
     def _make_prefetcher(self) -> AsyncPrefetcher:
+        self._check_structure()
         depth = _DEFAULT_DEPTH if self._depth is None else self._depth
         self._register(self._device)
         return AsyncPrefetcher(self._source, device=self._device, depth=depth,

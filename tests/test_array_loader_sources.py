@@ -312,3 +312,30 @@ def test_ctrl_c_while_a_source_is_read_stays_keyboard_interrupt(cls):
         _C.RowGather(cls(), [0])
     with pytest.raises(KeyboardInterrupt):
         pinloader.ArrayLoader({"x": cls()}, 1, device=DEVICE)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("change", ["reorder", "replace", "add"])
+def test_arrays_changed_after_the_loader_was_made_is_a_clear_error(change):
+    # before: the batch's arrays came under each other's names (reorder, replace) with no error
+    d = {"x": np.zeros((100, 4), np.float32), "y": np.ones((100, 4), np.float32)}
+    L = pinloader.ArrayLoader(d, 10, device=DEVICE)
+    if change == "reorder":
+        d["x"] = d.pop("x")
+    elif change == "replace":
+        d["x"] = np.full((100, 4), 2, np.float32)
+    else:
+        d["z"] = np.zeros((100, 4), np.float32)
+    with pytest.raises(ValueError, match="arrays was changed after the loader was made"):
+        next(iter(L))
+    L.close()
+
+
+def test_structure_kept_as_it_was_gives_each_array_its_name():
+    d = {"x": np.zeros((100, 4), np.float32), "y": np.ones((100, 4), np.float32)}
+    L = pinloader.ArrayLoader(d, 10, device=DEVICE)
+    for _ in range(2):
+        b = next(iter(L))
+        assert float(np.from_dlpack(b["x"]).max()) == 0.0
+        assert float(np.from_dlpack(b["y"]).min()) == 1.0
+    L.close()
