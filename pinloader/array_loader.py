@@ -483,11 +483,20 @@ class ArrayLoader:
             pf.close()
             pf = self._pf = None
         self._failed = False
-        self._epoch = self._plan.epoch = epoch
-        if pf is None:
-            self._pf = self._make_prefetcher()
-        else:
-            iter(pf)
+        prev = self._plan.epoch
+        self._plan.epoch = epoch
+        try:
+            if pf is None:
+                self._pf = self._make_prefetcher()
+            else:
+                iter(pf)
+        except BaseException:
+            # The epoch did not begin (a Ctrl-C while its order was drawn, a source that could
+            # not be read): the next iteration begins it again with a new prefetcher, and
+            # state_dict() still says where the loader is.
+            self._plan.epoch, self._requested, self._failed = prev, epoch, True
+            raise
+        self._epoch = epoch
         self._consumed = 0
         self._done = False
         return self

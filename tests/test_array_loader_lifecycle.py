@@ -143,3 +143,40 @@ def test_array_loader_container_constructor_calling_next_on_the_loader():
     # nothing hangs; the nested next() took batch 1, the loop the other three
     assert "BATCHES 3" in p.stdout, describe(p)
     assert "SEEN returned Pair" in p.stdout, describe(p)
+
+
+class _InterruptedOnce:
+    """A DLPack source (over a NumPy array) whose next read is interrupted once it is armed:
+    a Ctrl-C as an epoch begins."""
+
+    def __init__(self, a):
+        self.a, self.armed = a, False
+
+    def __dlpack_device__(self):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.a.__dlpack_device__()
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+
+@pytest.mark.hostile
+def test_ctrl_c_as_an_epoch_begins_leaves_that_epoch_to_run():
+    # before: the interrupted epoch counted as begun and finished: the next iteration ran the
+    # epoch after it, and state_dict() said so
+    a = np.arange(400, dtype=np.int64).reshape(100, 4)
+    src = _InterruptedOnce(a)
+    L = pinloader.ArrayLoader(src, 10, device="cpu")
+    assert len(list(L)) == 10 and L.epoch == 0
+    before = L.state_dict()
+    src.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        iter(L)
+    assert L.epoch == 0
+    assert L.state_dict() == before
+    got = [np.from_dlpack(b).copy() for b in L]
+    assert L.epoch == 1
+    assert np.array_equal(np.concatenate(got), a[L.indices(1)])
+    L.close()
