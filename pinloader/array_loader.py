@@ -598,6 +598,15 @@ class ArrayLoader:
         for mv in self._holds:
             mv.release()
         self._holds = []
+        # What only iterations read goes too: the sources (their paths, shapes and dtypes stay,
+        # for state_dict()), the structure, the epoch's table (8 bytes a row) and the mapped
+        # files' descriptors. Settings stay: len(), indices(), state_dict() still answer.
+        plan = self._plan
+        plan.leaves = [(path, None, mapped, shape) for path, _, mapped, shape in plan.leaves]
+        plan.files = plan.cache = None
+        self._structure = None
+        if isinstance(self._source, _resume.ResumableEpochs):
+            self._source.resume = None
 
     @property
     def closed(self) -> bool:

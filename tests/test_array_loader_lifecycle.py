@@ -180,3 +180,31 @@ def test_ctrl_c_as_an_epoch_begins_leaves_that_epoch_to_run():
     assert L.epoch == 1
     assert np.array_equal(np.concatenate(got), a[L.indices(1)])
     L.close()
+
+
+@pytest.mark.hostile
+def test_close_lets_go_of_the_sources_the_epoch_table_and_the_files(tmp_path):
+    # before: a closed loader kept its sources (and so their mappings' descriptors), the
+    # epoch's table (8 bytes a row) and a descriptor per mapped file, for as long as it lived
+    import gc
+    import weakref
+    from helpers import count_fds
+    p = tmp_path / "d.npy"
+    np.save(p, np.arange(40000, dtype=np.int64).reshape(10000, 4))
+    fds = count_fds()
+    m = np.load(p, mmap_mode="r")
+    ref = weakref.ref(m)
+    L = pinloader.ArrayLoader({"x": m}, 100, device="cpu")
+    next(iter(L))
+    assert L.stats()["epoch_source"] == "native"
+    state = L.state_dict()
+    L.close()
+    del m
+    gc.collect()
+    assert ref() is None
+    assert count_fds() == fds
+    # what a closed loader still answers
+    assert L.state_dict() == state
+    assert len(L) == 100 and len(L.indices(0)) == 10000
+    with pytest.raises(ValueError, match="closed"):
+        iter(L)
