@@ -213,7 +213,11 @@ class ResumableEpochs:
         sub = copy.copy(plan)  # the epoch's batches are read from the plan's order cache
         sub.cache = (epoch, order)
         sub.n_batches = n_batches
-        return _epoch_batches(sub, epoch)
+        batches = _epoch_batches(sub, epoch)
+        # what the epoch found belongs to the loader's plan: which source makes its batches
+        # (stats()), and the mapped files it opened (opened once per loader)
+        plan.source_kind, plan.source_reason, plan.files = sub.source_kind, sub.source_reason, sub.files
+        return batches
 
 
 def _pending_applies(loader: Any, epoch: int) -> bool:

@@ -464,3 +464,29 @@ def test_torch_door_forwards_to_the_loader():
     tp2.close()
     with pytest.raises(TypeError, match="the source has no state_dict"):
         pt.prefetch([np.zeros(3)], device="cpu").state_dict()
+
+
+def test_a_resumed_epoch_says_how_its_batches_were_made_and_opens_no_file_again(tmp_path):
+    # before: the resumed epoch ran on a copy of the plan: stats() went on saying how the epoch
+    # before it was made, and the mapped files were opened again for every resumed epoch
+    from helpers import count_fds
+    p = tmp_path / "d.npy"
+    np.save(p, np.arange(4000, dtype=np.int64).reshape(1000, 4))
+    m = np.load(p, mmap_mode="r")
+    L = pinloader.ArrayLoader(m, 100, device=DEVICE)
+    L._plan.native = False  # the first epoch from the generator (a test switch)
+    it = iter(L)
+    for _ in range(3):
+        next(it)
+    assert L.stats()["epoch_source"] == "generator"
+    state = L.state_dict()
+    L._plan.native = True
+    fds = None
+    for _ in range(3):
+        L.load_state_dict(state)
+        assert len(list(L)) == 7
+        st = L.stats()
+        assert (st["epoch_source"], st["epoch_source_reason"]) == ("native", "")
+        fds = count_fds() if fds is None else fds
+        assert count_fds() == fds
+    L.close()
