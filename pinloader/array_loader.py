@@ -511,9 +511,11 @@ class ArrayLoader:
         except StopIteration:
             self._done = True
             raise
-        except BaseException:
+        except Exception:
             self._failed = True
             raise
+        # (a KeyboardInterrupt leaves the prefetcher as it was: the batch it interrupted comes
+        # with the next next(), Note [interrupted handout] in src/py/prefetcher.c)
         self._consumed += 1
         return batch
 

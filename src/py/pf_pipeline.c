@@ -83,6 +83,7 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
         self->pool = NULL;
         self->client = NULL;
         Py_CLEAR(self->it);
+        Py_CLEAR(self->stash);
         return;
     }
     int prev_device = -1;
@@ -106,6 +107,7 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
     }
     pl_pf_empty_graves(self, 1);
     Py_CLEAR(self->it);
+    Py_CLEAR(self->stash);
     pl_handout_drop_static(&self->handout);
     pl_stager *stager = self->stager;
     pl_stream *stream = self->copy_stream;

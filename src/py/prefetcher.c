@@ -58,6 +58,7 @@ static void start_epoch(pl_prefetcher_obj *self, PyObject *it)
     self->it_epoch++;
     self->consumer_epoch = self->it_epoch;
     self->consumed_in_epoch = 0;
+    Py_CLEAR(self->stash); /* a batch of the epoch before (Note [interrupted handout]) */
     self->state = PF_OPEN;
     pthread_mutex_lock(&self->mu);
     self->requested_epoch = self->it_epoch;
@@ -207,6 +208,19 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
     }
 }
 
+/* Note [interrupted handout]
+ * A Ctrl-C (or any signal whose handler raises) that lands while a batch is handed out must not
+ * lose the batch:
+ *   - The handout fails with it (a wait, a convert= callback: a KeyboardInterrupt or
+ *     SystemExit, not an Exception): the batch goes back to the head of the queue, not counted
+ *     as handed out, and the next next() hands it out again (a convert= callback sees it
+ *     twice). An Exception from the handout (a convert= that raises ValueError) stays that
+ *     batch's error, as before.
+ *   - It arrives during C code that does not look (the static copy, freeing the batch's
+ *     block), and CPython would raise it as soon as next() returns, in the caller, dropping the
+ *     batch next() returned. The signal is checked once the batch is out: next() raises, and
+ *     keeps what it made (`stash`) for the next next(). A new epoch or close() drops it. */
+
 static PyObject *pf_next(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
@@ -215,6 +229,12 @@ static PyObject *pf_next(PyObject *op)
         return NULL;
     if (self->state != PF_OPEN)
         return NULL; /* StopIteration */
+    if (self->stash) { /* Note [interrupted handout] */
+        PyObject *out = self->stash;
+        self->stash = NULL;
+        self->consumed_in_epoch++;
+        return out;
+    }
     pl_pf_lend_gil_to_producer(self);
     pl_pf_empty_graves(self, 0);
     int64_t t0 = pl_now_ns();
@@ -248,7 +268,23 @@ static PyObject *pf_next(PyObject *op)
         const pl_tree *tree = self->templ.n_nodes ? &self->templ : &bt->tree;
         out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, bt->leaves);
     }
+    if (!out && !PyErr_ExceptionMatches(PyExc_Exception)) { /* Note [interrupted handout] */
+        self->consumed_in_epoch--;
+        pthread_mutex_lock(&self->mu);
+        bt->next = self->head;
+        self->head = bt;
+        if (!self->tail)
+            self->tail = bt;
+        self->queued++;
+        pthread_mutex_unlock(&self->mu);
+        return NULL;
+    }
     pl_pf_batch_free(bt);
+    if (out && PyErr_CheckSignals() < 0) {
+        self->stash = out;
+        self->consumed_in_epoch--;
+        return NULL;
+    }
     return out;
 }
 
@@ -356,6 +392,7 @@ static int pf_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->source);
     Py_VISIT(self->pool_obj);
     Py_VISIT(self->it);
+    Py_VISIT(self->stash);
     int vr = pl_handout_traverse(&self->handout, visit, arg);
     if (!vr)
         vr = pl_tree_traverse(&self->templ, visit, arg);

@@ -91,6 +91,8 @@ struct pl_prefetcher_obj {
     uint64_t it_epoch;
     uint64_t consumer_epoch;
     uint64_t consumed_in_epoch;
+    PyObject *stash; /* a batch made while a signal arrived (Note [interrupted handout] in
+                      * prefetcher.c); the consumer thread's, under the GIL */
     grave *graves;
 
     atomic_int gil_wanted; /* the producer is waiting for the GIL (see Note [GIL handoff] in
