@@ -100,23 +100,26 @@ def _maps_lines(addrs: list[int]) -> dict[int, list[str]]:
     return out
 
 
-def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.mmap, int, str]]:
+def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]]:
     """Per file-mapped leaf (by path): a _MappedFile of the very file it maps (the device and
     inode /proc/self/maps gives for the mapping, matched by a stat before the open and an fstat
     after: a name now naming another file, a FIFO or nothing at all gives None), and the mapping,
     the file size it needs and the file's name (_file_mapping). Opened once per loader, one
     descriptor per file."""
-    found: dict[str, tuple[tuple[mmap.mmap, int, str], int | None]] = {}
+    found: dict[str, tuple[tuple[mmap.mmap | _MappedName, int, str], int | None]] = {}
     for path, src, _, _ in plan.leaves:
         fm = _file_mapping(src)
         if fm is not None:
+            if isinstance(fm[0], _MappedName):
+                found[path] = (fm, fm[0].addr)
+                continue
             try:
                 found[path] = (fm, np.frombuffer(fm[0], dtype=np.uint8).ctypes.data)
             except (ValueError, TypeError, BufferError):
                 found[path] = (fm, None)
     lines = _maps_lines([a for _, a in found.values() if a is not None])
     by_file: dict[tuple[int, int, int], _MappedFile | None] = {}
-    out: dict[str, tuple[_MappedFile | None, mmap.mmap, int, str]] = {}
+    out: dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]] = {}
     for path, ((m, need, name), addr) in found.items():
         out[path] = (None, m, need, name)
         parts = lines.get(addr) if addr is not None else None
@@ -166,12 +169,70 @@ def _owners(src: Any) -> Iterator[Any]:
             return
 
 
-def _file_mapping(src: Any) -> tuple[mmap.mmap, int, str] | None:
-    """The file mapping under ``src``: (its mmap, the file size it needs, the file's name), or
-    None when ``src`` maps no file. Note [truncated mappings]."""
-    m = next((b for b in _owners(src) if isinstance(b, mmap.mmap)), None)
-    if m is None:
+class _MappedName:
+    """A file mapped under a source that hides its mmap (a torch tensor made by
+    ``torch.from_numpy`` over a memmap, ``torch.from_file``), found by address in
+    /proc/self/maps: what _file_mapping gives in place of the mmap. ``size()`` stats the file by
+    name, for the generator's check; ``addr`` is the source's first byte."""
+
+    __slots__ = ("name", "addr")
+
+    def __init__(self, name: str, addr: int) -> None:
+        self.name, self.addr = name, addr
+
+    def size(self) -> int:
+        return os.stat(self.name).st_size
+
+
+def _byte_bounds(src: Any) -> tuple[int, int] | None:
+    """[lo, hi) of the bytes ``src`` spans, read through DLPack (None: not readable so)."""
+    if not hasattr(src, "__dlpack__"):
         return None
+    try:
+        a = np.from_dlpack(src)
+        bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or \
+            getattr(np, "byte_bounds")  # NumPy 1.x
+        lo, hi = bounds(a)
+    except Exception:  # noqa: BLE001 -- not an array NumPy reads: the loader reports it elsewhere
+        return None
+    return (int(lo), int(hi)) if hi > lo else None
+
+
+def _mapped_by_address(src: Any) -> tuple[_MappedName, int, str] | None:
+    """The file mapping under a source whose owners hide it: the mapping /proc/self/maps gives
+    for its bytes (one mapping of a named file that still exists), the file size its last byte
+    needs, and the file's name."""
+    bounds = _byte_bounds(src)
+    if bounds is None:
+        return None
+    lo, hi = bounds
+    lines = _maps_lines([lo, hi - 1])
+    parts = lines.get(lo)
+    if parts is None or lines.get(hi - 1) is not parts:
+        return None  # not mapped, or over several mappings
+    name = parts[5].strip()
+    try:
+        inode = int(parts[4])
+        start = int(parts[0].partition("-")[0], 16)
+        need = int(parts[2], 16) + hi - start
+    except ValueError:
+        return None
+    if not inode or not name.startswith("/") or name.endswith(" (deleted)"):
+        return None  # anonymous memory, or a file no name reaches any more
+    return _MappedName(name, lo), need, name
+
+
+def _file_mapping(src: Any) -> tuple[mmap.mmap | _MappedName, int, str] | None:
+    """The file mapping under ``src``: (its mmap, the file size it needs, the file's name), or
+    None when ``src`` maps no file. Note [truncated mappings]. A source whose owners hide the
+    mmap is found by address instead (_mapped_by_address)."""
+    owners = list(_owners(src))
+    m = next((b for b in owners if isinstance(b, mmap.mmap)), None)
+    if m is None:
+        last = owners[-1]
+        if isinstance(last, (bytes, bytearray)) or (isinstance(last, np.ndarray) and last.base is None):
+            return None  # memory NumPy or Python allocated: no file under it
+        return _mapped_by_address(src)
     try:
         if m.closed or len(m) == 0:
             return None
@@ -265,7 +326,7 @@ def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
                          "ArrayLoader (resized or replaced while loading)")
 
 
-def _truncated(path: str, m: mmap.mmap, need: int, name: str) -> ValueError:
+def _truncated(path: str, m: mmap.mmap | _MappedName, need: int, name: str) -> ValueError:
     try:
         now = f"{m.size()} bytes"
     except (OSError, ValueError) as e:

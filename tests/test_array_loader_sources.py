@@ -339,3 +339,38 @@ def test_structure_kept_as_it_was_gives_each_array_its_name():
         assert float(np.from_dlpack(b["x"]).max()) == 0.0
         assert float(np.from_dlpack(b["y"]).min()) == 1.0
     L.close()
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("how", ["from_numpy", "from_file"])
+def test_truncation_check_finds_files_mapped_under_torch_tensors(tmp_path, how):
+    # A torch tensor hides the mmap under it: the mapping is found by address in
+    # /proc/self/maps (before: no check, and SIGBUS killed the process)
+    pytest.importorskip("torch")
+    p = run_cut(f"""
+    import torch, warnings
+    warnings.simplefilter("ignore")  # torch.from_numpy: a read-only array
+    path = os.path.join(tmp, "cut.bin")
+    np.arange(4096 * 64, dtype=np.float32).tofile(path)
+    if {how!r} == "from_numpy":
+        src = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r", shape=(4096, 64)))
+    else:
+        src = torch.from_file(path, shared=True, size=4096 * 64, dtype=torch.float32).view(4096, 64)
+    for native in (True, False):
+        L = pinloader.ArrayLoader({{"x": src}}, 256, device="cpu", shuffle=False)
+        L._plan.native = native  # the RowBatches' check, then the generator's
+        assert sum(1 for _ in L) == len(L)
+        os.truncate(path, 4096)
+        try:
+            for b in L:
+                np.from_dlpack(b["x"]).sum()
+            print("NO ERROR")
+        except ValueError as e:
+            print("ERROR", L.stats()["epoch_source"], e)
+        L.close()
+        os.truncate(path, 4096 * 64 * 4)
+    """, tmp_path)
+    assert p.returncode == 0, describe(p)
+    for source in ("native", "generator"):
+        assert f"ERROR {source} arrays['x']: the memory-mapped file " in p.stdout, describe(p)
+    assert "cut.bin was truncated on disk" in p.stdout and "NO ERROR" not in p.stdout, describe(p)
