@@ -154,6 +154,8 @@ def _int_arg(name: str, value: Any, lo: int) -> int:
         raise TypeError(f"ArrayLoader: {name} must be an int, not {type(value).__name__}")
     if value < lo:
         raise ValueError(f"ArrayLoader: {name} must be >= {lo}, got {value}")
+    if value >= 1 << 63:
+        raise ValueError(f"ArrayLoader: {name} must be < 2**63, got {value}")
     return int(value)
 
 

@@ -36,6 +36,8 @@ class FakeCuda:
     (dict(batch_size=0), ValueError, "batch_size must be >= 1"),
     (dict(batch_size=-3), ValueError, "batch_size must be >= 1"),
     (dict(batch_size=2.0), TypeError, "batch_size must be an int"),
+    (dict(batch_size=np.uint64(2**64 - 1)), ValueError, r"batch_size must be < 2\*\*63, got 18446744073709551615"),
+    (dict(world_size=2**63, rank=0), ValueError, r"world_size must be < 2\*\*63"),
     (dict(rank=2, world_size=2), ValueError, "rank must be < world_size"),
     (dict(rank=-1, world_size=2), ValueError, "rank must be >= 0"),
     (dict(world_size=0, rank=0), ValueError, "world_size must be >= 1"),
