@@ -96,9 +96,12 @@ def _describe_sources(fp: Any) -> str:
 def _sources_differ(saved: Any, now: dict[str, Any]) -> str | None:
     if saved == now:
         return None
-    if not isinstance(saved, dict) or not isinstance(saved.get("leaves"), list):
+    leaves = saved.get("leaves") if isinstance(saved, dict) else None
+    if not isinstance(leaves, list) or not all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], list)
+            for x in leaves):
         return f"sources: the state's record of the sources is malformed ({saved!r})"
-    old = {tuple(x[:1])[0]: x for x in saved["leaves"] if isinstance(x, list) and x}
+    old = {x[0]: x for x in leaves}
     new = {x[0]: x for x in now["leaves"]}
     for path in list(old) + [p for p in new if p not in old]:
         if path not in new:

@@ -414,6 +414,11 @@ def test_malformed_states_are_refused():
         L.load_state_dict(st, allow_changed={"rank"})
     with pytest.raises(TypeError, match="position must be an int"):
         L.indices_after(0, 1.5)
+    # a sources record that is not the loader's format (before: "unhashable type: 'list'")
+    for junk in ([1, 2], {"rows": 60, "leaves": [[["x"], [60, 2], "int64"]]},
+                 {"rows": 60, "leaves": [["x"]]}, {"rows": 60, "leaves": [["x", 60, "int64"]]}):
+        with pytest.raises(ValueError, match="sources: the state's record of the sources is malformed"):
+            L.load_state_dict(dict(st, sources=junk))
     L.close()
     with pytest.raises(ValueError, match="closed"):
         L.load_state_dict(st)
