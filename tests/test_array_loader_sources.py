@@ -303,8 +303,22 @@ class _LookupInterrupted:
         raise AttributeError(name)
 
 
+class _DeviceInterrupted:
+    """A DLPack exporter whose device type is an object interrupted as it is read."""
+
+    class _Index:
+        def __index__(self):
+            raise KeyboardInterrupt
+
+    def __dlpack_device__(self):
+        return (self._Index(), 0)
+
+    def __dlpack__(self, **kw):
+        return np.zeros((4, 2)).__dlpack__(**kw)
+
+
 @pytest.mark.hostile
-@pytest.mark.parametrize("cls", [_ExportInterrupted, _LookupInterrupted])
+@pytest.mark.parametrize("cls", [_ExportInterrupted, _LookupInterrupted, _DeviceInterrupted])
 def test_ctrl_c_while_a_source_is_read_stays_keyboard_interrupt(cls):
     # before: TypeError "source: could not read it through DLPack" (while exporting), or
     # "source must be a NumPy array..." (while looking __dlpack__ up)

@@ -406,3 +406,60 @@ def test_ctrl_c_during_static_copies_loses_no_batch():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_close_and_ctrl_c_in_convert_leaks_no_block():
+    # convert closes the prefetcher, then is interrupted: the batch is freed, not put back on
+    # the queue of a closed prefetcher (which nothing frees any more)
+    from helpers import live_blocks
+    before = live_blocks()
+    holder = {}
+
+    def convert(x):
+        holder["pf"].close()
+        raise KeyboardInterrupt
+
+    for _ in range(3):
+        pf = pinloader.AsyncPrefetcher([np.ones((3, 4), np.float32)] * 6, device="cpu", convert=convert)
+        holder["pf"] = pf
+        with pytest.raises(KeyboardInterrupt):
+            next(pf)
+        holder.clear()
+        del pf
+    import gc
+    gc.collect()
+    assert live_blocks()[0] <= before[0]
+
+
+@pytest.mark.parametrize("where", ["convert", "namedtuple"])
+def test_stop_iteration_from_user_code_is_an_error_not_the_end(where):
+    # a StopIteration raised by user code as a batch is made or handed out ended the loop
+    # silently, losing the epoch's other batches; it is a RuntimeError now (as PEP 479 makes it
+    # for generators), the StopIteration its cause
+    calls = {"n": 0}
+    opts = {}
+    if where == "convert":
+        def convert(x):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise StopIteration
+            return x
+        opts["convert"] = convert
+        src = [(np.full(4, i, np.float32),) for i in range(10)]
+    else:
+        class NT(collections.namedtuple("NT", "x")):
+            def __new__(cls, *a):
+                calls["n"] += 1
+                if calls.get("armed") and calls["n"] == 4:
+                    raise StopIteration
+                return super().__new__(cls, *a)
+        src = [NT(np.full(4, i, np.float32)) for i in range(10)]
+        calls["n"], calls["armed"] = 0, True
+    pf = pinloader.AsyncPrefetcher(src, device="cpu", **opts)
+    got = []
+    with pytest.raises(RuntimeError, match="raised StopIteration") as info:
+        for b in pf:
+            got.append(float(np.from_dlpack(b[0])[0]))
+    assert isinstance(info.value.__cause__, StopIteration)
+    assert len(got) < 10
+    pf.close()

@@ -223,6 +223,8 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
         int ok = PyArg_ParseTuple(dev, "ii", &type, &id);
         Py_DECREF(dev);
         if (!ok) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL; /* a KeyboardInterrupt from an __index__: as it is */
             PyErr_Clear();
             PyErr_SetString(PyExc_TypeError, "source: __dlpack_device__() did not return (device_type, device_id)");
             return NULL;
@@ -288,7 +290,7 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
             }
         }
         PyObject *arr = PyArray_FromAny(src, NULL, 0, 0, 0, NULL);
-        if (!arr) {
+        if (!arr && PyErr_ExceptionMatches(PyExc_Exception)) {
             PyErr_Clear();
             PyErr_SetString(PyExc_TypeError, "source: buffer-protocol object could not be read as an array");
         }

@@ -142,6 +142,34 @@ static PyObject *pf_iter(PyObject *op)
     return Py_NewRef(op);
 }
 
+/* A StopIteration raised by user code while a batch is made or handed out (a convert=, a
+ * structure's constructor, the stream callable) would end the consumer's for loop silently and
+ * lose the epoch's other batches: as PEP 479 does for generators, it becomes a RuntimeError
+ * whose cause it is. */
+static void stop_iteration_to_runtime_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_StopIteration))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb && value)
+        PyException_SetTraceback(value, tb);
+    PyErr_SetString(PyExc_RuntimeError, "user code raised StopIteration while a batch was made or "
+                    "handed out (a convert=, a structure's constructor, the stream callable)");
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 && value) {
+        PyException_SetCause(v2, Py_NewRef(value));
+        PyException_SetContext(v2, Py_NewRef(value));
+    }
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
 static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
 {
     if (bt->exc) {
@@ -149,6 +177,7 @@ static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
         bt->exc = NULL;
         PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
         Py_DECREF(exc);
+        stop_iteration_to_runtime_error();
         return NULL;
     }
     if (bt->err_value) {
@@ -268,7 +297,8 @@ static PyObject *pf_next(PyObject *op)
         const pl_tree *tree = self->templ.n_nodes ? &self->templ : &bt->tree;
         out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, bt->leaves);
     }
-    if (!out && !PyErr_ExceptionMatches(PyExc_Exception)) { /* Note [interrupted handout] */
+    if (!out && !PyErr_ExceptionMatches(PyExc_Exception) && self->state == PF_OPEN) {
+        /* Note [interrupted handout] (closed meanwhile, by user code: the batch is freed) */
         self->consumed_in_epoch--;
         pthread_mutex_lock(&self->mu);
         bt->next = self->head;
@@ -279,10 +309,16 @@ static PyObject *pf_next(PyObject *op)
         pthread_mutex_unlock(&self->mu);
         return NULL;
     }
+    if (!out)
+        stop_iteration_to_runtime_error();
     pl_pf_batch_free(bt);
     if (out && PyErr_CheckSignals() < 0) {
-        self->stash = out;
-        self->consumed_in_epoch--;
+        if (self->state == PF_OPEN) {
+            self->stash = out;
+            self->consumed_in_epoch--;
+        } else {
+            Py_DECREF(out);
+        }
         return NULL;
     }
     return out;
