@@ -388,3 +388,22 @@ def test_truncation_check_finds_files_mapped_under_torch_tensors(tmp_path, how):
     for source in ("native", "generator"):
         assert f"ERROR {source} arrays['x']: the memory-mapped file " in p.stdout, describe(p)
     assert "cut.bin was truncated on disk" in p.stdout and "NO ERROR" not in p.stdout, describe(p)
+
+
+@pytest.mark.hostile
+def test_row_gather_holds_a_torch_tensors_memory():
+    # torch's DLPack export keeps the tensor, not its memory: set_() freed the memory a
+    # RowGather read (a use-after-free in the staging threads) and resize_ could move it
+    torch = pytest.importorskip("torch")
+    src = torch.arange(1024 * 4, dtype=torch.float32).reshape(1024, 4)
+    want = src.numpy().copy()
+    rows = np.arange(0, 1024, 2)
+    g = _C.RowGather(src, rows)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        src.resize_(1 << 20, 4)
+    src.set_(torch.zeros(1, 4))  # the memory the RowGather reads stays alive
+    import gc
+    gc.collect()
+    with pinloader.AsyncPrefetcher([(g,)], device=DEVICE) as pf:
+        (b,) = drain(pf)
+    assert np.array_equal(np.from_dlpack(b[0]), want[rows])

@@ -10,7 +10,11 @@
  * - the source is held for the RowGather's life: the array itself, and a buffer export on the
  *   first non-array object it views (the mmap.mmap under an np.memmap, a bytearray...), so
  *   closing or resizing that object while rows are in flight is refused by Python itself
- *   (BufferError); NumPy refuses to resize an array that others reference;
+ *   (BufferError); NumPy refuses to resize an array that others reference. A torch tensor's
+ *   DLPack export keeps the tensor, not its memory: `set_`, `.data =` or a growing `resize_`
+ *   would free what the view reads. The export held is then one on a NumPy view of the tensor
+ *   (`tensor.detach().numpy()`), which keeps the storage alive and makes torch refuse to
+ *   resize it, for good (torch_hold);
  * - the array rows are read from is the RowGather's own view of the source (a new ndarray over
  *   the same memory that nobody else references), so assigning `a.shape` or `a.dtype` on the
  *   caller's array, from any thread, cannot change the layout the staging threads or the
@@ -188,6 +192,28 @@ static void hold_base(RowGatherObject *g, PyArrayObject *a)
     }
 }
 
+/* For a CPU torch tensor (duck-typed: detach() and numpy()), a buffer export on a NumPy view
+ * of it, into g->held: see the note at the top of this file. 0 when it is held or src is not
+ * such a tensor (an Exception from torch is not an error here: the source stays read through
+ * DLPack, unheld, as any exporter), -1 with a KeyboardInterrupt or SystemExit. */
+static int torch_hold(RowGatherObject *g, PyObject *src)
+{
+    if (g->held.obj || !PyObject_HasAttrString((PyObject *)Py_TYPE(src), "untyped_storage"))
+        return 0;
+    PyObject *det = PyObject_CallMethod(src, "detach", NULL);
+    PyObject *view = det ? PyObject_CallMethod(det, "numpy", NULL) : NULL;
+    Py_XDECREF(det);
+    if (view && PyObject_GetBuffer(view, &g->held, PyBUF_FULL_RO) < 0)
+        g->held.obj = NULL;
+    Py_XDECREF(view);
+    if (g->held.obj)
+        return 0;
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 /* Whether o has the attribute: 1 or 0, or -1 with a KeyboardInterrupt or SystemExit raised
  * while looking (which stay what they are); any other error reads as "no". */
 static int has_attr(PyObject *o, const char *name)
@@ -258,6 +284,10 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
             return NULL;
         }
         hold_base(g, (PyArrayObject *)arr);
+        if (torch_hold(g, src) < 0) {
+            Py_DECREF(arr);
+            return NULL;
+        }
         return arr;
     }
     if (PyObject_CheckBuffer(src)) {
@@ -885,7 +915,8 @@ PyDoc_STRVAR(rg_doc,
 "the windows source[r:r+L] for r in rows) straight into pinned memory with its staging\n"
 "threads. `source` is a NumPy array or np.memmap, a CPU DLPack exporter or a buffer-protocol\n"
 "object with at least one dimension; it is held (and cannot be closed or resized) while the\n"
-"RowGather lives. `rows` is copied and checked. `readahead`: rows to advise the kernel about\n"
+"RowGather lives (a CPU torch tensor: through a NumPy view of it, so torch refuses to resize\n"
+"its storage from then on). `rows` is copied and checked. `readahead`: rows to advise the kernel about\n"
 "(madvise WILLNEED), for memory-mapped sources. `registration` (from register_rows): the rows\n"
 "are read by the device gather instead, a kernel over the registered source.");
 
