@@ -87,6 +87,29 @@ def test_out_tensors_given_by_the_user(device):
         pt.prefetch(source(1), device=device, out=[out["x"], None])
 
 
+@pytest.mark.hostile
+@pytest.mark.parametrize("how", ["set_", "data", "resize_"])
+def test_out_tensor_moved_under_the_prefetcher_is_an_error(how):
+    # torch's DLPack export keeps the tensor, not its memory: re-pointed or grown, the buffer's
+    # old memory is freed, and the static copy wrote into it (a use-after-free); each batch now
+    # checks the out= buffers where they are
+    import gc
+    out = {"x": torch.empty((8, 3)), "y": torch.empty(8, dtype=torch.int64)}
+    batches = pt.prefetch(source(3), device="cpu", out=out)
+    it = iter(batches)
+    next(it)
+    if how == "set_":
+        out["x"].set_(torch.zeros(8, 3))
+    elif how == "data":
+        out["x"].data = torch.zeros(8, 3)
+    else:
+        out["x"].resize_(64, 3)
+    gc.collect()
+    with pytest.raises(ValueError, match=r"out\[0\] moved or changed since the first batch"):
+        next(it)
+    batches.close()
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_static_over_an_array_loader(device):
     data = np.arange(1000 * 4, dtype=np.float32).reshape(1000, 4)

@@ -224,6 +224,38 @@ static int same_dtype(DLDataType a, DLDataType b)
     return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
 }
 
+/* out= buffers are exported again for every batch (Note [static batches]): an export keeps
+ * its object, not always its memory (torch's keeps the tensor: `set_`, `.data =` or a growing
+ * `resize_` give it new memory and free the old), and a capsule kept unconsumed can be consumed
+ * by someone else. A buffer that moved or changed since the first batch is a ValueError naming
+ * it (a captured graph would read the old address anyway); otherwise the fresh exports replace
+ * the previous ones. -1 with an exception, else 0. */
+static int out_moved(const pl_backend *b, int device, pl_static *S, PyObject *out)
+{
+    pl_static *fresh = static_from_out(b, device, out);
+    if (!fresh)
+        return -1;
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        const static_leaf *a = &S->leaf[i], *c = &fresh->leaf[i];
+        int same = a->ptr == c->ptr && a->nbytes == c->nbytes && a->ndim == c->ndim &&
+                   same_dtype(a->dtype, c->dtype);
+        for (int d = 0; same && d < a->ndim; d++)
+            same = a->shape[d] == c->shape[d];
+        if (!same) {
+            static_free(fresh);
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] moved or changed since "
+                         "the first batch (re-allocated, re-pointed with set_() or .data =, or "
+                         "resized): the static buffers must stay where they are", i);
+            return -1;
+        }
+    }
+    PyObject *keep = S->capsules;
+    S->capsules = fresh->capsules;
+    fresh->capsules = keep;
+    static_free(fresh);
+    return 0;
+}
+
 /* Whether batch leaf i fits static leaf L; its real rows in *rows. ValueError naming it if not. */
 static int check_fits(pl_state *st, Py_ssize_t i, const pl_da_view *v, const static_leaf *L, int64_t *rows)
 {
@@ -311,6 +343,11 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
     /* From here on the GIL is held throughout. */
     if (!h->statics)
         h->statics = h->out ? static_from_out(b, device, h->out) : static_make(st, b, device, leaves, s);
+    else if (h->out && out_moved(b, device, h->statics, h->out) < 0) {
+        if (cuda)
+            pl_device_pop(b, device, prev);
+        return -1;
+    }
     pl_static *S = h->statics;
     int64_t valid = -1;
     if (S && n != S->n)
