@@ -202,3 +202,43 @@ def test_constructor_dropping_a_direct_leaf_and_collecting_delivers_every_batch(
     p = run_py(code, timeout=60, watchdog=True)
     assert "OK 8 [0, 1, 2]" in p.stdout, describe(p)
     assert p.returncode == 0, describe(p)
+
+
+def test_a_dlpack_capsule_is_consumed_so_no_one_else_frees_it():
+    # Note [consumed imports] in src/py/dlpack.c: an exporter that keeps the capsule it returned
+    # and hands it to a second consumer could have that consumer run its deleter (and free the
+    # memory) while the staging threads read it; the capsule is consumed on import now
+    import gc
+    import threading
+    exported = threading.Event()
+
+    class KeepsItsCapsule:
+        def __init__(self):
+            self.a = np.ones((256, 256), np.float32)
+
+        def __dlpack__(self, **kw):
+            self.cap = self.a.__dlpack__(**kw)
+            exported.set()
+            return self.cap
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    class Hands:
+        def __init__(self, cap):
+            self.cap = cap
+
+        def __dlpack__(self, **kw):
+            return self.cap
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    src = KeepsItsCapsule()
+    with pinloader.AsyncPrefetcher([src], device="cpu", depth=1) as pf:
+        assert exported.wait(10)
+        with pytest.raises(ValueError):
+            np.from_dlpack(Hands(src.cap))  # "used_dltensor": already consumed
+        src.a = None
+        gc.collect()
+        assert float(np.from_dlpack(next(pf)).sum()) == 256 * 256

@@ -441,6 +441,47 @@ PyObject *pl_dlpack_call(PyObject *obj)
     return cap;
 }
 
+/* Note [consumed imports]
+ * A capsule that __dlpack__ returned is consumed as the protocol says: renamed
+ * "used_dltensor[_versioned]", its managed tensor now owned by the importer, who calls its
+ * deleter when done. Left unconsumed among a leaf's owners, it could be consumed by someone
+ * else that kept it (an exporter that hands the same capsule to two consumers), whose deleter
+ * would free the memory while the staging threads still read it. The owner object is a capsule
+ * of pinloader's own name whose destructor calls the deleter, with the GIL held, as dropping
+ * the exporter's capsule did. */
+static void consumed_destructor(PyObject *owner)
+{
+    DLManagedTensor *m = PyCapsule_GetPointer(owner, "pinloader.dltensor");
+    if (m && m->deleter)
+        m->deleter(m);
+}
+
+static void consumed_versioned_destructor(PyObject *owner)
+{
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(owner, "pinloader.dltensor_versioned");
+    if (m && m->deleter)
+        m->deleter(m);
+}
+
+PyObject *pl_capsule_consume(PyObject *capsule, int versioned)
+{
+    const char *name = versioned ? "dltensor_versioned" : "dltensor";
+    void *m = PyCapsule_GetPointer(capsule, name);
+    if (!m)
+        return NULL;
+    PyObject *owner = versioned ? PyCapsule_New(m, "pinloader.dltensor_versioned", consumed_versioned_destructor)
+                                : PyCapsule_New(m, "pinloader.dltensor", consumed_destructor);
+    if (!owner)
+        return NULL;
+    if (PyCapsule_SetName(capsule, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0) {
+        /* not consumed: the exporter's capsule keeps the tensor; ours must not free it */
+        PyCapsule_SetDestructor(owner, NULL);
+        Py_DECREF(owner);
+        return NULL;
+    }
+    return owner;
+}
+
 int pl_capsule_tensor(PyObject *capsule, DLTensor **t, int *versioned)
 {
     if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {

@@ -179,7 +179,11 @@ int pl_dtype_valid(DLDataType dt, const char **why);
  * arguments where the exporter refuses the keyword (TypeError). New reference, or NULL with the
  * exporter's exception set. */
 PyObject *pl_dlpack_call(PyObject *obj);
-/* Read a DLPack capsule (either name) without consuming it. */
+/* Read a DLPack capsule (either name) without consuming it (pl_capsule_consume does). */
 int pl_capsule_tensor(PyObject *capsule, DLTensor **t, int *versioned);
+/* Consume a capsule pl_capsule_tensor read (Note [consumed imports] in dlpack.c): rename it
+ * "used_dltensor[_versioned]" and return a new object that owns its managed tensor (its
+ * deleter runs when that object is dropped), or NULL with an exception. */
+PyObject *pl_capsule_consume(PyObject *capsule, int versioned);
 
 #endif

@@ -621,9 +621,11 @@ static int dlpack_leaf(pl_flat *f, PyObject *key, PyObject *obj, PyObject *devob
     int rc = dlpack_validate(f, t, shape, strides, &data, &extent);
     if (rc == 0) {
         int pinned = dev_type == kDLCUDAHost || query_pinned(f, data, extent);
-        /* The capsule stays unconsumed among the owners; dropping it runs the exporter's
-         * deleter with the GIL held. */
-        rc = add_leaf(f, key, cap, data, t->ndim, shape, strides, t->dtype, pinned);
+        /* Consumed (Note [consumed imports] in dlpack.c): its owner joins the leaf's owners;
+         * dropping it runs the exporter's deleter with the GIL held. */
+        PyObject *owner = pl_capsule_consume(cap, versioned);
+        rc = owner ? add_leaf(f, key, owner, data, t->ndim, shape, strides, t->dtype, pinned) : -1;
+        Py_XDECREF(owner);
     }
     Py_DECREF(cap);
     return rc;
