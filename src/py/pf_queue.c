@@ -68,6 +68,20 @@ void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
 
 /* ---- queue ---- */
 
+/* Put a batch the consumer took back at the head of the queue (Note [interrupted handout] in
+ * prefetcher.c): it is the next one handed out. */
+void pl_pf_requeue_batch(pl_prefetcher_obj *self, batch *bt)
+{
+    pthread_mutex_lock(&self->mu);
+    bt->next = self->head;
+    self->head = bt;
+    if (!self->tail)
+        self->tail = bt;
+    self->queued++;
+    pthread_cond_broadcast(&self->cv);
+    pthread_mutex_unlock(&self->mu);
+}
+
 void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt)
 {
     pthread_mutex_lock(&self->mu);

@@ -300,13 +300,7 @@ static PyObject *pf_next(PyObject *op)
     if (!out && !PyErr_ExceptionMatches(PyExc_Exception) && self->state == PF_OPEN) {
         /* Note [interrupted handout] (closed meanwhile, by user code: the batch is freed) */
         self->consumed_in_epoch--;
-        pthread_mutex_lock(&self->mu);
-        bt->next = self->head;
-        self->head = bt;
-        if (!self->tail)
-            self->tail = bt;
-        self->queued++;
-        pthread_mutex_unlock(&self->mu);
+        pl_pf_requeue_batch(self, bt);
         return NULL;
     }
     if (!out)

@@ -149,6 +149,8 @@ void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block
 void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait);
 /* Queue a batch for the consumer (takes mu) and count it in the stats. */
 void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt);
+/* Put a batch the consumer took back at the head of the queue (takes mu); not counted again. */
+void pl_pf_requeue_batch(pl_prefetcher_obj *self, batch *bt);
 void pl_pf_batch_free(batch *bt);
 
 /* ---- pf_producer.c: the producer thread ---- */
