@@ -109,21 +109,9 @@ def _wants_readahead(src: Any, readahead: bool | None) -> bool:
 
 def _hold(src: Any) -> list[memoryview]:
     """Buffer exports that keep the object under ``src`` from being closed or resized while the
-    loader lives (Python raises BufferError instead). A CPU torch tensor: a NumPy view of it.
-    torch's ``resize_`` grows a tensor by moving its storage's memory and freeing the old block,
-    which an epoch in flight still reads (its DLPack export holds the storage, not the memory).
-    ``Tensor.numpy()`` marks the storage not resizable, for good: torch then refuses ("Trying to
-    resize storage that is not resizable"), during the loader's life and after it, as it does
-    for every tensor made by ``torch.from_numpy``. Shrinking needs no new memory and stays
-    allowed: the next epoch reports the changed shape."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(src, torch.Tensor):
-        if src.device.type != "cpu":
-            return []
-        try:
-            return [memoryview(src.detach().numpy())]
-        except (RuntimeError, TypeError, ValueError):
-            return []  # a dtype NumPy lacks: the source is refused anyway
+    loader lives (Python raises BufferError instead). A CPU torch tensor is held by the
+    RowGathers themselves, the first of them made as the loader is (torch_hold in
+    src/py/gather.c: torch refuses to resize its storage from then on)."""
     target = src
     if isinstance(src, np.ndarray):
         target = next((b for b in _base_chain(src) if not isinstance(b, np.ndarray)), None)
