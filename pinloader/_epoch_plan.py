@@ -354,16 +354,18 @@ def _row_gather(plan: _Plan, path: str, src: Any, shape: tuple[int, ...], rows: 
     return g
 
 
-def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
+def _epoch_batches(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
     """The epoch's batches: a RowBatches (Note [native epochs] in src/py/gather.c), or the
     generator where a mapped file cannot be opened for its size check. A source found changed
-    or cut short is the first batch's error, as the generator reports it, not iter()'s."""
+    or cut short is the first batch's error, as the generator reports it, not iter()'s.
+    ``resumed``: the resumed epoch's order and batch count (pinloader/_resume.py), in place of
+    the whole epoch's."""
     if not plan.native:
         plan.source_kind, plan.source_reason = "generator", "native epochs turned off"
-        return _epoch_generator(plan, epoch)
+        return _epoch_generator(plan, epoch, resumed)
     plan.source_kind, plan.source_reason = "native", ""
     try:
-        order = _order(plan, epoch)
+        order, n_batches = resumed or (_order(plan, epoch), plan.n_batches)
         if plan.files is None:
             plan.files = _open_mapped_files(plan)
         leaves: list[tuple[str, RowGather, bool, Any, int, str | None]] = []
@@ -375,7 +377,7 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
                     plan.source_kind = "generator"
                     plan.source_reason = (f"{path}: the file it maps ({name}) could not be opened for its "
                                           "size check (renamed, deleted or unreadable): each batch takes the GIL")
-                    return _epoch_generator(plan, epoch)
+                    return _epoch_generator(plan, epoch, resumed)
                 try:
                     now = os.fstat(file.fileno()).st_size
                 except OSError:
@@ -384,7 +386,7 @@ def _epoch_batches(plan: _Plan, epoch: int) -> Iterator[Any]:
                     raise _truncated(path, m, need, name)
             probe = _row_gather(plan, path, src, shape, np.empty(0, np.int64))
             leaves.append((path, probe, mapped, file, need, name))
-        return RowBatches(leaves, order, plan.batch_size, plan.n_batches)
+        return RowBatches(leaves, order, plan.batch_size, n_batches)
     except Exception as e:  # noqa: BLE001 -- raised by the first next(), as the generator did
         return _raise_at_first_batch(e)
 
@@ -394,7 +396,7 @@ def _raise_at_first_batch(e: Exception) -> Iterator[Any]:
     yield  # a generator
 
 
-def _epoch_generator(plan: _Plan, epoch: int) -> Iterator[Any]:
+def _epoch_generator(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
     # Note [truncated mappings]
     # Rows of a mapping past the end of its file fault with SIGBUS when a staging thread reads
     # them, which kills the process: another job may rewrite or cut the dataset at any time.
@@ -405,8 +407,8 @@ def _epoch_generator(plan: _Plan, epoch: int) -> Iterator[Any]:
     # can be had, checks it with mmap.size() before the batch's RowGathers exist. A file cut
     # while a batch is being staged, after its check, is not caught: the check narrows the
     # window to one batch.
-    order = _order(plan, epoch)
-    bs, n_batches = plan.batch_size, plan.n_batches
+    order, n_batches = resumed or (_order(plan, epoch), plan.n_batches)
+    bs = plan.batch_size
     any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
     files = [(path, *fm) for path, src, _, _ in plan.leaves
              if (fm := _file_mapping(src)) is not None]

@@ -213,14 +213,7 @@ class ResumableEpochs:
         if r is None or r[0] != plan.epoch:
             return iter(self._inner)
         epoch, order, n_batches = r
-        sub = copy.copy(plan)  # the epoch's batches are read from the plan's order cache
-        sub.cache = (epoch, order)
-        sub.n_batches = n_batches
-        batches = _epoch_batches(sub, epoch)
-        # what the epoch found belongs to the loader's plan: which source makes its batches
-        # (stats()), and the mapped files it opened (opened once per loader)
-        plan.source_kind, plan.source_reason, plan.files = sub.source_kind, sub.source_reason, sub.files
-        return batches
+        return _epoch_batches(plan, epoch, (order, n_batches))
 
 
 def _pending_applies(loader: Any, epoch: int) -> bool:
