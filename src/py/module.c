@@ -200,6 +200,9 @@ static PyMethodDef module_methods[] = {
     {"_numa_node_of_pci", mod_numa_node_of_pci, METH_O,
      "_numa_node_of_pci(bus_id, /)\n--\n\nTest hook: the NUMA node pinned slabs of the GPU at this PCI "
      "bus id would be placed on (-1: one node or unknown). PINLOADER_SYSFS_ROOT stands in for /."},
+    {"_debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
+     "_debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
+     "signal signum raised from C, as one that lands during the static copy would be (0: off)."},
     {"_debug_hold_copies", mod_debug_hold_copies, METH_O,
      "_debug_hold_copies(on)\n--\n\nTest switch, host backend only: while on, every host stream holds "
      "its queued work (copies included) and new device blocks are poisoned with 0xcd, so a reader "
