@@ -2,20 +2,23 @@
  * whose events complete only when the test says so: three regions are released after one
  * stream in turn, a fourth reservation must wait, and the first event it waits on must be the
  * first release's; polling asks one event per stream whose oldest release is not done, not one
- * per pending region. Prints "bad=0" when every check holds. Built and run by
- * tests/test_pool.py. */
+ * per pending region. A client's waits tell the backend how long its previous waits for a
+ * copy took (Note [expected waits] in src/core/backend_cuda.c), bounded by one polling slice.
+ * Prints "bad=0" when every check holds. Built and run by tests/test_pool.py. */
 #include "pool.h"
 #include "backend.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     int id, done, recorded;
 } fake_event;
 
 static int n_events, waited_first = -1, bad, queries;
+static int64_t last_expect = -1, wait_sleep_ns;
 
 static int f_event_create(pl_event **out)
 {
@@ -35,9 +38,14 @@ static int f_event_query(pl_event *e)
 }
 static int f_event_sync(pl_event *e) { ((fake_event *)e)->done = 1; return PL_OK; }
 /* A wait completes the event it waits on: the copy it stands for finishes during the wait. */
-static int f_event_wait(pl_event *e, int64_t timeout_ns)
+static int f_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 {
     (void)timeout_ns;
+    last_expect = expect_ns;
+    if (wait_sleep_ns) {
+        struct timespec ts = {0, (long)wait_sleep_ns};
+        nanosleep(&ts, NULL);
+    }
     if (waited_first < 0)
         waited_first = ((fake_event *)e)->id;
     ((fake_event *)e)->done = 1;
@@ -123,6 +131,38 @@ int main(void)
     CHECK(st.pending == 4);
     pl_pool_close(q); /* drains: every wait completes its event */
     pl_pool_decref(q);
+
+    /* expected waits: a client's second wait for a copy is told how long its first took (each
+     * fake wait lasts 2 ms: more than the bound, one 1 ms polling slice); waits outside a
+     * client tell nothing */
+    pl_pool *e;
+    CHECK(pl_pool_create(&b, 0, 2 * region, &e) == PL_OK);
+    pl_pool_client *c;
+    CHECK(pl_pool_client_open(e, 2 * region, &c) == PL_OK);
+    wait_sleep_ns = 2000000;
+    pl_region *u[4];
+    CHECK(pl_pool_reserve_for(e, c, region, 0, NULL, &u[0]) == PL_OK);
+    CHECK(pl_pool_reserve_for(e, c, region, 0, NULL, &u[1]) == PL_OK);
+    CHECK(pl_pool_release_after(e, u[0], s) == PL_OK);
+    CHECK(pl_pool_release_after(e, u[1], s) == PL_OK);
+    last_expect = -1;
+    CHECK(pl_pool_reserve_for(e, c, region, -1, NULL, &u[2]) == PL_OK);
+    CHECK(last_expect == 0); /* the client's first wait: nothing known */
+    CHECK(pl_pool_release_after(e, u[2], s) == PL_OK);
+    pl_pool_poll(e);
+    last_expect = -1;
+    CHECK(pl_pool_reserve_for(e, c, region, -1, NULL, &u[3]) == PL_OK);
+    CHECK(last_expect == 1000000);
+    CHECK(pl_pool_release_after(e, u[3], s) == PL_OK);
+    pl_region *v;
+    last_expect = -1;
+    CHECK(pl_pool_reserve(e, region, -1, NULL, &v) == PL_OK); /* no client */
+    CHECK(last_expect <= 0);
+    pl_pool_release(e, v);
+    wait_sleep_ns = 0;
+    pl_pool_client_close(e, c);
+    pl_pool_close(e);
+    pl_pool_decref(e);
     pl_pool_close(p);
     pl_pool_decref(p);
     printf("bad=%d\n", bad);

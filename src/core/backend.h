@@ -62,8 +62,11 @@ typedef struct pl_backend {
     /* PL_OK if complete (or never recorded), PL_ERR_NOT_READY if not yet, else an error. */
     int (*event_query)(pl_event *e);
     int (*event_synchronize)(pl_event *e);
-    /* Wait at most timeout_ns for e: PL_OK, PL_ERR_TIMEOUT, or an error. */
-    int (*event_wait)(pl_event *e, int64_t timeout_ns);
+    /* Wait at most timeout_ns for e: PL_OK, PL_ERR_TIMEOUT, or an error. expect_ns > 0: how
+     * long the caller expects e to take, which a backend that polls (CUDA has no timed event
+     * wait) sleeps through before it polls (Note [expected waits] in backend_cuda.c); 0:
+     * unknown. */
+    int (*event_wait)(pl_event *e, int64_t timeout_ns, int64_t expect_ns);
 
     /* Page-locked host memory of at least n bytes, page aligned, prefaulted; numa_node >= 0:
      * preferably on that node (Note [slabs on the GPU's node] in numa.c). */
@@ -128,6 +131,9 @@ void pl_host_hold_streams(int on);
  * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or
  * process-lifetime string) to say why. */
 const pl_backend *pl_backend_cuda(int *err, const char **detail);
+/* The most blocks one gather kernel launch uses on any device; 0 restores the default (16 per
+ * multiprocessor). A benchmark knob (pinloader._C._gather_grid): the previous value. */
+unsigned pl_cuda_gather_grid(unsigned max_blocks);
 /* Candidate library paths tried after the ones found by the dynamic loader; call before the
  * first pl_backend_cuda(). The strings are copied. */
 void pl_cuda_set_library_candidates(const char *const *paths, int n);

@@ -244,14 +244,33 @@ static int cuda_event_synchronize(pl_event *e)
     return (int)cu.cudaEventSynchronize((pl_cudaEvent_t)e);
 }
 
-/* CUDA has no timed event wait: poll with a short, growing sleep. The sleep is capped low so a
- * producer waiting for a pinned region notices a finished copy within ~0.2 ms. */
-static int cuda_event_wait(pl_event *e, int64_t timeout_ns)
+/* Note [expected waits]
+ * CUDA has no timed event wait, so cuda_event_wait polls with a short, growing sleep (from
+ * 10 us, doubling, capped at 0.2 ms so that a producer waiting for a pinned region notices a
+ * finished copy soon). Each poll is a wake-up and a cudaEventQuery: a loader-bound producer
+ * that waits for a 0.8 ms copy (a 38 MB batch) polled about 8 times per batch. (A blocking-sync
+ * event was measured instead: the driver's event thread then takes 0.02-0.05 ms of CPU per
+ * batch, benchmarks/results/h200_2026-12-02/gather_blocking.md.) A caller that knows how long
+ * such waits took says so (expect_ns: the pool keeps it per client, pool.c): the first sleep is
+ * then 7/8 of it, and the polls after it start at 1/16 of it, so a wait of the usual length
+ * takes two or three wake-ups. Sleeping past the completion costs no transfer time: the pool
+ * waits for its oldest release, and the copies queued behind it keep the stream busy. */
+static int cuda_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 {
     if (timeout_ns < 0)
         return cuda_event_synchronize(e);
     int64_t deadline = pl_now_ns() + timeout_ns;
     int64_t nap = 10000;
+    if (expect_ns > 0) {
+        int rc = cuda_event_query(e);
+        if (rc != PL_ERR_NOT_READY)
+            return rc;
+        int64_t left = deadline - pl_now_ns();
+        if (left <= 0)
+            return PL_ERR_TIMEOUT;
+        pl_sleep_ns(PL_MIN(expect_ns - expect_ns / 8, left));
+        nap = PL_MAX(nap, expect_ns / 16);
+    }
     for (;;) {
         int rc = cuda_event_query(e);
         if (rc != PL_ERR_NOT_READY)
@@ -553,6 +572,12 @@ static void load_gather(void)
 
 enum { MAX_GATHER_DEVICES = 64 };
 static atomic_int sm_count[MAX_GATHER_DEVICES]; /* 0: not read yet */
+static atomic_uint grid_cap;                     /* 0: the default; see pl_cuda_gather_grid */
+
+unsigned pl_cuda_gather_grid(unsigned max_blocks)
+{
+    return atomic_exchange(&grid_cap, max_blocks);
+}
 
 static int cuda_gather_ready(int device, const char **why)
 {
@@ -599,7 +624,9 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
      * throughout; UNROLL 8 the same as 4. */
     const unsigned long long threads = 256;
     unsigned long long blocks = (total + threads - 1) / threads;
-    unsigned long long max_blocks = (unsigned long long)atomic_load(&sm_count[g->device]) * 16;
+    unsigned long long max_blocks = atomic_load(&grid_cap);
+    if (!max_blocks)
+        max_blocks = (unsigned long long)atomic_load(&sm_count[g->device]) * 16;
     if (blocks > max_blocks)
         blocks = max_blocks;
     void *args[] = {&dst, &table, &src, &edge, &row_stride, &span_units, &total};

@@ -396,6 +396,7 @@ typedef struct {
     int64_t timeout_ns;   /* negative: no limit */
     int64_t start;        /* when the reserve began */
     int64_t wait_start;   /* when it first had to wait; 0 while it has not */
+    int on_copy;          /* it waited for a pending release's copy (not only for room) */
     int made_slab;
 } reserve_state;
 
@@ -417,8 +418,15 @@ static int finish_locked(pl_pool *p, reserve_state *rs, int rc)
         p->st.waits++;
         p->st.wait_ns += waited;
         if (rs->client) {
-            rs->client->st.waits++;
-            rs->client->st.wait_ns += waited;
+            pl_pool_client *c = rs->client;
+            c->st.waits++;
+            c->st.wait_ns += waited;
+            /* Note [expected waits]: a moving average of the client's waits for a copy (a
+             * quarter of the newest), bounded by one polling slice. */
+            if (rc == PL_OK && rs->on_copy) {
+                int64_t w = PL_MIN(waited, POLL_SLICE_NS);
+                c->expect_ns = c->expect_ns ? c->expect_ns + (w - c->expect_ns) / 4 : w;
+            }
         }
         rs->wait_start = 0;
     }
@@ -524,10 +532,14 @@ static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
         return finish_locked(p, rs, PL_ERR_STOPPED);
     pl_event *oldest = p->pending ? p->pending->event : NULL; /* Note [slab reuse] */
     if (oldest) {
+        /* The first slice of a client's wait sleeps through most of the time its waits
+         * usually take (Note [expected waits] in backend_cuda.c). */
+        int64_t expect = !rs->on_copy && rs->client ? rs->client->expect_ns : 0;
+        rs->on_copy = 1;
         pthread_mutex_unlock(&p->mu);
         /* Events are never destroyed before the pool, so a racing poller recycling this one
          * only shortens or lengthens this bounded wait. */
-        p->b->event_wait(oldest, slice);
+        p->b->event_wait(oldest, slice, expect);
     } else {
         struct timespec ts;
         pl_deadline(&ts, slice);
@@ -584,7 +596,7 @@ int pl_pool_reserve_for(pl_pool *p, pl_pool_client *c, size_t n, int64_t timeout
     pl_region *r = malloc(sizeof(*r));
     if (!r)
         return PL_ERR_NO_MEMORY;
-    reserve_state rs = {c, n, size, timeout_ns, pl_now_ns(), 0, 0};
+    reserve_state rs = {.client = c, .n = n, .size = size, .timeout_ns = timeout_ns, .start = pl_now_ns()};
     int rc;
     do {
         pl_pool_poll(p);
@@ -708,7 +720,7 @@ static void drain_pending(pl_pool *p)
         pthread_mutex_unlock(&p->mu);
         if (!e)
             return;
-        p->b->event_wait(e, POLL_SLICE_NS * 10);
+        p->b->event_wait(e, POLL_SLICE_NS * 10, 0);
         pl_pool_poll(p);
     }
 }

@@ -18,6 +18,8 @@
 struct pl_pool_client {
     pl_pool_client_stats st; /* guarded by the pool's mu */
     int closed;              /* guarded by the pool's mu: the owner let go */
+    int64_t expect_ns;       /* guarded by the pool's mu: how long its waits for a copy take
+                              * (Note [expected waits] in backend_cuda.c); 0: not known yet */
 };
 
 #define NUMA_UNKNOWN (-2)

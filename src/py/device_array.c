@@ -150,7 +150,7 @@ static int consumer_wait(pl_state *st, pl_block *blk, pl_stream *s, int *memo, P
     int rc = PL_OK;
     while (rc == PL_OK && pl_block_consumer_wait_blocks(blk)) {
         Py_BEGIN_ALLOW_THREADS
-        rc = blk->b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS);
+        rc = blk->b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS, 0);
         Py_END_ALLOW_THREADS
         if (rc == PL_ERR_TIMEOUT) {
             if (PyErr_CheckSignals() < 0)

@@ -291,7 +291,7 @@ static int wait_batch(pl_state *st, pl_block *blk, pl_stream *s)
     } else {
         for (;;) {
             Py_BEGIN_ALLOW_THREADS
-            rc = b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS);
+            rc = b->event_wait(blk->ready, PL_SIGNAL_SLICE_NS, 0);
             Py_END_ALLOW_THREADS
             if (rc != PL_ERR_TIMEOUT)
                 break;

@@ -167,6 +167,19 @@ static PyObject *mod_debug_hold_copies(PyObject *m, PyObject *on)
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_gather_grid(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    unsigned long v = PyLong_AsUnsignedLong(arg);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (v > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "_gather_grid: max_blocks must be at most 2**31 - 1");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(pl_cuda_gather_grid((unsigned)v));
+}
+
 static PyObject *mod_default_pinned_cap(PyObject *m, PyObject *noargs)
 {
     (void)m;
@@ -203,6 +216,9 @@ static PyMethodDef module_methods[] = {
     {"_debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
      "_debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
      "signal signum raised from C, as one that lands during the static copy would be (0: off)."},
+    {"_gather_grid", mod_gather_grid, METH_O,
+     "_gather_grid(max_blocks, /)\n--\n\nBenchmark knob: the most blocks one gather kernel launch "
+     "uses (0: the default, 16 per multiprocessor). Returns the previous value (0 for the default)."},
     {"_debug_hold_copies", mod_debug_hold_copies, METH_O,
      "_debug_hold_copies(on)\n--\n\nTest switch, host backend only: while on, every host stream holds "
      "its queued work (copies included) and new device blocks are poisoned with 0xcd, so a reader "

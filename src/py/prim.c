@@ -156,7 +156,7 @@ static PyObject *p_event_wait(PyObject *op, PyObject *args)
     void *ep = ptr_arg(e);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = self->b->event_wait(ep, timeout < 0 ? -1 : (int64_t)(timeout * 1e9));
+    rc = self->b->event_wait(ep, timeout < 0 ? -1 : (int64_t)(timeout * 1e9), 0);
     Py_END_ALLOW_THREADS
     if (rc == PL_ERR_TIMEOUT)
         Py_RETURN_FALSE;
