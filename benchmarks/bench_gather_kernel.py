@@ -26,6 +26,9 @@ def main() -> int:
     ap.add_argument("--rows", type=C.csv_list(int), default=[512, 4096, 150528])
     ap.add_argument("--unroll", type=C.csv_list(int), default=[4, 8])
     ap.add_argument("--blocks-per-sm", type=C.csv_list(int), default=[4, 8, 16, 32])
+    ap.add_argument("--blocks", type=C.csv_list(int), default=[],
+                    help="grids of at most this many blocks, in place of --blocks-per-sm (the "
+                         "launch's cap: pinloader._C._gather_grid)")
     ap.add_argument("--batch-bytes", type=C.parse_size, default=C.parse_size("8M"))
     ap.add_argument("--source-bytes", type=C.parse_size, default=C.parse_size("1G"))
     ap.add_argument("--launches", type=int, default=20)
@@ -70,8 +73,10 @@ def main() -> int:
             k = mod.get_function(f"pl_gather_{unit}")
             units = row // unit
             total = units * bs
-            for bps in args.blocks_per_sm:
-                blocks = min((total + 255) // 256, sms * bps)
+            grids = ([("blocks", b, b) for b in args.blocks] if args.blocks else
+                     [("blocks_per_sm", bps, sms * bps) for bps in args.blocks_per_sm])
+            for key, bps, cap in grids:
+                blocks = min((total + 255) // 256, cap)
                 gbps = []
                 for _ in range(args.repeats):
                     start.record()
@@ -82,9 +87,10 @@ def main() -> int:
                     stop.synchronize()
                     gbps.append(args.launches * bs * row / cp.cuda.get_elapsed_time(start, stop) / 1e6)
                 g = statistics.median(gbps)
-                out["runs"].append({"row": row, "order": order, "unroll": unroll, "blocks_per_sm": bps,
+                out["runs"].append({"row": row, "order": order, "unroll": unroll, key: bps,
                                     "gbps": g, "dma_gbps": dma, "runs_gbps": gbps})
-                line = (f"row {row:7d} B  {order:6s}  unroll {unroll:2d}  blocks/SM {bps:3d}: {g:6.2f} GB/s "
+                what = f"blocks {bps:5d}" if key == "blocks" else f"blocks/SM {bps:3d}"
+                line = (f"row {row:7d} B  {order:6s}  unroll {unroll:2d}  {what}: {g:6.2f} GB/s "
                         f"= {g / dma:.2f}x DMA ({dma:.1f})")
                 C.log(line)
                 lines.append(line)

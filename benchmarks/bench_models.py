@@ -334,7 +334,7 @@ def build_image_rows(args, images, labels, dev, pinloader):
             dl = dataloader(dataset, args, pin=False)
             pf = pt.prefetch(dl, device=str(dev), depth=args.depth)
             return Row(name, endless(pf), cpu_cropped, [pf], {"pin_memory": False})
-        if name in ("arrayloader_host", "arrayloader_device"):
+        if name in ("arrayloader_host", "arrayloader_device") or name.startswith("arrayloader_device_g"):
             mode = name.split("_")[1]
             al = pinloader.ArrayLoader((images, labels), args.batch, gather=mode, drop_last=True,
                                        seed=1, max_registered_bytes=args.registered_budget)
@@ -346,6 +346,8 @@ def build_image_rows(args, images, labels, dev, pinloader):
                     "gather_leaves": st.get("gather_leaves")}
             if st.get("gather") != mode:
                 raise RuntimeError(f"asked for gather={mode!r}, the loader uses {st.get('gather')!r}")
+            if name.startswith("arrayloader_device_g"):
+                info["gather_grid"] = int(name.rsplit("_g", 1)[1])
             return Row(name, batches, gpu_cropped, [pf, al], info)
         if name == "on_gpu":
             gx = torch.from_numpy(images).to(dev)
@@ -546,16 +548,27 @@ def take(row, n, trainer=None):
 
 
 def run_turn(row, trainer, args, dev):
-    """One row's turn in a round: drain, settle, timed steps."""
-    take(row, args.drain)
-    take(row, args.settle, trainer)
-    sync(dev)
-    t0, c0 = time.perf_counter(), time.process_time()
-    take(row, args.steps, trainer)
-    sync(dev)
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    """One row's turn in a round: drain, settle, timed steps. A --device-grids row sets the
+    gather kernel's grid for its turn; the drained batches were launched with the previous
+    turn's."""
+    grid = row.info.get("gather_grid")
+    if grid is not None:
+        from pinloader import _C
+        _C._gather_grid(grid)
+    try:
+        take(row, args.drain)
+        take(row, args.settle, trainer)
+        sync(dev)
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+        take(row, args.steps, trainer)
+        sync(dev)
+        dt, cpu, main = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
+    finally:
+        if grid is not None:
+            _C._gather_grid(0)
     return {"seconds": dt, "steps": args.steps, "steps_per_s": args.steps / dt,
-            "images_per_s": args.steps * trainer.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps}
+            "images_per_s": args.steps * trainer.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
+            "main_cpu_ms_per_step": 1e3 * main / args.steps}
 
 
 def run_model(name, rows, args, dev, deadline):
@@ -631,6 +644,8 @@ def summarize_model(rec):
         data["images_per_s"] = C.summarize(r["images_per_s"] for r in runs)
         data["steps_per_s"] = C.summarize(r["steps_per_s"] for r in runs)
         data["cpu_ms_per_step"] = C.summarize(r["cpu_ms_per_step"] for r in runs)
+        data["main_cpu_ms_per_step"] = C.summarize(r.get("main_cpu_ms_per_step") for r in runs
+                                                   if r.get("main_cpu_ms_per_step") is not None)
         ratios = [r["images_per_s"] / ref[r["round"]] for r in runs if ref.get(r["round"])]
         data["ratio_to_on_gpu"] = C.summarize(ratios)
         data["ratio_to_on_gpu_by_round"] = ratios
@@ -658,22 +673,29 @@ def render(payload):
         if rec.get("stopped_early"):
             lines += [f"**Stopped early**: {rec['stopped_early']}", ""]
         labels = dict(ROW_LABELS, **(TOKEN_LABELS if model == "gpt2" else {}))
+        for name in rec["rows"]:
+            if name.startswith("arrayloader_device_g"):
+                labels[name] = (f"`ArrayLoader(gather=\"device\")`, GPU crop+flip, the gather kernel's "
+                                f"grid at most {name.rsplit('_g', 1)[1]} blocks")
         table = []
         for name, data in rec["rows"].items():
             if data.get("error") and not data["runs"]:
                 table.append([f"`{name}`", labels.get(name, ""), f"error: {data['error']['error'][:120]}",
-                              "", "", ""])
+                              "", "", "", ""])
                 continue
+            main_cpu = data.get("main_cpu_ms_per_step")
             table.append([f"`{name}`", labels.get(name, ""), C.fmt_summary(data["images_per_s"], 0),
                           C.fmt_summary(data["steps_per_s"], 1), C.fmt_summary(data["ratio_to_on_gpu"], 3),
-                          C.fmt_summary(data["cpu_ms_per_step"], 1)])
+                          C.fmt_summary(data["cpu_ms_per_step"], 1),
+                          C.fmt_summary(main_cpu, 2) if main_cpu and main_cpu.get("n") else ""])
         lines.append(C.md_table(["row", "feed", "images/s" if model != "gpt2" else "sequences/s",
-                                 "steps/s", "ratio to on_gpu (same round)", "host CPU ms/step"], table,
-                                "llrrrr"))
+                                 "steps/s", "ratio to on_gpu (same round)", "host CPU ms/step",
+                                 "training thread CPU ms/step"], table, "llrrrrr"))
         lines.append("")
     lines.append("Median over rounds (min–max). Ratio: the row's images/s over on_gpu's in the same "
                  "round. Host CPU: the process's CPU time (all threads) per timed step; DataLoader "
-                 "worker processes are not in it.")
+                 "worker processes are not in it. Training thread: the CPU time of the thread that "
+                 "takes the batches and launches the steps.")
     return "\n".join(lines)
 
 
@@ -703,6 +725,9 @@ def build_parser():
     ap.add_argument("--workers", type=int, default=8, help="DataLoader worker processes per DataLoader")
     ap.add_argument("--prefetch-factor", type=int, default=2)
     ap.add_argument("--depth", type=int, default=2, help="pinloader prefetch depth")
+    ap.add_argument("--device-grids", type=C.csv_list(int), default=[],
+                    help="extra arrayloader_device rows, arrayloader_device_gN, whose gather "
+                         "kernel launches use at most N blocks (pinloader._C._gather_grid)")
     ap.add_argument("--gpt2-batch", type=int, default=16)
     ap.add_argument("--gpt2-block", type=int, default=GPT2_BLOCK)
     ap.add_argument("--gpt2-tokens", type=int, default=64 * 1024 * 1024)
@@ -772,6 +797,9 @@ def main(argv=None):
     if "gpt2" in args.models:
         args.registered_budget += 2 * args.gpt2_tokens
     args.image_rows = [r for r in ROWS if r in args.rows and r in IMAGE_ROWS]
+    if args.device_grids:
+        at = args.image_rows.index("on_gpu") if "on_gpu" in args.image_rows else len(args.image_rows)
+        args.image_rows[at:at] = [f"arrayloader_device_g{g}" for g in args.device_grids]
     args.token_rows = [r for r in TOKEN_ROWS if r in args.rows]
     if image_models and "on_gpu" not in args.image_rows:
         C.log("note: without the on_gpu row there are no ratios")

@@ -439,7 +439,8 @@ def plot_gather_kernel(payload, stem, out_dir):
     """bench_gather_kernel.py: the kernel alone against one DMA, per row size and launch."""
     runs = payload["runs"]
     names = [f"{r['row']:,} B rows{', ' + r['order'] if 'order' in r else ''}, UNROLL {r['unroll']}, "
-             f"{r['blocks_per_sm']} blocks/SM" for r in runs]
+             + (f"{r['blocks_per_sm']} blocks/SM" if "blocks_per_sm" in r else f"at most {r['blocks']} blocks")
+             for r in runs]
     triples = [(r["gbps"] / r["dma_gbps"], min(r["runs_gbps"]) / r["dma_gbps"],
                 max(r["runs_gbps"]) / r["dma_gbps"]) for r in runs]
     fig, ax = plt.subplots(figsize=(11, 0.28 * len(runs) + 1.6))
@@ -471,7 +472,7 @@ def kind_of(payload):
         elif isinstance(first, dict) and "runs" in first and "batch" in first:
             kind = "gather"
     if kind is None and isinstance(payload.get("runs"), list) and payload["runs"] and \
-            "blocks_per_sm" in payload["runs"][0]:
+            ("blocks_per_sm" in payload["runs"][0] or "blocks" in payload["runs"][0]):
         kind = "gather_kernel"
     return kind if kind in PLOTTERS else None
 
