@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -237,6 +238,54 @@ def test_rowgather_refuses_a_registration_of_another_source():
     with pytest.raises(ValueError, match="closed"):
         _C.RowGather(a, [1], registration=reg)
     reg.close()  # idempotent
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_registration_holds_its_source_until_it_is_closed(device):
+    # Note [a registration holds its source] in src/py/gather.c: freed memory that stayed
+    # registered would be read through the stale mapping by a RowGather over whatever array the
+    # allocator puts at the same addresses next.
+    src = np.zeros((100_000, 4), np.float32)  # owns its memory: the view below bases on it
+    alive = weakref.ref(src)
+    reg, why = _C.register_rows(src[10:], device=device)
+    assert why == ""
+    del src
+    gc.collect()
+    assert alive() is not None
+    rows = _C.RowGather(alive()[10:], [5, 2], registration=reg)
+    reg.close()
+    assert alive() is not None  # the RowGather's own hold
+    del rows
+    gc.collect()
+    assert alive() is None
+
+    src = np.ones((100_000, 4), np.float32)
+    alive = weakref.ref(src)
+    reg, why = _C.register_rows(src, device=device)
+    del src
+    gc.collect()
+    assert alive() is not None
+    del reg  # dropped without close(): its end lets go too
+    gc.collect()
+    assert alive() is None
+
+
+class _Tagged(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_registration_in_a_cycle_with_its_source_is_collected_and_unregistered(device):
+    b = backend_name(device)
+    before = _C._registered_bytes(b)
+    src = np.zeros((100_000, 4), np.float32).view(_Tagged)
+    src.reg, why = _C.register_rows(src, device=device)  # source -> registration -> source
+    assert why == "" and _C._registered_bytes(b) > before
+    alive = weakref.ref(src)
+    del src
+    gc.collect()
+    assert alive() is None
+    assert _C._registered_bytes(b) == before
 
 
 def test_register_rows_reasons():

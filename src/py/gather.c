@@ -71,6 +71,8 @@ typedef struct {
     int64_t window;
     const char *lo;       /* the source's bytes, [lo, lo + n): what RowGathers may read */
     size_t n;
+    PyObject *holder;     /* a RowGather over the source, holding it until close() (Note [a
+                           * registration holds its source]); NULL once closed */
 } RegistrationObject;
 
 typedef struct {
@@ -1352,22 +1354,44 @@ static int registration_check(PyObject *o)
     return st && PyObject_TypeCheck(o, st->Registration_Type);
 }
 
+/* Note [a registration holds its source]
+ * A Registration is an address range the device reads through its own mapping of the pages
+ * that were there when it was made. Were the source freed while the range stays registered, a
+ * new array the allocator places at the same addresses would pass a RowGather's range check,
+ * and the device gather would read the old pages through the stale mapping: silently wrong
+ * rows. So a Registration holds its source until close() or its own end (the probe RowGather
+ * register_rows made: it holds the source and a buffer export on it, for a CPU torch tensor
+ * one on a NumPy view of it, torch_hold), and lets go of it only after the range is given
+ * back. */
 static void reg_release(RegistrationObject *r)
 {
     pl_hostreg *h = r->reg;
     r->reg = NULL;
-    if (!h)
-        return;
-    if (pl_inherited(r->gen))
-        return; /* the parent's range: never unregistered in a child */
-    Py_BEGIN_ALLOW_THREADS
-    pl_hostreg_release(h);
-    Py_END_ALLOW_THREADS
+    if (h && !pl_inherited(r->gen)) { /* the parent's range: never unregistered in a child */
+        Py_BEGIN_ALLOW_THREADS
+        pl_hostreg_release(h);
+        Py_END_ALLOW_THREADS
+    }
+    Py_CLEAR(r->holder); /* after the range is given back */
+}
+
+static int reg_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    Py_VISIT(((RegistrationObject *)op)->holder);
+    Py_VISIT(Py_TYPE(op));
+    return 0;
+}
+
+static int reg_clear(PyObject *op)
+{
+    reg_release((RegistrationObject *)op);
+    return 0;
 }
 
 static void reg_dealloc(PyObject *op)
 {
     PyTypeObject *tp = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
     reg_release((RegistrationObject *)op);
     tp->tp_free(op);
     Py_DECREF(tp);
@@ -1443,6 +1467,8 @@ static PyGetSetDef reg_getset[] = {
 
 static PyType_Slot reg_slots[] = {
     {Py_tp_dealloc, reg_dealloc},
+    {Py_tp_traverse, reg_traverse},
+    {Py_tp_clear, reg_clear},
     {Py_tp_methods, reg_methods},
     {Py_tp_getset, reg_getset},
     {Py_tp_repr, reg_repr},
@@ -1453,7 +1479,8 @@ static PyType_Slot reg_slots[] = {
 static PyType_Spec reg_spec = {
     .name = "pinloader._C.Registration",
     .basicsize = sizeof(RegistrationObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION |
+             Py_TPFLAGS_HAVE_GC,
     .slots = reg_slots,
 };
 
@@ -1464,7 +1491,8 @@ PyDoc_STRVAR(register_rows_doc,
 "Registration, with reason '', or None with the reason it cannot be (the rows are not\n"
 "contiguous spans, the range does not fit in `max_bytes` of registered memory (default: the\n"
 "default pinned pool's cap), the driver refused, no gather kernel for the device...).\n"
-"Memory already page-locked is used as it is. Registrations of one range are shared.");
+"Memory already page-locked is used as it is. Registrations of one range are shared. A\n"
+"Registration holds `source` until it is closed or dropped.");
 
 static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwds)
 {
@@ -1550,7 +1578,7 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
         why = text;
         goto refuse;
     }
-    RegistrationObject *r = PyObject_New(RegistrationObject, st->Registration_Type);
+    RegistrationObject *r = PyObject_GC_New(RegistrationObject, st->Registration_Type);
     if (!r) {
         Py_BEGIN_ALLOW_THREADS
         pl_hostreg_release(h);
@@ -1566,7 +1594,8 @@ static PyObject *gather_register_rows(PyObject *m, PyObject *args, PyObject *kwd
     r->window = g->window;
     r->lo = lo;
     r->n = n;
-    Py_DECREF(probe);
+    r->holder = probe; /* Note [a registration holds its source] */
+    PyObject_GC_Track((PyObject *)r);
     return Py_BuildValue("(Ns)", (PyObject *)r, "");
 
 refuse:
