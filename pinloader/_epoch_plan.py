@@ -101,10 +101,9 @@ def _maps_lines(addrs: list[int]) -> dict[int, list[str]]:
 
 
 def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]]:
-    """Per file-mapped leaf (by path): a _MappedFile of the very file it maps (the device and
-    inode /proc/self/maps gives for the mapping, matched by a stat before the open and an fstat
-    after: a name now naming another file, a FIFO or nothing at all gives None), and the mapping,
-    the file size it needs and the file's name (_file_mapping). Opened once per loader, one
+    """Per file-mapped leaf (by path): a _MappedFile of the very file it maps (_open_matching:
+    a name now naming another file, a FIFO or nothing at all gives None), and the mapping, the
+    file size it needs and the file's name (_file_mapping). Opened once per loader, one
     descriptor per file."""
     found: dict[str, tuple[tuple[mmap.mmap | _MappedName, int, str], int | None]] = {}
     for path, src, _, _ in plan.leaves:
@@ -122,13 +121,8 @@ def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.
     out: dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]] = {}
     for path, ((m, need, name), addr) in found.items():
         out[path] = (None, m, need, name)
-        parts = lines.get(addr) if addr is not None else None
-        if parts is None:
-            continue
-        try:
-            major, _, minor = parts[3].partition(":")
-            key = (int(major, 16), int(minor, 16), int(parts[4]))
-        except ValueError:
+        key = _maps_key(lines.get(addr)) if addr is not None else None
+        if key is None:
             continue
         if key not in by_file:
             by_file[key] = _open_matching(name, key)
@@ -136,20 +130,42 @@ def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.
     return out
 
 
-def _open_matching(name: str, key: tuple[int, int, int]) -> _MappedFile | None:
-    def same(st: os.stat_result) -> bool:
-        return stat.S_ISREG(st.st_mode) and (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == key
+def _maps_key(parts: list[str] | None) -> tuple[int, int, int] | None:
+    """(device major, minor, inode) of a /proc/self/maps line split by _maps_lines."""
+    if parts is None:
+        return None
     try:
-        if not same(os.stat(name)):
-            return None
+        major, _, minor = parts[3].partition(":")
+        return int(major, 16), int(minor, 16), int(parts[4])
+    except ValueError:
+        return None
+
+
+def _open_matching(name: str, key: tuple[int, int, int]) -> _MappedFile | None:
+    """A descriptor of the file at ``name`` if it is the file whose mapping /proc/self/maps names
+    by ``key``, else None. The descriptor's own file is mapped for a moment (one page) and its
+    line in /proc/self/maps compared with ``key``: both lines come from the same kernel code, so
+    they agree on any file system. A stat() does not: on a btrfs subvolume (and on overlayfs
+    with some kernels) st_dev is not the device /proc/self/maps shows, and a stat() match
+    refused every such file (each epoch then took the GIL per batch)."""
+    try:
+        if not stat.S_ISREG(os.stat(name).st_mode):
+            return None  # a FIFO or a device now has the name: never opened
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except (OSError, ValueError, TypeError):
         return None  # gone, unreadable, or out of descriptors: the generator checks instead
     f = _MappedFile(fd)
     try:
-        return f if same(os.fstat(fd)) else None
-    except OSError:
-        return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with mmap.mmap(fd, 1, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as probe:
+            view = np.frombuffer(probe, dtype=np.uint8)
+            addr = view.ctypes.data
+            del view  # the buffer export, before the mapping closes
+            seen = _maps_key(_maps_lines([addr]).get(addr))
+    except (OSError, ValueError, BufferError):
+        return None  # emptied (nothing to map) or not mappable: the generator checks instead
+    return f if seen == key else None
 
 
 def _owners(src: Any) -> Iterator[Any]:

@@ -183,6 +183,46 @@ def test_deleted_mapped_file_falls_back_to_the_generator(tmp_path):
             st["epoch_source_reason"] and st["epoch_source_reason"].endswith("each batch takes the GIL")
 
 
+def test_a_mapped_file_is_matched_by_its_mapping_not_by_stat(tmp_path, monkeypatch):
+    # On a btrfs subvolume stat()'s st_dev is not the device /proc/self/maps shows for the
+    # file's mappings: a stat() match took every such file for another one, and each epoch fell
+    # back to the generator (_open_matching in pinloader/_epoch_plan.py). Such a file system is
+    # played here by a stat() whose st_dev never agrees with /proc/self/maps.
+    import pinloader._epoch_plan as plan_mod
+    mm = np.memmap(tmp_path / "m.bin", dtype=np.int32, mode="w+", shape=(400, 8))
+    mm[:] = np.arange(400, dtype=np.int32)[:, None]
+    mm.flush()
+    real_stat, real_fstat = os.stat, os.fstat
+
+    def other_device(st):
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev ^ 0x5A5A, st.st_nlink, st.st_uid,
+                               st.st_gid, st.st_size, int(st.st_atime), int(st.st_mtime), int(st.st_ctime)))
+
+    monkeypatch.setattr(plan_mod.os, "stat", lambda *a, **k: other_device(real_stat(*a, **k)))
+    monkeypatch.setattr(plan_mod.os, "fstat", lambda fd: other_device(real_fstat(fd)))
+    with pinloader.ArrayLoader({"x": mm}, 50, device=DEVICE, seed=4) as L:
+        got = np.concatenate([g["x"] for g in collect(L)])
+        st = L.stats()
+    assert st["epoch_source"] == "native", st["epoch_source_reason"]
+    assert np.array_equal(got[:, 0], L.indices(0))
+
+
+def test_a_mapped_files_name_now_naming_another_file_is_not_taken_for_it(tmp_path):
+    path = tmp_path / "m.bin"
+    mm = np.memmap(path, dtype=np.int32, mode="w+", shape=(400, 8))
+    mm[:] = np.arange(400, dtype=np.int32)[:, None]
+    mm.flush()
+    other = tmp_path / "other.bin"
+    other.write_bytes(bytes(400 * 8 * 4))  # same size, another file
+    os.replace(other, path)  # the mapping keeps the old file; its name now names the new one
+    with pinloader.ArrayLoader({"x": mm}, 50, device=DEVICE, seed=4) as L:
+        got = np.concatenate([g["x"] for g in collect(L)])
+        st = L.stats()
+    assert st["epoch_source"] == "generator"
+    assert "m.bin) could not be opened for its size check" in st["epoch_source_reason"]
+    assert np.array_equal(got[:, 0], L.indices(0))  # the mapped file's rows, not the new file's
+
+
 # ---- found by a hostile review of the native epochs ----------------------------------------------
 
 @pytest.mark.hostile
