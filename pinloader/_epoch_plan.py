@@ -6,6 +6,7 @@ be opened for its size check, a generator of tuples of RowGather leaves. Shared 
 and by the resumed epoch (pinloader/_resume.py), which both build on it; it imports neither."""
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import stat
@@ -92,9 +93,10 @@ def _maps_lines(addrs: list[int]) -> dict[int, list[str]]:
                     continue
                 lo_s, _, hi_s = parts[0].partition("-")
                 lo, hi = int(lo_s, 16), int(hi_s, 16)
-                for a in want:
-                    if lo <= a < hi:
-                        out[a] = parts
+                i = bisect.bisect_left(want, lo)  # want is sorted: O(log n) per line
+                while i < len(want) and want[i] < hi:
+                    out[want[i]] = parts
+                    i += 1
     except (OSError, ValueError, IndexError):
         pass
     return out
@@ -117,16 +119,16 @@ def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.
             except (ValueError, TypeError, BufferError):
                 found[path] = (fm, None)
     lines = _maps_lines([a for _, a in found.values() if a is not None])
-    by_file: dict[tuple[int, int, int], _MappedFile | None] = {}
     out: dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]] = {}
+    names: dict[tuple[int, int, int], str] = {}
     for path, ((m, need, name), addr) in found.items():
-        out[path] = (None, m, need, name)
         key = _maps_key(lines.get(addr)) if addr is not None else None
-        if key is None:
-            continue
-        if key not in by_file:
-            by_file[key] = _open_matching(name, key)
-        out[path] = (by_file[key], m, need, name)
+        if key is not None:
+            names.setdefault(key, name)
+    by_file = _open_matching(names)
+    for path, ((m, need, name), addr) in found.items():
+        key = _maps_key(lines.get(addr)) if addr is not None else None
+        out[path] = (by_file.get(key) if key is not None else None, m, need, name)
     return out
 
 
@@ -141,31 +143,56 @@ def _maps_key(parts: list[str] | None) -> tuple[int, int, int] | None:
         return None
 
 
-def _open_matching(name: str, key: tuple[int, int, int]) -> _MappedFile | None:
-    """A descriptor of the file at ``name`` if it is the file whose mapping /proc/self/maps names
-    by ``key``, else None. The descriptor's own file is mapped for a moment (one page) and its
-    line in /proc/self/maps compared with ``key``: both lines come from the same kernel code, so
-    they agree on any file system. A stat() does not: on a btrfs subvolume (and on overlayfs
-    with some kernels) st_dev is not the device /proc/self/maps shows, and a stat() match
-    refused every such file (each epoch then took the GIL per batch)."""
+_PROBES_PER_READ = 128  # files probed per read of /proc/self/maps (each probe holds a descriptor)
+
+
+def _open_matching(names: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, int], _MappedFile]:
+    """Per ``key``: a descriptor of the file at ``names[key]`` if it is the file whose mapping
+    /proc/self/maps names by ``key`` (absent otherwise). Each descriptor's own file is mapped for
+    a moment (one page) and its line in /proc/self/maps compared with ``key``: both lines come
+    from the same kernel code, so they agree on any file system. A stat() does not: on a btrfs
+    subvolume (and on overlayfs with some kernels) st_dev is not the device /proc/self/maps
+    shows, and a stat() match refused every such file (each epoch then took the GIL per batch).
+    Files are probed _PROBES_PER_READ at a time, with one read of /proc/self/maps each time: a
+    read per file cost O(files x mappings), 24 s for 3,000 mapped files, and a probe's mmap
+    holds a second descriptor until it is closed."""
+    items = list(names.items())
+    out: dict[tuple[int, int, int], _MappedFile] = {}
+    for i in range(0, len(items), _PROBES_PER_READ):
+        out.update(_probe_files(items[i:i + _PROBES_PER_READ]))
+    return out
+
+
+def _probe_files(items: list[tuple[tuple[int, int, int], str]]) -> dict[tuple[int, int, int], _MappedFile]:
+    probes: dict[tuple[int, int, int], tuple[_MappedFile, mmap.mmap, int]] = {}
     try:
-        if not stat.S_ISREG(os.stat(name).st_mode):
-            return None  # a FIFO or a device now has the name: never opened
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, ValueError, TypeError):
-        return None  # gone, unreadable, or out of descriptors: the generator checks instead
-    f = _MappedFile(fd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with mmap.mmap(fd, 1, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as probe:
-            view = np.frombuffer(probe, dtype=np.uint8)
-            addr = view.ctypes.data
-            del view  # the buffer export, before the mapping closes
-            seen = _maps_key(_maps_lines([addr]).get(addr))
-    except (OSError, ValueError, BufferError):
-        return None  # emptied (nothing to map) or not mappable: the generator checks instead
-    return f if seen == key else None
+        for key, name in items:
+            try:
+                if not stat.S_ISREG(os.stat(name).st_mode):
+                    continue  # a FIFO or a device now has the name: never opened
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+            except (OSError, ValueError, TypeError):
+                continue  # gone, unreadable, or out of descriptors: the generator checks instead
+            f = _MappedFile(fd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                probe = mmap.mmap(fd, 1, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except (OSError, ValueError):
+                continue  # emptied (nothing to map) or not mappable: the generator checks instead
+            try:
+                view = np.frombuffer(probe, dtype=np.uint8)
+                addr = view.ctypes.data
+                del view  # the buffer export, before the mapping closes
+            except BaseException:
+                probe.close()
+                raise
+            probes[key] = (f, probe, addr)
+        lines = _maps_lines([addr for _, _, addr in probes.values()])
+        return {key: f for key, (f, _, addr) in probes.items() if _maps_key(lines.get(addr)) == key}
+    finally:
+        for _, probe, _ in probes.values():
+            probe.close()
 
 
 def _owners(src: Any) -> Iterator[Any]:

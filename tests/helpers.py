@@ -425,7 +425,7 @@ def map_leaves(obj, fn):
     return fn(obj)
 
 
-def run_c_check(tmp_path, check, core_sources):
+def run_c_check(tmp_path, check, core_sources, link_flags=()):
     """Build tests/<check> against src/core/<core_sources> (with ASan and UBSan where the compiler
     has them) and run it: it must print "bad=0" and exit 0. Skips without a C compiler."""
     import shutil
@@ -441,7 +441,7 @@ def run_c_check(tmp_path, check, core_sources):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # the sanitizer jobs preload their runtime into Python only
     cmd = ([cc, "-std=gnu11", "-O1", "-fsanitize=address,undefined", "-I", core, os.path.join(root, "tests", check)]
-           + [os.path.join(core, f) for f in core_sources] + ["-o", str(exe), "-lpthread"])
+           + [os.path.join(core, f) for f in core_sources] + ["-o", str(exe), "-lpthread", *link_flags])
     if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
         cmd = [c for c in cmd if not c.startswith("-fsanitize")]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)

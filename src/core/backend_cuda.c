@@ -251,10 +251,17 @@ static int cuda_event_synchronize(pl_event *e)
  * that waits for a 0.8 ms copy (a 38 MB batch) polled about 8 times per batch. (A blocking-sync
  * event was measured instead: the driver's event thread then takes 0.02-0.05 ms of CPU per
  * batch, benchmarks/results/h200_2026-12-02/gather_blocking.md.) A caller that knows how long
- * such waits took says so (expect_ns: the pool keeps it per client, pool.c): the first sleep is
+ * such waits take says so (expect_ns: the pool keeps it per client, pool.c): the first sleep is
  * then 7/8 of it, and the polls after it start at 1/16 of it, so a wait of the usual length
  * takes two or three wake-ups. Sleeping past the completion costs no transfer time: the pool
- * waits for its oldest release, and the copies queued behind it keep the stream busy. */
+ * waits for its oldest release, and the copies queued behind it keep the stream busy.
+ * The pool learns the expectation only from waits it told nothing (every fourth wait of a
+ * client, and every wait while the expectation is short): a told wait lasts at least the sleep
+ * it was told to take, plus the kernel's timer slack, so an average of told waits climbs by
+ * itself (to 0.4 ms for copies of 50 us). A shorter untold wait replaces the expectation at
+ * once (oversleeping is what costs), a longer one moves it a quarter of the way, and waits
+ * expected to take under 0.25 ms are not told at all (their polls are few anyway).
+ * tests/pool_expect_check.c checks this on a virtual clock. */
 static int cuda_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 {
     if (timeout_ns < 0)

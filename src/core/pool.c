@@ -56,6 +56,9 @@
 #define DEFAULT_SLAB_BYTES ((size_t)64 << 20)
 /* A waiting reservation polls the pending releases (and its stop flag) this often. */
 #define POLL_SLICE_NS ((int64_t)1000000)
+/* Note [expected waits]: the shortest expectation a client's waits are told (a polling backend's
+ * naps grow to 0.2 ms: a shorter wait takes a few wake-ups anyway) */
+#define EXPECT_MIN_NS ((int64_t)250000)
 
 typedef struct extent {
     struct extent *next;
@@ -397,6 +400,7 @@ typedef struct {
     int64_t start;        /* when the reserve began */
     int64_t wait_start;   /* when it first had to wait; 0 while it has not */
     int on_copy;          /* it waited for a pending release's copy (not only for room) */
+    int learn;            /* its first wait for a copy polled untold: the client learns from it */
     int made_slab;
 } reserve_state;
 
@@ -421,11 +425,14 @@ static int finish_locked(pl_pool *p, reserve_state *rs, int rc)
             pl_pool_client *c = rs->client;
             c->st.waits++;
             c->st.wait_ns += waited;
-            /* Note [expected waits]: a moving average of the client's waits for a copy (a
-             * quarter of the newest), bounded by one polling slice. */
-            if (rc == PL_OK && rs->on_copy) {
+            /* Note [expected waits]: learnt from untold waits only (a told wait lasts at least
+             * the sleep it was told to take, so an average of those climbs to the bound, at 8x
+             * the poller's oversleep, whatever the copies take); a shorter wait is taken as it
+             * is (oversleeping is what costs), a longer one moves it a quarter of the way;
+             * bounded by one polling slice. */
+            if (rc == PL_OK && rs->learn) {
                 int64_t w = PL_MIN(waited, POLL_SLICE_NS);
-                c->expect_ns = c->expect_ns ? c->expect_ns + (w - c->expect_ns) / 4 : w;
+                c->expect_ns = c->expect_ns && w > c->expect_ns ? c->expect_ns + (w - c->expect_ns) / 4 : w;
             }
         }
         rs->wait_start = 0;
@@ -534,7 +541,14 @@ static int wait_unlocks(pl_pool *p, reserve_state *rs, const atomic_int *stop)
     if (oldest) {
         /* The first slice of a client's wait sleeps through most of the time its waits
          * usually take (Note [expected waits] in backend_cuda.c). */
-        int64_t expect = !rs->on_copy && rs->client ? rs->client->expect_ns : 0;
+        int64_t expect = 0;
+        if (!rs->on_copy && rs->client) {
+            /* every fourth wait polls untold, to learn from; waits shorter than EXPECT_MIN_NS
+             * are not told at all (the first sleep's overshoot would exceed what it saves) */
+            pl_pool_client *c = rs->client;
+            rs->learn = c->expect_ns < EXPECT_MIN_NS || (c->st.waits & 3) == 0;
+            expect = rs->learn ? 0 : c->expect_ns;
+        }
         rs->on_copy = 1;
         pthread_mutex_unlock(&p->mu);
         /* Events are never destroyed before the pool, so a racing poller recycling this one

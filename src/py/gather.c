@@ -1362,17 +1362,23 @@ static int registration_check(PyObject *o)
  * rows. So a Registration holds its source until close() or its own end (the probe RowGather
  * register_rows made: it holds the source and a buffer export on it, for a CPU torch tensor
  * one on a NumPy view of it, torch_hold), and lets go of it only after the range is given
- * back. */
+ * back. The Registration is tracked by the garbage collector, so a cycle through it and its
+ * source is collected; but NumPy does not show an array's base to the collector, so a cycle
+ * that runs through a view's base (a registration of arr.view() stored on arr) is not: such a
+ * registration must be closed. */
 static void reg_release(RegistrationObject *r)
 {
     pl_hostreg *h = r->reg;
+    PyObject *holder = r->holder; /* taken with the range: a close() in another thread while
+                                   * this one gives the range back must not drop it first */
     r->reg = NULL;
+    r->holder = NULL;
     if (h && !pl_inherited(r->gen)) { /* the parent's range: never unregistered in a child */
         Py_BEGIN_ALLOW_THREADS
         pl_hostreg_release(h);
         Py_END_ALLOW_THREADS
     }
-    Py_CLEAR(r->holder); /* after the range is given back */
+    Py_XDECREF(holder); /* after the range is given back */
 }
 
 static int reg_traverse(PyObject *op, visitproc visit, void *arg)
