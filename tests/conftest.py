@@ -22,6 +22,7 @@ Fixtures:
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -30,6 +31,13 @@ import pinloader
 from pinloader import _C
 
 CUDA = pinloader.cuda_available()
+
+# A suite started as a shell's background job (`bash .ci/run &`) inherits SIGINT ignored, and
+# so does every interpreter it starts: Python then installs no KeyboardInterrupt handler, and
+# the Ctrl-C tests see their signal vanish. A handled signal is reset to its default by exec,
+# so the children get Python's usual handler again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _no_cuda_reason() -> str:
