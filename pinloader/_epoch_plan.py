@@ -119,17 +119,14 @@ def _open_mapped_files(plan: _Plan) -> dict[str, tuple[_MappedFile | None, mmap.
             except (ValueError, TypeError, BufferError):
                 found[path] = (fm, None)
     lines = _maps_lines([a for _, a in found.values() if a is not None])
-    out: dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]] = {}
+    keys = {path: _maps_key(lines.get(addr)) if addr is not None else None for path, (_, addr) in found.items()}
     names: dict[tuple[int, int, int], str] = {}
-    for path, ((m, need, name), addr) in found.items():
-        key = _maps_key(lines.get(addr)) if addr is not None else None
-        if key is not None:
+    for path, ((_, _, name), _) in found.items():
+        if (key := keys[path]) is not None:
             names.setdefault(key, name)
     by_file = _open_matching(names)
-    for path, ((m, need, name), addr) in found.items():
-        key = _maps_key(lines.get(addr)) if addr is not None else None
-        out[path] = (by_file.get(key) if key is not None else None, m, need, name)
-    return out
+    return {path: (by_file.get(key) if (key := keys[path]) is not None else None, m, need, name)
+            for path, ((m, need, name), _) in found.items()}
 
 
 def _maps_key(parts: list[str] | None) -> tuple[int, int, int] | None:
