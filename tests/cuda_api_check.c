@@ -58,6 +58,7 @@ SAME_VALUE(cudaMemPoolReuseFollowEventDependencies);
 SAME_VALUE(cudaMemPoolReuseAllowOpportunistic);
 SAME_VALUE(cudaMemPoolReuseAllowInternalDependencies);
 SAME_VALUE(cudaMemPoolAttrReleaseThreshold);
+SAME_VALUE(cudaMemPoolAttrReservedMemCurrent);
 SAME_VALUE(cudaMemAllocationTypeInvalid);
 SAME_VALUE(cudaMemAllocationTypePinned);
 SAME_VALUE(cudaMemHandleTypeNone);

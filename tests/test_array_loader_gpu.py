@@ -67,3 +67,39 @@ def test_gpu_windows_memmap(tmp_path):
             assert w.shape == (len(starts[b * 16:(b + 1) * 16]), 1025) and w.is_cuda
             want = np.stack([ro[s:s + 1025] for s in starts[b * 16:(b + 1) * 16]]).astype(np.int32)
             assert np.array_equal(w.to(torch.int32).cpu().numpy(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather", ["device", "host"])
+def test_device_memory_stays_flat_without_a_device_synchronisation(gather):
+    # Note [frees made visible] in src/core/block.c: a loader-bound loop that never synchronises
+    # the device (a training loop) grew the device pool by one batch per batch, since the pool
+    # did not see the release stream's frees complete
+    torch = pytest.importorskip("torch")
+    from pinloader import _C
+    row, bs = 64 << 10, 128  # 8 MiB batches
+    src = np.full((4096, row), 7, np.uint8)  # 256 MiB
+    L = pinloader.ArrayLoader(src, bs, device="cuda:0", seed=1, gather=gather)
+    it = iter(L)
+
+    def take(n):
+        nonlocal it
+        for _ in range(n):
+            try:
+                b = next(it)
+            except StopIteration:
+                it = iter(L)
+                b = next(it)
+            torch.from_dlpack(b).view(-1)[:1].add_(0)  # a kernel reads the batch on torch's stream
+
+    take(40)
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()  # an event, not a device-wide synchronisation
+    before = _C._device_pool_reserved(0)
+    take(400)  # 3.2 GiB of batches
+    done.record()
+    done.synchronize()
+    grown = _C._device_pool_reserved(0) - before
+    L.close()
+    assert grown <= 16 * row * bs, f"the device pool grew by {grown >> 20} MiB over 400 batches of 8 MiB"

@@ -134,6 +134,9 @@ const pl_backend *pl_backend_cuda(int *err, const char **detail);
 /* The most blocks one gather kernel launch uses on any device; 0 restores the default (16 per
  * multiprocessor). A benchmark knob (pinloader._C._gather_grid): the previous value. */
 unsigned pl_cuda_gather_grid(unsigned max_blocks);
+/* The bytes the CUDA backend's device pool of `device` holds (Note [device pool] in
+ * backend_cuda.c): in use and kept for reuse. */
+int pl_cuda_device_pool_reserved(int device, size_t *out);
 /* Candidate library paths tried after the ones found by the dynamic loader; call before the
  * first pl_backend_cuda(). The strings are copied. */
 void pl_cuda_set_library_candidates(const char *const *paths, int n);

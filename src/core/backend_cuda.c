@@ -404,6 +404,20 @@ static int device_pool(int device, pl_cudaMemPool_t *out)
     return PL_OK;
 }
 
+int pl_cuda_device_pool_reserved(int device, size_t *out)
+{
+    *out = 0;
+    pl_cudaMemPool_t pool = NULL;
+    int rc = device_pool(device, &pool);
+    if (rc != PL_OK)
+        return rc;
+    uint64_t v = 0;
+    if ((rc = (int)cu.cudaMemPoolGetAttribute(pool, pl_cudaMemPoolAttrReservedMemCurrent, &v)) != PL_OK)
+        return rc;
+    *out = (size_t)v;
+    return PL_OK;
+}
+
 static int cuda_device_alloc(int device, size_t n, pl_stream *s, void **out)
 {
     pl_cudaMemPool_t pool = NULL;

@@ -75,6 +75,7 @@ enum pl_cudaMemPoolAttr {
     pl_cudaMemPoolReuseAllowOpportunistic = 0x2,
     pl_cudaMemPoolReuseAllowInternalDependencies = 0x3,
     pl_cudaMemPoolAttrReleaseThreshold = 0x4,
+    pl_cudaMemPoolAttrReservedMemCurrent = 0x5,
 };
 
 enum pl_cudaMemAllocationType {
@@ -173,6 +174,8 @@ typedef void (*pl_cudaHostFn_t)(void *userData);
     X(T(cudaError_t), cudaMemPoolCreate,                                                           \
       (T(cudaMemPool_t) *memPool, const struct TS(cudaMemPoolProps) *poolProps))                   \
     X(T(cudaError_t), cudaMemPoolSetAttribute,                                                     \
+      (T(cudaMemPool_t) memPool, enum TS(cudaMemPoolAttr) attr, void *value))                      \
+    X(T(cudaError_t), cudaMemPoolGetAttribute,                                                     \
       (T(cudaMemPool_t) memPool, enum TS(cudaMemPoolAttr) attr, void *value))                      \
     X(T(cudaError_t), cudaMallocFromPoolAsync,                                                     \
       (void **ptr, size_t size, T(cudaMemPool_t) memPool, T(cudaStream_t) stream))                 \

@@ -180,6 +180,29 @@ static PyObject *mod_gather_grid(PyObject *m, PyObject *arg)
     return PyLong_FromUnsignedLong(pl_cuda_gather_grid((unsigned)v));
 }
 
+static PyObject *mod_device_pool_reserved(PyObject *m, PyObject *arg)
+{
+    long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    if (device < 0 || device > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "_device_pool_reserved: device must be >= 0");
+        return NULL;
+    }
+    const pl_backend *b = pl_backend_cuda(NULL, NULL);
+    if (!b) {
+        PyErr_SetString(PyExc_RuntimeError, "_device_pool_reserved: CUDA is not usable here");
+        return NULL;
+    }
+    size_t n = 0;
+    int rc = pl_cuda_device_pool_reserved((int)device, &n);
+    if (rc != PL_OK) {
+        pl_raise_backend(pl_state_of_module(m), b, rc, "cudaMemPoolGetAttribute");
+        return NULL;
+    }
+    return PyLong_FromSize_t(n);
+}
+
 static PyObject *mod_default_pinned_cap(PyObject *m, PyObject *noargs)
 {
     (void)m;
@@ -216,6 +239,9 @@ static PyMethodDef module_methods[] = {
     {"_debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
      "_debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
      "signal signum raised from C, as one that lands during the static copy would be (0: off)."},
+    {"_device_pool_reserved", mod_device_pool_reserved, METH_O,
+     "_device_pool_reserved(device, /)\n--\n\nTest hook: the bytes the device pool of CUDA device "
+     "`device` holds, in use and kept for reuse (Note [device pool] in src/core/backend_cuda.c)."},
     {"_gather_grid", mod_gather_grid, METH_O,
      "_gather_grid(max_blocks, /)\n--\n\nBenchmark knob: the most blocks one gather kernel launch "
      "uses (0: the default, 16 per multiprocessor). Returns the previous value (0 for the default)."},
