@@ -1,8 +1,9 @@
 /* Note [expected waits] in src/core/backend_cuda.c, on a virtual clock: the pool's clock
- * (pl_now_ns, wrapped at link time) and the fake backend's sleeps are one counter, so every wait
- * below lasts exactly as long as the model says and the checks are exact. The fake event_wait
- * is the CUDA backend's poll (a first sleep of 7/8 of the expected wait, then naps from 1/16 of
- * it, doubling to 0.2 ms); every sleep overruns by the kernel's default timer slack, 50 us.
+ * and its sleeps (pl_now_ns and pl_sleep_ns, both wrapped at link time) are one counter, so every
+ * wait below lasts exactly as long as the model says and the checks are exact. The fake
+ * event_wait is the CUDA backend's: pl_event_poll (src/core/poll.c; a first sleep of 7/8 of the
+ * expected wait, then naps from 1/16 of it, doubling to 0.2 ms); every sleep overruns by the
+ * kernel's default timer slack, 50 us.
  * A wait the pool measures includes the poller's own sleep, so an average of told waits climbs
  * (to 8x the overrun for copies of 50 us, against a 60 us poll): the expectations must come
  * from untold waits only, short ones must not be told at all, and one stall must be forgotten.
@@ -22,7 +23,8 @@ static int bad, queries;
 
 int64_t __wrap_pl_now_ns(void);
 int64_t __wrap_pl_now_ns(void) { return vnow; }
-static void vsleep(int64_t ns) { vnow += ns + SLACK_NS; }
+void __wrap_pl_sleep_ns(int64_t ns);
+void __wrap_pl_sleep_ns(int64_t ns) { vnow += ns + SLACK_NS; }
 
 typedef struct {
     int64_t done_at;
@@ -47,8 +49,8 @@ static int f_event_sync(pl_event *e)
         vnow = ((fake_event *)e)->done_at;
     return PL_OK;
 }
-/* cuda_event_wait (src/core/backend_cuda.c), on the virtual clock; ignore: the polling from
- * before Note [expected waits], whatever the pool says */
+/* cuda_event_wait (src/core/backend_cuda.c): pl_event_poll (src/core/poll.c) on the virtual
+ * clock; ignore: the polling from before Note [expected waits], whatever the pool says */
 static int ignore;
 static int f_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 {
@@ -57,25 +59,7 @@ static int f_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
         expect_ns = 0;
     if (timeout_ns < 0)
         return f_event_sync(e);
-    int64_t deadline = vnow + timeout_ns, nap = 10000;
-    if (expect_ns > 0) {
-        int rc = f_event_query(e);
-        if (rc != PL_ERR_NOT_READY)
-            return rc;
-        if (deadline - vnow <= 0)
-            return PL_ERR_TIMEOUT;
-        vsleep(PL_MIN(expect_ns - expect_ns / 8, deadline - vnow));
-        nap = PL_MAX(nap, expect_ns / 16);
-    }
-    for (;;) {
-        int rc = f_event_query(e);
-        if (rc != PL_ERR_NOT_READY)
-            return rc;
-        if (deadline - vnow <= 0)
-            return PL_ERR_TIMEOUT;
-        vsleep(PL_MIN(nap, deadline - vnow));
-        nap = PL_MIN(nap * 2, 200000);
-    }
+    return pl_event_poll(f_event_query, e, timeout_ns, expect_ns);
 }
 static int f_host_alloc(size_t n, int node, void **out) { (void)node; *out = aligned_alloc(4096, (n + 4095) / 4096 * 4096); return *out ? PL_OK : PL_ERR_NO_MEMORY; }
 static int f_host_free(void *p, size_t n) { (void)n; free(p); return PL_OK; }

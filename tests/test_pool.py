@@ -501,8 +501,9 @@ def test_a_waiting_reservation_waits_on_the_oldest_release(tmp_path):
 
 def test_expected_waits_learn_from_untold_waits_and_forget_a_stall(tmp_path):
     # Note [expected waits] in src/core/backend_cuda.c, on a virtual clock (tests/pool_expect_check.c:
-    # the pool's pl_now_ns wrapped at link time): short copies are never told an expectation,
-    # a stall is forgotten, long copies are told and then take fewer wake-ups and no longer
+    # the clock and pl_event_poll's sleeps wrapped at link time): short copies are never told an
+    # expectation, a stall is forgotten, long copies are told and then take fewer wake-ups and no
+    # longer
     run_c_check(tmp_path, "pool_expect_check.c",
-                ["pool.c", "pool_client.c", "pool_debug.c", "pool_default.c", "util.c", "numa.c"],
-                link_flags=["-Wl,--wrap=pl_now_ns"])
+                ["pool.c", "pool_client.c", "pool_debug.c", "pool_default.c", "poll.c", "util.c", "numa.c"],
+                link_flags=["-Wl,--wrap=pl_now_ns", "-Wl,--wrap=pl_sleep_ns"])

@@ -131,6 +131,11 @@ void pl_host_hold_streams(int on);
  * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or
  * process-lifetime string) to say why. */
 const pl_backend *pl_backend_cuda(int *err, const char **detail);
+/* Wait at most timeout_ns (>= 0) for e by polling query(e) (poll.c): expect_ns > 0 sleeps
+ * through 7/8 of it first and naps from 1/16 of it, else naps start at 10 us; naps double to
+ * 0.2 ms (Note [expected waits] in backend_cuda.c). PL_OK, PL_ERR_TIMEOUT, or query's error. */
+int pl_event_poll(int (*query)(pl_event *), pl_event *e, int64_t timeout_ns, int64_t expect_ns);
+
 /* The most blocks one gather kernel launch uses on any device; 0 restores the default (16 per
  * multiprocessor). A benchmark knob (pinloader._C._gather_grid): the previous value. */
 unsigned pl_cuda_gather_grid(unsigned max_blocks);

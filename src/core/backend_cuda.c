@@ -245,10 +245,11 @@ static int cuda_event_synchronize(pl_event *e)
 }
 
 /* Note [expected waits]
- * CUDA has no timed event wait, so cuda_event_wait polls with a short, growing sleep (from
- * 10 us, doubling, capped at 0.2 ms so that a producer waiting for a pinned region notices a
- * finished copy soon). Each poll is a wake-up and a cudaEventQuery: a loader-bound producer
- * that waits for a 0.8 ms copy (a 38 MB batch) polled about 8 times per batch. (A blocking-sync
+ * CUDA has no timed event wait, so cuda_event_wait polls (pl_event_poll, poll.c) with a short,
+ * growing sleep (from 10 us, doubling, capped at 0.2 ms so that a producer waiting for a pinned
+ * region notices a finished copy soon). Each poll is a wake-up and a cudaEventQuery: a
+ * loader-bound producer that waits for a 0.8 ms copy (a 38 MB batch) polled about 8 times per
+ * batch. (A blocking-sync
  * event was measured instead: the driver's event thread then takes 0.02-0.05 ms of CPU per
  * batch, benchmarks/results/h200_2026-12-02/gather_blocking.md.) A caller that knows how long
  * such waits take says so (expect_ns: the pool keeps it per client, pool.c): the first sleep is
@@ -261,33 +262,12 @@ static int cuda_event_synchronize(pl_event *e)
  * itself (to 0.4 ms for copies of 50 us). A shorter untold wait replaces the expectation at
  * once (oversleeping is what costs), a longer one moves it a quarter of the way, and waits
  * expected to take under 0.25 ms are not told at all (their polls are few anyway).
- * tests/pool_expect_check.c checks this on a virtual clock. */
+ * tests/pool_expect_check.c checks this, pl_event_poll itself included, on a virtual clock. */
 static int cuda_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 {
     if (timeout_ns < 0)
         return cuda_event_synchronize(e);
-    int64_t deadline = pl_now_ns() + timeout_ns;
-    int64_t nap = 10000;
-    if (expect_ns > 0) {
-        int rc = cuda_event_query(e);
-        if (rc != PL_ERR_NOT_READY)
-            return rc;
-        int64_t left = deadline - pl_now_ns();
-        if (left <= 0)
-            return PL_ERR_TIMEOUT;
-        pl_sleep_ns(PL_MIN(expect_ns - expect_ns / 8, left));
-        nap = PL_MAX(nap, expect_ns / 16);
-    }
-    for (;;) {
-        int rc = cuda_event_query(e);
-        if (rc != PL_ERR_NOT_READY)
-            return rc;
-        int64_t left = deadline - pl_now_ns();
-        if (left <= 0)
-            return PL_ERR_TIMEOUT;
-        pl_sleep_ns(PL_MIN(nap, left));
-        nap = PL_MIN(nap * 2, 200000);
-    }
+    return pl_event_poll(cuda_event_query, e, timeout_ns, expect_ns);
 }
 
 /* Note [pinned slabs]
