@@ -72,9 +72,9 @@ def test_gpu_windows_memmap(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gather", ["device", "host"])
 def test_device_memory_stays_flat_without_a_device_synchronisation(gather):
-    # Note [frees made visible] in src/core/block.c: a loader-bound loop that never synchronises
-    # the device (a training loop) grew the device pool by one batch per batch, since the pool
-    # did not see the release stream's frees complete
+    # Note [deferred frees] in src/core/block.c: a loader-bound loop that never synchronises the
+    # device (a training loop) grew the device pool by one batch per batch, since the pool did
+    # not see the release stream's frees complete
     torch = pytest.importorskip("torch")
     from pinloader import _C
     row, bs = 64 << 10, 128  # 8 MiB batches

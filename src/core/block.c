@@ -38,7 +38,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { MAX_DEVICES = 64, EVENT_CACHE = 256, FREED_RING = 8 };
+enum { MAX_DEVICES = 64, EVENT_CACHE = 256, DEFERRED_MAX = 64 };
+
+/* A block's memory whose free waits for `done` (Note [deferred frees]). */
+typedef struct {
+    void *ptr;
+    pl_event *done;
+} deferred_free;
 
 typedef struct {
     pthread_mutex_t mu;
@@ -46,10 +52,8 @@ typedef struct {
     pl_stream *release;         /* written once under mu; never destroyed */
     pl_event *events[EVENT_CACHE]; /* guarded by mu */
     int n_events;
-    /* Note [frees made visible]: events recorded on the release stream after its latest
-     * frees, newest at freed[(n_freed - 1) % FREED_RING]; guarded by mu */
-    pl_event *freed[FREED_RING];
-    uint64_t n_freed;
+    deferred_free deferred[DEFERRED_MAX]; /* oldest first; guarded by mu */
+    int n_deferred;
 } devctx;
 
 static devctx ctx[2][MAX_DEVICES] = {
@@ -166,57 +170,80 @@ int pl_block_create(const pl_backend *b, int device, pl_block **out)
     return PL_OK;
 }
 
-/* Note [frees made visible]
- * A block is freed on the release stream (Note [device lifetime]) and allocated on a copy
- * stream, and the device pool may not make a copy stream wait on a consumer's stream (Note
- * [device pool] in backend_cuda.c). Its only other way to reuse such memory is to see that the
- * free has completed, and the driver does not look at the release stream between device-wide
- * synchronisations: measured on the H200, a loader-bound device gather grew the pool by one
- * batch (38.5 MB) per batch, 3.5 GB per 100 batches, and the growth itself cost the producer
- * 0.4 ms of CPU per batch. So each free records an event on the release stream (a ring of
- * FREED_RING, reused oldest first), and before a block is allocated on stream s, s waits on
- * the newest of them that has completed: a wait the GPU satisfies at once, which gives s the
- * stream-ordered dependency on every free before it that the pool follows for reuse
- * (cudaMemPoolReuseFollowEventDependencies). A record that has not completed is never waited
- * on; mu is held from the query to the wait, and every record is made under it, so the wait
- * is on the record the query saw. */
-static void record_free(const pl_backend *b, int device, pl_stream *rs)
+/* Note [deferred frees]
+ * A block was first freed with cudaFreeAsync on the release stream (Note [device lifetime]) and
+ * allocated on a copy stream. The device pool may not make the copy stream wait on a consumer
+ * (Note [device pool] in backend_cuda.c), so it could reuse such memory only once it saw the
+ * free complete, and the driver does not look between device-wide synchronisations: on the
+ * H200 a loader-bound device gather that never synchronised the device grew the pool by one
+ * batch per batch (3.5 GB per 100 batches of 38.5 MB), and mapping the new memory cost the
+ * producer 0.5 ms of CPU per batch. (Making the copy stream wait on an event of the release
+ * stream that had already completed, for cudaMemPoolReuseFollowEventDependencies, stopped the
+ * growth only in some stretches of batches.)
+ * So the release stream no longer frees. It waits on the block's ready and use events as before
+ * and then records `done`, and the memory is deferred: kept, with `done`, in its device's
+ * list. An allocation first frees every deferred block whose `done` has completed on its own
+ * stream, where the pool reuses it at once (same-stream order): nothing that reads the memory
+ * is still queued, and no stream waits on another. The list holds at most DEFERRED_MAX blocks,
+ * so memory dropped while no allocation follows stays bounded; past that the oldest is freed on
+ * the release stream, behind its waits, as before. Deferred memory is not live
+ * (pl_block_live_bytes) but is still held from the pool: the pool never gives memory back to
+ * the driver anyway (its release threshold is "never"). */
+static int defer_free(const pl_backend *b, int device, void *ptr, pl_stream *rs)
 {
     devctx *c = get_ctx(b, device);
-    if (!c || b->kind != PL_BACKEND_CUDA)
-        return;
+    pl_event *e = NULL;
+    int rc = pl_device_event_take(b, device, &e);
+    if (rc == PL_OK && (rc = b->event_record(e, rs)) != PL_OK)
+        pl_device_event_give(b, device, e);
+    if (rc != PL_OK)
+        return b->device_free(device, ptr, rs); /* free it behind its waits, as before */
+    deferred_free oldest = {NULL, NULL};
     pthread_mutex_lock(&c->mu);
-    int k = (int)(c->n_freed % FREED_RING);
-    int rc = c->freed[k] ? PL_OK : b->event_create(&c->freed[k]);
-    if (rc == PL_OK && b->event_record(c->freed[k], rs) == PL_OK)
-        c->n_freed++;
+    if (c->n_deferred == DEFERRED_MAX) {
+        oldest = c->deferred[0];
+        memmove(c->deferred, c->deferred + 1, (DEFERRED_MAX - 1) * sizeof c->deferred[0]);
+        c->n_deferred--;
+    }
+    c->deferred[c->n_deferred++] = (deferred_free){ptr, e};
     pthread_mutex_unlock(&c->mu);
+    if (oldest.ptr) {
+        /* queued on rs after its own done record, so behind its waits; on failure, leaked */
+        b->device_free(device, oldest.ptr, rs);
+        pl_device_event_give(b, device, oldest.done);
+    }
+    return PL_OK;
 }
 
-static void follow_frees(const pl_backend *b, int device, pl_stream *s)
+/* Free on s every deferred block of device whose uses have completed (Note [deferred frees]). */
+static void free_finished(const pl_backend *b, int device, pl_stream *s)
 {
     devctx *c = get_ctx(b, device);
-    if (!c || b->kind != PL_BACKEND_CUDA)
+    if (!c)
         return;
+    deferred_free done[DEFERRED_MAX];
+    int n_done = 0, kept = 0;
     pthread_mutex_lock(&c->mu);
-    uint64_t n = c->n_freed;
-    for (uint64_t i = 0; i < FREED_RING && i < n; i++) {
-        pl_event *e = c->freed[(n - 1 - i) % FREED_RING];
-        int rc = b->event_query(e);
-        if (rc == PL_ERR_NOT_READY)
-            continue;
-        if (rc == PL_OK)
-            b->stream_wait_event(s, e); /* on failure the pool simply grows, as before */
-        break;
+    for (int i = 0; i < c->n_deferred; i++) {
+        deferred_free d = c->deferred[i];
+        if (b->event_query(d.done) == PL_OK)
+            done[n_done++] = d;
+        else
+            c->deferred[kept++] = d; /* pending, or a failed query: it leaves by the oldest's way */
     }
+    c->n_deferred = kept;
     pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < n_done; i++) {
+        b->device_free(device, done[i].ptr, s); /* on failure (the runtime unloading), leaked */
+        pl_device_event_give(b, device, done[i].done);
+    }
 }
 
 int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s)
 {
     if (size == 0)
         return PL_OK;
-    follow_frees(blk->b, blk->device, s);
+    free_finished(blk->b, blk->device, s);
     int rc = blk->b->device_alloc(blk->device, size, s, &blk->ptr);
     if (rc == PL_OK) {
         blk->size = size;
@@ -313,8 +340,7 @@ void pl_block_atfork_child(void)
             c->init = 0;
             c->release = NULL;
             c->n_events = 0;
-            memset(c->freed, 0, sizeof c->freed);
-            c->n_freed = 0;
+            c->n_deferred = 0; /* the parent's memory and events: leaked */
         }
     for (int k = 0; k < 2; k++) {
         atomic_store(&live_bytes[k], 0);
@@ -471,9 +497,7 @@ static void block_free(pl_block *blk)
         for (int i = 0; rc == PL_OK && i < blk->n_uses; i++)
             rc = b->stream_wait_event(rs, blk->uses[i].event);
         if (rc == PL_OK)
-            rc = b->device_free(blk->device, blk->ptr, rs);
-        if (rc == PL_OK)
-            record_free(b, blk->device, rs); /* Note [frees made visible] */
+            rc = defer_free(b, blk->device, blk->ptr, rs); /* Note [deferred frees] */
         /* On failure (the runtime is unloading at exit) the memory is leaked, not freed early. */
         atomic_fetch_sub(&live_bytes[b->kind], blk->size);
     }
