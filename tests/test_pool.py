@@ -507,3 +507,10 @@ def test_expected_waits_learn_from_untold_waits_and_forget_a_stall(tmp_path):
     run_c_check(tmp_path, "pool_expect_check.c",
                 ["pool.c", "pool_client.c", "pool_debug.c", "pool_default.c", "poll.c", "util.c", "numa.c"],
                 link_flags=["-Wl,--wrap=pl_now_ns", "-Wl,--wrap=pl_sleep_ns"])
+
+
+def test_deferred_frees_wait_for_their_uses_and_are_freed_where_memory_is_next_allocated(tmp_path):
+    # Note [deferred frees] in src/core/block.c, against a fake backend (tests/block_deferred_check.c):
+    # a dropped device block is freed on the next allocation's stream once its uses completed,
+    # at most 64 wait, and running out of memory waits for them instead of failing
+    run_c_check(tmp_path, "block_deferred_check.c", ["block.c", "util.c", "numa.c"])

@@ -404,7 +404,10 @@ static int cuda_device_alloc(int device, size_t n, pl_stream *s, void **out)
     int rc = device_pool(device, &pool);
     if (rc != PL_OK)
         return rc;
-    return (int)cu.cudaMallocFromPoolAsync(out, n ? n : 1, pool, (pl_cudaStream_t)s);
+    pl_cudaError_t crc = cu.cudaMallocFromPoolAsync(out, n ? n : 1, pool, (pl_cudaStream_t)s);
+    if (crc != pl_cudaSuccess)
+        cu.cudaGetLastError(); /* out of memory is not sticky: leave no error for the thread's next call */
+    return (int)crc;
 }
 
 static int cuda_device_free(int device, void *p, pl_stream *s)

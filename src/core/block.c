@@ -186,7 +186,9 @@ int pl_block_create(const pl_backend *b, int device, pl_block **out)
  * stream, where the pool reuses it at once (same-stream order): nothing that reads the memory
  * is still queued, and no stream waits on another. The list holds at most DEFERRED_MAX blocks,
  * so memory dropped while no allocation follows stays bounded; past that the oldest is freed on
- * the release stream, behind its waits, as before. Deferred memory is not live
+ * the release stream, behind its waits, as before. An allocation that runs out of memory while
+ * blocks are deferred waits for their consumers (on the host), frees them all on its stream and
+ * tries once more: a wait, but only where the alternative is an error. Deferred memory is not live
  * (pl_block_live_bytes) but is still held from the pool: the pool never gives memory back to
  * the driver anyway (its release threshold is "never"). */
 static int defer_free(const pl_backend *b, int device, void *ptr, pl_stream *rs)
@@ -215,36 +217,50 @@ static int defer_free(const pl_backend *b, int device, void *ptr, pl_stream *rs)
     return PL_OK;
 }
 
-/* Free on s every deferred block of device whose uses have completed (Note [deferred frees]). */
-static void free_finished(const pl_backend *b, int device, pl_stream *s)
+/* Free on s every deferred block of device whose uses have completed (Note [deferred frees]);
+ * wait: every deferred block, after waiting for its uses (the allocation ran out of memory).
+ * Returns how many were freed. */
+static int free_finished(const pl_backend *b, int device, pl_stream *s, int wait)
 {
     devctx *c = get_ctx(b, device);
     if (!c)
-        return;
+        return 0;
     deferred_free done[DEFERRED_MAX];
     int n_done = 0, kept = 0;
     pthread_mutex_lock(&c->mu);
+    pl_stream *rs = c->release;
     for (int i = 0; i < c->n_deferred; i++) {
         deferred_free d = c->deferred[i];
-        if (b->event_query(d.done) == PL_OK)
+        if (wait || b->event_query(d.done) == PL_OK)
             done[n_done++] = d;
         else
             c->deferred[kept++] = d; /* pending, or a failed query: it leaves by the oldest's way */
     }
     c->n_deferred = kept;
     pthread_mutex_unlock(&c->mu);
+    int freed = 0;
     for (int i = 0; i < n_done; i++) {
-        b->device_free(device, done[i].ptr, s); /* on failure (the runtime unloading), leaked */
+        /* waited for outside mu: deleters on other threads keep deferring meanwhile */
+        if (wait && b->event_synchronize(done[i].done) != PL_OK) {
+            b->device_free(device, done[i].ptr, rs); /* behind its waits, as before */
+        } else if (b->device_free(device, done[i].ptr, s) == PL_OK) {
+            freed++;
+        } /* else leaked: the runtime is unloading */
         pl_device_event_give(b, device, done[i].done);
     }
+    return freed;
 }
 
 int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s)
 {
     if (size == 0)
         return PL_OK;
-    free_finished(blk->b, blk->device, s);
-    int rc = blk->b->device_alloc(blk->device, size, s, &blk->ptr);
+    const pl_backend *b = blk->b;
+    free_finished(b, blk->device, s, 0);
+    int rc = b->device_alloc(blk->device, size, s, &blk->ptr);
+    /* Out of memory with blocks deferred: wait for their consumers, free them here, try again. */
+    if (rc == PL_ERR_NO_MEMORY && free_finished(b, blk->device, s, 1) > 0)
+        rc = b->device_alloc(blk->device, size, s, &blk->ptr);
     if (rc == PL_OK) {
         blk->size = size;
         atomic_fetch_add(&live_bytes[blk->b->kind], size);

@@ -1,0 +1,199 @@
+/* Deferred frees (Note [deferred frees] in src/core/block.c), against a fake backend whose
+ * events complete only when the test says so and whose device holds `capacity` bytes: a dropped
+ * block is not freed until its uses have completed, and then on the stream of the next
+ * allocation, before that allocation; at most 64 blocks wait, past that the oldest is freed on
+ * the release stream; an allocation that runs out of memory waits for the deferred blocks, frees
+ * them on its stream and succeeds, and one with nothing deferred fails without waiting.
+ * Prints "bad=0" when every check holds. Built and run by tests/test_pool.py. */
+#include "block.h"
+#include "backend.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define COPY ((pl_stream *)(uintptr_t)0x100)
+#define RELEASE ((pl_stream *)(uintptr_t)0x200)
+enum { MAX_EVENTS = 1024, MAX_LOG = 4096 };
+
+typedef struct {
+    int done;
+} fake_event;
+
+typedef struct {
+    char what; /* 'a' alloc, 'f' free */
+    void *ptr;
+    pl_stream *stream;
+} log_entry;
+
+static fake_event *events[MAX_EVENTS];
+static int n_events, syncs, bad;
+static log_entry logs[MAX_LOG];
+static int n_logs;
+static size_t capacity = SIZE_MAX, held; /* device bytes allocated and not yet freed */
+
+static void note(char what, void *ptr, pl_stream *s)
+{
+    if (n_logs < MAX_LOG)
+        logs[n_logs++] = (log_entry){what, ptr, s};
+}
+
+static int f_get_device(int *d) { *d = 0; return PL_OK; }
+static int f_set_device(int d) { (void)d; return PL_OK; }
+static int f_stream_create(int hi, pl_stream **out) { (void)hi; *out = RELEASE; return PL_OK; }
+static int f_stream_destroy(pl_stream *s) { (void)s; return PL_OK; }
+static int f_stream_wait_event(pl_stream *s, pl_event *e) { (void)s; (void)e; return PL_OK; }
+static int f_event_create(pl_event **out)
+{
+    if (n_events == MAX_EVENTS)
+        return PL_ERR_NO_MEMORY;
+    fake_event *e = calloc(1, sizeof *e);
+    if (!e)
+        return PL_ERR_NO_MEMORY;
+    events[n_events++] = e;
+    *out = (pl_event *)e;
+    return PL_OK;
+}
+static int f_event_destroy(pl_event *e) { (void)e; return PL_OK; } /* freed at the end */
+static int f_event_record(pl_event *e, pl_stream *s) { (void)s; ((fake_event *)e)->done = 0; return PL_OK; }
+static int f_event_query(pl_event *e) { return ((fake_event *)e)->done ? PL_OK : PL_ERR_NOT_READY; }
+static int f_event_sync(pl_event *e) { syncs++; ((fake_event *)e)->done = 1; return PL_OK; }
+
+typedef struct {
+    size_t n;
+    max_align_t align;
+} fake_header;
+
+static int f_device_alloc(int device, size_t n, pl_stream *s, void **out)
+{
+    (void)device;
+    if (n > capacity - held)
+        return PL_ERR_NO_MEMORY;
+    fake_header *h = malloc(sizeof *h + n);
+    if (!h)
+        return PL_ERR_NO_MEMORY;
+    h->n = n;
+    held += n;
+    *out = h + 1;
+    note('a', *out, s);
+    return PL_OK;
+}
+static int f_device_free(int device, void *p, pl_stream *s)
+{
+    (void)device;
+    fake_header *h = (fake_header *)p - 1;
+    held -= h->n;
+    note('f', p, s);
+    free(h);
+    return PL_OK;
+}
+
+static void complete_all(void)
+{
+    for (int i = 0; i < n_events; i++)
+        events[i]->done = 1;
+}
+
+static int count(char what, pl_stream *s, int from)
+{
+    int n = 0;
+    for (int i = from; i < n_logs; i++)
+        n += logs[i].what == what && logs[i].stream == s;
+    return n;
+}
+
+#define CHECK(c) do { if (!(c)) { bad++; fprintf(stderr, "failed: %s (line %d)\n", #c, __LINE__); } } while (0)
+
+static pl_block *alloc_block(const pl_backend *b, size_t n)
+{
+    pl_block *blk = NULL;
+    CHECK(pl_block_create(b, 0, &blk) == PL_OK);
+    if (blk)
+        CHECK(pl_block_alloc(blk, n, COPY) == PL_OK);
+    return blk;
+}
+
+int main(void)
+{
+    pl_backend b;
+    memset(&b, 0, sizeof b);
+    b.name = "fake";
+    b.kind = PL_BACKEND_HOST;
+    b.get_device = f_get_device;
+    b.set_device = f_set_device;
+    b.stream_create = f_stream_create;
+    b.stream_destroy = f_stream_destroy;
+    b.stream_wait_event = f_stream_wait_event;
+    b.event_create = f_event_create;
+    b.event_destroy = f_event_destroy;
+    b.event_record = f_event_record;
+    b.event_query = f_event_query;
+    b.event_synchronize = f_event_sync;
+    b.device_alloc = f_device_alloc;
+    b.device_free = f_device_free;
+
+    /* a dropped block waits for its uses: nothing is freed while they are pending */
+    pl_block *b1 = alloc_block(&b, 100);
+    void *p1 = b1->ptr;
+    pl_block_decref(b1);
+    CHECK(count('f', COPY, 0) + count('f', RELEASE, 0) == 0);
+    CHECK(pl_block_live_bytes(&b) == 0);
+    pl_block *b2 = alloc_block(&b, 100);
+    CHECK(count('f', COPY, 0) == 0 && held == 200);
+
+    /* once they completed, the next allocation frees it on its own stream, before allocating */
+    complete_all();
+    int mark = n_logs;
+    pl_block *b3 = alloc_block(&b, 100);
+    CHECK(n_logs == mark + 2);
+    CHECK(logs[mark].what == 'f' && logs[mark].ptr == p1 && logs[mark].stream == COPY);
+    CHECK(logs[mark + 1].what == 'a' && logs[mark + 1].stream == COPY);
+    CHECK(held == 200 && pl_block_live_bytes(&b) == 200);
+    pl_block_decref(b2);
+    pl_block_decref(b3);
+    complete_all();
+
+    /* at most 64 wait: dropping 70 whose uses never complete frees the 6 oldest on the release
+     * stream (the two finished ones above are freed on the copy stream by the first allocation) */
+    pl_block *many[70];
+    mark = n_logs;
+    for (int i = 0; i < 70; i++)
+        many[i] = alloc_block(&b, 1000);
+    CHECK(count('f', COPY, mark) == 2);
+    void *first[6];
+    for (int i = 0; i < 70; i++) {
+        if (i < 6)
+            first[i] = many[i]->ptr;
+        pl_block_decref(many[i]);
+    }
+    CHECK(count('f', RELEASE, mark) == 6);
+    for (int i = 0, k = 0; i < n_logs; i++)
+        if (logs[i].what == 'f' && logs[i].stream == RELEASE)
+            CHECK(k < 6 && logs[i].ptr == first[k++]); /* oldest first */
+    CHECK(held == 64 * 1000 && pl_block_live_bytes(&b) == 0);
+
+    /* out of memory with 64 deferred and pending: they are waited for, freed here, and the
+     * allocation succeeds on the second try */
+    capacity = held + 500;
+    mark = n_logs;
+    pl_block *big = alloc_block(&b, 2000);
+    CHECK(syncs == 64);
+    CHECK(count('f', COPY, mark) == 64 && count('a', COPY, mark) == 1);
+    CHECK(big && big->ptr && held == 2000);
+
+    /* out of memory with nothing deferred: an error, and no wait */
+    capacity = held;
+    pl_block *none = NULL;
+    CHECK(pl_block_create(&b, 0, &none) == PL_OK);
+    CHECK(pl_block_alloc(none, 10, COPY) == PL_ERR_NO_MEMORY);
+    CHECK(syncs == 64);
+    pl_block_decref(none);
+    pl_block_decref(big);
+    CHECK(pl_block_live_bytes(&b) == 0 && pl_block_live_count(&b) == 0);
+
+    for (int i = 0; i < n_events; i++)
+        free(events[i]);
+    printf("bad=%d\n", bad);
+    return bad != 0;
+}
