@@ -26,7 +26,9 @@ wait for the device's last copy included (a blocking-sync event: the waiting thr
 the GPU's lag is not counted as CPU time, as torch.cuda.synchronize()'s spin would count it);
 host CPU per batch is the process's CPU time (all threads)
 divided by the batches, and for the loader rows also by thread name (the main thread, pinloader's
-pl-producer and pl-stage threads, the CUDA driver's own). For the loader rows the JSON also keeps where the producer thread's
+pl-producer and pl-stage threads, the CUDA driver's own) and as the loader's own CPU: every thread
+but the main one, plus the main thread's time inside next() (leaving out torch.from_dlpack, which
+any loader of device arrays costs its consumer). For the loader rows the JSON also keeps where the producer thread's
 time went, per batch (stats(): producer_s_total, gil_wait_s_total, next_s_total,
 staging_s_total, sort_s_total). The table reports the median over the rounds with the range,
 and each path's ratio to the DMA ceiling measured in the same round.
@@ -162,21 +164,27 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
             slabs, steady_since = now, warm
     _sync(torch)
     st0 = L.stats()
-    done = boundaries = 0
+    done = boundaries = next_ns = 0
     th0 = thread_cpu_ns(names=False)
     t0, c0 = time.perf_counter(), time.process_time()
     while done < batches:
+        n0 = time.thread_time_ns()
         try:
             b = next(it)  # next(), not a for loop: iter() on an ArrayLoader starts an epoch
         except StopIteration:
             it = iter(L)  # the producer stops at an epoch's end until iter(): a drain
             boundaries += 1
             continue
+        finally:
+            next_ns += time.thread_time_ns() - n0
         take(b)
         done += 1
     _sync(torch)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     threads = cpu_by_thread_name(th0, thread_cpu_ns(), done)
+    # the loader's own CPU: its threads, and the training thread's time inside next() (not
+    # the consumer's conversion, torch.from_dlpack, which any loader of device arrays costs)
+    loader_cpu = sum(v for k, v in threads.items() if k != "main") + next_ns / 1e6 / max(1, done)
     st = L.stats()
     L.close()
     # the producer's time per batch over the timed batches (the prefetcher may have run a few
@@ -187,6 +195,7 @@ def run_loader(torch, pinloader, src, bs, batches, device, **opts):
     producer["pool_slabs_created"] = st["pool_slabs_created"] - st0["pool_slabs_created"]
     return {"gbps": done * bs * src.shape[1] / dt / 1e9, "cpu_ms_per_batch": cpu / done * 1e3,
             "wall_ms_per_batch": dt / done * 1e3, **producer, "thread_cpu_ms_per_batch": threads,
+            "loader_cpu_ms_per_batch": loader_cpu, "next_cpu_ms_per_batch": next_ns / 1e6 / max(1, done),
             "warmup_batches": warm, "epoch_boundaries": boundaries,
             "gather": st["gather"], "batches_per_epoch": n_per_epoch,
             "reason": "; ".join(i["reason"] for i in st["gather_leaves"] if i["reason"])}
@@ -333,7 +342,8 @@ def main() -> int:
                          f"issue {r['copy_issue_ms_per_batch']:.3f}) "
                          f"of {r['wall_ms_per_batch']:.3f} ms/batch; {r['pinned_stalls']} stalls, "
                          f"{r['pool_slabs_created']} slabs made, {r['warmup_batches']} warm-up batches, "
-                         f"{r['epoch_boundaries']} epoch ends; CPU ms/batch by thread "
+                         f"{r['epoch_boundaries']} epoch ends; loader CPU {r['loader_cpu_ms_per_batch']:.3f} "
+                         f"ms/batch (in next() {r['next_cpu_ms_per_batch']:.3f}); CPU ms/batch by thread "
                          + ", ".join(f"{k} {v:.3f}" for k, v in list(r["thread_cpu_ms_per_batch"].items())[:6])
                          if "gather" in r else ""))
         results["rows"][str(row)] = {"batch": bs, "source_bytes": src.nbytes, "runs": per}
@@ -342,7 +352,8 @@ def main() -> int:
     lines = C.machine_summary_lines(results["machine"]) + [""]
     ceiling = "dma_ceiling" if not host else "host memcpy"
     head = (["row bytes x batch"] + [f"{p} GB/s" for p in args.paths]
-            + [f"device / {ceiling}", f"host / {ceiling}", "host / numpy", "device CPU ms/batch"])
+            + [f"device / {ceiling}", f"host / {ceiling}", "host / numpy", "device CPU ms/batch",
+               "device loader CPU ms/batch"])
     table = []
     for row, rec in results["rows"].items():
         runs = rec["runs"]
@@ -355,10 +366,11 @@ def main() -> int:
                 cells.append(C.fmt_summary(C.summarize(x["gbps"] / y["gbps"] for x, y in zip(runs[a], runs[b]))))
             else:
                 cells.append("–")
-        if "device_gather" in runs:
-            cells.append(C.fmt_summary(C.summarize(r["cpu_ms_per_batch"] for r in runs["device_gather"]), 3))
-        else:
-            cells.append("–")
+        for key in ("cpu_ms_per_batch", "loader_cpu_ms_per_batch"):
+            if "device_gather" in runs:
+                cells.append(C.fmt_summary(C.summarize(r[key] for r in runs["device_gather"]), 3))
+            else:
+                cells.append("–")
         table.append(cells)
         if "auto" in runs:
             rec["auto_picked"] = runs["auto"][0].get("gather")
