@@ -103,3 +103,30 @@ def test_device_memory_stays_flat_without_a_device_synchronisation(gather):
     grown = _C._device_pool_reserved(0) - before
     L.close()
     assert grown <= 16 * row * bs, f"the device pool grew by {grown >> 20} MiB over 400 batches of 8 MiB"
+
+
+@pytest.mark.gpu
+def test_a_dropped_batch_is_not_reused_while_a_slow_stream_still_reads_it():
+    # Note [deferred frees] in src/core/block.c: a dropped batch's memory goes to a later batch
+    # only once every stream that used it has passed its use. Here the consumer's stream sleeps
+    # before each read while the host runs ahead, dropping each batch as soon as its read is
+    # queued, and nothing synchronises the device: each read must still see its own batch.
+    torch = pytest.importorskip("torch")
+    n, width = 2048, 1024
+    src = np.repeat(np.arange(n, dtype=np.int32)[:, None], width, axis=1)  # row i holds i
+    L = pinloader.ArrayLoader(src, 64, device="cuda:0", seed=3, gather="device")
+    side = torch.cuda.Stream()
+    reads = []
+    with torch.cuda.stream(side):
+        for b in L:  # one epoch, 32 batches
+            t = torch.from_dlpack(b)  # side waits for the copy; the deleter records side's use
+            torch.cuda._sleep(5_000_000)  # a few ms of the side stream before the read
+            reads.append(t[:, ::97].clone())
+            del t, b
+    done = torch.cuda.Event(blocking=True)
+    done.record(side)
+    done.synchronize()
+    L.close()
+    got = torch.cat(reads).cpu().numpy()
+    assert (got == got[:, :1]).all(), "a row was read while another batch overwrote it"
+    assert sorted(got[:, 0].tolist()) == list(range(n)), "the epoch's rows were not each read once"

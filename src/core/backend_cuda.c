@@ -345,7 +345,10 @@ static int cuda_host_is_pinned(const void *p, int *pinned)
  * allocation does not go back to the driver; internal dependencies are disabled so that
  * cudaMallocFromPoolAsync on the copy stream never reuses memory whose free is still pending on
  * a consumer's stream by inserting a wait on that stream: the copy stream must never wait on the
- * consumer's compute. Opportunistic reuse (the free already completed) stays on. */
+ * consumer's compute. Opportunistic reuse (the free already completed) stays on, but the driver
+ * was measured not to see frees on another stream complete between device-wide
+ * synchronisations, so blocks are freed on the stream that allocates next (Note [deferred
+ * frees] in block.c). */
 enum { MAX_DEVICES = 64 };
 static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
 static pl_cudaMemPool_t pools[MAX_DEVICES]; /* guarded by pools_mu; written once per device */

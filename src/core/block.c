@@ -5,10 +5,12 @@
  * times it cannot see. The DLPack deleter tells it when a consumer has finished *enqueuing*
  * such work (the framework dropped its tensor); at that moment an event is recorded on the
  * stream the consumer named in __dlpack__(stream=...). When the last reference goes, pinloader's
- * own release stream waits on the ready event and on every use event, and the memory is freed
- * there with cudaFreeAsync. The release stream is created once per device and never destroyed,
- * so frees never depend on a consumer stream still existing at free time, and the copy stream
- * never waits on anything but its own work (see Note [device pool] in backend_cuda.c).
+ * own release stream waits on the ready event and on every use event, and the memory is
+ * released behind those waits (Note [deferred frees]: on CUDA it is handed to the next
+ * allocation once they have passed; on the host backend it is freed there). The release stream
+ * is created once per device and never destroyed, so frees never depend on a consumer stream
+ * still existing at free time, and the copy stream never waits on anything but its own work
+ * (see Note [device pool] in backend_cuda.c).
  * Deleters may run on any thread, without the GIL, after the runtime began unloading: every
  * call here tolerates failure by leaking rather than crashing.
  *
@@ -30,7 +32,7 @@
  * memo hit means the copy is known to have completed.
  * The memo concerns only the wait. The device-lifetime bookkeeping is unchanged by it: every
  * export still records its use on S when its deleter runs (pl_block_note_use), so the block is
- * freed on the release stream behind every stream's last use (Note [device lifetime]). */
+ * released behind every stream's last use (Note [device lifetime]). */
 #include "block.h"
 #include "util.h"
 
@@ -180,35 +182,46 @@ int pl_block_create(const pl_backend *b, int device, pl_block **out)
  * producer 0.5 ms of CPU per batch. (Making the copy stream wait on an event of the release
  * stream that had already completed, for cudaMemPoolReuseFollowEventDependencies, stopped the
  * growth only in some stretches of batches.)
- * So the release stream no longer frees. It waits on the block's ready and use events as before
- * and then records `done`, and the memory is deferred: kept, with `done`, in its device's
- * list. An allocation first frees every deferred block whose `done` has completed on its own
- * stream, where the pool reuses it at once (same-stream order): nothing that reads the memory
- * is still queued, and no stream waits on another. The list holds at most DEFERRED_MAX blocks,
- * so memory dropped while no allocation follows stays bounded; past that the oldest is freed on
- * the release stream, behind its waits, as before. An allocation that runs out of memory while
- * blocks are deferred waits for their consumers (on the host), frees them all on its stream and
- * tries once more: a wait, but only where the alternative is an error. Deferred memory is not live
- * (pl_block_live_bytes) but is still held from the pool: the pool never gives memory back to
- * the driver anyway (its release threshold is "never"). */
+ * So on CUDA the release stream no longer frees. It waits on the block's ready and use events
+ * as before and then records `done` (under mu, so the list below is in the release stream's
+ * order), and the memory is deferred: kept, with `done`, in its device's list. An allocation on
+ * a copy stream first frees every deferred block whose `done` the host has seen complete, on
+ * that copy stream, where the pool reuses it at once (same-stream order): nothing that reads
+ * the memory is still queued, and no stream waits on another. The `done` events complete in
+ * list order, so the scan stops at the first that has not. The list holds at most DEFERRED_MAX
+ * blocks per device, so memory dropped while no allocation follows stays bounded; past that the
+ * oldest is freed on the release stream, behind its waits, as before (a burst of more than
+ * DEFERRED_MAX dropped batches therefore still grows the pool, by at most the burst, until the
+ * device is synchronised). An allocation that runs out of memory while blocks are deferred
+ * waits for them (on the host), frees them all on its stream and tries once more: a wait, but
+ * only where the alternative is an error. The static buffers (handout.c) are allocated on the
+ * consumer's stream, which may be capturing a CUDA graph: they neither free deferred blocks nor
+ * wait. Deferred memory is not live (pl_block_live_bytes) but is still held from the pool, which
+ * never gives memory back to the driver anyway (its release threshold is "never").
+ * The host backend frees on the release stream as before: its device_alloc takes a cached block
+ * whatever stream it is on, so deferring would only hold host memory. */
 static int defer_free(const pl_backend *b, int device, void *ptr, pl_stream *rs)
 {
     devctx *c = get_ctx(b, device);
     pl_event *e = NULL;
-    int rc = pl_device_event_take(b, device, &e);
-    if (rc == PL_OK && (rc = b->event_record(e, rs)) != PL_OK)
-        pl_device_event_give(b, device, e);
-    if (rc != PL_OK)
-        return b->device_free(device, ptr, rs); /* free it behind its waits, as before */
+    if (b->kind != PL_BACKEND_CUDA || pl_device_event_take(b, device, &e) != PL_OK)
+        return b->device_free(device, ptr, rs); /* behind its waits */
     deferred_free oldest = {NULL, NULL};
     pthread_mutex_lock(&c->mu);
-    if (c->n_deferred == DEFERRED_MAX) {
-        oldest = c->deferred[0];
-        memmove(c->deferred, c->deferred + 1, (DEFERRED_MAX - 1) * sizeof c->deferred[0]);
-        c->n_deferred--;
+    int rc = b->event_record(e, rs);
+    if (rc == PL_OK) {
+        if (c->n_deferred == DEFERRED_MAX) {
+            oldest = c->deferred[0];
+            memmove(c->deferred, c->deferred + 1, (DEFERRED_MAX - 1) * sizeof c->deferred[0]);
+            c->n_deferred--;
+        }
+        c->deferred[c->n_deferred++] = (deferred_free){ptr, e};
     }
-    c->deferred[c->n_deferred++] = (deferred_free){ptr, e};
     pthread_mutex_unlock(&c->mu);
+    if (rc != PL_OK) {
+        pl_device_event_give(b, device, e);
+        return b->device_free(device, ptr, rs);
+    }
     if (oldest.ptr) {
         /* queued on rs after its own done record, so behind its waits; on failure, leaked */
         b->device_free(device, oldest.ptr, rs);
@@ -217,26 +230,23 @@ static int defer_free(const pl_backend *b, int device, void *ptr, pl_stream *rs)
     return PL_OK;
 }
 
-/* Free on s every deferred block of device whose uses have completed (Note [deferred frees]);
- * wait: every deferred block, after waiting for its uses (the allocation ran out of memory).
- * Returns how many were freed. */
+/* Free on s every deferred block of device whose uses the host has seen complete (Note
+ * [deferred frees]); wait: every deferred block, after waiting for its uses (the allocation ran
+ * out of memory). Returns how many were freed. */
 static int free_finished(const pl_backend *b, int device, pl_stream *s, int wait)
 {
     devctx *c = get_ctx(b, device);
-    if (!c)
+    if (!c || b->kind != PL_BACKEND_CUDA)
         return 0;
     deferred_free done[DEFERRED_MAX];
-    int n_done = 0, kept = 0;
+    int n_done = 0;
     pthread_mutex_lock(&c->mu);
     pl_stream *rs = c->release;
-    for (int i = 0; i < c->n_deferred; i++) {
-        deferred_free d = c->deferred[i];
-        if (wait || b->event_query(d.done) == PL_OK)
-            done[n_done++] = d;
-        else
-            c->deferred[kept++] = d; /* pending, or a failed query: it leaves by the oldest's way */
-    }
-    c->n_deferred = kept;
+    while (n_done < c->n_deferred && (wait || b->event_query(c->deferred[n_done].done) == PL_OK))
+        n_done++; /* in the release stream's order: the first not done ends the scan */
+    memcpy(done, c->deferred, (size_t)n_done * sizeof done[0]);
+    memmove(c->deferred, c->deferred + n_done, (size_t)(c->n_deferred - n_done) * sizeof done[0]);
+    c->n_deferred -= n_done;
     pthread_mutex_unlock(&c->mu);
     int freed = 0;
     for (int i = 0; i < n_done; i++) {
@@ -251,15 +261,16 @@ static int free_finished(const pl_backend *b, int device, pl_stream *s, int wait
     return freed;
 }
 
-int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s)
+int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s, int reuse_deferred)
 {
     if (size == 0)
         return PL_OK;
     const pl_backend *b = blk->b;
-    free_finished(b, blk->device, s, 0);
+    if (reuse_deferred)
+        free_finished(b, blk->device, s, 0);
     int rc = b->device_alloc(blk->device, size, s, &blk->ptr);
     /* Out of memory with blocks deferred: wait for their consumers, free them here, try again. */
-    if (rc == PL_ERR_NO_MEMORY && free_finished(b, blk->device, s, 1) > 0)
+    if (rc == PL_ERR_NO_MEMORY && reuse_deferred && free_finished(b, blk->device, s, 1) > 0)
         rc = b->device_alloc(blk->device, size, s, &blk->ptr);
     if (rc == PL_OK) {
         blk->size = size;

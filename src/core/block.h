@@ -45,11 +45,13 @@ typedef struct pl_block {
 
 /* A block with a ready event, no memory yet; refcount 1. */
 int pl_block_create(const pl_backend *b, int device, pl_block **out);
-/* Allocate `size` bytes of device memory, ordered on stream s (the copy stream). */
-int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s);
+/* Allocate `size` bytes of device memory, ordered on stream s. reuse_deferred: s is a copy
+ * stream of pinloader's own, never capturing, where finished deferred blocks are freed first
+ * and an allocation out of memory may wait for the unfinished ones (Note [deferred frees]). */
+int pl_block_alloc(pl_block *blk, size_t size, pl_stream *s, int reuse_deferred);
 void pl_block_incref(pl_block *blk);
-/* The last reference frees the memory on pinloader's release stream, behind the ready event
- * and every use event. */
+/* The last reference releases the memory behind the ready event and every use event, on
+ * pinloader's release stream (Note [deferred frees] in block.c). */
 void pl_block_decref(pl_block *blk);
 /* A consumer on stream s is done enqueuing work that reads the block (called from DLPack
  * deleters, on any thread). s may be the legacy (1) or per-thread (2) default stream handle.

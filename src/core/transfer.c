@@ -288,7 +288,7 @@ int pl_transfer(const pl_xfer *x, pl_xfer_leaf *leaves, int n, const pl_layout *
         return rc;
     rc = b->set_device(x->device);
     if (rc == PL_OK)
-        rc = pl_block_alloc(blk, pl_layout_bytes(lay), x->copy_stream);
+        rc = pl_block_alloc(blk, pl_layout_bytes(lay), x->copy_stream, 1);
     if (rc != PL_OK) {
         if (region)
             pl_pool_release(x->pool, region);

@@ -118,7 +118,7 @@ static pl_static *static_make(pl_state *st, const pl_backend *b, int device, con
     if (rc == PL_OK) {
         S->blk->no_memo = 1;
         if ((rc = pl_device_push(b, device, &prev)) == PL_OK)
-            rc = pl_block_alloc(S->blk, total, s);
+            rc = pl_block_alloc(S->blk, total, s, 0); /* s: the consumer's stream */
         pl_device_pop(b, device, prev);
     }
     if (rc != PL_OK) {
