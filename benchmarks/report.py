@@ -13,6 +13,7 @@ bench_array_loader.py, by its "images"/"windows" results), and writes next to th
                          and np.copyto from the same run
   <stem>.png             bandwidth: GB/s against size per method; staging and memcpy by threads
   <stem>.png             overhead: µs per batch per method, one group per batch kind
+  <stem>.png             device_memory: the device pool's growth per window of batches
 Every chart names the machine it was measured on. Bars and points are medians over repeats;
 whiskers, bands and bracketed ranges span min to max; value labels sit beyond the whiskers.
 Needs matplotlib only (no torch, no GPU).
@@ -449,7 +450,28 @@ def plot_gather_kernel(payload, stem, out_dir):
     return _save(fig, out_dir, stem)
 
 
-PLOTTERS = {"overlap": plot_overlap, "bandwidth": plot_bandwidth, "overhead": plot_overhead,
+def plot_device_memory(payload, stem, out_dir):
+    """bench_device_memory.py: pinloader's device pool growth at each window's end, per gather."""
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    args = payload.get("args", {})
+    for gather, windows in payload["runs"].items():
+        xs = [w["window"] for w in windows]
+        ax.plot(xs, [w["pool_mib"] / 1024 for w in windows], marker="o",
+                label=f'ArrayLoader(gather="{gather}")')
+        synced = [w for w in windows if w["end"] != "event"]
+        ax.scatter([w["window"] for w in synced], [w["pool_mib"] / 1024 for w in synced], s=90,
+                   facecolors="none", edgecolors="black")
+    ax.set_xlabel(f"window of {args.get('batches', '?')} loader-bound batches "
+                  "(circled: ends with torch.cuda.synchronize(), else an event)")
+    ax.set_ylabel("device pool growth (GiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(_title(payload, "Device memory in a loop that never synchronises the device"),
+                 fontsize=10)
+    return _save(fig, out_dir, stem)
+
+
+PLOTTERS = {"device_memory": plot_device_memory, "overlap": plot_overlap, "bandwidth": plot_bandwidth, "overhead": plot_overhead,
             "bandwidth_staging": plot_bandwidth_staging, "array_loader": plot_array_loader,
             "gather": plot_gather, "models": plot_models, "static": plot_static,
             "gather_kernel": plot_gather_kernel}
