@@ -359,6 +359,13 @@ def write_markdown(out_dir: Path, name: str, text: str) -> Path:
     return path
 
 
+def publish(out_dir: Path, name: str, payload: dict, text: str) -> None:
+    """Print a run's Markdown and write it with its JSON: <out_dir>/<name>.{md,json}."""
+    print(text)
+    write_json(out_dir, name, payload)
+    write_markdown(out_dir, name, text)
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
     """Render a Markdown table; ``align`` is one character per column from 'l', 'r', 'c'."""
     headers = [str(h) for h in headers]

@@ -100,9 +100,7 @@ def main() -> int:
     lines.append(C.md_table(["gather", "window", "ends with", "pool growth MiB", "in use growth MiB",
                              "GB/s", "producer CPU ms/batch", "main CPU ms/batch"], rows))
     text = "\n".join(lines)
-    print(text)
-    C.write_json(args.out, args.name, results)
-    C.write_markdown(args.out, args.name, text)
+    C.publish(args.out, args.name, results, text)
     return 0
 
 

@@ -376,9 +376,7 @@ def main() -> int:
             rec["auto_picked"] = runs["auto"][0].get("gather")
     lines.append(C.md_table(head, table))
     text = "\n".join(lines)
-    print(text)
-    C.write_json(args.out, args.name, results)
-    C.write_markdown(args.out, args.name, text)
+    C.publish(args.out, args.name, results, text)
     return 0
 
 

@@ -99,9 +99,7 @@ def main() -> int:
         assert (got == want).all(), "the kernel delivered wrong bytes"
         cp.cuda.runtime.hostUnregister(src.ctypes.data)
     text = "\n".join(C.machine_summary_lines(out["machine"]) + [""] + lines)
-    print(text)
-    C.write_json(args.out, args.name, out)
-    C.write_markdown(args.out, args.name, text)
+    C.publish(args.out, args.name, out, text)
     return 0
 
 

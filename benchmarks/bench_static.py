@@ -162,9 +162,7 @@ def main() -> int:
                       C.fmt_summary(C.summarize(r["cpu_ms_per_step"] for r in per[row]), 2)])
     lines.append(C.md_table(["row", "images/s", "ratio to graph_on_gpu (same round)", "host CPU ms/step"], table))
     text = "\n".join(lines)
-    print(text)
-    C.write_json(args.out, args.name, results)
-    C.write_markdown(args.out, args.name, text)
+    C.publish(args.out, args.name, results, text)
     return 0
 
 
