@@ -28,7 +28,8 @@ normalisation and training step.
 
 Method: every feed is built once (DataLoader workers persist) and warmed up with --warmup
 steps per row and model (cudnn.benchmark on). Then --rounds rounds; each round runs every row
-in turn (interleaved: round r is row 1, row 2, ..., row K). A row's turn is:
+in turn (interleaved, and rotated so that no row always follows the same one: round r runs
+rows r+1, ..., K, 1, ..., r). A row's turn is:
   drain   --drain batches taken from the feed without training (default: workers x
           prefetch_factor + depth + 2), so that the batches its loader buffered while the other
           rows ran do not count as free steps: the DataLoader has workers x prefetch_factor
@@ -609,7 +610,7 @@ def run_model(name, rows, args, dev, deadline):
             break
         t_round = time.perf_counter()
         cells = []
-        for row in rows:
+        for row in rows[rnd % len(rows):] + rows[:rnd % len(rows)]:
             if row.error:
                 continue
             r, err = C.guarded(run_turn, row, trainer, args, dev)

@@ -186,3 +186,44 @@ def test_staging_with_and_without_streaming_stores(monkeypatch, mode, threads):
                 got = np.from_dlpack(out[key])
                 assert got.dtype == src[key].dtype and got.shape == src[key].shape
                 assert np.array_equal(got, src[key]), key
+
+
+@pytest.mark.parametrize("mode", [None, "0", "1"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_row_gathers_with_and_without_streaming_stores(monkeypatch, mode, threads):
+    # rows of at least 4 KiB are streamed in jobs of at least 4 MiB (always with =1): rows at
+    # odd addresses and of odd lengths, rows split between pieces (300,001 B > one piece),
+    # reversed sources, token windows (one span of L rows), a strided row (never streamed),
+    # and short rows beside them in the same batch
+    if mode is None:
+        monkeypatch.delenv("PINLOADER_STAGING_NT", raising=False)
+    else:
+        monkeypatch.setenv("PINLOADER_STAGING_NT", mode)
+    rng = np.random.default_rng(7 + threads)
+    raw = rng.integers(0, 256, size=(48 << 20) + 64, dtype=np.uint8)
+    n = 60
+    big = raw[3:3 + n * 300_001].reshape(n, 300_001)
+    img = raw[1:1 + n * 150_528].reshape(n, 150_528)[::-1]
+    odd = raw[5:5 + n * 4103 * 2].view(np.int16).reshape(n, 4103)
+    strided = raw[:n * 8192].reshape(n, 8192)[:, ::2]
+    small = raw[9:9 + n * 100].reshape(n, 100)
+    arrays = {"i": np.arange(n), "big": big, "img": img, "odd": odd, "strided": strided, "small": small}
+    with pinloader.ArrayLoader(arrays, 17, seed=threads, device="cpu", gather="host",
+                               staging_threads=threads) as L:
+        seen = 0
+        for b in L:
+            order = np.from_dlpack(b["i"])
+            for key, src in arrays.items():
+                got = np.from_dlpack(b[key])
+                assert got.dtype == src.dtype and np.array_equal(got, src[order]), key
+            seen += len(order)
+        assert seen == n
+    buf = np.zeros((4 << 20) + 1, dtype=np.uint8)
+    tokens = buf[1:].view(np.uint16)  # at an odd address
+    tokens[:] = np.arange(len(tokens)) % 65521
+    with pinloader.ArrayLoader(tokens, 700, windows=3000, seed=1, device="cpu", gather="host",
+                               staging_threads=threads) as L:  # 4.2 MB batches of 6 KB spans
+        for b in L:
+            got = np.from_dlpack(b).astype(np.int64)
+            assert got.shape[1:] == (3000,) and len(got) > 0
+            assert np.array_equal(got, (got[:, :1] + np.arange(3000)) % 65521)

@@ -52,10 +52,16 @@
  * is counted done (streaming stores are weakly ordered; the fence and the release decrement
  * make them visible before the chunk's DMA is issued). Measured on a 2-core EPYC VM, 256 MiB
  * in 1 MiB pieces: memcpy 1.7-2.9 GB/s, streaming 3.8-6.4 GB/s. Smaller jobs keep memcpy:
- * their lines may still be in cache when the DMA (which snoops) reads them.
+ * their lines may still be in cache when the DMA (which snoops) reads them. Row gathers of
+ * such jobs (Note [row gather]) stream too, row by row, where a row is contiguous and at least
+ * NT_MIN_ROW_BYTES long: a 150 KB image row is as far below glibc's threshold as a piece is,
+ * and when the DMA of the previous batch is the bottleneck, every read-for-ownership the
+ * staging threads make is memory bandwidth taken from it. Shorter rows keep the cached
+ * copies: their streaming stores would leave partly written lines and a call per row.
  * PINLOADER_STAGING_NT=0 / =1 turns streaming off / on for every job size (for measurement),
  * read when a stager is created. */
 #define NT_MIN_BYTES ((size_t)4 << 20)
+#define NT_MIN_ROW_BYTES ((size_t)4096)
 
 typedef struct {
     int leaf;
@@ -140,12 +146,13 @@ static void copy_strided(char *dst, const char *src, int64_t n, int64_t stride, 
     }
 }
 
-static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count);
+static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt);
+static void copy_streaming(char *dst, const char *src, size_t n);
 
 void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
 {
     if (L->rows) {
-        gather_rows(dst, L, start, count);
+        gather_rows(dst, L, start, count, 0);
         return;
     }
     const int nd = L->ndim;
@@ -194,12 +201,15 @@ static void row_leaf(const pl_leaf_copy *L, pl_leaf_copy *R)
     }
 }
 
-/* Copy elements [start, start + count) of row i. */
-static void copy_row_part(char *dst, const pl_leaf_copy *L, pl_leaf_copy *R, int contiguous,
+/* Copy elements [start, start + count) of row i; contiguous rows with streaming stores when
+ * nt (see Note [non-temporal staging stores]; the caller fences). */
+static void copy_row_part(char *dst, const pl_leaf_copy *L, pl_leaf_copy *R, int contiguous, int nt,
                           int64_t i, int64_t start, int64_t count)
 {
     R->src = L->src + L->rows[i] * L->strides[0];
-    if (contiguous)
+    if (contiguous && nt)
+        copy_streaming(dst, R->src + start * (int64_t)L->itemsize, (size_t)count * L->itemsize);
+    else if (contiguous)
         memcpy(dst, R->src + start * (int64_t)L->itemsize, (size_t)count * L->itemsize);
     else
         pl_leaf_gather(dst, R, start, count);
@@ -219,7 +229,7 @@ static int cmp_row_ref(const void *a, const void *b)
 }
 
 /* See Note [row gather]. */
-static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
+static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt)
 {
     pl_leaf_copy R;
     row_leaf(L, &R);
@@ -229,10 +239,11 @@ static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t
     const size_t isz = L->itemsize;
     const size_t row_bytes = (size_t)row * isz;
     const int contiguous = R.ndim == 1 && (R.shape[0] == 1 || R.strides[0] == (int64_t)isz);
+    nt = nt && contiguous && row_bytes >= NT_MIN_ROW_BYTES;
     int64_t i = start / row, off = start % row;
     if (off && count > 0) { /* the end of a row a previous piece started */
         int64_t n = PL_MIN(count, row - off);
-        copy_row_part(dst, L, &R, contiguous, i, off, n);
+        copy_row_part(dst, L, &R, contiguous, nt, i, off, n);
         dst += (size_t)n * isz;
         count -= n;
         i++;
@@ -266,11 +277,11 @@ static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t
             }
             qsort(refs, (size_t)n, sizeof(row_ref), cmp_row_ref);
             for (int64_t k = 0; k < n; k++)
-                copy_row_part(dst + (size_t)refs[k].pos * row_bytes, L, &R, contiguous,
+                copy_row_part(dst + (size_t)refs[k].pos * row_bytes, L, &R, contiguous, nt,
                               i + refs[k].pos, 0, row);
         } else {
             for (int64_t k = 0; k < n; k++)
-                copy_row_part(dst + (size_t)k * row_bytes, L, &R, contiguous, i + k, 0, row);
+                copy_row_part(dst + (size_t)k * row_bytes, L, &R, contiguous, nt, i + k, 0, row);
         }
         dst += (size_t)n * row_bytes;
         count -= n * row;
@@ -278,7 +289,7 @@ static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t
         i += n;
     }
     if (count > 0) /* the start of a row the next piece finishes */
-        copy_row_part(dst, L, &R, contiguous, i, 0, count);
+        copy_row_part(dst, L, &R, contiguous, nt, i, 0, count);
 }
 
 /* ---- workers ---- */
@@ -309,19 +320,22 @@ static void copy_streaming(char *dst, const char *src, size_t n)
 #endif
 }
 
-/* Elements [start, start + count) of a collapsed leaf to dst; with nt, contiguous leaves go
- * through streaming stores, fenced before returning. */
+/* Elements [start, start + count) of a collapsed leaf to dst; with nt, contiguous leaves and
+ * contiguous rows of at least NT_MIN_ROW_BYTES go through streaming stores, fenced before
+ * returning. */
 static void stage_range(int nt, char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
 {
     /* After pl_leaf_collapse a contiguous leaf is one dimension with unit stride. */
-    if (nt && !L->rows && L->ndim == 1 && L->strides[0] == (int64_t)L->itemsize) {
+    if (nt && !L->rows && L->ndim == 1 && L->strides[0] == (int64_t)L->itemsize)
         copy_streaming(dst, L->src + (size_t)start * L->itemsize, (size_t)count * L->itemsize);
+    else if (L->rows)
+        gather_rows(dst, L, start, count, nt);
+    else
+        pl_leaf_gather(dst, L, start, count);
 #ifdef PL_HAVE_NT_STORES
+    if (nt)
         _mm_sfence();
 #endif
-    } else {
-        pl_leaf_gather(dst, L, start, count);
-    }
 }
 
 static int use_streaming(const pl_stager *s, size_t total)
