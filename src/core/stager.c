@@ -54,12 +54,17 @@
  * in 1 MiB pieces: memcpy 1.7-2.9 GB/s, streaming 3.8-6.4 GB/s. Smaller jobs keep memcpy:
  * their lines may still be in cache when the DMA (which snoops) reads them. Row gathers of
  * such jobs (Note [row gather]) stream too, row by row, where a row is contiguous and at least
- * NT_MIN_ROW_BYTES long: a 150 KB image row is as far below glibc's threshold as a piece is,
- * and when the DMA of the previous batch is the bottleneck, every read-for-ownership the
- * staging threads make is memory bandwidth taken from it. Shorter rows keep the cached
- * copies: their streaming stores would leave partly written lines and a call per row.
- * PINLOADER_STAGING_NT=0 / =1 turns streaming off / on for every job size (for measurement),
- * read when a stager is created. */
+ * NT_MIN_ROW_BYTES long, but only in a job of one chunk: such a batch is staged whole before
+ * its one DMA starts, so staging is the step to shorten. In a chunked job the copy engine reads
+ * each chunk right after it was staged, in steady state it is the bottleneck, and it reads
+ * cached lines without a trip to memory; streaming them out first made it slower. Measured on
+ * the H200 host (bench_gather.py, host gather, PINLOADER_STAGING_NT=0 against streaming rows,
+ * passes interleaved in one call): 4 MiB batches of 4 KiB rows 21.7 / 22.1 GB/s against 34.1 /
+ * 30.3, of 8-32 KiB rows 17-19 GB/s against 22-27 in most passes; chunked batches of 64 KiB
+ * rows (16 MiB) 50.5 GB/s against 24-30, of 150 KB rows (38.5 MB) 47.7-49.7 against 43.5-46.7.
+ * Shorter rows keep the cached copies: a call per row, and lines only partly written.
+ * PINLOADER_STAGING_NT=0 / =1 turns streaming off / on for every job, chunked row gathers
+ * included (for measurement), read when a stager is created. */
 #define NT_MIN_BYTES ((size_t)4 << 20)
 #define NT_MIN_ROW_BYTES ((size_t)4096)
 
@@ -77,7 +82,7 @@ typedef struct {
     atomic_int *chunk_left; /* pieces not yet done per chunk */
     size_t n_chunks, chunk_bytes;
     char *base;
-    int nt; /* see Note [non-temporal staging stores] */
+    int nt, nt_rows; /* see Note [non-temporal staging stores] */
 } job;
 
 struct pl_stager {
@@ -320,20 +325,21 @@ static void copy_streaming(char *dst, const char *src, size_t n)
 #endif
 }
 
-/* Elements [start, start + count) of a collapsed leaf to dst; with nt, contiguous leaves and
- * contiguous rows of at least NT_MIN_ROW_BYTES go through streaming stores, fenced before
- * returning. */
-static void stage_range(int nt, char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
+/* Elements [start, start + count) of a collapsed leaf to dst; with nt, contiguous leaves go
+ * through streaming stores, with nt_rows contiguous rows of at least NT_MIN_ROW_BYTES, fenced
+ * before returning. */
+static void stage_range(int nt, int nt_rows, char *dst, const pl_leaf_copy *L, int64_t start,
+                        int64_t count)
 {
     /* After pl_leaf_collapse a contiguous leaf is one dimension with unit stride. */
     if (nt && !L->rows && L->ndim == 1 && L->strides[0] == (int64_t)L->itemsize)
         copy_streaming(dst, L->src + (size_t)start * L->itemsize, (size_t)count * L->itemsize);
     else if (L->rows)
-        gather_rows(dst, L, start, count, nt);
+        gather_rows(dst, L, start, count, nt_rows);
     else
         pl_leaf_gather(dst, L, start, count);
 #ifdef PL_HAVE_NT_STORES
-    if (nt)
+    if (nt || nt_rows)
         _mm_sfence();
 #endif
 }
@@ -349,10 +355,16 @@ static int use_streaming(const pl_stager *s, size_t total)
 #endif
 }
 
+/* Row gathers stream only in a job of one chunk: see Note [non-temporal staging stores]. */
+static int use_streaming_rows(const pl_stager *s, size_t total, size_t n_chunks)
+{
+    return s->nt_mode == 1 || (use_streaming(s, total) && n_chunks == 1);
+}
+
 static void do_piece(job *j, size_t i)
 {
     piece *p = &j->pieces[i];
-    stage_range(j->nt, j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
+    stage_range(j->nt, j->nt_rows, j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
     size_t first = p->off / j->chunk_bytes, last = (p->off + p->len - 1) / j->chunk_bytes;
     for (size_t c = first; c <= last; c++)
         atomic_fetch_sub_explicit(&j->chunk_left[c], 1, memory_order_release);
@@ -483,13 +495,13 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
     /* Small batches: one thread, no hand-off. */
     if (total <= INLINE_BYTES || s->n_workers == 0) {
         size_t reported = 0;
-        int rc = PL_OK, nt = use_streaming(s, total);
+        int rc = PL_OK, nt = use_streaming(s, total), nt_rows = use_streaming_rows(s, total, n_chunks);
         for (int i = 0; i < n; i++) {
             pl_leaf_copy *L = &leaves[i];
             if (!L->nbytes)
                 continue;
             pl_leaf_collapse(L);
-            stage_range(nt, L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
+            stage_range(nt, nt_rows, L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
             /* every chunk that ends before the next leaf's start is complete */
             size_t limit = i + 1 < n ? (size_t)(leaves[i + 1].dst - base) : total;
             while (rc == PL_OK && reported < n_chunks && (reported + 1) * chunk_bytes <= limit) {
@@ -534,7 +546,8 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
                 atomic_fetch_add_explicit(&left[c], 1, memory_order_relaxed);
         }
     }
-    job j = {leaves, pieces, np, 0, left, n_chunks, chunk_bytes, base, use_streaming(s, total)};
+    job j = {leaves, pieces, np, 0, left, n_chunks, chunk_bytes, base, use_streaming(s, total),
+             use_streaming_rows(s, total, n_chunks)};
 
     pthread_mutex_lock(&s->mu);
     s->cur = &j;
