@@ -44,6 +44,9 @@ SAME_VALUE(cudaLibraryHostUniversalFunctionAndDataTable);
 SAME_VALUE(cudaDevAttrMultiProcessorCount);
 SAME_VALUE(cudaDevAttrHostRegisterReadOnlySupported);
 SAME_VALUE(cudaStreamNonBlocking);
+SAME_VALUE(cudaStreamCaptureModeGlobal);
+SAME_VALUE(cudaStreamCaptureModeThreadLocal);
+SAME_VALUE(cudaStreamCaptureModeRelaxed);
 SAME_VALUE(cudaEventDisableTiming);
 SAME_VALUE(cudaMemcpyHostToHost);
 SAME_VALUE(cudaMemcpyHostToDevice);
@@ -76,6 +79,7 @@ SAME_ENUM_TYPE(enum pl_cudaMemLocationType, enum cudaMemLocationType);
 SAME_ENUM_TYPE(enum pl_cudaJitOption, enum cudaJitOption);
 SAME_ENUM_TYPE(enum pl_cudaLibraryOption, enum cudaLibraryOption);
 SAME_ENUM_TYPE(enum pl_cudaDeviceAttr, enum cudaDeviceAttr);
+SAME_ENUM_TYPE(enum pl_cudaStreamCaptureMode, enum cudaStreamCaptureMode);
 
 /* handles */
 SAME(sizeof(pl_cudaStream_t), sizeof(cudaStream_t));

@@ -241,3 +241,38 @@ def test_every_container_kind_through_every_door_on_the_gpu(door):
             got = [leaves_to_numpy(b) for b in batches]
         torch.cuda.synchronize()
         assert [_canon(b) for b in got] == [_canon(b) for b in src], kind
+
+
+@pytest.mark.parametrize("gather", ["host", "device"])
+def test_a_graph_captured_in_global_mode_while_the_producer_works(gather):
+    # Note [the producer and graph captures] in src/py/pf_producer.c: the training thread
+    # captures a graph (torch.cuda.graph: cudaStreamCaptureModeGlobal) right after each next(),
+    # while the producer makes the next batch: it allocates (and queries the deferred frees'
+    # events: every batch is dropped before the capture), reserves pinned memory and queries
+    # its regions' events. None of that may invalidate the capture, and every batch is whole.
+    rng = np.random.default_rng(3)
+    n, row = 1024, 32768
+    data = rng.integers(0, 256, size=(n, row), dtype=np.uint8)
+    ids = np.arange(n)
+    x = torch.ones(4096, device="cuda")
+    out = torch.empty_like(x)
+    captured = 0
+    with pinloader.ArrayLoader((ids, data), 64, gather=gather, device="cuda:0", depth=4) as L:
+        for _ in range(3):
+            for b in L:
+                i, rows = torch.from_dlpack(b[0]), torch.from_dlpack(b[1])
+                k = int(i[5])
+                assert torch.equal(rows[5].cpu(), torch.from_numpy(data[k]))
+                del i, rows, b  # dropped: its block joins the deferred frees
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y = x
+                    for _ in range(150):
+                        y = y * 1.0 + 0.0
+                    out.copy_(y)
+                g.replay()
+                captured += 1
+                del g
+    torch.cuda.synchronize()
+    assert captured == 3 * (n // 64)
+    assert torch.equal(out, x)

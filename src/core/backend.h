@@ -47,6 +47,10 @@ typedef struct pl_backend {
     /* Make `device` current for the calling thread (CUDA's per-thread current device). */
     int (*set_device)(int device);
     int (*get_device)(int *device);
+    /* Let the calling thread's CUDA calls ignore stream captures begun by other threads
+     * (cudaStreamCaptureModeThreadLocal; see Note [the producer and graph captures] in
+     * pf_producer.c). Called once by each of pinloader's own threads that call CUDA. */
+    int (*thread_ignore_other_captures)(void);
 
     /* Streams are created on the calling thread's current device. high_priority selects the
      * greatest priority the device offers. */

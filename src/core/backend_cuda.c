@@ -182,6 +182,15 @@ static int cuda_get_device(int *device)
     return (int)cu.cudaGetDevice(device);
 }
 
+static int cuda_thread_ignore_other_captures(void)
+{
+    enum pl_cudaStreamCaptureMode mode = pl_cudaStreamCaptureModeThreadLocal;
+    pl_cudaError_t crc = cu.cudaThreadExchangeStreamCaptureMode(&mode);
+    if (crc != pl_cudaSuccess)
+        cu.cudaGetLastError();
+    return (int)crc;
+}
+
 static int cuda_stream_create(int high_priority, pl_stream **out)
 {
     int least = 0, greatest = 0;
@@ -660,6 +669,7 @@ static const pl_backend cuda_backend = {
     .kind = PL_BACKEND_CUDA,
     .set_device = cuda_set_device,
     .get_device = cuda_get_device,
+    .thread_ignore_other_captures = cuda_thread_ignore_other_captures,
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,

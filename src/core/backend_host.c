@@ -567,6 +567,11 @@ static int host_get_device(int *device)
     return PL_OK;
 }
 
+static int host_thread_ignore_other_captures(void)
+{
+    return PL_OK; /* no graphs to capture */
+}
+
 static const char *host_error_name(int code)
 {
     switch (code) {
@@ -596,6 +601,7 @@ static const pl_backend host_backend = {
     .kind = PL_BACKEND_HOST,
     .set_device = host_set_device,
     .get_device = host_get_device,
+    .thread_ignore_other_captures = host_thread_ignore_other_captures,
     .stream_create = host_stream_create,
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,

@@ -100,6 +100,12 @@ enum pl_cudaLibraryOption {
     pl_cudaLibraryHostUniversalFunctionAndDataTable = 0,
 };
 
+enum pl_cudaStreamCaptureMode {
+    pl_cudaStreamCaptureModeGlobal = 0,
+    pl_cudaStreamCaptureModeThreadLocal = 1,
+    pl_cudaStreamCaptureModeRelaxed = 2,
+};
+
 enum pl_cudaDeviceAttr {
     pl_cudaDevAttrMultiProcessorCount = 16,
     pl_cudaDevAttrHostRegisterReadOnlySupported = 113,
@@ -186,7 +192,8 @@ typedef void (*pl_cudaHostFn_t)(void *userData);
     X(T(cudaError_t), cudaDeviceGetAttribute, (int *value, enum TS(cudaDeviceAttr) attr, int device)) \
     X(T(cudaError_t), cudaLaunchKernel,                                                            \
       (const void *func, struct TS(dim3) gridDim, struct TS(dim3) blockDim, void **args,           \
-       size_t sharedMem, T(cudaStream_t) stream))
+       size_t sharedMem, T(cudaStream_t) stream))                                                  \
+    X(T(cudaError_t), cudaThreadExchangeStreamCaptureMode, (enum TS(cudaStreamCaptureMode) *mode))
 
 /* Functions of newer runtimes (CUDA 12.0: library management), looked up separately: without
  * them only the device gather is unavailable (Note [device gather] in devgather.h). */

@@ -498,6 +498,19 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
     producer_give_gil_for_good(p);
 }
 
+/* Note [the producer and graph captures]
+ * A step captured in a CUDA graph is usually captured while the loader runs: the training
+ * thread captures (torch.cuda.graph, jax, CuPy) between two batches, and the producer goes on
+ * making the next ones, querying events (the pool's regions, deferred frees) and allocating.
+ * By default a capture begun in cudaStreamCaptureModeGlobal, torch's default, forbids every
+ * other thread of the process the "potentially unsafe" calls, cudaEventQuery among them: one
+ * query by the producer during the capture invalidates the user's graph ("operation not
+ * permitted when stream is capturing"), at a moment that depends on timing. So the producer
+ * puts itself in cudaStreamCaptureModeThreadLocal once, on start: its calls then ignore other
+ * threads' captures, and since the producer never works on a capturing stream (its copy and
+ * release streams are its own), nothing it does can be part of a graph. Should the call fail,
+ * the thread keeps the default mode, as before. Checked by
+ * test_a_graph_captured_in_global_mode_while_the_producer_works in tests/test_static_cuda.py. */
 void *pl_pf_producer_main(void *arg)
 {
     pl_prefetcher_obj *self = arg;
@@ -506,6 +519,7 @@ void *pl_pf_producer_main(void *arg)
     pl_thread_name("pl-producer");
     pl_flat_init(&p.flat, self->st, self->b, self->device);
     self->b->set_device(self->device);
+    (void)self->b->thread_ignore_other_captures(); /* see the Note above */
     for (;;) {
         if (producer_wait(self, &p) < 0)
             break;
