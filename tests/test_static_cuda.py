@@ -245,34 +245,39 @@ def test_every_container_kind_through_every_door_on_the_gpu(door):
 
 @pytest.mark.parametrize("gather", ["host", "device"])
 def test_a_graph_captured_in_global_mode_while_the_producer_works(gather):
-    # Note [the producer and graph captures] in src/py/pf_producer.c: the training thread
-    # captures a graph (torch.cuda.graph: cudaStreamCaptureModeGlobal) right after each next(),
-    # while the producer makes the next batch: it allocates (and queries the deferred frees'
-    # events: every batch is dropped before the capture), reserves pinned memory and queries
-    # its regions' events. None of that may invalidate the capture, and every batch is whole.
+    # Note [the producer and graph captures] in src/py/pf_producer.c: right after each next(),
+    # while the producer makes the next batch (it allocates and queries the events of the
+    # deferred frees, reserves pinned memory and queries its regions' events), the training
+    # thread captures a graph in cudaStreamCaptureModeGlobal (torch's default). capture_begin
+    # directly, not torch.cuda.graph(), whose synchronize and gc.collect() on entry would let
+    # the producer finish first. No capture may be invalidated, and every batch is whole.
     rng = np.random.default_rng(3)
-    n, row = 1024, 32768
+    n, row, batch = 2048, 32768, 128
     data = rng.integers(0, 256, size=(n, row), dtype=np.uint8)
-    ids = np.arange(n)
     x = torch.ones(4096, device="cuda")
     out = torch.empty_like(x)
+    side = torch.cuda.Stream()
     captured = 0
-    with pinloader.ArrayLoader((ids, data), 64, gather=gather, device="cuda:0", depth=4) as L:
+    with pinloader.ArrayLoader((np.arange(n), data), batch, gather=gather, device="cuda:0",
+                               depth=4) as L:
         for _ in range(3):
             for b in L:
+                g = torch.cuda.CUDAGraph()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    g.capture_begin(capture_error_mode="global")
+                    y = x
+                    for _ in range(100):
+                        y = y * 1.0 + 0.0
+                    out.copy_(y)
+                    g.capture_end()
+                torch.cuda.current_stream().wait_stream(side)
+                g.replay()
+                captured += 1
                 i, rows = torch.from_dlpack(b[0]), torch.from_dlpack(b[1])
                 k = int(i[5])
                 assert torch.equal(rows[5].cpu(), torch.from_numpy(data[k]))
-                del i, rows, b  # dropped: its block joins the deferred frees
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    y = x
-                    for _ in range(150):
-                        y = y * 1.0 + 0.0
-                    out.copy_(y)
-                g.replay()
-                captured += 1
-                del g
+                del i, rows, b, g  # the batch joins the deferred frees
     torch.cuda.synchronize()
-    assert captured == 3 * (n // 64)
+    assert captured == 3 * (n // batch)
     assert torch.equal(out, x)
