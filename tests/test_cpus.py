@@ -162,13 +162,18 @@ def test_affinity_mask_is_followed():
 
 # ---- staging stores (Note [non-temporal staging stores] in src/core/stager.c) ----
 
-@pytest.mark.parametrize("mode", [None, "0", "1"])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_staging_with_and_without_streaming_stores(monkeypatch, mode, threads):
-    if mode is None:
+@pytest.fixture(params=[None, "0", "1"], ids=["by-size", "off", "on"])
+def staging_nt(request, monkeypatch):
+    """PINLOADER_STAGING_NT unset, 0 or 1: read when a stager is created."""
+    if request.param is None:
         monkeypatch.delenv("PINLOADER_STAGING_NT", raising=False)
     else:
-        monkeypatch.setenv("PINLOADER_STAGING_NT", mode)
+        monkeypatch.setenv("PINLOADER_STAGING_NT", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_staging_with_and_without_streaming_stores(staging_nt, threads):
     rng = np.random.default_rng(threads)
     raw = rng.integers(0, 256, size=(9 << 20) + 37, dtype=np.uint8)
     batches = []
@@ -188,17 +193,12 @@ def test_staging_with_and_without_streaming_stores(monkeypatch, mode, threads):
                 assert np.array_equal(got, src[key]), key
 
 
-@pytest.mark.parametrize("mode", [None, "0", "1"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_row_gathers_with_and_without_streaming_stores(monkeypatch, mode, threads):
-    # rows of at least 4 KiB are streamed in jobs of at least 4 MiB (always with =1): rows at
-    # odd addresses and of odd lengths, rows split between pieces (300,001 B > one piece),
-    # reversed sources, token windows (one span of L rows), a strided row (never streamed),
-    # and short rows beside them in the same batch
-    if mode is None:
-        monkeypatch.delenv("PINLOADER_STAGING_NT", raising=False)
-    else:
-        monkeypatch.setenv("PINLOADER_STAGING_NT", mode)
+def test_row_gathers_with_and_without_streaming_stores(staging_nt, threads):
+    # rows of at least 4 KiB are streamed in jobs of 4 MiB or more staged as one chunk (these
+    # batches: 7.9 MB and 4.2 MB; always with =1): rows at odd addresses and of odd lengths,
+    # rows split between pieces (300,001 B > one piece), reversed sources, token windows (one
+    # span of L rows), a strided row (never streamed), and short rows beside them in the batch
     rng = np.random.default_rng(7 + threads)
     raw = rng.integers(0, 256, size=(48 << 20) + 64, dtype=np.uint8)
     n = 60
