@@ -196,7 +196,7 @@ def test_staging_with_and_without_streaming_stores(staging_nt, threads):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_row_gathers_with_and_without_streaming_stores(staging_nt, threads):
     # rows of at least 4 KiB are streamed in jobs of 4 MiB or more staged as one chunk (these
-    # batches: 7.9 MB and 4.2 MB; always with =1): rows at odd addresses and of odd lengths,
+    # batches: 7.9 MB and 4.2 MB, windows included; always with =1): rows at odd addresses and of odd lengths,
     # rows split between pieces (300,001 B > one piece), reversed sources, token windows (one
     # span of L rows), a strided row (never streamed), and short rows beside them in the batch
     rng = np.random.default_rng(7 + threads)
@@ -218,7 +218,7 @@ def test_row_gathers_with_and_without_streaming_stores(staging_nt, threads):
                 assert got.dtype == src.dtype and np.array_equal(got, src[order]), key
             seen += len(order)
         assert seen == n
-    buf = np.zeros((4 << 20) + 1, dtype=np.uint8)
+    buf = np.zeros((8 << 20) + 1, dtype=np.uint8)
     tokens = buf[1:].view(np.uint16)  # at an odd address
     tokens[:] = np.arange(len(tokens)) % 65521
     with pinloader.ArrayLoader(tokens, 700, windows=3000, seed=1, device="cpu", gather="host",

@@ -508,8 +508,11 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
  * permitted when stream is capturing"), at a moment that depends on timing. So the producer
  * puts itself in cudaStreamCaptureModeThreadLocal once, on start: its calls then ignore other
  * threads' captures, and since the producer never works on a capturing stream (its copy and
- * release streams are its own), nothing it does can be part of a graph. Should the call fail,
- * the thread keeps the default mode, as before. Checked by
+ * release streams are its own), nothing it does can be part of a graph. The user's source
+ * iterator runs on this thread too, so its CUDA calls also ignore other threads' captures.
+ * pinloader's calls on the user's threads (next() querying the events of sources still being
+ * copied, close() waiting for its streams) keep the user's mode: take, drop and close batches
+ * outside a capture. Should the call fail, the thread keeps the default mode, as before. Checked by
  * test_a_graph_captured_in_global_mode_while_the_producer_works in tests/test_static_cuda.py. */
 void *pl_pf_producer_main(void *arg)
 {
