@@ -45,3 +45,31 @@ def candidates() -> list[str]:
                     out.append(f)
     # de-duplicate, keep order
     return list(dict.fromkeys(out))
+
+
+_NVJPEG_SONAMES = ("libnvjpeg.so.13", "libnvjpeg.so.12")
+
+
+def nvjpeg_candidates() -> list[str]:
+    """Paths to try for libnvjpeg (the GPU image decoder) after the dynamic loader's search path:
+    the ``nvidia-nvjpeg`` wheels' library folders, torchvision's bundled copy, and the toolkit's."""
+    out: list[str] = []
+    for site in _site_dirs():
+        for pattern in ("nvidia/cu*/lib", "nvidia/nvjpeg/lib"):
+            for d in sorted(glob.glob(os.path.join(site, pattern)), reverse=True):
+                for name in _NVJPEG_SONAMES:
+                    f = os.path.join(d, name)
+                    if os.path.exists(f):
+                        out.append(f)
+        out += sorted(glob.glob(os.path.join(site, "torchvision.libs", "libnvjpeg*.so*")), reverse=True)
+    roots = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")]
+    roots += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in roots:
+        if not root:
+            continue
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            for name in _NVJPEG_SONAMES:
+                f = os.path.join(root, sub, name)
+                if os.path.exists(f):
+                    out.append(f)
+    return list(dict.fromkeys(out))

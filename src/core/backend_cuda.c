@@ -12,6 +12,8 @@
 #include "backend.h"
 #include "devgather.h"
 #include "gather_kernel_image.h"
+#include "image_kernel_image.h"
+#include "jpeg_cuda.h"
 #include "numa.h"
 #include "util.h"
 
@@ -651,6 +653,70 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
                                              (pl_cudaStream_t)s);
     if (crc != pl_cudaSuccess)
         cu.cudaGetLastError();
+    return (int)crc;
+}
+
+/* The image kernels of src/core/image_kernel.cu (jpeg_cuda.c launches them), loaded once per
+ * process like the gather kernels. */
+static const char *const image_kernel_names[5] = {"pl_image_h", "pl_image_v_u8", "pl_image_v_f32",
+                                                  "pl_image_v_f16", "pl_image_v_bf16"};
+static pthread_once_t image_once = PTHREAD_ONCE_INIT;
+static pl_cudaKernel_t image_kernels[5]; /* written once in load_image */
+static int image_error;                  /* written once in load_image */
+static const char *image_why;            /* written once in load_image */
+
+static void load_image(void)
+{
+    if (!cu_opt.cudaLibraryLoadData || !cu_opt.cudaLibraryGetKernel) {
+        image_error = PL_ERR_NO_RUNTIME;
+        image_why = "the CUDA runtime is older than 12.0 (no cudaLibraryLoadData)";
+        return;
+    }
+    pl_cudaLibrary_t lib = NULL;
+    pl_cudaError_t rc = cu_opt.cudaLibraryLoadData(&lib, pl_image_kernels, NULL, NULL, 0, NULL, NULL, 0);
+    if (rc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        image_error = (int)rc;
+        image_why = "the driver could not load the image kernels (cudaLibraryLoadData)";
+        return;
+    }
+    for (int i = 0; i < 5; i++) {
+        rc = cu_opt.cudaLibraryGetKernel(&image_kernels[i], lib, image_kernel_names[i]);
+        if (rc != pl_cudaSuccess) {
+            cu.cudaGetLastError();
+            image_error = (int)rc;
+            image_why = "the image kernel image lacks a kernel (cudaLibraryGetKernel)";
+            return;
+        }
+    }
+    image_error = PL_OK;
+}
+
+int pl_cuda_image_launch(int device, int which, unsigned grid_x, unsigned grid_y, void **args,
+                         pl_stream *s, const char **why)
+{
+    (void)device;
+    pthread_once(&load_once, load_runtime);
+    if (load_error != PL_OK) {
+        *why = "the CUDA runtime is not usable";
+        return load_error;
+    }
+    pthread_once(&image_once, load_image);
+    if (image_error != PL_OK) {
+        *why = image_why;
+        return image_error;
+    }
+    if (which < 0 || which >= 5 || grid_x == 0 || grid_y == 0 || grid_y > 65535) {
+        *why = "an image kernel launch with an impossible shape";
+        return PL_ERR_INVALID_VALUE;
+    }
+    struct pl_dim3 grid = {grid_x, grid_y, 1}, block = {256, 1, 1};
+    pl_cudaError_t crc = cu.cudaLaunchKernel((const void *)image_kernels[which], grid, block, args, 0,
+                                             (pl_cudaStream_t)s);
+    if (crc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        *why = "cudaLaunchKernel of an image kernel failed";
+    }
     return (int)crc;
 }
 

@@ -1,0 +1,199 @@
+/* The image kernels: a decoded RGB image's box, resized with an antialiased bilinear filter,
+ * flipped, scaled and cast into one sample of a batch. Built by tools/gen_gather_kernels.py into
+ * src/core/image_kernel_image.h, which backend_cuda.c loads at run time; setup.py never compiles
+ * this file. jpeg_cuda.c sets up the launches (Note [image resampling] there).
+ *
+ * Note [resampling like Pillow]
+ * The filter is Pillow's (libImaging/Resample.c): a triangle of support max(scale, 1) around
+ * each output pixel's centre in the box, weights normalised to sum 1 and rounded to 22-bit
+ * fixed point, a horizontal pass into 8-bit rows and then a vertical pass, each rounding to 8
+ * bits. torchvision's resized_crop on PIL images is exactly this arithmetic (crop, then
+ * resize), so on the same decoded pixels the GPU and the host backend agree to the bit. The
+ * weights are computed in double precision with the round-to-nearest intrinsics, which keep
+ * the compiler from fusing a multiply and an add into one rounding: Pillow's C, on x86-64,
+ * rounds each operation, and a weight that lands on the other side of a fixed-point step would
+ * change a pixel. Weights are recomputed per output pixel instead of being tabulated: with a
+ * large box the filter spans hundreds of taps, and recomputing costs less than a table
+ * round trip through memory. */
+
+#include <cuda_fp16.h>
+
+struct pl_img_desc {
+    const unsigned char *src; /* the decoded image, interleaved RGB; NULL: zero the sample */
+    unsigned char *tmp;       /* the horizontal pass's rows: ny rows of ow pixels */
+    long long src_pitch;      /* bytes per row of src */
+    int top, left, h, w;      /* the box in src: the image the filter sees */
+    int rh, rw;               /* the box's size after the resize */
+    int oy, ox;               /* the output window's corner in the resized box */
+    int y_first, ny;          /* the box rows the vertical pass reads */
+    int flip;                 /* mirror the output horizontally */
+    int pad;
+};
+
+struct pl_img_affine {
+    float scale[3], bias[3]; /* out = value * scale[c] + bias[c] */
+};
+
+#define PL_PRECISION_BITS 22
+
+/* Pillow's precompute_coeffs for output index xx of a resize from in_size to out_size:
+ * the first input index *xmin, the count *n and the weight sum *ww. */
+__device__ __forceinline__ void span(int in_size, int out_size, int xx, int *xmin, int *n,
+                                     double *center_out, double *ss_out)
+{
+    const double scale = __ddiv_rn((double)in_size, (double)out_size);
+    const double filterscale = scale < 1.0 ? 1.0 : scale;
+    const double support = filterscale; /* the bilinear filter's support is 1 */
+    const double center = __dmul_rn(__dadd_rn((double)xx, 0.5), scale);
+    int lo = (int)__dadd_rn(__dsub_rn(center, support), 0.5);
+    if (lo < 0)
+        lo = 0;
+    int hi = (int)__dadd_rn(__dadd_rn(center, support), 0.5);
+    if (hi > in_size)
+        hi = in_size;
+    *xmin = lo;
+    *n = hi - lo;
+    *center_out = center;
+    *ss_out = __ddiv_rn(1.0, filterscale);
+}
+
+__device__ __forceinline__ double tri(int x, double center, double ss)
+{
+    double t = __dmul_rn(__dadd_rn(__dsub_rn((double)x, center), 0.5), ss);
+    if (t < 0.0)
+        t = -t;
+    return t < 1.0 ? __dsub_rn(1.0, t) : 0.0;
+}
+
+__device__ __forceinline__ double weight_sum(int xmin, int n, double center, double ss)
+{
+    double ww = 0.0;
+    for (int x = 0; x < n; x++)
+        ww = __dadd_rn(ww, tri(x + xmin, center, ss));
+    return ww;
+}
+
+/* Pillow's normalize_coeffs_8bpc for one weight. */
+__device__ __forceinline__ int fixed_weight(double w, double ww)
+{
+    if (ww != 0.0)
+        w = __ddiv_rn(w, ww);
+    const double f = __dmul_rn(w, (double)(1 << PL_PRECISION_BITS));
+    return w < 0.0 ? (int)__dadd_rn(-0.5, f) : (int)__dadd_rn(0.5, f);
+}
+
+__device__ __forceinline__ unsigned char clip8(int ss)
+{
+    ss >>= PL_PRECISION_BITS;
+    return (unsigned char)(ss < 0 ? 0 : ss > 255 ? 255 : ss);
+}
+
+/* Horizontal pass: row r (0 <= r < ny) of tmp, output columns ox .. ox + ow - 1 of the
+ * resized box. One thread per (row, column); blockIdx.y is the sample. */
+extern "C" __global__ void __launch_bounds__(256)
+    pl_image_h(const pl_img_desc *descs, int ow)
+{
+    const pl_img_desc d = descs[blockIdx.y];
+    if (!d.src)
+        return;
+    const long long total = (long long)d.ny * ow;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(i / ow), c = (int)(i - (long long)r * ow);
+        int xmin, n;
+        double center, ss;
+        span(d.w, d.rw, c + d.ox, &xmin, &n, &center, &ss);
+        const double ww = weight_sum(xmin, n, center, ss);
+        const unsigned char *row =
+            d.src + (long long)(d.top + d.y_first + r) * d.src_pitch + (long long)(d.left + xmin) * 3;
+        int s0 = 1 << (PL_PRECISION_BITS - 1), s1 = s0, s2 = s0;
+        for (int x = 0; x < n; x++) {
+            const int k = fixed_weight(tri(x + xmin, center, ss), ww);
+            s0 += row[3 * x] * k;
+            s1 += row[3 * x + 1] * k;
+            s2 += row[3 * x + 2] * k;
+        }
+        unsigned char *o = d.tmp + i * 3;
+        o[0] = clip8(s0);
+        o[1] = clip8(s1);
+        o[2] = clip8(s2);
+    }
+}
+
+template <typename T> __device__ __forceinline__ T cast_out(float v);
+template <> __device__ __forceinline__ unsigned char cast_out<unsigned char>(float v)
+{
+    return (unsigned char)__float2uint_rn(fminf(fmaxf(v, 0.0f), 255.0f));
+}
+template <> __device__ __forceinline__ float cast_out<float>(float v) { return v; }
+template <> __device__ __forceinline__ unsigned short cast_out<unsigned short>(float v)
+{
+    return __half_as_ushort(__float2half_rn(v));
+}
+struct pl_bf16 {
+    unsigned short bits;
+};
+template <> __device__ __forceinline__ pl_bf16 cast_out<pl_bf16>(float v)
+{
+    /* round to nearest even, NaN kept a quiet NaN */
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return pl_bf16{(unsigned short)((u >> 16) | 0x40)};
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return pl_bf16{(unsigned short)(u >> 16)};
+}
+
+/* Vertical pass and the sample's output: one thread per output pixel (three channels). */
+template <typename T>
+__device__ __forceinline__ void vertical(const pl_img_desc *descs, T *out, int oh, int ow,
+                                         int channels_last, pl_img_affine a)
+{
+    const pl_img_desc d = descs[blockIdx.y];
+    const long long plane = (long long)oh * ow;
+    T *o = out + (long long)blockIdx.y * plane * 3;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < plane;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int y = (int)(i / ow), x = (int)(i - (long long)y * ow);
+        unsigned char v[3] = {0, 0, 0};
+        const bool live = d.src != 0;
+        if (live) {
+            int ymin, n;
+            double center, ss;
+            span(d.h, d.rh, y + d.oy, &ymin, &n, &center, &ss);
+            const double ww = weight_sum(ymin, n, center, ss);
+            const unsigned char *col = d.tmp + ((long long)(ymin - d.y_first) * ow + x) * 3;
+            int s0 = 1 << (PL_PRECISION_BITS - 1), s1 = s0, s2 = s0;
+            for (int j = 0; j < n; j++) {
+                const int k = fixed_weight(tri(j + ymin, center, ss), ww);
+                const unsigned char *p = col + (long long)j * ow * 3;
+                s0 += p[0] * k;
+                s1 += p[1] * k;
+                s2 += p[2] * k;
+            }
+            v[0] = clip8(s0);
+            v[1] = clip8(s1);
+            v[2] = clip8(s2);
+        }
+        const int xo = d.flip ? ow - 1 - x : x;
+        for (int c = 0; c < 3; c++) {
+            const float f = live ? (float)v[c] * a.scale[c] + a.bias[c] : 0.0f;
+            const T t = live ? cast_out<T>(f) : T{};
+            if (channels_last)
+                o[((long long)y * ow + xo) * 3 + c] = t;
+            else
+                o[(long long)c * plane + (long long)y * ow + xo] = t;
+        }
+    }
+}
+
+#define PL_IMAGE_V(name, T)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        name(const pl_img_desc *descs, T *out, int oh, int ow, int channels_last, pl_img_affine a) \
+    {                                                                                              \
+        vertical<T>(descs, out, oh, ow, channels_last, a);                                         \
+    }
+
+PL_IMAGE_V(pl_image_v_u8, unsigned char)
+PL_IMAGE_V(pl_image_v_f32, float)
+PL_IMAGE_V(pl_image_v_f16, unsigned short)
+PL_IMAGE_V(pl_image_v_bf16, pl_bf16)

@@ -1,0 +1,621 @@
+/* The GPU image decoder (jpeg_cuda.h): nvJPEG loaded at run time, the hardware JPEG engines for
+ * the images they take, nvJPEG's CUDA decoder for the others, and the image kernels for the
+ * resize into the batch.
+ *
+ * Note [image resampling]
+ * A sample is described by a box in its image (top, left, height, width), the size the box is
+ * resized to (rh, rw), the corner (oy, ox) of the output window in the resized box, and a
+ * horizontal flip. Training crops are a box resized to exactly the output size (oy = ox = 0);
+ * evaluation is the whole image as the box, resized on its shorter side, with the output window
+ * centred. The filter treats the box as the whole image (it never reads outside it), as
+ * torchvision's resized_crop does on PIL images: crop first, then resize. Note [resampling like
+ * Pillow] in image_kernel.cu gives the arithmetic.
+ *
+ * Per batch:
+ *   1. every header is parsed on the host (nvjpegJpegStreamParseHeader): the image's size, its
+ *      components, and whether the hardware engines take it (nvjpegDecodeBatchedSupported);
+ *   2. the workspace (decoded images, then the horizontal pass's rows) is grown if this batch
+ *      needs more; it is reused across batches, never shrunk, freed with the decoder;
+ *   3. the hardware takes its share in one nvjpegDecodeBatched call; the rest, and every image
+ *      of a hardware batch that failed as a whole, go through nvjpegDecode one by one, which
+ *      tells which image is bad; host-decoded images are copied in;
+ *   4. the samples' descriptors go to the device from a pinned ring slot, the two image kernels
+ *      run, and the block's ready event is recorded.
+ * Everything is queued on the decoder's own stream, so a batch's decode never overwrites the
+ * workspace while the previous batch's kernels still read it, and nothing here waits for the
+ * GPU except a ring slot whose copy has not finished (Note [descriptor ring]). */
+#include "jpeg_cuda.h"
+
+#include "nvjpeg_api.h"
+#include "util.h"
+
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- loading nvJPEG ---- */
+
+static struct {
+#define X(ret, name, params) ret(*name) params;
+    PL_NVJPEG_API(X)
+#undef X
+} nj;
+
+static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
+static int loaded;              /* guarded by load_mu; 1 once nj is filled */
+static char load_why[512];      /* guarded by load_mu */
+
+static const char *const nj_sonames[] = {"libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"};
+
+static int fill_table(void *h)
+{
+#define X(ret, name, params)                                                                       \
+    if (!(*(void **)&nj.name = dlsym(h, #name)))                                                   \
+        return -1;
+    PL_NVJPEG_API(X)
+#undef X
+    return 0;
+}
+
+/* The first libnvjpeg already in the process (torchvision loads one), then the loader's search
+ * path, then the caller's candidates. */
+static int load_nvjpeg(const char *const *libs, int nlibs, const char **why)
+{
+    pthread_mutex_lock(&load_mu);
+    if (loaded) {
+        pthread_mutex_unlock(&load_mu);
+        return PL_OK;
+    }
+    void *h = NULL;
+    for (size_t i = 0; !h && i < sizeof nj_sonames / sizeof *nj_sonames; i++)
+        h = dlopen(nj_sonames[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    for (size_t i = 0; !h && i < sizeof nj_sonames / sizeof *nj_sonames; i++)
+        h = dlopen(nj_sonames[i], RTLD_NOW | RTLD_LOCAL);
+    for (int i = 0; !h && i < nlibs; i++)
+        h = dlopen(libs[i], RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(load_why, sizeof load_why,
+                 "no nvJPEG library found (libnvjpeg.so.13 or .12: install the nvidia-nvjpeg wheel, "
+                 "pip install 'pinloader[cuda]', or a CUDA toolkit)");
+        *why = load_why;
+        pthread_mutex_unlock(&load_mu);
+        return PL_ERR_NO_RUNTIME;
+    }
+    if (fill_table(h) < 0) {
+        snprintf(load_why, sizeof load_why, "the nvJPEG library found lacks a function pinloader uses");
+        memset(&nj, 0, sizeof nj);
+        dlclose(h);
+        *why = load_why;
+        pthread_mutex_unlock(&load_mu);
+        return PL_ERR_NO_RUNTIME;
+    }
+    loaded = 1;
+    pthread_mutex_unlock(&load_mu);
+    return PL_OK;
+}
+
+static const char *nj_status_name(pl_nvjpegStatus_t s)
+{
+    switch (s) {
+    case pl_NVJPEG_STATUS_SUCCESS: return "NVJPEG_STATUS_SUCCESS";
+    case pl_NVJPEG_STATUS_NOT_INITIALIZED: return "NVJPEG_STATUS_NOT_INITIALIZED";
+    case pl_NVJPEG_STATUS_INVALID_PARAMETER: return "NVJPEG_STATUS_INVALID_PARAMETER";
+    case pl_NVJPEG_STATUS_BAD_JPEG: return "NVJPEG_STATUS_BAD_JPEG";
+    case pl_NVJPEG_STATUS_JPEG_NOT_SUPPORTED: return "NVJPEG_STATUS_JPEG_NOT_SUPPORTED";
+    case pl_NVJPEG_STATUS_ALLOCATOR_FAILURE: return "NVJPEG_STATUS_ALLOCATOR_FAILURE";
+    case pl_NVJPEG_STATUS_EXECUTION_FAILED: return "NVJPEG_STATUS_EXECUTION_FAILED";
+    case pl_NVJPEG_STATUS_ARCH_MISMATCH: return "NVJPEG_STATUS_ARCH_MISMATCH";
+    case pl_NVJPEG_STATUS_INTERNAL_ERROR: return "NVJPEG_STATUS_INTERNAL_ERROR";
+    case pl_NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED: return "NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED";
+    case pl_NVJPEG_STATUS_INCOMPLETE_BITSTREAM: return "NVJPEG_STATUS_INCOMPLETE_BITSTREAM";
+    }
+    return "an unknown nvJPEG status";
+}
+
+/* ---- the decoder ---- */
+
+/* Note [descriptor ring]
+ * The samples' descriptors are written by the host into pinned memory and copied to the device
+ * on the decoder's stream. A slot is written again only once the event recorded after its copy
+ * has completed; with four slots and a pipeline a few batches deep that wait is nearly always
+ * already over. */
+enum { RING = 4 };
+
+/* Must match struct pl_img_desc in image_kernel.cu. */
+typedef struct img_desc {
+    const unsigned char *src;
+    unsigned char *tmp;
+    long long src_pitch;
+    int top, left, h, w;
+    int rh, rw;
+    int oy, ox;
+    int y_first, ny;
+    int flip;
+    int pad;
+} img_desc;
+
+typedef struct img_affine {
+    float scale[3], bias[3];
+} img_affine;
+
+struct pl_jpeg {
+    const pl_backend *b;
+    int device;
+    pl_stream *stream;
+    pl_nvjpegHandle_t hw, gen; /* hw: NULL where the GPU has no JPEG engines */
+    pl_nvjpegJpegState_t hw_state, gen_state;
+    pl_nvjpegJpegStream_t js;
+    unsigned engines, cores;
+    unsigned char *ws; /* device workspace */
+    size_t ws_cap;
+    struct {
+        img_desc *host; /* pinned */
+        void *dev;
+        size_t cap;     /* descriptors */
+        pl_event *copied;
+        int recorded;
+    } ring[RING];
+    int next;
+    pl_jpeg_counts counts;
+};
+
+static int nj_fail(pl_nvjpegStatus_t s, const char *what, const char **why)
+{
+    static __thread char buf[160];
+    snprintf(buf, sizeof buf, "%s failed: %s", what, nj_status_name(s));
+    *why = buf;
+    return PL_ERR_UNKNOWN;
+}
+
+void pl_jpeg_destroy(pl_jpeg *j)
+{
+    if (!j)
+        return;
+    const pl_backend *b = j->b;
+    int prev = -1;
+    pl_device_push(b, j->device, &prev);
+    if (j->stream)
+        b->stream_synchronize(j->stream);
+    for (int i = 0; i < RING; i++) {
+        if (j->ring[i].dev)
+            b->device_free(j->device, j->ring[i].dev, j->stream);
+        if (j->ring[i].host)
+            b->host_free(j->ring[i].host, j->ring[i].cap * sizeof(img_desc));
+        if (j->ring[i].copied)
+            b->event_destroy(j->ring[i].copied);
+    }
+    if (j->ws)
+        b->device_free(j->device, j->ws, j->stream);
+    if (j->stream)
+        b->stream_synchronize(j->stream);
+    if (j->js)
+        nj.nvjpegJpegStreamDestroy(j->js);
+    if (j->hw_state)
+        nj.nvjpegJpegStateDestroy(j->hw_state);
+    if (j->gen_state)
+        nj.nvjpegJpegStateDestroy(j->gen_state);
+    if (j->hw)
+        nj.nvjpegDestroy(j->hw);
+    if (j->gen)
+        nj.nvjpegDestroy(j->gen);
+    if (j->stream)
+        b->stream_destroy(j->stream);
+    pl_device_pop(b, j->device, prev);
+    free(j);
+}
+
+int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int nlibs,
+                   pl_jpeg **out, char *why_buf, size_t why_len, const char **why)
+{
+    *out = NULL;
+    if (b->kind != PL_BACKEND_CUDA) {
+        *why = "the GPU image decoder needs the CUDA backend";
+        return PL_ERR_INVALID_VALUE;
+    }
+    int rc = load_nvjpeg(libs, nlibs, why);
+    if (rc != PL_OK)
+        return rc;
+    pl_jpeg *j = calloc(1, sizeof *j);
+    if (!j) {
+        *why = "out of host memory";
+        return PL_ERR_NO_MEMORY;
+    }
+    j->b = b;
+    j->device = device;
+    int prev = -1;
+    if ((rc = pl_device_push(b, device, &prev)) != PL_OK) {
+        free(j);
+        *why = "cudaSetDevice failed";
+        return rc;
+    }
+    pl_nvjpegStatus_t s;
+    if ((rc = b->stream_create(0, &j->stream)) != PL_OK) {
+        *why = "cudaStreamCreate failed";
+        goto error;
+    }
+    for (int i = 0; i < RING; i++)
+        if ((rc = b->event_create(&j->ring[i].copied)) != PL_OK) {
+            *why = "cudaEventCreate failed";
+            goto error;
+        }
+    /* The hardware backend exists only on GPUs with JPEG engines (A100, H100, H200, ...):
+     * elsewhere its creation fails and the CUDA decoder takes every image. */
+    if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, 0, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
+        if (nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
+            j->engines = j->cores = 0;
+        if ((s = nj.nvjpegJpegStateCreate(j->hw, &j->hw_state)) != pl_NVJPEG_STATUS_SUCCESS) {
+            nj.nvjpegDestroy(j->hw);
+            j->hw = NULL;
+            j->engines = j->cores = 0;
+        }
+    } else {
+        j->hw = NULL;
+    }
+    if ((s = nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_DEFAULT, NULL, NULL, 0, &j->gen)) != pl_NVJPEG_STATUS_SUCCESS) {
+        j->gen = NULL;
+        rc = nj_fail(s, "nvjpegCreateEx", why);
+        goto error;
+    }
+    if ((s = nj.nvjpegJpegStateCreate(j->gen, &j->gen_state)) != pl_NVJPEG_STATUS_SUCCESS) {
+        rc = nj_fail(s, "nvjpegJpegStateCreate", why);
+        goto error;
+    }
+    if ((s = nj.nvjpegJpegStreamCreate(j->hw ? j->hw : j->gen, &j->js)) != pl_NVJPEG_STATUS_SUCCESS) {
+        rc = nj_fail(s, "nvjpegJpegStreamCreate", why);
+        goto error;
+    }
+    j->counts.engines = j->engines;
+    j->counts.cores_per_engine = j->cores;
+    pl_device_pop(b, device, prev);
+    *out = j;
+    return PL_OK;
+error:
+    if (*why != why_buf && why_len) {
+        snprintf(why_buf, why_len, "%s", *why);
+        *why = why_buf;
+    }
+    pl_device_pop(b, device, prev);
+    pl_jpeg_destroy(j);
+    return rc;
+}
+
+void pl_jpeg_get_counts(const pl_jpeg *j, pl_jpeg_counts *c)
+{
+    *c = j->counts;
+    c->workspace_bytes = j->ws_cap;
+}
+
+/* The rows [*first, *first + *n) of a box of `in` rows that the output rows [y0, y0 + oh) of
+ * its resize to `out` rows read, with a row of margin on each side (the device computes the
+ * exact span with the same formula; the margin keeps a last-bit difference harmless). */
+static void rows_read(int in, int out, int y0, int oh, int *first, int *n)
+{
+    const double scale = (double)in / (double)out;
+    const double support = scale < 1.0 ? 1.0 : scale;
+    const double c0 = ((double)y0 + 0.5) * scale, c1 = ((double)(y0 + oh - 1) + 0.5) * scale;
+    long lo = (long)(c0 - support + 0.5) - 1, hi = (long)(c1 + support + 0.5) + 1;
+    if (lo < 0)
+        lo = 0;
+    if (hi > in)
+        hi = in;
+    if (hi < lo)
+        hi = lo;
+    *first = (int)lo;
+    *n = (int)(hi - lo);
+}
+
+static size_t align256(size_t n)
+{
+    return (n + 255) & ~(size_t)255;
+}
+
+typedef struct sample {
+    int kind; /* 0 failed, 1 hardware, 2 CUDA decoder, 3 raw */
+    int h, w; /* the image's */
+    size_t img_off, tmp_off;
+} sample;
+
+static int ensure_workspace(pl_jpeg *j, size_t need, const char **why)
+{
+    if (need <= j->ws_cap)
+        return PL_OK;
+    size_t cap = need + need / 4;
+    if (cap < need)
+        cap = need;
+    if (j->ws) {
+        j->b->device_free(j->device, j->ws, j->stream);
+        j->ws = NULL;
+        j->ws_cap = 0;
+    }
+    void *p = NULL;
+    int rc = j->b->device_alloc(j->device, cap, j->stream, &p);
+    if (rc != PL_OK) {
+        *why = "the decoder's workspace could not be allocated on the device";
+        return rc;
+    }
+    j->ws = p;
+    j->ws_cap = cap;
+    return PL_OK;
+}
+
+static int ring_slot(pl_jpeg *j, int n, int *slot, const char **why)
+{
+    int k = j->next;
+    j->next = (j->next + 1) % RING;
+    const pl_backend *b = j->b;
+    int rc;
+    if (j->ring[k].recorded && (rc = b->event_synchronize(j->ring[k].copied)) != PL_OK) {
+        *why = "cudaEventSynchronize on a descriptor slot failed";
+        return rc;
+    }
+    j->ring[k].recorded = 0;
+    if ((size_t)n > j->ring[k].cap) {
+        size_t cap = (size_t)n < 256 ? 256 : (size_t)n;
+        if (j->ring[k].host) {
+            b->host_free(j->ring[k].host, j->ring[k].cap * sizeof(img_desc));
+            j->ring[k].host = NULL;
+        }
+        if (j->ring[k].dev) {
+            b->device_free(j->device, j->ring[k].dev, j->stream);
+            j->ring[k].dev = NULL;
+        }
+        j->ring[k].cap = 0;
+        void *h = NULL, *d = NULL;
+        if ((rc = b->host_alloc(cap * sizeof(img_desc), -1, &h)) != PL_OK) {
+            *why = "pinned memory for the decoder's descriptors could not be allocated";
+            return rc;
+        }
+        if ((rc = b->device_alloc(j->device, cap * sizeof(img_desc), j->stream, &d)) != PL_OK) {
+            b->host_free(h, cap * sizeof(img_desc));
+            *why = "device memory for the decoder's descriptors could not be allocated";
+            return rc;
+        }
+        j->ring[k].host = h;
+        j->ring[k].dev = d;
+        j->ring[k].cap = cap;
+    }
+    *slot = k;
+    return PL_OK;
+}
+
+static void decode_one_cuda(pl_jpeg *j, const pl_jpeg_item *it, sample *sm, int32_t *status)
+{
+    pl_nvjpegImage_t dst;
+    memset(&dst, 0, sizeof dst);
+    dst.channel[0] = j->ws + sm->img_off;
+    dst.pitch[0] = (size_t)sm->w * 3;
+    pl_nvjpegStatus_t s = nj.nvjpegDecode(j->gen, j->gen_state, it->data, it->len, pl_NVJPEG_OUTPUT_RGBI,
+                                          &dst, (pl_nvjpeg_cudaStream_t)j->stream);
+    if (s == pl_NVJPEG_STATUS_SUCCESS) {
+        sm->kind = 2;
+        j->counts.cuda++;
+    } else {
+        sm->kind = 0;
+        *status = s == pl_NVJPEG_STATUS_JPEG_NOT_SUPPORTED ? PL_JPEG_UNSUPPORTED : PL_JPEG_BAD_DATA;
+    }
+}
+
+int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_out *o,
+                   pl_block *blk, int32_t *status, const char **why)
+{
+    const pl_backend *b = j->b;
+    if (n <= 0 || n > 65535 || o->oh <= 0 || o->ow <= 0 || o->dtype < PL_IMG_U8 || o->dtype > PL_IMG_BF16) {
+        *why = "a decode with an impossible batch or output shape";
+        return PL_ERR_INVALID_VALUE;
+    }
+    const size_t esize = o->dtype == PL_IMG_U8 ? 1 : o->dtype == PL_IMG_F32 ? 4 : 2;
+    size_t out_bytes;
+    if (__builtin_mul_overflow((size_t)n * 3, (size_t)o->oh, &out_bytes) ||
+        __builtin_mul_overflow(out_bytes, (size_t)o->ow, &out_bytes) ||
+        __builtin_mul_overflow(out_bytes, esize, &out_bytes)) {
+        *why = "the batch's size overflows";
+        return PL_ERR_INVALID_VALUE;
+    }
+    sample *sm = calloc((size_t)n, sizeof *sm);
+    int *hw_idx = calloc((size_t)n, sizeof *hw_idx);
+    const unsigned char **hw_data = calloc((size_t)n, sizeof *hw_data);
+    size_t *hw_len = calloc((size_t)n, sizeof *hw_len);
+    pl_nvjpegImage_t *hw_dst = calloc((size_t)n, sizeof *hw_dst);
+    int prev = -1, pushed = 0, rc = PL_OK;
+    if (!sm || !hw_idx || !hw_data || !hw_len || !hw_dst) {
+        *why = "out of host memory";
+        rc = PL_ERR_NO_MEMORY;
+        goto done;
+    }
+    if ((rc = pl_device_push(b, j->device, &prev)) != PL_OK) {
+        *why = "cudaSetDevice failed";
+        goto done;
+    }
+    pushed = 1;
+
+    /* 1. headers, kinds, sizes and the workspace layout */
+    size_t ws = 0;
+    int n_hw = 0;
+    for (int i = 0; i < n; i++) {
+        const pl_jpeg_item *it = &items[i];
+        status[i] = PL_JPEG_DECODED;
+        sm[i].kind = 0;
+        if (it->raw) {
+            sm[i].kind = 3;
+            sm[i].h = it->raw_h;
+            sm[i].w = it->raw_w;
+        } else {
+            unsigned w = 0, h = 0, comps = 0;
+            if (!it->data || it->len == 0 ||
+                nj.nvjpegJpegStreamParseHeader(j->hw ? j->hw : j->gen, it->data, it->len, j->js) != pl_NVJPEG_STATUS_SUCCESS ||
+                nj.nvjpegJpegStreamGetFrameDimensions(j->js, &w, &h) != pl_NVJPEG_STATUS_SUCCESS ||
+                nj.nvjpegJpegStreamGetComponentsNum(j->js, &comps) != pl_NVJPEG_STATUS_SUCCESS ||
+                w == 0 || h == 0 || w > 65535 || h > 65535) {
+                status[i] = PL_JPEG_BAD_HEADER;
+                continue;
+            }
+            if (comps != 1 && comps != 3) {
+                status[i] = PL_JPEG_UNSUPPORTED;
+                continue;
+            }
+            sm[i].h = (int)h;
+            sm[i].w = (int)w;
+            int unsupported = 1;
+            if (j->hw && nj.nvjpegDecodeBatchedSupported(j->hw, j->js, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                unsupported = 1;
+            sm[i].kind = j->hw && unsupported == 0 ? 1 : 2;
+        }
+        const int32_t *p = it->p;
+        if (p[0] < 0 || p[1] < 0 || p[2] <= 0 || p[3] <= 0 || (int64_t)p[0] + p[2] > sm[i].h ||
+            (int64_t)p[1] + p[3] > sm[i].w || p[4] <= 0 || p[5] <= 0 || p[6] < 0 || p[7] < 0 ||
+            (int64_t)p[6] + o->oh > p[4] || (int64_t)p[7] + o->ow > p[5]) {
+            status[i] = PL_JPEG_BOX_OUTSIDE;
+            sm[i].kind = 0;
+            continue;
+        }
+        size_t img = align256((size_t)sm[i].h * (size_t)sm[i].w * 3);
+        int first, rows;
+        rows_read(p[2], p[4], p[6], o->oh, &first, &rows);
+        size_t tmp = align256((size_t)rows * (size_t)o->ow * 3);
+        sm[i].img_off = ws;
+        if (__builtin_add_overflow(ws, img, &ws)) {
+            *why = "the batch's decoded size overflows";
+            rc = PL_ERR_INVALID_VALUE;
+            goto done;
+        }
+        sm[i].tmp_off = ws;
+        if (__builtin_add_overflow(ws, tmp, &ws)) {
+            *why = "the batch's decoded size overflows";
+            rc = PL_ERR_INVALID_VALUE;
+            goto done;
+        }
+    }
+    if ((rc = ensure_workspace(j, ws ? ws : 256, why)) != PL_OK)
+        goto done;
+
+    /* 2. decode: the hardware's share in one call, the rest one by one */
+    for (int i = 0; i < n; i++) {
+        if (sm[i].kind != 1)
+            continue;
+        hw_idx[n_hw] = i;
+        hw_data[n_hw] = items[i].data;
+        hw_len[n_hw] = items[i].len;
+        memset(&hw_dst[n_hw], 0, sizeof hw_dst[n_hw]);
+        hw_dst[n_hw].channel[0] = j->ws + sm[i].img_off;
+        hw_dst[n_hw].pitch[0] = (size_t)sm[i].w * 3;
+        n_hw++;
+    }
+    if (n_hw) {
+        pl_nvjpegStatus_t s = nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
+        if (s == pl_NVJPEG_STATUS_SUCCESS)
+            s = nj.nvjpegDecodeBatched(j->hw, j->hw_state, hw_data, hw_len, hw_dst,
+                                       (pl_nvjpeg_cudaStream_t)j->stream);
+        if (s == pl_NVJPEG_STATUS_SUCCESS) {
+            j->counts.hardware += (unsigned long long)n_hw;
+        } else {
+            /* One bad image fails the whole call: the CUDA decoder names it. */
+            for (int k = 0; k < n_hw; k++)
+                decode_one_cuda(j, &items[hw_idx[k]], &sm[hw_idx[k]], &status[hw_idx[k]]);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        if (sm[i].kind == 2 && status[i] == PL_JPEG_DECODED && !items[i].raw) {
+            int already = 0;
+            for (int k = 0; k < n_hw && !already; k++)
+                already = hw_idx[k] == i;
+            if (!already)
+                decode_one_cuda(j, &items[i], &sm[i], &status[i]);
+        } else if (sm[i].kind == 3) {
+            size_t nb = (size_t)sm[i].h * (size_t)sm[i].w * 3;
+            if ((rc = b->memcpy_h2d_async(j->ws + sm[i].img_off, items[i].raw, nb, j->stream)) != PL_OK) {
+                *why = "copying a host-decoded image to the device failed";
+                goto done;
+            }
+            j->counts.raw++;
+        }
+    }
+
+    /* 3. descriptors */
+    int slot;
+    if ((rc = ring_slot(j, n, &slot, why)) != PL_OK)
+        goto done;
+    img_desc *d = j->ring[slot].host;
+    int max_rows = 0;
+    for (int i = 0; i < n; i++) {
+        const int32_t *p = items[i].p;
+        memset(&d[i], 0, sizeof d[i]);
+        if (status[i] != PL_JPEG_DECODED || sm[i].kind == 0) {
+            if (status[i] == PL_JPEG_DECODED)
+                status[i] = PL_JPEG_BAD_DATA;
+            j->counts.failed++;
+            continue;
+        }
+        d[i].src = j->ws + sm[i].img_off;
+        d[i].tmp = j->ws + sm[i].tmp_off;
+        d[i].src_pitch = (long long)sm[i].w * 3;
+        d[i].top = p[0];
+        d[i].left = p[1];
+        d[i].h = p[2];
+        d[i].w = p[3];
+        d[i].rh = p[4];
+        d[i].rw = p[5];
+        d[i].oy = p[6];
+        d[i].ox = p[7];
+        d[i].flip = p[8] != 0;
+        rows_read(p[2], p[4], p[6], o->oh, &d[i].y_first, &d[i].ny);
+        if (d[i].ny > max_rows)
+            max_rows = d[i].ny;
+    }
+    if ((rc = b->memcpy_h2d_async(j->ring[slot].dev, d, (size_t)n * sizeof(img_desc), j->stream)) != PL_OK) {
+        *why = "copying the decoder's descriptors failed";
+        goto done;
+    }
+    if ((rc = b->event_record(j->ring[slot].copied, j->stream)) != PL_OK) {
+        *why = "cudaEventRecord failed";
+        goto done;
+    }
+    j->ring[slot].recorded = 1;
+
+    /* 4. the batch's block and the two passes */
+    if ((rc = pl_block_alloc(blk, out_bytes, j->stream, 1)) != PL_OK) {
+        *why = "the batch's device memory could not be allocated";
+        goto done;
+    }
+    void *descs = j->ring[slot].dev;
+    int ow = o->ow, oh = o->oh, cl = o->channels_last;
+    img_affine a;
+    memcpy(a.scale, o->scale, sizeof a.scale);
+    memcpy(a.bias, o->bias, sizeof a.bias);
+    if (max_rows > 0) {
+        long long work = (long long)max_rows * ow;
+        unsigned gx = (unsigned)((work + 255) / 256);
+        if (gx > 4096)
+            gx = 4096;
+        void *hargs[] = {&descs, &ow};
+        if ((rc = pl_cuda_image_launch(j->device, 0, gx, (unsigned)n, hargs, j->stream, why)) != PL_OK)
+            goto done;
+    }
+    {
+        long long work = (long long)oh * ow;
+        unsigned gx = (unsigned)((work + 255) / 256);
+        if (gx > 4096)
+            gx = 4096;
+        void *out = blk->ptr;
+        void *vargs[] = {&descs, &out, &oh, &ow, &cl, &a};
+        if ((rc = pl_cuda_image_launch(j->device, 1 + o->dtype, gx, (unsigned)n, vargs, j->stream, why)) != PL_OK)
+            goto done;
+    }
+    if ((rc = b->event_record(blk->ready, j->stream)) != PL_OK) {
+        *why = "cudaEventRecord of the batch's ready event failed";
+        goto done;
+    }
+    blk->ready_recorded = 1;
+    j->counts.batches++;
+done:
+    if (pushed)
+        pl_device_pop(b, j->device, prev);
+    free(sm);
+    free(hw_idx);
+    free(hw_data);
+    free(hw_len);
+    free(hw_dst);
+    return rc;
+}

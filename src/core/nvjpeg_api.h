@@ -1,0 +1,92 @@
+/* The subset of nvJPEG that jpeg_cuda.c loads at run time, declared here so that building
+ * pinloader needs no nvJPEG header: the same arrangement as cuda_api.h (see Note [our own CUDA
+ * declarations] there). Every name carries a `pl_` prefix; the values and layouts are those of
+ * nvjpeg.h of CUDA 12 and 13, which agree on everything below.
+ *
+ * Each function is listed once, in PL_NVJPEG_API(X, T): X(return type, name, parameters), so that
+ * the same list builds the function table of jpeg_cuda.c. */
+#ifndef PL_NVJPEG_API_H
+#define PL_NVJPEG_API_H
+
+#include <stddef.h>
+
+typedef enum pl_nvjpegStatus {
+    pl_NVJPEG_STATUS_SUCCESS = 0,
+    pl_NVJPEG_STATUS_NOT_INITIALIZED = 1,
+    pl_NVJPEG_STATUS_INVALID_PARAMETER = 2,
+    pl_NVJPEG_STATUS_BAD_JPEG = 3,
+    pl_NVJPEG_STATUS_JPEG_NOT_SUPPORTED = 4,
+    pl_NVJPEG_STATUS_ALLOCATOR_FAILURE = 5,
+    pl_NVJPEG_STATUS_EXECUTION_FAILED = 6,
+    pl_NVJPEG_STATUS_ARCH_MISMATCH = 7,
+    pl_NVJPEG_STATUS_INTERNAL_ERROR = 8,
+    pl_NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED = 9,
+    pl_NVJPEG_STATUS_INCOMPLETE_BITSTREAM = 10,
+} pl_nvjpegStatus_t;
+
+typedef enum pl_nvjpegBackend {
+    pl_NVJPEG_BACKEND_DEFAULT = 0,
+    pl_NVJPEG_BACKEND_HYBRID = 1,
+    pl_NVJPEG_BACKEND_GPU_HYBRID = 2,
+    pl_NVJPEG_BACKEND_HARDWARE = 3,
+} pl_nvjpegBackend_t;
+
+typedef enum pl_nvjpegOutputFormat {
+    pl_NVJPEG_OUTPUT_RGBI = 5, /* interleaved RGB, one plane */
+} pl_nvjpegOutputFormat_t;
+
+/* libraryPropertyType (library_types.h) */
+typedef enum pl_libraryPropertyType {
+    pl_MAJOR_VERSION = 0,
+    pl_MINOR_VERSION = 1,
+    pl_PATCH_LEVEL = 2,
+} pl_libraryPropertyType;
+
+#define PL_NVJPEG_MAX_COMPONENT 4
+
+typedef struct pl_nvjpegImage {
+    unsigned char *channel[PL_NVJPEG_MAX_COMPONENT];
+    size_t pitch[PL_NVJPEG_MAX_COMPONENT];
+} pl_nvjpegImage_t;
+
+typedef struct pl_nvjpegHandle *pl_nvjpegHandle_t;
+typedef struct pl_nvjpegJpegState *pl_nvjpegJpegState_t;
+typedef struct pl_nvjpegJpegStream *pl_nvjpegJpegStream_t;
+/* cudaStream_t, as nvJPEG takes it */
+typedef struct pl_CUstream_st *pl_nvjpeg_cudaStream_t;
+
+#define PL_NVJPEG_API(X)                                                                           \
+    X(pl_nvjpegStatus_t, nvjpegGetProperty, (pl_libraryPropertyType type, int *value))             \
+    X(pl_nvjpegStatus_t, nvjpegCreateEx,                                                           \
+      (pl_nvjpegBackend_t backend, void *dev_allocator, void *pinned_allocator, unsigned int flags, \
+       pl_nvjpegHandle_t *handle))                                                                 \
+    X(pl_nvjpegStatus_t, nvjpegDestroy, (pl_nvjpegHandle_t handle))                                \
+    X(pl_nvjpegStatus_t, nvjpegGetHardwareDecoderInfo,                                             \
+      (pl_nvjpegHandle_t handle, unsigned int *num_engines, unsigned int *num_cores_per_engine))   \
+    X(pl_nvjpegStatus_t, nvjpegJpegStateCreate,                                                    \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegState_t *state))                                     \
+    X(pl_nvjpegStatus_t, nvjpegJpegStateDestroy, (pl_nvjpegJpegState_t state))                     \
+    X(pl_nvjpegStatus_t, nvjpegDecode,                                                             \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegState_t state, const unsigned char *data,            \
+       size_t length, pl_nvjpegOutputFormat_t output_format, pl_nvjpegImage_t *destination,        \
+       pl_nvjpeg_cudaStream_t stream))                                                             \
+    X(pl_nvjpegStatus_t, nvjpegDecodeBatchedInitialize,                                            \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegState_t state, int batch_size, int max_cpu_threads,  \
+       pl_nvjpegOutputFormat_t output_format))                                                     \
+    X(pl_nvjpegStatus_t, nvjpegDecodeBatched,                                                      \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegState_t state, const unsigned char *const *data,     \
+       const size_t *lengths, pl_nvjpegImage_t *destinations, pl_nvjpeg_cudaStream_t stream))      \
+    X(pl_nvjpegStatus_t, nvjpegJpegStreamCreate,                                                   \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegStream_t *jpeg_stream))                              \
+    X(pl_nvjpegStatus_t, nvjpegJpegStreamDestroy, (pl_nvjpegJpegStream_t jpeg_stream))             \
+    X(pl_nvjpegStatus_t, nvjpegJpegStreamParseHeader,                                              \
+      (pl_nvjpegHandle_t handle, const unsigned char *data, size_t length,                         \
+       pl_nvjpegJpegStream_t jpeg_stream))                                                         \
+    X(pl_nvjpegStatus_t, nvjpegJpegStreamGetFrameDimensions,                                       \
+      (pl_nvjpegJpegStream_t jpeg_stream, unsigned int *width, unsigned int *height))              \
+    X(pl_nvjpegStatus_t, nvjpegJpegStreamGetComponentsNum,                                         \
+      (pl_nvjpegJpegStream_t jpeg_stream, unsigned int *components_num))                           \
+    X(pl_nvjpegStatus_t, nvjpegDecodeBatchedSupported,                                             \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegStream_t jpeg_stream, int *is_supported))
+
+#endif
