@@ -7,6 +7,8 @@ For each row size (--rows; the batch and the source as issue 35 states them: 512
 source of random uint8 rows is made once per kind (--sources):
   numpy   np.random.default_rng(0).integers(0, 256, ..., dtype=np.uint8): NumPy's allocator
   torch   torch.randint(0, 256, ..., dtype=torch.uint8).numpy(): torch's allocator
+  torch_thp  the same, then collapsed into transparent huge pages (madvise MADV_HUGEPAGE and
+          MADV_COLLAPSE, Linux 6.1+, over its 2 MiB-aligned interior)
   bytes   np.frombuffer(rng.bytes(n)): Python's allocator
   full    bench_gather.make_source: constant but for one byte per row (what bench_gather reads)
 (NumPy advises its large allocations MADV_HUGEPAGE, torch and Python do not: the JSON keeps how
@@ -59,7 +61,7 @@ import bench_gather as BG  # noqa: E402
 
 # (row bytes, rows per batch, source bytes) as issue 35 measured them
 ROWS = {512: (8192, 512 * C.MiB), 4096: (1024, C.GiB), 150_528: (256, 1_204_224_000), 64: (65536, 256 * C.MiB)}
-SOURCES = ["numpy", "torch", "bytes", "full"]
+SOURCES = ["numpy", "torch", "torch_thp", "bytes", "full"]
 LOOPS = ["next", "next_bare", "door", "for", "bench"]
 REF = "dma"
 
@@ -74,11 +76,33 @@ def make_source(kind: str, row: int, nbytes: int, seed: int = 0) -> np.ndarray:
         import torch
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, 256, (n, row), dtype=torch.uint8, generator=g).numpy()
+    if kind == "torch_thp":
+        arr = make_source("torch", row, nbytes, seed)
+        collapse(arr)
+        return arr
     if kind == "bytes":
         return np.frombuffer(np.random.default_rng(seed).bytes(n * row), np.uint8).reshape(n, row)
     if kind == "full":
         return BG.make_source(row, n * row)
     raise ValueError(kind)
+
+
+def collapse(arr: np.ndarray) -> int:
+    """madvise(MADV_HUGEPAGE) then MADV_COLLAPSE over the 2 MiB-aligned interior of arr's bytes:
+    0, or the errno of the call that failed (EINVAL: a kernel without MADV_COLLAPSE)."""
+    import ctypes
+    import ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge = 2 * C.MiB
+    lo = arr.__array_interface__["data"][0]
+    start, end = -(-lo // huge) * huge, (lo + arr.nbytes) // huge * huge
+    if end <= start:
+        return 0
+    for advice in (14, 25):  # MADV_HUGEPAGE, MADV_COLLAPSE
+        if libc.madvise(ctypes.c_void_p(start), end - start, advice) != 0:
+            return ctypes.get_errno()
+    return 0
 
 
 def huge_page_bytes(arr: np.ndarray) -> int | None:
