@@ -173,7 +173,7 @@ class Ctx:
 
 
 def _producer(st0: dict, st: dict) -> dict:
-    if not st0 or not st:
+    if "batches" not in st0 or "batches" not in st:  # (--warmup 0: no prefetcher yet at the start)
         return {}
     made = max(1, st["batches"] - st0["batches"])
     out = {k.replace("_s_total", "_ms_per_batch"): (st[k] - st0[k]) / made * 1e3 for k in BG.PRODUCER_STATS}
