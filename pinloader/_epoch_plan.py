@@ -10,6 +10,7 @@ import bisect
 import mmap
 import os
 import stat
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -295,6 +296,7 @@ class _Plan:
 
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
+    ahead: _AheadOrder | None = None  # the next epoch's order, being made (Note [orders made ahead])
     native = True  # RowBatches where it can be (False: the generator; for tests)
     source_kind = ""  # the last epoch's: "native" (a RowBatches) or "generator"
     source_reason = ""  # why the generator, when it was
@@ -313,6 +315,16 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
     cache = plan.cache
     if cache is not None and cache[0] == epoch:
         return cache[1]
+    order = _take_ahead(plan, epoch)
+    if order is None:
+        order = _make_order(plan, epoch)
+    plan.cache = (epoch, order)
+    return order
+
+
+def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
+    """The order _order caches, made from the plan's settings only (a thread of its own may
+    make it: Note [orders made ahead])."""
     n, L = plan.num_items, plan.window
     spare = 0 if L is None else plan.num_rows - n * L
     if plan.shuffle:
@@ -337,9 +349,85 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
         order = phase + order * L
     # read-only, and read in place by the batches' RowGathers (Note [epoch row tables] in
     # src/py/gather.c); the unsharded order of plain rows is permutation()'s own table
-    order = _epoch_table(order)
-    plan.cache = (epoch, order)
-    return order
+    return _epoch_table(order)
+
+
+# Note [orders made ahead]
+# An epoch's order is a permutation of all its items (Note [epoch permutation] in
+# src/py/gather.c), made when the epoch begins, in time linear in the items (tens of
+# milliseconds for millions of rows, one random access each). The prefetcher's producer stops at an epoch's end until the next iter() (Note [epochs] in
+# src/py/prefetcher.c), so a loop across epochs would wait that long for the next epoch's first
+# batch, every epoch: for a short epoch of small rows, longer than the batches themselves take.
+# So once an epoch has begun, the order of the epoch that follows it by default (the next one;
+# a set_epoch() to it, as DistributedSampler users call it, names the same) is made on a
+# thread of its own (permutation() releases the GIL), and _order takes it from there: at once
+# if it is done, else after waiting for the rest of it. The order is a pure function of the
+# plan's settings and the epoch; the job copies both (the settings, and _order_key to match
+# them by) and is used only by a plan of the same settings (the resumed epoch's plan, a copy with other sharding, makes its
+# own). Orders of fewer than _AHEAD_MIN_ITEMS items are made in place (a thread costs more
+# than they do). A forked child never waits for a thread of its parent (it does not exist
+# there): it makes the order itself. A job that failed (out of memory) leaves the order to be
+# made, and its error raised, where it is needed. Memory: while the next epoch's order is made
+# the current one is still read, two tables of 8 bytes an item.
+_AHEAD_MIN_ITEMS = 1 << 16
+
+
+def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
+    return (epoch, plan.num_items, plan.num_rows, plan.window, plan.shuffle, plan.seed,
+            plan.world_size, plan.rank, plan.num_samples)
+
+
+class _AheadOrder:
+    """An epoch's order being made on a thread of its own (Note [orders made ahead])."""
+
+    def __init__(self, plan: _Plan, epoch: int) -> None:
+        self.key = _order_key(plan, epoch)
+        self.pid = os.getpid()
+        self.order: np.ndarray | None = None
+        # the settings _make_order reads, as they are now (no sources, no tables)
+        settings = _Plan()
+        for name in ("num_items", "num_rows", "window", "shuffle", "seed", "world_size", "rank",
+                     "num_samples"):
+            setattr(settings, name, getattr(plan, name))
+        self.thread = threading.Thread(target=self._run, args=(settings, epoch), name="pl-epoch-order",
+                                       daemon=True)
+
+    def _run(self, settings: _Plan, epoch: int) -> None:
+        try:
+            self.order = _make_order(settings, epoch)
+        except BaseException:  # noqa: BLE001 -- made again where it is needed, which raises
+            self.order = None
+
+
+def prepare_order(plan: _Plan, epoch: int) -> None:
+    """Start making ``epoch``'s order on a thread of its own (Note [orders made ahead])."""
+    if plan.num_items < _AHEAD_MIN_ITEMS:
+        return
+    key = _order_key(plan, epoch)
+    job = plan.ahead
+    if (job is not None and job.key == key and job.pid == os.getpid()) or \
+            (plan.cache is not None and plan.cache[0] == epoch):
+        return
+    job = _AheadOrder(plan, epoch)
+    try:
+        job.thread.start()
+    except RuntimeError:  # no thread to be had: the order is made when it is needed
+        return
+    plan.ahead = job
+
+
+def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
+    """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None
+    when there is none (or it failed)."""
+    job = plan.ahead
+    if job is None or job.key != _order_key(plan, epoch):
+        return None
+    if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
+        plan.ahead = None
+        return None
+    job.thread.join()  # interruptible: a Ctrl-C leaves the job for the next attempt
+    plan.ahead = None
+    return job.order
 
 
 class _Epochs:

@@ -65,7 +65,7 @@ import numpy as np
 
 from . import _C, _resume
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
-from ._epoch_plan import _Epochs, _Plan, _base_chain, _is_mapped, _mapping_bytes
+from ._epoch_plan import _Epochs, _Plan, _base_chain, _is_mapped, _mapping_bytes, prepare_order
 # _order and _epoch_batches are read from here by tests and benchmarks as well
 from ._epoch_plan import _epoch_batches, _order  # noqa: F401
 
@@ -489,6 +489,9 @@ class ArrayLoader:
         self._epoch = epoch
         self._consumed = 0
         self._done = False
+        # the order of the epoch that comes next by default, made while this one runs (Note
+        # [orders made ahead] in pinloader/_epoch_plan.py)
+        prepare_order(self._plan, epoch + 1)
         return self
 
     def __next__(self) -> Any:
@@ -595,7 +598,7 @@ class ArrayLoader:
         # files' descriptors. Settings stay: len(), indices(), state_dict() still answer.
         plan = self._plan
         plan.leaves = [(path, None, mapped, shape) for path, _, mapped, shape in plan.leaves]
-        plan.files = plan.cache = None
+        plan.files = plan.cache = plan.ahead = None
         self._structure = None
         if isinstance(self._source, _resume.ResumableEpochs):
             self._source.resume = None

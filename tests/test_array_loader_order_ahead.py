@@ -1,0 +1,204 @@
+"""ArrayLoader: the next epoch's order is made ahead, on a thread of its own (Note [orders made
+ahead] in pinloader/_epoch_plan.py), and the batches stay exactly the documented ones (host
+backend).
+
+An epoch of many items begins by drawing a permutation of all of them (50 ms for 4 million
+rows); made when the loop reaches the epoch's end, that stalls the pipeline once per epoch. The
+tests spy on the permutation to see which thread draws each epoch's order, and check the
+batches against the Python reference of the order: made ahead, made in place after set_epoch()
+to another epoch, after a failed job, with windows and shards, and in a forked child while the
+parent's job is still running.
+"""
+from __future__ import annotations
+
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import pinloader
+from pinloader import _epoch_plan
+from helpers import WAIT_CHILD, describe, ids, ref_order, run_py
+
+DEVICE = "cpu"
+N = _epoch_plan._AHEAD_MIN_ITEMS + 123  # just enough items to be made ahead
+
+
+class Spy:
+    """permutation() wrapped: which epochs it drew, on which thread; `fail_off_main` makes the
+    draws on other threads raise MemoryError."""
+
+    def __init__(self, monkeypatch, fail_off_main=False):
+        self.calls: list[tuple[int, bool]] = []
+        self.fail_off_main = fail_off_main
+        self._real = _epoch_plan.permutation
+        self._mu = threading.Lock()
+        monkeypatch.setattr(_epoch_plan, "permutation", self)
+
+    def __call__(self, n, seed, epoch, phase_range=0):
+        main = threading.current_thread() is threading.main_thread()
+        with self._mu:
+            self.calls.append((int(epoch), main))
+        if self.fail_off_main and not main:
+            raise MemoryError("no memory for the order (test)")
+        return self._real(n, seed, epoch, phase_range)
+
+    def where(self, epoch):
+        """'main', 'other' or None: the thread epoch's order was drawn on (its first draw)."""
+        with self._mu:
+            for e, main in self.calls:
+                if e == epoch:
+                    return "main" if main else "other"
+        return None
+
+
+def epoch_rows(loader):
+    """One epoch of `loader` (a loader over ids): the row ids of its batches, in order."""
+    return np.concatenate([np.from_dlpack(b).copy() for b in loader])
+
+
+def whole_batches(order, bs):
+    """drop_last=True: the reference order without its last partial batch."""
+    return order[:len(order) // bs * bs]
+
+
+def wait_ahead(loader):
+    job = loader._plan.ahead
+    if job is not None:
+        job.thread.join(timeout=60)
+        assert not job.thread.is_alive()
+
+
+def test_the_next_epochs_order_is_drawn_off_the_training_thread(monkeypatch):
+    spy = Spy(monkeypatch)
+    bs = 4096
+    with pinloader.ArrayLoader(ids(N), bs, seed=3, device=DEVICE) as L:
+        for epoch in range(3):
+            rows = epoch_rows(L)
+            assert L.epoch == epoch
+            assert rows.tolist() == ref_order(N, bs, 3, epoch)
+            wait_ahead(L)
+        assert spy.where(0) == "main"  # the first epoch begins with nothing made ahead
+        assert spy.where(1) == "other"
+        assert spy.where(2) == "other"
+        assert spy.where(3) == "other"  # the epoch after the last one run is on its way
+        # each epoch's order was drawn once
+        assert sorted(e for e, _ in spy.calls) == [0, 1, 2, 3]
+        assert np.array_equal(L.indices(3), ref_order(N, bs, 3, 3))
+
+
+def test_set_epoch_to_another_epoch_draws_that_one_in_place(monkeypatch):
+    spy = Spy(monkeypatch)
+    bs = 8192
+    with pinloader.ArrayLoader(ids(N), bs, seed=5, device=DEVICE, drop_last=True) as L:
+        assert epoch_rows(L).tolist() == whole_batches(ref_order(N, bs, 5, 0, drop_last=True), bs)
+        wait_ahead(L)
+        L.set_epoch(7)  # not the epoch made ahead (1)
+        assert epoch_rows(L).tolist() == whole_batches(ref_order(N, bs, 5, 7, drop_last=True), bs)
+        assert spy.where(7) == "main"
+        wait_ahead(L)
+        L.set_epoch(8)  # the one made ahead, as a DistributedSampler-style loop names it
+        assert epoch_rows(L).tolist() == whole_batches(ref_order(N, bs, 5, 8, drop_last=True), bs)
+        assert spy.where(8) == "other"
+
+
+def test_a_failed_job_leaves_the_order_to_the_epoch_that_needs_it(monkeypatch):
+    spy = Spy(monkeypatch, fail_off_main=True)
+    bs = 10_000
+    with pinloader.ArrayLoader(ids(N), bs, seed=9, device=DEVICE) as L:
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 9, 0)
+        wait_ahead(L)
+        assert spy.where(1) == "other"  # tried ahead, and failed
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 9, 1)
+        assert [e for e, main in spy.calls if main] == [0, 1]  # epoch 1 drawn again, in place
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_windows_and_shards_made_ahead_are_the_documented_ones(monkeypatch, shuffle):
+    Spy(monkeypatch)
+    rows, window, world, bs = 3 * N + 2, 3, 3, 5000
+    items = rows // window
+    for rank in range(world):
+        with pinloader.ArrayLoader(ids(rows), bs, seed=1, device=DEVICE, windows=window,
+                                   rank=rank, world_size=world, shuffle=shuffle) as L:
+            for epoch in range(2):
+                got = [np.from_dlpack(b).copy() for b in L]
+                starts = np.concatenate([g[:, 0] for g in got])
+                want = ref_order(rows, bs, 1, epoch, rank=rank, world=world, shuffle=shuffle,
+                                 window=window)
+                assert starts.tolist() == want
+                assert len(starts) == -(-items // world)
+                wait_ahead(L)
+
+
+def test_a_resumed_epoch_and_the_next_whole_one(monkeypatch):
+    spy = Spy(monkeypatch)
+    bs = 4096
+    with pinloader.ArrayLoader(ids(N), bs, seed=2, device=DEVICE) as L:
+        it = iter(L)
+        first = [np.from_dlpack(next(it)).copy() for _ in range(3)]
+        state = L.state_dict()
+        wait_ahead(L)
+    with pinloader.ArrayLoader(ids(N), bs, seed=2, device=DEVICE) as R:
+        R.load_state_dict(state)
+        rest = epoch_rows(R)
+        assert np.concatenate(first + [rest]).tolist() == ref_order(N, bs, 2, 0)
+        wait_ahead(R)
+        assert epoch_rows(R).tolist() == ref_order(N, bs, 2, 1)
+        assert spy.where(1) == "other"
+
+
+def test_close_drops_the_job():
+    L = pinloader.ArrayLoader(ids(N), 4096, seed=0, device=DEVICE)
+    next(iter(L))
+    job = L._plan.ahead
+    assert job is not None
+    L.close()
+    assert L._plan.ahead is None
+    job.thread.join(timeout=60)
+    assert not job.thread.is_alive()
+
+
+@pytest.mark.fork
+def test_a_forked_child_draws_the_order_itself_while_the_parents_job_runs(tmp_path):
+    # The parent's job is held inside its draw until the child is done: the child must not wait
+    # for that thread (it does not exist in the child), and must get the same order.
+    code = textwrap.dedent("""
+    import os, sys, threading, time, warnings
+    import numpy as np
+    import pinloader
+    from pinloader import _epoch_plan
+    warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
+    """) + WAIT_CHILD.format(timeout=30.0, poll=0.01) + textwrap.dedent("""
+    release = threading.Event()
+    real = _epoch_plan.permutation
+    def held(*a):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait()
+        return real(*a)
+    _epoch_plan.permutation = held
+    n = _epoch_plan._AHEAD_MIN_ITEMS + 5
+    L = pinloader.ArrayLoader(np.arange(n, dtype=np.int64), 4096, seed=4, device="cpu")
+    next(iter(L))                           # epoch 0 begun: epoch 1's order is being made
+    assert L._plan.ahead is not None and L._plan.ahead.thread.is_alive()
+    out = sys.argv[1]
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            np.save(out, L.indices(1))
+            code = 0
+        finally:
+            os._exit(code)
+    status = wait_child(pid)
+    release.set()
+    assert status == 0, status
+    want = L.indices(1)                      # the parent's, from its job
+    assert np.array_equal(np.load(out), want)
+    assert sorted(want.tolist()) == list(range(n))
+    L.close()
+    print("OK")
+    """)
+    p = run_py(code, timeout=120, argv=[str(tmp_path / "child_order.npy")])
+    assert p.returncode == 0 and "OK" in p.stdout, describe(p)
