@@ -26,6 +26,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402,F401  (the working tree's pinloader when built in place)
+
 
 def photos():
     from skimage import data
