@@ -54,6 +54,8 @@ def test_readme_has_the_examples():
     assert len(PY_BLOCKS) >= 4, "the README's python examples were not found"
     needs = set().union(*(_needs(c) for c in PY_BLOCKS))
     assert {"torch", "jax", "cupy"} <= needs
+    for needle in PRINTS:
+        assert any(needle in c for c in PY_BLOCKS), f"no README example has {needle!r} any more"
 
 
 @pytest.mark.parametrize("code", _params())
@@ -76,6 +78,18 @@ def test_readme_python_block_runs(code, tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, f"README example failed:\n{code}\n--- stderr ---\n{out.stderr[-4000:]}"
+    # the examples print what their comments say, so that a reader can tell they worked
+    for needle, printed in PRINTS.items():
+        if needle in code:
+            assert printed in out.stdout, (printed, out.stdout)
+
+
+# A phrase of an example -> what that example prints (its comment says so too).
+PRINTS = {
+    "torch.arange(1024.0)": "523776.0",          # the sum of 0..1023: every row arrived once
+    "rows += batch": "epoch 1: 1000 rows",
+    "pj.prefetch(numpy_batches)": " 64.0",
+}
 
 
 def test_readme_commands():
