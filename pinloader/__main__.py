@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m pinloader",
         description="pinloader: pinned-memory prefetching of Python batches to the GPU.")
     parser.add_argument("--version", action="version", version=f"pinloader {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info,pack}")
     fmt = _Formatter
     demo = sub.add_parser(
         "demo", formatter_class=fmt,
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="what pinloader found: version, backend, CUDA library, driver, devices",
                           description="Say which backend pinloader will use and why.")
     info.add_argument("--json", action="store_true", help="print one JSON document")
+    from ._image_pack import add_parser as add_pack
+
+    add_pack(sub, fmt)
     return parser
 
 
@@ -110,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(info)
         return 0
+    if args.command == "pack":
+        from ._image_pack import run as run_pack
+
+        return run_pack(args)
     from .demo import run
 
     return run(args)

@@ -118,6 +118,9 @@ def central_fallback(height: int, width: int, ratio: Sequence[float]) -> tuple[i
         w = int(round(h * max(ratio)))
     else:
         w, h = width, height
+    # at least one pixel (torchvision would give an empty box for a 1-pixel-wide image whose
+    # ratio rounds the other side to 0)
+    w, h = max(1, w), max(1, h)
     return (height - h) // 2, (width - w) // 2, h, w
 
 
