@@ -144,7 +144,8 @@ def pack(src_path: str, dest: str, workers: int | None = None, quiet: bool = Fal
     np.save(os.path.join(dest, "labels.npy"), table[:, 2].copy())
     np.save(os.path.join(dest, "sizes.npy"), table[:, 3:6].astype(np.int32))
     with open(os.path.join(dest, "names.txt"), "w", encoding="utf-8") as f:
-        f.write("\n".join(_name(src, os.fspath(src_path), i).replace("\n", " ") for i in range(n)))
+        root = os.fspath(src_path) if isinstance(src_path, (str, os.PathLike)) else ""
+        f.write("\n".join(_name(src, root, i).replace("\n", " ") for i in range(n)))
     meta = {"format": PACKED_FORMAT, "version": 1, "count": n,
             "classes": list(src.classes) if getattr(src, "classes", None) else None,
             "source": os.path.abspath(os.fspath(src_path)) if isinstance(src_path, (str, os.PathLike)) else None}
