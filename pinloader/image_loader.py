@@ -40,9 +40,21 @@ from ._epoch_plan import _order, _Plan, prepare_order
 from . import _image_ops as ops
 from ._image_sources import make_source
 from .array_loader import (_ADAPTER_DEFAULT_DEPTH, _HANDOUT_OPTS, _default_rank_world, _int_arg,
-                           _same_device, _same_opt)
+                           _same_opt)
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
+
+
+def _same_device(running: str, wanted: Any) -> bool:
+    """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted``."""
+    if wanted is None:
+        return True
+    if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool):
+        return running == f"cuda:{int(wanted)}"
+    text = str(wanted)
+    if text in ("cpu", "cpu:0", "host"):
+        return running == "cpu"
+    return text == running or (text == "cuda" and running.startswith("cuda:"))
 
 FORMAT = "pinloader.ImageLoader"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
