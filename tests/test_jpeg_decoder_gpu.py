@@ -260,3 +260,42 @@ def test_a_file_without_an_end_marker_goes_to_the_host(dec, torch):
     for i in (1, 2, 4):
         assert not out[i].numpy().any(), f"sample {i} must be zero-filled"
     assert out[3].numpy().any() and out[5].numpy().any()
+
+
+def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
+    """Note [region decode]: crops decoded as a region by the engines against the same crops of
+    the whole image decoded by the same decoder (an identity resize of the whole image, handed
+    back through raw=)."""
+    shapes = [(480, 640), (500, 375), (333, 500), (720, 1280)]
+    imgs = [_photo(h, w, 30 + i) for i, (h, w) in enumerate(shapes)]
+    blobs = [_jpeg(a) for a in imgs]
+    whole = []
+    for b, (H, W) in zip(blobs, shapes):
+        base, offsets, lengths = _pack([b])
+        out, st = _run(dec, torch, base, offsets, lengths, np.array([[0, 0, H, W, H, W, 0, 0, 0]], np.int32),
+                       (H, W))
+        assert st.tolist() == [0]
+        whole.append(np.ascontiguousarray(out[0].numpy()))
+    rng = np.random.default_rng(8)
+    size = (96, 96)
+    crops = []
+    for H, W in shapes:  # boxes of 5-40% of the image: a region decode where the engines take one
+        h, w = int(H * rng.uniform(0.2, 0.6)), int(W * rng.uniform(0.25, 0.6))
+        crops.append([rng.integers(0, H - h + 1), rng.integers(0, W - w + 1), h, w, size[0], size[1], 0, 0,
+                      rng.integers(0, 2)])
+    params = np.array(crops, np.int32)
+    base, offsets, lengths = _pack(blobs)
+    before = dec.info()
+    got, st = _run(dec, torch, base, offsets, lengths, params, size)
+    after = dec.info()
+    assert st.tolist() == [0] * len(blobs)
+    if after["engines"]:
+        assert after["roi"] - before["roi"] == len(blobs)
+    n = len(blobs)
+    want, st2 = _run(dec, torch, np.zeros(1, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64), params, size,
+                     raw=dict(enumerate(whole)))
+    assert st2.tolist() == [0] * n
+    d = np.abs(got.numpy().astype(int) - want.numpy().astype(int))
+    print("region vs whole decode: max", d.max(), "share equal", (d == 0).mean())
+    assert d.max() <= 4
+    assert (d == 0).mean() >= 0.99

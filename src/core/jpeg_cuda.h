@@ -47,6 +47,7 @@ enum {
 
 typedef struct pl_jpeg_counts {
     unsigned long long batches, hardware, cuda, raw, failed;
+    unsigned long long roi; /* hardware decodes of a region only (Note [region decode]) */
     unsigned engines, cores_per_engine; /* the hardware decoder's (0: none) */
     size_t workspace_bytes;
 } pl_jpeg_counts;

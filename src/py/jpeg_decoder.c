@@ -356,10 +356,10 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
     }
     pl_jpeg_counts c;
     pl_jpeg_get_counts(self->j, &c);
-    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:n}", "device", self->device, "engines",
+    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n}", "device", self->device, "engines",
                          c.engines, "cores_per_engine", c.cores_per_engine, "batches", c.batches,
-                         "hardware", c.hardware, "cuda", c.cuda, "raw", c.raw, "failed", c.failed,
-                         "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
+                         "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw", c.raw, "failed",
+                         c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
 }
 
 static PyMethodDef jd_methods[] = {
