@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import io
+import os
 
 import numpy as np
 import pytest
@@ -289,7 +290,7 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
     got, st = _run(dec, torch, base, offsets, lengths, params, size)
     after = dec.info()
     assert st.tolist() == [0] * len(blobs)
-    if after["engines"]:
+    if after["engines"] and os.environ.get("PINLOADER_JPEG_REGION") != "0":
         assert after["roi"] - before["roi"] == len(blobs)
     n = len(blobs)
     want, st2 = _run(dec, torch, np.zeros(1, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64), params, size,

@@ -161,6 +161,7 @@ struct pl_jpeg {
     int next;
     pl_nvjpegDecodeParams_t *params; /* one per hardware sample, grown to the largest batch */
     int params_cap;
+    int region; /* Note [region decode] on */
     pl_jpeg_counts counts;
 };
 
@@ -231,6 +232,8 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     j->b = b;
     j->device = device;
+    const char *env = getenv("PINLOADER_JPEG_REGION");
+    j->region = !(env && strcmp(env, "0") == 0);
     int prev = -1;
     if ((rc = pl_device_push(b, device, &prev)) != PL_OK) {
         free(j);
@@ -353,7 +356,8 @@ typedef struct sample {
  * (chroma upsampling reads a neighbour on each side). It is used when it is at most 90% of the
  * image and the engines accept it (nvjpegDecodeBatchedSupportedEx); otherwise the image is decoded
  * whole. The workspace still holds the whole image, so that an image of a failed hardware batch
- * can be decoded again, whole, by the CUDA decoder. */
+ * can be decoded again, whole, by the CUDA decoder. PINLOADER_JPEG_REGION=0 in the environment
+ * (read when a decoder is made) turns region decodes off, to compare the two. */
 static void region_of(const int32_t *p, int H, int W, sample *sm)
 {
     long y0 = ((long)p[0] - 1) & ~15L, x0 = ((long)p[1] - 1) & ~15L;
@@ -572,7 +576,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
             pl_nvjpegDecodeParams_t dp = j->params[i];
             int unsupported = 1;
             region_of(p, sm[i].h, sm[i].w, &sm[i]);
-            if ((double)sm[i].rh * sm[i].rw <= 0.9 * (double)sm[i].h * sm[i].w &&
+            if (j->region && (double)sm[i].rh * sm[i].rw <= 0.9 * (double)sm[i].h * sm[i].w &&
                 nj.nvjpegDecodeParamsSetROI(dp, sm[i].rx, sm[i].ry, sm[i].rw, sm[i].rh) == pl_NVJPEG_STATUS_SUCCESS &&
                 nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
                 unsupported = 1;
