@@ -499,3 +499,18 @@ def test_device_gather_of_every_row_of_a_source_starting_mid_page(shuffle):
     np.testing.assert_array_equal(batch, src[L.indices(0)])
     assert L.stats()["gather"] == "device"
     L.close()
+
+
+def test_a_loader_over_a_slice_of_a_registered_source_charges_only_new_pages():
+    from pinloader import _C
+    src = np.arange(4096 * 64, dtype=np.float64).reshape(-1, 8)
+    L1 = pinloader.ArrayLoader(src, 64, device=DEVICE, gather="device")
+    list(L1)
+    assert L1.stats()["gather"] == "device"
+    budget = _C._registered_bytes("host")  # all this process holds registered now
+    L2 = pinloader.ArrayLoader(src[10:], 64, device=DEVICE, gather="device", max_registered_bytes=budget)
+    got = np.concatenate([values(b) for b in L2])
+    assert L2.stats()["gather"] == "device"
+    np.testing.assert_array_equal(got, src[10:][L2.indices(0)])
+    L2.close()
+    L1.close()
