@@ -514,3 +514,22 @@ def test_a_loader_over_a_slice_of_a_registered_source_charges_only_new_pages():
     np.testing.assert_array_equal(got, src[10:][L2.indices(0)])
     L2.close()
     L1.close()
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+                    reason="streaming stores are SSE2's: other machines stage with memcpy")
+def test_row_gathers_stream_only_in_batches_of_one_chunk(monkeypatch):
+    # Note [non-temporal staging stores] in src/core/stager.c: rows of at least 4 KiB go
+    # through streaming stores in a batch of at least 4 MiB staged as one chunk (below 16 MiB),
+    # never in a chunked batch, and never rows shorter than 4 KiB
+    from pinloader import _C
+    monkeypatch.delenv("PINLOADER_STAGING_NT", raising=False)
+    src = np.ones((8192, 1024), np.float32)  # rows of 4 KiB
+    for rows, bs, streams in ((src, 1100, True), (src, 4200, False),
+                              (np.ones((16384, 512), np.float32), 2200, False)):
+        before = _C._streamed_bytes()
+        L = pinloader.ArrayLoader(rows, bs, device=DEVICE, gather="host", drop_last=True)
+        n = len([b for b in L])
+        L.close()
+        streamed = _C._streamed_bytes() - before
+        assert streamed == (n * bs * rows.shape[1] * 4 if streams else 0), (bs, streamed)
