@@ -157,7 +157,7 @@ def _stream_of(index: int | None) -> Any:
     fn = _streams.get(key)
     if fn is not None:
         return fn
-    if use_raw:
+    if raw is not None and use_raw:
         get_raw = raw
 
         def stream() -> int:

@@ -811,7 +811,7 @@ static PyType_Slot pf_slots[] = {
     {Py_tp_doc,
      "AsyncPrefetcher(iterable, device=None, depth=2, pool=None, max_pinned_bytes=None,\n"
      "                staging_threads=None, copy_stream_priority='high', output='array', stream=None,\n"
-     "                *, convert=None, static=False, out=None, structure=None)\n"
+     "                *, convert=None, static=False, out=None, structure=None, static_rows=None)\n"
      "--\n\n"
      "Prefetch batches from any iterable to a device, off the GIL.\n\n"
      "Items may nest tuple, list, dict (and dict subclasses), namedtuple and dataclass; array\n"
@@ -837,7 +837,8 @@ static PyType_Slot pf_slots[] = {
      "layout is a ValueError naming the leaf). out: a list of your own C-contiguous buffers on\n"
      "the device (DLPack exporters) to deliver into; implies static. structure: an object whose\n"
      "structure every item's leaves are placed in (each item is then a tuple of its leaves, in\n"
-     "walk order), captured once (ArrayLoader's batches)."},
+     "walk order), captured once (ArrayLoader's batches). static_rows: lay the static buffers\n"
+     "out for at least this many rows (ArrayLoader passes its batch_size)."},
     {0, NULL},
 };
 
