@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -25,15 +26,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m pinloader",
         description="pinloader: pinned-memory prefetching of Python batches to the GPU.")
     parser.add_argument("--version", action="version", version=f"pinloader {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info,pack}")
     fmt = _Formatter
     demo = sub.add_parser(
         "demo", formatter_class=fmt,
         help="a synthetic training loop fed by plain loading and by pinloader, side by side",
         description="Feed the same synthetic training step from the same batches in ordinary "
                     "(pageable) host memory, once with plain loading and once with pinloader, "
-                    "and print samples/s, data wait per step and idle time. Uses torch when it "
-                    "is installed, NumPy otherwise.")
+                    "and print samples/s, data wait per step and, on a GPU, the GPU's idle time "
+                    "(on the CPU: each step's compute time, which copying threads slow down). "
+                    "Uses torch when it is installed, NumPy otherwise.")
     demo.add_argument("--batch-size", type=int, default=64, help="samples per batch")
     demo.add_argument("--image-size", type=int, default=224,
                       help="each sample is a 3 x SIZE x SIZE float32 image and an int64 label")
@@ -54,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="what pinloader found: version, backend, CUDA library, driver, devices",
                           description="Say which backend pinloader will use and why.")
     info.add_argument("--json", action="store_true", help="print one JSON document")
+    from ._image_pack import add_parser as add_pack
+
+    add_pack(sub, fmt)
     return parser
 
 
@@ -101,8 +106,12 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"  NVTX:      {'ranges pinloader.stage and pinloader.copy' if info['nvtx'] else 'off (built without nvtx3 headers)'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+# The exit status when the reader of stdout goes away (``| head``): what a shell reports for a
+# program that SIGPIPE ends (128 + 13), as for other Unix tools.
+EXIT_BROKEN_PIPE = 141
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "info":
         info = info_dict()
         if args.json:
@@ -110,9 +119,31 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(info)
         return 0
+    if args.command == "pack":
+        from ._image_pack import run as run_pack
+
+        return run_pack(args)
     from .demo import run
 
     return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        status = _run(args)
+        # what is still buffered is written here, inside the try, so that a closed pipe
+        # surfaces now and not at interpreter exit
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # The reader closed the pipe (``python -m pinloader info | head -1``): stop quietly.
+        # stdout now points at /dev/null so that the interpreter's own flush at exit cannot
+        # raise again (the recipe of the Python documentation's signal module notes).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -354,6 +354,21 @@ class StatefulPrefetcher:
     stateful source by themselves. States are not copied: a source whose ``state_dict()``
     returns an object it later mutates must return a copy.
 
+    Parameters
+    ----------
+    source : iterable with ``state_dict()`` and ``load_state_dict()``
+        The stateful source of batches, e.g. torchdata's ``StatefulDataLoader``.
+    device : str or int, optional
+        As for :class:`~pinloader.AsyncPrefetcher` (None: the current CUDA device, else the
+        host backend).
+    depth : int, default 2
+        Batches in flight or waiting.
+    **opts
+        Passed to :class:`~pinloader.AsyncPrefetcher` (``pool``, ``max_pinned_bytes``,
+        ``staging_threads``, ``static``, ...).
+
+    Notes
+    -----
     Cost, besides the source's own ``state_dict()`` per item: the item travels as
     ``(item, state)`` and is unpacked by a Python ``__next__``. Measured on the host backend
     with 16-byte batches of a trivial stateful source (2 cores): about 10 us per batch for the

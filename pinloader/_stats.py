@@ -46,7 +46,7 @@ class PoolStats(TypedDict):
     numa_node: int
 
 class PrefetcherStats(TypedDict):
-    """:meth:`AsyncPrefetcher.stats` (see the README's "Reading stats()").
+    """:meth:`AsyncPrefetcher.stats` (see "Reading stats()" in the Concepts page).
 
     ``pinned_*`` keys are this prefetcher's own share of its pool (its client bound); ``pool_*``
     keys are the whole pool it draws from, shared with other prefetchers, and are the pool's own

@@ -188,33 +188,43 @@ def _calibrate(run_once: Callable[[int], None], target_ms: float, quiet: bool) -
 
 def _timed(label: str, it: Iterator[Any], get: Callable[[Any], tuple[Any, Any]],
            step: Callable[[Any, Any], None], sync: Callable[[], None], args: Any,
-           compute_ms: float, quiet: bool) -> dict[str, float]:
+           compute_ms: float, quiet: bool, gpu: bool = False) -> dict[str, float]:
     total = args.warmup + args.steps
     bar = _Progress(f"{label} ({args.warmup} warm-up + {args.steps} timed)", total, quiet)
     waits: list[float] = []
+    steps: list[float] = []
     t0 = c0 = 0.0
     for i in range(total):
         if i == args.warmup:
             sync()
-            waits, t0, c0 = [], time.perf_counter(), time.process_time()
+            waits, steps, t0, c0 = [], [], time.perf_counter(), time.process_time()
         tw = time.perf_counter()
         x, y = get(next(it))
-        waits.append(time.perf_counter() - tw)
+        tc = time.perf_counter()
+        waits.append(tc - tw)
         step(x, y)
+        steps.append(time.perf_counter() - tc)
         bar.update()
     sync()
     wall = time.perf_counter() - t0
     bar.close()
     step_ms = wall / args.steps * 1e3
-    return {
+    row = {
         "samples_per_s": args.steps * args.batch_size / wall,
         "step_ms": step_ms,
         "data_wait_ms": sum(waits) / args.steps * 1e3,
         # the timed steps only: the warm-up's first batch waits for the pipeline to fill
         "data_wait_ms_p99": _percentile(waits, 99) * 1e3,
-        "idle_pct": min(100.0, max(0.0, 100.0 * (1.0 - compute_ms / step_ms))),
         "host_cpu_ms_per_step": (time.process_time() - c0) / args.steps * 1e3,
     }
+    if gpu:
+        # the GPU computes while the host waits: the share of the step it had no work
+        row["idle_pct"] = min(100.0, max(0.0, 100.0 * (1.0 - compute_ms / step_ms)))
+    else:
+        # on the CPU the compute shares the cores with the copies: the step's own time, which
+        # grows above the calibrated compute when copying threads take cores from it
+        row["compute_ms"] = sum(steps) / args.steps * 1e3
+    return row
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -303,12 +313,12 @@ def _run_torch(args: Any, device_str: str, quiet: bool) -> dict[str, Any]:
         rows["plain .to()"] = _timed(
             "plain .to()", iter(src),
             lambda b: (torch.from_numpy(b[0]).to(dev), torch.from_numpy(b[1]).to(dev)),
-            step, sync, args, compute_ms, quiet)
+            step, sync, args, compute_ms, quiet, gpu=True)
         rows["pin_memory + non_blocking"] = _timed(
             "pin_memory + non_blocking", iter(src),
             lambda b: (torch.from_numpy(b[0]).pin_memory().to(dev, non_blocking=True),
                        torch.from_numpy(b[1]).pin_memory().to(dev, non_blocking=True)),
-            step, sync, args, compute_ms, quiet)
+            step, sync, args, compute_ms, quiet, gpu=True)
     else:
         # .to("cpu") would return the same tensor and copy nothing: clone, so the row copies
         # the batch like the others do.
@@ -318,7 +328,7 @@ def _run_torch(args: Any, device_str: str, quiet: bool) -> dict[str, Any]:
             step, sync, args, compute_ms, quiet)
     with pt.prefetch(src, device=dev, depth=2, staging_threads=staging) as pf:
         rows["pinloader"] = _timed("pinloader", iter(pf), lambda b: (b[0], b[1]), step, sync,
-                                   args, compute_ms, quiet)
+                                   args, compute_ms, quiet, gpu=cuda)
         stats = pf.stats()
     return {"framework": "torch", "device": str(dev), "batch_bytes": nbytes, "compute_ms": compute_ms,
             "compute_reps": reps, "compute_threads": compute_threads if not cuda else None,
@@ -375,9 +385,14 @@ def _host_note(result: dict[str, Any]) -> str:
         f"and runs the same compute; pinloader copies it twice (into its pinned staging buffer "
         f"with {result['staging_threads']} staging thread(s), then into 'device' memory on its "
         f"copy thread) while the previous step computes, and those threads share the "
-        f"{result['cpu_count']} core(s) with {compute}. So the table shows that the pipeline "
+        f"{result['cpu_count']} core(s) with {compute}. 'compute ms/step' is the time of the "
+        f"step itself (calibrated at {result['compute_ms']:.2f} ms when nothing else runs): "
+        f"where it is higher, copying threads took cores from the compute. That is CPU "
+        f"contention, not idle time, and it is why pinloader can lose to a single plain copy "
+        f"here: it does more copying on the same cores. So the table shows that the pipeline "
         f"works and how much loading it hides on this CPU; it does not predict what pinloader "
-        f"gains on a GPU, where the copy runs on the DMA engine beside the GPU's compute.")
+        f"gains on a GPU, where the copy runs on the DMA engine beside the GPU's compute and "
+        f"takes nothing from it.")
 
 
 def _gpu_note(result: dict[str, Any]) -> str:
@@ -433,11 +448,13 @@ def run(args: Any) -> int:
         return 0
     print(f"\nbatch {result['batch_bytes'] / 1e6:.1f} MB, compute {result['compute_ms']:.2f} ms/step "
           f"({result['framework']} on {result['device']}), {result['cpu_count']} CPU core(s)\n")
-    idle = "GPU idle %" if cuda else "compute idle %"
-    print(f"| {'loading':<26} | {'samples/s':>10} | {'data wait ms/step':>17} | {idle:>14} |")
-    print(f"|{'-' * 28}|{'-' * 12}|{'-' * 19}|{'-' * 16}|")
+    # On a GPU the last column is the share of the step the GPU had no work; on the CPU it is
+    # the step's own compute time, which copying threads slow down by taking cores from it.
+    last, key, fmt = ("GPU idle %", "idle_pct", ".1f") if cuda else ("compute ms/step", "compute_ms", ".2f")
+    print(f"| {'loading':<26} | {'samples/s':>10} | {'data wait ms/step':>17} | {last:>15} |")
+    print(f"|{'-' * 28}|{'-' * 12}|{'-' * 19}|{'-' * 17}|")
     for name, r in result["rows"].items():
-        print(f"| {name:<26} | {r['samples_per_s']:>10,.0f} | {r['data_wait_ms']:>17.2f} | {r['idle_pct']:>14.1f} |")
+        print(f"| {name:<26} | {r['samples_per_s']:>10,.0f} | {r['data_wait_ms']:>17.2f} | {r[key]:>15{fmt}} |")
     s = result["pinloader_stats"]
     timed = result["rows"]["pinloader"]
     print(f"\npinloader: {s['batches']} batches copied ({args.warmup} warm-up + {args.steps} "

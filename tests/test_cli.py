@@ -101,7 +101,60 @@ def test_demo_runs_on_the_host_backend_and_prints_json():
     assert "pinloader" in result["rows"] and len(result["rows"]) >= 2
     assert result["pinloader_stats"]["batches"] >= 3
     for row in result["rows"].values():
-        assert row["samples_per_s"] > 0 and 0.0 <= row["idle_pct"] <= 100.0
+        # on the CPU no "idle" figure: the step's compute time, which contention can raise
+        assert row["samples_per_s"] > 0 and row["compute_ms"] > 0
+        assert "idle_pct" not in row
+
+
+def test_demo_table_on_the_cpu_shows_compute_time_and_says_contention_is_not_idle():
+    out = _run("demo", "--device", "cpu", "--steps", "3", "--warmup", "1", "--batch-size", "4",
+               "--image-size", "32", "--compute-ms", "2", timeout=300)
+    assert out.returncode == 0, out.stderr
+    header = next(line for line in out.stdout.splitlines() if line.startswith("| loading"))
+    assert "compute ms/step" in header and "idle" not in header
+    text = " ".join(out.stdout.split())
+    assert "CPU contention, not idle time" in text
+
+
+def _run_into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs `python -m pinloader ARGS` with stdout a pipe whose reading end is already closed:
+    its first write fails with EPIPE, as when `| head` has exited."""
+    r, w = os.pipe()
+    os.close(r)
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(pinloader.__file__).resolve().parent.parent), e.get("PYTHONPATH")) if p)
+    try:
+        return subprocess.run([sys.executable, "-m", "pinloader", *args], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=300, env=e)
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize("args", [("info",), ("info", "--json"),
+                                  ("demo", "--device", "cpu", "--steps", "2", "--warmup", "0",
+                                   "--batch-size", "2", "--image-size", "8", "--compute-ms", "1")])
+def test_a_closed_pipe_ends_the_command_quietly_with_the_sigpipe_status(args):
+    from pinloader.__main__ import EXIT_BROKEN_PIPE
+
+    out = _run_into_closed_pipe(*args)
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+    assert out.returncode == EXIT_BROKEN_PIPE, out.stderr
+
+
+@pytest.mark.parametrize("cmd", ["info | head -1", "demo --device cpu --steps 3 --warmup 1 "
+                                 "--batch-size 4 --image-size 16 --compute-ms 1 | head -2"])
+def test_piped_into_head_prints_the_first_lines_and_no_traceback(cmd):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(pinloader.__file__).resolve().parent.parent), e.get("PYTHONPATH")) if p)
+    out = subprocess.run(["bash", "-c", f'"$0" -m pinloader {cmd}; echo "status ${{PIPESTATUS[0]}}"',
+                          sys.executable], capture_output=True, text=True, timeout=300, env=e)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("pinloader ")
+    # 0 when everything fit in the pipe before head exited, 141 when a later write found it gone
+    assert lines[-1] in ("status 0", "status 141"), out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
 
 
 def test_demo_on_the_cpu_copies_in_every_row_and_says_what_it_shows():

@@ -71,3 +71,36 @@ def test_docs_sample_runs(where, code, tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, f"{where} failed:\n{code}\n--- stderr ---\n{out.stderr[-4000:]}"
+
+
+def _door_names(module: str) -> list[str]:
+    """A door's __all__, read from its source (importing it would need the framework)."""
+    import ast
+
+    tree = ast.parse((ROOT / "pinloader" / f"{module}.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
+    raise AssertionError(f"pinloader/{module}.py has no __all__")
+
+
+def test_every_public_name_is_in_the_api_reference():
+    api = (DOCS / "api.rst").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\.\. (?:autoclass|autofunction|autoexception|py:data):: (\S+)",
+                                api, flags=re.M))
+    for m in re.finditer(r"^\.\. automodule:: (\S+)\n((?:   :[^\n]*\n)*)", api, flags=re.M):
+        members = re.search(r":members: ([^\n]*)", m.group(2))
+        assert members, f"automodule {m.group(1)} names its members"
+        documented |= {f"{m.group(1)}.{n.strip()}" for n in members.group(1).split(",")}
+    public = {f"pinloader.{n}" for n in pinloader.__all__}
+    for door in ("torch", "jax", "cupy"):
+        public |= {f"pinloader.{door}.{n}" for n in _door_names(door)}
+    assert public - documented == set(), "public names missing from docs/api.rst"
+
+
+def test_docs_pages_users_look_for_exist_and_are_in_the_toctree():
+    index = (DOCS / "index.rst").read_text(encoding="utf-8")
+    for page in ("faq", "changelog", "compatibility", "api", "benchmarks", "getting-started"):
+        assert (DOCS / f"{page}.rst").is_file(), page
+        assert re.search(rf"^   {page}$", index, flags=re.M), f"{page} is not in the index's toctree"
+    assert ".. code-block:: python" in index, "the landing page shows code"

@@ -54,6 +54,8 @@ def test_readme_has_the_examples():
     assert len(PY_BLOCKS) >= 4, "the README's python examples were not found"
     needs = set().union(*(_needs(c) for c in PY_BLOCKS))
     assert {"torch", "jax", "cupy"} <= needs
+    for needle in PRINTS:
+        assert any(needle in c for c in PY_BLOCKS), f"no README example has {needle!r} any more"
 
 
 @pytest.mark.parametrize("code", _params())
@@ -76,6 +78,18 @@ def test_readme_python_block_runs(code, tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, f"README example failed:\n{code}\n--- stderr ---\n{out.stderr[-4000:]}"
+    # the examples print what their comments say, so that a reader can tell they worked
+    for needle, printed in PRINTS.items():
+        if needle in code:
+            assert printed in out.stdout, (printed, out.stdout)
+
+
+# A phrase of an example -> what that example prints (its comment says so too).
+PRINTS = {
+    "torch.arange(1024.0)": "523776.0",          # the sum of 0..1023: every row arrived once
+    "rows += batch": "epoch 1: 1000 rows",
+    "pj.prefetch(numpy_batches)": " 64.0",
+}
 
 
 def test_readme_commands():
@@ -86,3 +100,43 @@ def test_readme_commands():
     assert lines[0] == "pip install -e . && python -m pinloader demo"
     assert lines[1] == 'pip install -e ".[test]" && python -m pytest'
     assert "torch" not in lines[1]
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+_NUMBER = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|(?<![\w.,])\d+(?:\.\d+)?(?![\w])")
+
+
+def _results_section() -> str:
+    text = README.read_text(encoding="utf-8")
+    m = re.search(r"^## Results\n(.*?)(?=^## )", text, flags=re.S | re.M)
+    assert m, "the README's results section (## Results) was not found"
+    return m.group(1)
+
+
+def test_every_number_in_the_readme_results_is_in_the_committed_results():
+    """Each number of the README's results section (the ratios, their ranges, the samples/s)
+    appears, as written, in a committed result file (benchmarks/results/**/*.md or *.json), so
+    that the front page quotes measurements and nothing else."""
+    if not RESULTS.is_dir():
+        pytest.skip("benchmarks/results/ is not in this tree (the sdist does not carry it)")
+    corpus = "\n".join(p.read_text(encoding="utf-8", errors="replace")
+                       for p in sorted(RESULTS.rglob("*")) if p.suffix in (".md", ".json"))
+    section = _results_section()
+    numbers = set(_NUMBER.findall(section.replace("–", " – ")))
+    assert {"0.783", "0.895", "1.094"} <= numbers, "the model rows, the DataLoader door's included"
+    missing = sorted(n for n in numbers
+                     if not re.search(rf"(?<![\d.,]){re.escape(n)}(?![\d])", corpus))
+    assert not missing, f"numbers in the README's results that no committed result file has: {missing}"
+    # a median with its range, "0.91× (0.91–0.92)", is one measurement: it must be written the
+    # same way ("0.91 (0.91–0.92)") in one result file, not pieced together from several
+    pairs = re.findall(r"(\d+(?:\.\d+)?)× \((\d+(?:\.\d+)?–\d+(?:\.\d+)?)\)", section)
+    assert len(pairs) >= 6, pairs
+    unmatched = [f"{m} ({r})" for m, r in pairs if f"{m} ({r})" not in corpus]
+    assert not unmatched, f"medians with ranges that no committed result file has as written: {unmatched}"
+
+
+def test_readme_results_say_that_ratios_above_the_bound_are_noise():
+    section = _results_section()
+    above = [float(r) for r in re.findall(r"(\d+\.\d+)×", section) if float(r) > 1.0]
+    if above:
+        assert "above 1.0" in section and "noise" in section

@@ -373,13 +373,20 @@ static PyMethodDef pool_methods[] = {
      "alloc($self, /, nbytes, timeout=None)\n--\n\n"
      "Reserve a pinned region of nbytes and return it as a PinnedBuffer.\n\n"
      "When the pool is at its cap, waits (GIL released, Ctrl-C works) for regions to come\n"
-     "back. Raises PoolExhausted if nbytes can never fit under the cap or timeout seconds pass."},
+     "back.\n\n"
+     "Parameters\n----------\n"
+     "nbytes\n    The region's size in bytes (it starts on a 256-byte boundary).\n"
+     "timeout\n    Seconds to wait for room under the cap (None: as long as it takes).\n\n"
+     "Raises\n------\n"
+     "PoolExhausted\n    If nbytes can never fit under the cap, or timeout seconds pass."},
     {"stats", pool_stats, METH_NOARGS,
      "stats($self, /)\n--\n\nBytes reserved in slabs, in use, peak, the cap, slab and region counts, "
      "allocations served from existing slabs vs new ones, waits and wait time."},
     {"client", (PyCFunction)(void (*)(void))pool_client, METH_VARARGS | METH_KEYWORDS,
      "client($self, /, max_bytes=None)\n--\n\nA PoolClient: allocations through it are bounded by its own "
-     "max_bytes within the pool's cap, and its stats count only its own waits."},
+     "max_bytes within the pool's cap, and its stats count only its own waits.\n\n"
+     "Parameters\n----------\n"
+     "max_bytes\n    The client's own bound (None: the pool's cap)."},
     {"trim", pool_trim, METH_NOARGS, "trim($self, /)\n--\n\nGive slabs with no live region back to the OS; returns bytes freed."},
     {"close", pool_close, METH_NOARGS, "close($self, /)\n--\n\nWait for pending releases, free idle slabs, refuse new allocations. Idempotent."},
     {"__enter__", pool_enter, METH_NOARGS, NULL},
@@ -401,9 +408,11 @@ static PyType_Slot pool_slots[] = {
     {Py_tp_repr, pool_repr},
     {Py_tp_doc, "PinnedPool(max_bytes=None, device=None)\n--\n\n"
                 "Reused page-locked host slabs carved into 256-byte aligned regions.\n\n"
-                "max_bytes caps the pinned bytes held (default: a quarter of physical memory,\n"
-                "and at most half of RLIMIT_MEMLOCK where that binds). device selects the\n"
-                "backend as for AsyncPrefetcher ('cpu' for plain page-aligned host memory)."},
+                "Parameters\n----------\n"
+                "max_bytes\n    The cap on pinned bytes held (default: a quarter of physical memory,\n"
+                "    and at most half of RLIMIT_MEMLOCK where that binds).\n"
+                "device\n    Selects the backend as for AsyncPrefetcher (None: CUDA when usable;\n"
+                "    'cpu' for plain page-aligned host memory)."},
     {0, NULL},
 };
 

@@ -20,9 +20,41 @@ void pl_state_set_module_def(PyModuleDef *def)
     module_def = def;
 }
 
+#if PY_VERSION_HEX < 0x030B0000
+/* PyType_GetModuleByDef is new in 3.11. Before it, the documented way: walk the type's MRO
+ * and take the first heap type whose module (PyType_GetModule, 3.9+) has this definition.
+ * Returns a borrowed reference, or NULL with TypeError set, as the 3.11 function does. */
+static PyObject *get_module_by_def(PyTypeObject *tp, PyModuleDef *def)
+{
+    PyObject *mro = tp->tp_mro;
+    Py_ssize_t n = mro && PyTuple_Check(mro) ? PyTuple_GET_SIZE(mro) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTypeObject *t = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!PyType_HasFeature(t, Py_TPFLAGS_HEAPTYPE))
+            continue;
+        PyObject *m = PyType_GetModule(t);
+        if (!m) {
+            /* a heap type made from Python code or another module: no module to compare */
+            PyErr_Clear();
+            continue;
+        }
+        PyModuleDef *d = PyModule_GetDef(m);
+        if (!d)
+            PyErr_Clear();
+        else if (d == def)
+            return m;
+    }
+    PyErr_Format(PyExc_TypeError, "PyType_GetModuleByDef: No superclass of '%s' has the given module",
+                 tp->tp_name);
+    return NULL;
+}
+#else
+#define get_module_by_def PyType_GetModuleByDef
+#endif
+
 pl_state *pl_state_of_type(PyTypeObject *tp)
 {
-    PyObject *m = PyType_GetModuleByDef(tp, module_def);
+    PyObject *m = get_module_by_def(tp, module_def);
     return m ? pl_state_of_module(m) : NULL;
 }
 
