@@ -269,7 +269,9 @@ class ArrayLoader:
         for a file the page cache holds, the advice would only cost system calls.
     **prefetch_opts
         Passed to :class:`pinloader.AsyncPrefetcher` (``max_pinned_bytes``, ``pool``,
-        ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``).
+        ``staging_threads``, ``copy_stream_priority``, ``output``, ``stream``, ``convert``,
+        ``static``, ``out``); any other keyword is a ``TypeError`` here. With ``static=True``
+        the static buffers hold ``batch_size`` rows.
 
     Notes
     -----
@@ -278,7 +280,10 @@ class ArrayLoader:
     ``pinloader.cupy.prefetch`` wrap this loader's own prefetcher and yield framework arrays).
     One prefetcher is kept across epochs; after an error (a source closed, resized or
     unreadable) the next iteration starts a new one, so the error is raised again rather than
-    the loader going silently empty.
+    the loader going silently empty. A framework door over the loader iterates that
+    prefetcher with the door's settings for its own iterations only: a door can be made per
+    epoch, and doors and plain iterations can take turns (Note [doors over a loader] in
+    pinloader/array_loader.py).
 
     The loader is its own iterator: ``iter(loader)`` starts the next epoch and returns the
     loader itself (like a file object, unlike a ``DataLoader``). So two loops over one loader at

@@ -63,8 +63,9 @@ class TorchPrefetcher(FrameworkPrefetcher):
         Deliver every batch in the same device tensors, one per leaf, for a step captured in a
         CUDA graph (``torch.cuda.CUDAGraph``, ``torch.compile(mode="reduce-overhead")``): see
         the notes below.
-    out : sequence (or dict) of tensors, optional
-        The static tensors to deliver into, one per array leaf of a batch in the order
+    out : sequence (or dict) of tensors, or one tensor, optional
+        The static tensors to deliver into (one tensor: the buffer of a batch's one array
+        leaf), one per array leaf of a batch in the order
         pinloader walks it (dict insertion order, sequence order, depth first; a dict's values
         are taken in order), on ``device``; implies ``static=True``. Default: made from the
         first batch.
@@ -90,14 +91,17 @@ class TorchPrefetcher(FrameworkPrefetcher):
     * A batch whose leaf has the static tensor's dtype and trailing dimensions but fewer rows
       (the short last batch of an epoch) fills the first rows; the rest are zero, and
       :attr:`valid_rows` says how many rows of that batch are real (the fewest over its
-      leaves; the full size for every other batch). Any other difference (dtype, trailing
+      leaves with rows: a 0-d leaf, a scalar, has none, and a batch of 0-d leaves only has
+      ``valid_rows`` None; the full size for every other batch). Any other difference (dtype, trailing
       dimensions, more rows, another number of array leaves) is a ``ValueError`` naming the
       leaf (its position in that order). Use ``drop_last=True`` on the loader to get only full
       batches.
     * Without ``out=`` the static tensors are pinloader's, laid out from the first batch,
       made before it is handed out (outside any graph capture), and marked static for
       ``torch.compile`` (``torch._dynamo.mark_static_address``) so that it never copies them.
-      With ``out=`` they are yours (C-contiguous, on ``device``), delivered as they are.
+      With ``out=`` they are yours (C-contiguous, on ``device``, no two overlapping in
+      memory), delivered as they are. Over an :class:`~pinloader.ArrayLoader` they hold
+      ``batch_size`` rows, even when an epoch resumed near its end begins with a short batch.
     """
 
     def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = 2, *,
@@ -153,7 +157,7 @@ def _stream_of(index: int | None) -> Any:
     fn = _streams.get(key)
     if fn is not None:
         return fn
-    if use_raw:
+    if raw is not None and use_raw:
         get_raw = raw
 
         def stream() -> int:

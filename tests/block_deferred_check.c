@@ -5,7 +5,9 @@
  * allocation; its `done` is not recorded again before it is freed; at most 64 blocks wait, past
  * that the oldest is freed on the release stream; an allocation that runs out of memory waits
  * for the deferred blocks, frees them on its stream and succeeds, and one with nothing deferred
- * fails without waiting; an allocation on a consumer's stream (reuse_deferred 0) touches none.
+ * fails without waiting; an allocation on a consumer's stream (reuse_deferred 0) touches none,
+ * and out of memory there fails without waiting; an evicted block's event is given back (the
+ * events made stay flat over rounds of evictions).
  * Prints "bad=0" when every check holds. Built and run by tests/test_pool.py. */
 #include "block.h"
 #include "backend.h"
@@ -161,6 +163,19 @@ static void drop(pl_block *blk, int expect_evict)
     }
 }
 
+/* drop() without counting evictions: the drop's `done` still guards its memory */
+static void drop_any(pl_block *blk)
+{
+    void *p = blk->ptr;
+    int mark = n_logs, last_release = -1;
+    pl_block_decref(blk);
+    for (int i = mark; i < n_logs; i++)
+        if (logs[i].stream == RELEASE && logs[i].what == 'r')
+            last_release = i;
+    if (last_release >= 0)
+        ((fake_event *)logs[last_release].ptr)->guards = p;
+}
+
 int main(void)
 {
     pl_backend b;
@@ -257,6 +272,38 @@ int main(void)
     CHECK(first_free < n_logs && logs[first_free].ptr == pbig);
     drop(last, 0);
     CHECK(pl_block_live_bytes(&b) == 0 && pl_block_live_count(&b) == 0);
+
+    /* out of memory on a consumer's stream while blocks are deferred: an error there, without
+     * a wait or a free (that stream may be capturing a CUDA graph) */
+    pl_block *d1 = alloc_block(&b, 100);
+    drop(d1, 0);
+    capacity = held;
+    int syncs_before = syncs;
+    mark = n_logs;
+    pl_block *u2 = NULL;
+    CHECK(pl_block_create(&b, 0, &u2) == PL_OK);
+    CHECK(u2 && pl_block_alloc(u2, 10, USER, 0) == PL_ERR_NO_MEMORY);
+    CHECK(syncs == syncs_before && count('f', USER, mark) == 0 && count('f', COPY, mark) == 0);
+    if (u2)
+        pl_block_decref(u2);
+    capacity = SIZE_MAX;
+    complete_all();
+
+    /* rounds of more drops than the list holds: each evicted block's done event goes back to
+     * the device's events like every other, so the events made stay flat from round to round */
+    int made[3];
+    for (int round = 0; round < 3; round++) {
+        pl_block *r[70];
+        for (int i = 0; i < 70; i++)
+            r[i] = alloc_block(&b, 10);
+        for (int i = 0; i < 70; i++)
+            drop_any(r[i]);
+        complete_all();
+        made[round] = n_events;
+    }
+    CHECK(made[2] == made[1]);
+    pl_block *flush = alloc_block(&b, 10);
+    drop_any(flush);
 
     for (int i = 0; i < n_events; i++)
         free(events[i]);

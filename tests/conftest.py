@@ -76,6 +76,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             "fuzz: {examples} ArrayLoader examples, {batches} batches checked, {refused} "
             "refused cleanly".format(**loader))
+    static = getattr(fuzz, "TRIED_STATIC", None)
+    if static and static["examples"]:
+        terminalreporter.write_line(
+            "fuzz: {examples} static/out= examples, {batches} batches checked, {refused} refused "
+            "cleanly, {closed} closed during a handout".format(**static))
+    resume = getattr(fuzz, "TRIED_RESUME", None)
+    if resume and resume["examples"]:
+        terminalreporter.write_line(
+            "fuzz: {examples} resume/door examples, {batches} batches checked, {refused} states "
+            "refused cleanly".format(**resume))
 
 
 def pytest_collection_modifyitems(config, items):

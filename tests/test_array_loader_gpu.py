@@ -130,3 +130,99 @@ def test_a_dropped_batch_is_not_reused_while_a_slow_stream_still_reads_it():
     got = torch.cat(reads).cpu().numpy()
     assert (got == got[:, :1]).all(), "a row was read while another batch overwrote it"
     assert sorted(got[:, 0].tolist()) == list(range(n)), "the epoch's rows were not each read once"
+
+
+# ---- doors over one loader (Note [doors over a loader] in pinloader/array_loader.py) ----
+
+@pytest.mark.gpu
+def test_gpu_a_torch_door_per_epoch_over_one_loader():
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    a, L = _gpu_loader(None)
+    pfs, ptrs = set(), set()
+    for ep in range(3):
+        L.set_epoch(ep)
+        got = []
+        for i, x in pt.prefetch(L):
+            assert x.is_cuda
+            got.append(i.cpu().numpy())
+            assert np.array_equal(x.cpu().numpy(), a[got[-1]])
+        pfs.add(id(L._pf))
+        assert np.array_equal(np.concatenate(got), L.indices(ep))
+    assert len(pfs) == 1  # the same door settings each epoch: one prefetcher
+    for ep in range(3, 5):  # a static door per epoch keeps its static buffers too
+        door = pt.prefetch(L, static=True)
+        for i, x in door:
+            ptrs.add(x.data_ptr())
+            v = door.valid_rows
+            assert np.array_equal(x[:v].cpu().numpy(), a[i[:v].cpu().numpy()])
+    assert len(ptrs) == 1
+    L.close()
+
+
+@pytest.mark.gpu
+def test_gpu_doors_after_a_plain_epoch_and_with_other_options():
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    a, L = _gpu_loader(None)
+    plain = [i for i, _ in L]
+    assert len(plain) == len(L)
+    for ep, door in enumerate([pt.prefetch(L), pt.prefetch(L, static=True), pt.prefetch(L, depth=4),
+                               pt.prefetch(L)]):
+        got = []
+        for i, x in door:
+            v = door.valid_rows or len(i)
+            got.append(i[:v].cpu().numpy().copy())
+            assert isinstance(x, torch.Tensor) and x.is_cuda
+            assert np.array_equal(x[:v].cpu().numpy(), a[got[-1]])
+        assert np.array_equal(np.concatenate(got), L.indices(ep + 1))
+    assert len([b for b in L]) == len(L)  # and plain again
+    L.close()
+
+
+@pytest.mark.gpu
+def test_gpu_a_door_over_a_closed_loader_says_closed():
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    _, L = _gpu_loader(None)
+    list(pt.prefetch(L))
+    L.close()
+    with pytest.raises(ValueError, match="ArrayLoader is closed"):
+        pt.prefetch(L)
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_doors_per_epoch_and_switched():
+    cp = pytest.importorskip("cupy")
+    pytest.importorskip("torch")
+    import pinloader.cupy as pc
+    import pinloader.torch as pt
+    a, L = _gpu_loader(None)
+    for ep, make in enumerate([lambda: pc.prefetch(L, device=0), lambda: pc.prefetch(L, device=0),
+                               lambda: pt.prefetch(L), lambda: pc.prefetch(L, device=0, static=True)]):
+        door = make()
+        got = []
+        for i, x in door:
+            host_i = cp.asnumpy(i) if isinstance(i, cp.ndarray) else i.cpu().numpy()
+            host_x = cp.asnumpy(x) if isinstance(x, cp.ndarray) else x.cpu().numpy()
+            v = door.valid_rows or len(host_i)
+            got.append(host_i[:v])
+            assert np.array_equal(host_x[:v], a[host_i[:v]])
+        assert np.array_equal(np.concatenate(got), L.indices(ep))
+    L.close()
+
+
+@pytest.mark.gpu
+def test_gpu_nested_torch_doors():
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    src = [np.full((64, 3), b, np.float32) for b in range(5)]
+    got = [t.cpu().numpy() for t in pt.prefetch(pt.prefetch(src))]
+    assert np.array_equal(np.stack(got), np.stack(src))
+    a, L = _gpu_loader(None)
+    outer = pt.prefetch(pt.prefetch(L))
+    for i, x in outer:
+        assert x.is_cuda and np.array_equal(x.cpu().numpy(), a[i.cpu().numpy()])
+    assert outer.state_dict()["epoch"] == 1
+    L.close()
+    assert torch.cuda.is_available()

@@ -254,3 +254,211 @@ def test_array_loader_sources_mutated_in_place():
     p = run_py(MUTATION_CHILD, timeout=600, argv=(str(max(20, EXAMPLES // 10)), "18"))
     TRIED_LOADER["mutation"] = p.stdout.strip()
     assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
+
+
+# ---- static batches, out= buffers, resume and doors ------------------------------------------------
+
+# These make a prefetcher (or a loader) per example: a part of the budget keeps the job's time
+# (under ASan, 6000 examples: 750 static and 1500 resume examples, about a minute together).
+SMALL_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(20, EXAMPLES // 4))
+STATIC_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(20, EXAMPLES // 8))
+TRIED_STATIC = {"examples": 0, "batches": 0, "refused": 0, "closed": 0}
+
+_STATIC_DTYPES = ("float32", "int64", "uint8", "float64")
+
+
+@st.composite
+def static_cases(draw):
+    """Leaves (dtype, shape: 0-d included), batches with full, short or too many rows (or
+    another layout), an out= mode (None: static=True; "own": buffers of the first batch's layout;
+    "alias": the same buffer twice or overlapping views), static_rows, and the batch at which
+    the stream callable closes the prefetcher (None: never)."""
+    n_leaves = draw(st.integers(1, 3))
+    leaves = [(draw(st.sampled_from(_STATIC_DTYPES)),
+               tuple(draw(st.lists(st.integers(0, 3), min_size=0, max_size=2)))) for _ in range(n_leaves)]
+    rows = draw(st.integers(0, 5))
+    batches = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["full", "full", "short", "more", "other"]))
+        batches.append((kind, draw(st.integers(0, 5))))
+    out = draw(st.sampled_from([None, "own", "alias"])) if any(len(s) or True for _, s in leaves) else None
+    static_rows = draw(st.one_of(st.none(), st.integers(0, 7)))
+    close_at = draw(st.one_of(st.none(), st.integers(0, 4)))
+    return leaves, rows, batches, out, static_rows, close_at
+
+
+def _static_leaf(dtype, shape, rows, fill):
+    full = (rows,) + shape if shape is not None else ()
+    return (np.arange(int(np.prod(full, dtype=np.int64)), dtype=np.int64) % 97 + fill).astype(dtype).reshape(full)
+
+
+def _check_static(item, got):
+    """Each leaf of a static batch: the source's rows first, zeros after (no view outlives it)."""
+    for x, g in zip(item, got):
+        g = np.from_dlpack(g)
+        if x.ndim:
+            np.testing.assert_array_equal(g[:x.shape[0]], x)
+            assert not g[x.shape[0]:].any()
+        else:
+            np.testing.assert_array_equal(g, x)
+
+
+@STATIC_SETTINGS
+@given(case=static_cases())
+def test_static_batches_equal_the_source_or_clean_errors(case):
+    from helpers import count_tasks, live_blocks, wait_for, warm_up
+    leaves, rows, batches, out_mode, static_rows, close_at = case
+    if LOG:
+        with open(LOG, "w") as f:
+            f.write(repr(("static", case)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    TRIED_STATIC["examples"] += 1
+    warm_up()
+    pool = source_pool()
+    before, tasks = live_blocks(), count_tasks()
+    # leaves with a rows dimension: shape (rows, *trailing); 0-d leaves: shape ()
+    kinds = [(d, None if k == 0 else s) for k, (d, s) in enumerate(leaves)] if len(leaves) > 1 else \
+        [(leaves[0][0], leaves[0][1])]
+    items = []
+    for b, (kind, r) in enumerate(batches):
+        n = rows if kind == "full" else min(r, rows) if kind == "short" else rows + 1 + r % 2
+        item = []
+        for d, trailing in kinds:
+            if trailing is None:
+                item.append(np.array(b, d))
+            elif kind == "other":
+                item.append(_static_leaf(d, trailing + (2,), n, b))
+            else:
+                item.append(_static_leaf(d, trailing, n, b))
+        items.append(tuple(item))
+    first = items[0]
+    out = None
+    if out_mode == "own":
+        out = [np.zeros(a.shape, a.dtype) for a in first]
+    elif out_mode == "alias":
+        big = np.zeros(sum(a.nbytes for a in first) + 64, np.uint8)
+        out = [big[:a.nbytes].view(a.dtype).reshape(a.shape) if a.nbytes else np.zeros(a.shape, a.dtype)
+               for a in first]
+    box = {"n": 0}
+
+    def stream():
+        if close_at is not None and box["n"] == close_at:
+            box["pf"].close()
+        box["n"] += 1
+        return None
+
+    pf = box["pf"] = pinloader.AsyncPrefetcher(items, device=DEVICE, static=out is None, out=out,
+                                               stream=stream, static_rows=static_rows, pool=pool)
+    aliased = out_mode == "alias" and sum(1 for a in first if a.nbytes) > 1
+    layout = [np.array(a) for a in first]
+    try:
+        for b, item in enumerate(items):
+            try:
+                got = next(pf)
+            except StopIteration:
+                raise AssertionError("the epoch ended early")
+            except ValueError as e:
+                msg = str(e)
+                if close_at is not None and b >= close_at:
+                    assert "closed" in msg, msg
+                    TRIED_STATIC["closed"] += 1
+                elif aliased and b == 0:
+                    assert "overlap in memory" in msg, msg
+                    TRIED_STATIC["refused"] += 1
+                else:
+                    assert "batch leaf" in msg or "array leaves" in msg, msg
+                    assert any(x.shape[1:] != y.shape[1:] or x.ndim != y.ndim or
+                               (x.ndim and x.shape[0] > max(y.shape[0], static_rows or 0 if out is None else 0))
+                               for x, y in zip(item, layout)), (msg, item, layout)
+                    TRIED_STATIC["refused"] += 1
+                break
+            assert close_at is None or b < close_at, "a batch was handed out after close()"
+            assert not (aliased and b == 0), "overlapping out= buffers were accepted"
+            with_rows = [x.shape[0] for x in item if x.ndim]
+            assert pf.valid_rows == (min(with_rows) if with_rows else None)
+            _check_static(item, got)
+            TRIED_STATIC["batches"] += 1
+            del got  # a delivered static batch holds the static buffers
+    finally:
+        pf.close()
+    # nothing left after close(): device blocks, pinned regions, threads
+    assert wait_for(lambda: live_blocks() == before, timeout=5, step=0.001), live_blocks()
+    assert wait_for(lambda: pool.stats()["in_use_bytes"] == 0, timeout=5, step=0.001), pool.stats()
+    assert wait_for(lambda: count_tasks() <= tasks, timeout=5, step=0.001), (count_tasks(), tasks)
+
+
+TRIED_RESUME = {"examples": 0, "batches": 0, "refused": 0}
+
+
+def _from_capsule(cap):
+    from helpers import CapsuleWrapper
+    return np.from_dlpack(CapsuleWrapper(cap))
+
+
+@SMALL_SETTINGS
+@given(n=st.integers(1, 40), batch_size=st.integers(1, 7), world=st.integers(1, 3), new_world=st.integers(1, 4),
+       position=st.integers(-2, 50), epoch=st.integers(-1, 3), drop_last=st.booleans(),
+       hostile=st.sampled_from([None, "world_size", "epoch", "rank", "sources", "format"]),
+       doors=st.lists(st.sampled_from(["plain", "static", "convert", "capsule"]), min_size=1, max_size=3))
+def test_resume_with_random_states_and_doors_per_epoch(n, batch_size, world, new_world, position, epoch,
+                                                       drop_last, hostile, doors):
+    from pinloader._adapter import FrameworkPrefetcher
+    if LOG:
+        with open(LOG, "w") as f:
+            f.write(repr(("resume", n, batch_size, world, new_world, position, epoch, drop_last, hostile,
+                          doors)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    TRIED_RESUME["examples"] += 1
+    data = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+    L0 = pinloader.ArrayLoader(data, batch_size, device=DEVICE, world_size=world, rank=0, seed=3,
+                               drop_last=drop_last)
+    st_ = L0.state_dict()
+    L0.close()
+    st_["epoch"], st_["position"] = epoch, position
+    if hostile == "world_size":
+        st_["world_size"] = 0
+    elif hostile == "rank":
+        st_["rank"] = world
+    elif hostile == "sources":
+        st_["sources"] = {"rows": n + 1, "leaves": st_["sources"]["leaves"]}
+    elif hostile == "format":
+        st_["format"] = None
+    L = pinloader.ArrayLoader(data, batch_size, device=DEVICE, world_size=new_world, rank=new_world - 1,
+                              seed=3, drop_last=drop_last)
+    try:
+        try:
+            L.load_state_dict(st_)
+        except (ValueError, TypeError) as e:
+            assert hostile not in (None, "epoch") or epoch < 0 or position < 0, repr(e)
+            TRIED_RESUME["refused"] += 1
+            return
+        assert hostile in (None, "epoch") and epoch >= 0 and position >= 0
+        for k, door in enumerate(doors):
+            ep = epoch if k == 0 else None
+            want = L.indices_after(ep, position) if k == 0 and position < L.num_items else None
+            if door == "plain":
+                it = L
+            else:
+                handout = {"output": "capsule" if door == "capsule" else "array", "stream": None,
+                           "convert": _from_capsule if door == "capsule" else np.from_dlpack}
+                if door == "static":
+                    handout = {"static": True}
+                it = FrameworkPrefetcher(L, DEVICE, 2, handout)
+            got = []
+            for b in it:
+                x = np.from_dlpack(b).copy()
+                v = it.valid_rows if door == "static" else None
+                got.append(x[:v] if v is not None else x)
+                TRIED_RESUME["batches"] += 1
+            idx = np.concatenate(got) if got else np.empty((0, 2), np.float32)
+            if want is not None:
+                exp = data[want]
+                if drop_last:
+                    exp = exp[:len(exp) // batch_size * batch_size]
+                np.testing.assert_array_equal(idx, exp)
+            else:
+                assert len(got) == len(L) or k == 0
+    finally:
+        L.close()

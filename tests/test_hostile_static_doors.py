@@ -437,3 +437,99 @@ def test_static_stateful_door_ends_its_epoch():
     tp = pt.prefetch(Stateful(), device=DEVICE, static=True)
     assert len(drain(iter(tp))) == 5
     assert tp.state_dict() == {"pos": 5}
+
+
+# ---- smaller checks the newer code relies on (each fails on a plausible slip) ----
+
+def test_a_row_gather_over_an_epoch_table_with_negative_rows_is_refused():
+    from pinloader._C import RowGather, _epoch_table
+    src = np.arange(10.0)
+    with pytest.raises(IndexError, match=r"rows\[0\] = -1 is out of range"):
+        RowGather(src, _epoch_table([-1, 0]))
+    # a slice of a table whose range starts below 0 is copied and checked row by row
+    g = RowGather(src, _epoch_table([-1, 0, 1])[1:])
+    assert g.source_shape == (10,)
+
+
+def test_row_batches_refuse_more_batches_than_the_order_holds():
+    from pinloader._C import RowBatches, RowGather, _epoch_table
+    probe = RowGather(np.arange(9.0), np.empty(0, np.int64))
+    with pytest.raises(ValueError, match="4 batches of 3 rows do not fit an order of 9 rows"):
+        RowBatches([("x", probe, False, None, 0, None)], _epoch_table(np.arange(9)), 3, 4)
+    RowBatches([("x", probe, False, None, 0, None)], _epoch_table(np.arange(9)), 3, 3)
+
+
+def test_consumed_after_a_world_size_change_is_at_the_new_world_size():
+    L = pinloader.ArrayLoader(ids(100), 5, device=DEVICE, rank=0, world_size=2)
+    it = iter(L)
+    for _ in range(3):
+        next(it)
+    st = L.state_dict()
+    assert st["position"] == 30 and st["consumed"] == 15
+    L.close()
+    L4 = pinloader.ArrayLoader(ids(100), 5, device=DEVICE, rank=0, world_size=4)
+    L4.load_state_dict(st)
+    assert L4.state_dict()["consumed"] == 30 // 4
+    L4.close()
+
+
+def test_bytes_are_not_array_leaves_and_list_subclasses_are_walked():
+    class Batch(list):
+        pass
+
+    pf = pinloader.AsyncPrefetcher([Batch([np.arange(3), b"xy"])], device=DEVICE)
+    b = next(pf)
+    # a list subclass is walked as a list and comes back as a plain list (Note [handout])
+    assert type(b) is list
+    assert isinstance(b[0], pinloader.DeviceArray) and values(b[0]).tolist() == [0, 1, 2]
+    assert b[1] == b"xy" and type(b[1]) is bytes
+    pf.close()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_device_gather_of_every_row_of_a_source_starting_mid_page(shuffle):
+    page = 4096
+    raw = np.zeros(page * 8, np.uint8)
+    base = (-raw.ctypes.data) % page + page // 2 + 8  # mid-page, 8-byte aligned
+    n = (raw.size - base) // 24 - 1
+    src = raw[base:base + n * 24].view(np.float64).reshape(n, 3)
+    src[:] = np.arange(n * 3, dtype=np.float64).reshape(n, 3)
+    L = pinloader.ArrayLoader(src, n, device=DEVICE, shuffle=shuffle, gather="device")
+    (batch,) = [values(b) for b in L]
+    np.testing.assert_array_equal(batch, src[L.indices(0)])
+    assert L.stats()["gather"] == "device"
+    L.close()
+
+
+def test_a_loader_over_a_slice_of_a_registered_source_charges_only_new_pages():
+    from pinloader import _C
+    src = np.arange(4096 * 64, dtype=np.float64).reshape(-1, 8)
+    L1 = pinloader.ArrayLoader(src, 64, device=DEVICE, gather="device")
+    list(L1)
+    assert L1.stats()["gather"] == "device"
+    budget = _C._registered_bytes("host")  # all this process holds registered now
+    L2 = pinloader.ArrayLoader(src[10:], 64, device=DEVICE, gather="device", max_registered_bytes=budget)
+    got = np.concatenate([values(b) for b in L2])
+    assert L2.stats()["gather"] == "device"
+    np.testing.assert_array_equal(got, src[10:][L2.indices(0)])
+    L2.close()
+    L1.close()
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+                    reason="streaming stores are SSE2's: other machines stage with memcpy")
+def test_row_gathers_stream_only_in_batches_of_one_chunk(monkeypatch):
+    # Note [non-temporal staging stores] in src/core/stager.c: rows of at least 4 KiB go
+    # through streaming stores in a batch of at least 4 MiB staged as one chunk (below 16 MiB),
+    # never in a chunked batch, and never rows shorter than 4 KiB
+    from pinloader import _C
+    monkeypatch.delenv("PINLOADER_STAGING_NT", raising=False)
+    src = np.ones((8192, 1024), np.float32)  # rows of 4 KiB
+    for rows, bs, streams in ((src, 1100, True), (src, 4200, False),
+                              (np.ones((16384, 512), np.float32), 2200, False)):
+        before = _C._streamed_bytes()
+        L = pinloader.ArrayLoader(rows, bs, device=DEVICE, gather="host", drop_last=True)
+        n = len([b for b in L])
+        L.close()
+        streamed = _C._streamed_bytes() - before
+        assert streamed == (n * bs * rows.shape[1] * 4 if streams else 0), (bs, streamed)

@@ -66,6 +66,14 @@
  * PINLOADER_STAGING_NT=0 / =1 turns streaming off / on for every job, chunked row gathers
  * included (for measurement), read when a stager is created. */
 #define NT_MIN_BYTES ((size_t)4 << 20)
+/* Bytes staged through the streaming path (process-wide, all stagers), for the tests: the rule
+ * above has no other visible effect. */
+static atomic_ullong streamed_bytes;
+
+unsigned long long pl_stager_streamed_bytes(void)
+{
+    return atomic_load_explicit(&streamed_bytes, memory_order_relaxed);
+}
 #define NT_MIN_ROW_BYTES ((size_t)4096)
 
 typedef struct {
@@ -151,7 +159,7 @@ static void copy_strided(char *dst, const char *src, int64_t n, int64_t stride, 
     }
 }
 
-static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt);
+static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt);
 static void copy_streaming(char *dst, const char *src, size_t n);
 
 void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
@@ -233,8 +241,8 @@ static int cmp_row_ref(const void *a, const void *b)
     return x->pos < y->pos ? -1 : x->pos > y->pos;
 }
 
-/* See Note [row gather]. */
-static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt)
+/* See Note [row gather]. Returns whether the rows went through streaming stores. */
+static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt)
 {
     pl_leaf_copy R;
     row_leaf(L, &R);
@@ -295,6 +303,7 @@ static void gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t
     }
     if (count > 0) /* the start of a row the next piece finishes */
         copy_row_part(dst, L, &R, contiguous, nt, i, 0, count);
+    return nt;
 }
 
 /* ---- workers ---- */
@@ -331,13 +340,19 @@ static void copy_streaming(char *dst, const char *src, size_t n)
 static void stage_range(int nt, int nt_rows, char *dst, const pl_leaf_copy *L, int64_t start,
                         int64_t count)
 {
+    int streamed = 0;
     /* After pl_leaf_collapse a contiguous leaf is one dimension with unit stride. */
-    if (nt && !L->rows && L->ndim == 1 && L->strides[0] == (int64_t)L->itemsize)
+    if (nt && !L->rows && L->ndim == 1 && L->strides[0] == (int64_t)L->itemsize) {
         copy_streaming(dst, L->src + (size_t)start * L->itemsize, (size_t)count * L->itemsize);
-    else if (L->rows)
-        gather_rows(dst, L, start, count, nt_rows);
-    else
+        streamed = 1;
+    } else if (L->rows) {
+        streamed = gather_rows(dst, L, start, count, nt_rows);
+    } else {
         pl_leaf_gather(dst, L, start, count);
+    }
+    if (streamed) /* once per piece (256 KiB): no contention on the counter */
+        atomic_fetch_add_explicit(&streamed_bytes, (unsigned long long)count * L->itemsize,
+                                  memory_order_relaxed);
 #ifdef PL_HAVE_NT_STORES
     if (nt || nt_rows)
         _mm_sfence();

@@ -29,6 +29,9 @@ typedef struct pl_stager pl_stager;
 int pl_stager_create(int nthreads, pl_stager **out);
 void pl_stager_destroy(pl_stager *s);
 int pl_stager_threads(const pl_stager *s);
+/* Bytes staged with streaming stores so far, by every stager of the process (Note
+ * [non-temporal staging stores] in stager.c); a counter for the tests. */
+unsigned long long pl_stager_streamed_bytes(void);
 
 /* Called on the calling thread, in order, for each finished chunk [off, off + len) of the
  * region; a non-zero return stops reporting (staging still finishes) and is returned. */

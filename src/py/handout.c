@@ -287,7 +287,7 @@ static pl_static *static_from_out(const pl_backend *b, int device, PyObject *out
                 contiguous = 0;
             expect *= (size_t)(t->shape[d] ? t->shape[d] : 1);
         }
-        if (!contiguous) {
+        if (!contiguous && count) { /* no elements: no layout (exporters give any strides) */
             PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] is not C-contiguous", i);
             goto fail;
         }

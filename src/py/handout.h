@@ -21,7 +21,8 @@
  * callable returning one, called once per batch (a framework's current stream).
  * Containers are rebuilt with the item's types: list, tuple, namedtuple, dict and dict
  * subclasses (a shallow copy keeps a defaultdict's factory), dataclasses (frozen ones too);
- * other objects pass through. */
+ * a list subclass is walked as a list and comes back as a plain list (its constructor is not
+ * known to take the items); other objects pass through. */
 #ifndef PL_HANDOUT_H
 #define PL_HANDOUT_H
 

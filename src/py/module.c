@@ -21,6 +21,7 @@
 #include "block.h"
 #include "numa.h"
 #include "pool.h"
+#include "stager.h"
 #include "util.h"
 
 #include "pl_nvtx.h"
@@ -148,6 +149,14 @@ static PyObject *mod_live_device_blocks(PyObject *m, PyObject *arg)
     return Py_BuildValue("(ln)", pl_block_live_count(b), (Py_ssize_t)pl_block_live_bytes(b));
 }
 
+/* Test hook: bytes staged with streaming stores (Note [non-temporal staging stores]). */
+static PyObject *mod_streamed_bytes(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    return PyLong_FromUnsignedLongLong(pl_stager_streamed_bytes());
+}
+
 /* Test hook: the sysfs reading of Note [slabs on the GPU's node] in numa.c. */
 static PyObject *mod_numa_node_of_pci(PyObject *m, PyObject *arg)
 {
@@ -234,6 +243,7 @@ static PyMethodDef module_methods[] = {
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
     {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},
     {"_live_device_blocks", mod_live_device_blocks, METH_O, NULL},
+    {"_streamed_bytes", mod_streamed_bytes, METH_NOARGS, NULL},
     {"_numa_node_of_pci", mod_numa_node_of_pci, METH_O,
      "_numa_node_of_pci(bus_id, /)\n--\n\nTest hook: the NUMA node pinned slabs of the GPU at this PCI "
      "bus id would be placed on (-1: one node or unknown). PINLOADER_SYSFS_ROOT stands in for /."},

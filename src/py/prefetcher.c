@@ -811,7 +811,7 @@ static PyType_Slot pf_slots[] = {
     {Py_tp_doc,
      "AsyncPrefetcher(iterable, device=None, depth=2, pool=None, max_pinned_bytes=None,\n"
      "                staging_threads=None, copy_stream_priority='high', output='array', stream=None,\n"
-     "                *, convert=None, static=False, out=None, structure=None)\n"
+     "                *, convert=None, static=False, out=None, structure=None, static_rows=None)\n"
      "--\n\n"
      "Prefetch batches from any iterable to a device, off the GIL.\n"
      "\n"
@@ -862,7 +862,13 @@ static PyType_Slot pf_slots[] = {
      "    into; implies ``static``.\n"
      "structure\n"
      "    An object whose structure every item's leaves are placed in (each item is then a tuple of\n"
-     "    its leaves, in walk order), captured once (ArrayLoader's batches)."},
+     "    its leaves, in walk order), captured once (ArrayLoader's batches).\n"
+     "static_rows\n"
+     "    Lay the static buffers out for at least this many rows (an ArrayLoader passes its\n"
+     "    batch_size: a resumed epoch may begin with a short batch).\n"
+     "\n"
+     "out= buffers must not overlap in memory; a 0-d leaf has no rows (``valid_rows`` is the\n"
+     "fewest rows over the leaves with rows, None for a batch of 0-d leaves only)."},
     {0, NULL},
 };
 
