@@ -146,7 +146,7 @@ def long_description():
         image, target = m.group(1), m.group(2)
         if re.match(r"[a-z]+://|#|mailto:", target):
             return m.group(0)
-        kind = "raw" if image else "blob"
+        kind = "raw" if image.startswith("!") else "blob"
         return f"{image}]({source}/{kind}/main/{target})"
 
     return re.sub(r"(!?\[[^\]]*)\]\(([^)\s]+)\)", absolute, text)

@@ -179,6 +179,7 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
     targets = re.findall(r"\]\(([^)\s]+)\)", meta)
     assert targets and all(re.match(r"https://|#", t) for t in targets), \
         [t for t in targets if not re.match(r"https://|#", t)]
+    assert "/blob/main/docs/getting-started.rst)" in meta, "a page link opens the page"
 
 
 def test_stats_typeddicts_match_what_stats_returns():
