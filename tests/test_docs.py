@@ -77,7 +77,7 @@ def _door_names(module: str) -> list[str]:
     """A door's __all__, read from its source (importing it would need the framework)."""
     import ast
 
-    tree = ast.parse((ROOT / "pinloader" / f"{module}.py").read_text(encoding="utf-8"))
+    tree = ast.parse((Path(pinloader.__file__).parent / f"{module}.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
             return [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
