@@ -22,9 +22,13 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402,F401  (the working tree's pinloader when built in place)
 
 
 def photos():
@@ -101,6 +105,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--size-class", choices=["imagenet", "highres"], default="imagenet")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=3, help="also run 2..N decoders on N threads")
     args = ap.parse_args(argv)
 
     import torch
@@ -139,7 +144,31 @@ def main(argv=None):
             out[-1].view(-1)[:1].add_(0)
         torch.cuda.synchronize()
 
+    extra = [_C.JpegDecoder(0, libraries=_cudart.nvjpeg_candidates()) for _ in range(args.threads - 1)]
+
+    def run_threads(k_threads):
+        # k decoders, each on its own thread (the decode releases the GIL), batches dealt in turn
+        decs = [dec] + extra[:k_threads - 1]
+        order = rng.permutation(args.images)
+        jobs = [(order[k * B:(k + 1) * B], rrc_params(rng, [shapes[i] for i in order[k * B:(k + 1) * B]]))
+                for k in range(nb)]
+
+        def work(t):
+            for idx, params in jobs[t::k_threads]:
+                arr, _ = decs[t].decode(base, offsets[idx], lengths[idx], params, (224, 224), scale, bias,
+                                        "bfloat16", True)
+                torch.from_dlpack(arr).view(-1)[:1].add_(0)
+
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(k_threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        torch.cuda.synchronize()
+
     rows = {"pinloader_decoder": run_pinloader, "torchvision_decode": run_torchvision}
+    for k in range(2, args.threads + 1):
+        rows[f"pinloader_decoder_x{k}"] = lambda k=k: run_threads(k)
     for f in rows.values():  # warm-up
         f()
     res = {k: {"ips": [], "cpu": []} for k in rows}

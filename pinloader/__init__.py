@@ -33,6 +33,7 @@ from ._C import (  # noqa: E402
     device_count,
 )
 from .array_loader import ArrayLoader  # noqa: E402
+from .image_loader import ImageDecodeError, ImageLoader  # noqa: E402
 from ._resume import StatefulPrefetcher  # noqa: E402
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "CudaError",
     "CudaInfo",
     "DeviceArray",
+    "ImageDecodeError",
+    "ImageLoader",
     "PinnedBuffer",
     "PinnedPool",
     "PoolExhausted",

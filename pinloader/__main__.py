@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m pinloader",
         description="pinloader: pinned-memory prefetching of Python batches to the GPU.")
     parser.add_argument("--version", action="version", version=f"pinloader {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info,pack}")
     fmt = _Formatter
     demo = sub.add_parser(
         "demo", formatter_class=fmt,
@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="what pinloader found: version, backend, CUDA library, driver, devices",
                           description="Say which backend pinloader will use and why.")
     info.add_argument("--json", action="store_true", help="print one JSON document")
+    from ._image_pack import add_parser as add_pack
+
+    add_pack(sub, fmt)
     return parser
 
 
@@ -116,6 +119,10 @@ def _run(args: argparse.Namespace) -> int:
         else:
             _print_info(info)
         return 0
+    if args.command == "pack":
+        from ._image_pack import run as run_pack
+
+        return run_pack(args)
     from .demo import run
 
     return run(args)

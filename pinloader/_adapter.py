@@ -58,6 +58,12 @@ class FrameworkPrefetcher:
         else:
             self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
 
+    @property
+    def _pinloader_stateful(self) -> bool:
+        """Whether this door has a state to checkpoint (an ArrayLoader's, a stateful source's):
+        a door over a door of a plain iterable has none (see _resume.is_stateful)."""
+        return callable(getattr(self._pf, "state_dict", None))
+
     def __iter__(self) -> "FrameworkPrefetcher":
         iter(self._pf)
         return self

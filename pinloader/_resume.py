@@ -113,6 +113,9 @@ def _sources_differ(saved: Any, now: dict[str, Any]) -> str | None:
             _, s2, d2 = new[path]
             return (f"sources: {path} was {tuple(s)} {d} when the state was saved, is "
                     f"{tuple(s2)} {d2} in this loader")
+    if saved.get("rows") != now["rows"]:
+        return (f"sources: the state was saved over {saved.get('rows')!r} rows, this loader has "
+                f"{now['rows']}")
     return (f"sources: saved as [{_describe_sources(saved)}], this loader has "
             f"[{_describe_sources(now)}]")
 
@@ -122,7 +125,13 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
     where = "ArrayLoader.load_state_dict"
     if isinstance(allow_changed, str):
         allow_changed = {allow_changed}
-    allowed = set(allow_changed)
+    try:
+        allowed = set(allow_changed)
+    except TypeError:
+        raise TypeError(f"{where}: allow_changed must be a set (or other collection) of field "
+                        f"names, not {type(allow_changed).__name__}") from None
+    if not all(isinstance(k, str) for k in allowed):
+        raise TypeError(f"{where}: allow_changed must hold field names (str), got {sorted(map(repr, allowed))}")
     unknown = allowed - set(CHECKED)
     if unknown:
         raise ValueError(f"{where}: allow_changed names unknown fields {sorted(unknown)}; the "
@@ -142,10 +151,13 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
     missing = [k for k in KEYS if k not in state]
     if missing:
         raise ValueError(f"{where}: the state lacks the field(s) {missing}")
-    for k in ("epoch", "position", "consumed", "world_size"):
+    for k, lo in (("epoch", 0), ("position", 0), ("consumed", 0), ("world_size", 1), ("rank", 0)):
         v = state[k]
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (k != "epoch" and v < 0):
-            raise ValueError(f"{where}: {k}: {v!r} is not a valid value")
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v < 2**63:
+            raise ValueError(f"{where}: {k}: {v!r} is not a valid value (an int in [{lo}, 2**63))")
+    if state["rank"] >= state["world_size"]:
+        raise ValueError(f"{where}: rank: {state['rank']!r} is not below world_size "
+                         f"({state['world_size']!r})")
     mine = _settings(loader)
     for k in CHECKED:
         if k in allowed:
@@ -273,20 +285,26 @@ def load(loader: Any, state: Any, allow_changed: Iterable[str]) -> None:
 class _Stamp:
     """The source's state right after an item was pulled: a pass-through leaf."""
 
-    __slots__ = ("state", "end")
+    __slots__ = ("state",)
 
-    def __init__(self, state: Any, end: bool) -> None:
+    def __init__(self, state: Any) -> None:
         self.state = state
-        self.end = end
+
+
+_NO_STATE: Any = object()
 
 
 class _Stamped:
-    """Re-iterable over a stateful source: yields ``(item, _Stamp)``, and after the source's
-    last item ``(None, _Stamp(end=True))`` carrying its state at the end of the epoch."""
+    """Re-iterable over a stateful source: yields ``(item, _Stamp)``; once the source's epoch
+    ends, its state at that end is kept in ``end_state`` (not sent as an item: an item without
+    arrays would not fit a static batch), for the consumer to take when the prefetcher's
+    epoch ends. The producer sets it before it queues the epoch's end, which the consumer sees
+    only after every item of the epoch."""
 
     def __init__(self, source: Any) -> None:
         self._source = source
         self._fresh: Any = None
+        self.end_state: Any = _NO_STATE
 
     def __len__(self) -> int:
         return len(self._source)
@@ -298,18 +316,26 @@ class _Stamped:
         fresh = self._fresh
         if fresh is not None and inspect.getgeneratorstate(fresh) == inspect.GEN_CREATED:
             return fresh  # type: ignore[no-any-return]
-        self._fresh = _stamped(self._source, iter(self._source))
+        self.end_state = _NO_STATE
+        self._fresh = _stamped(self, iter(self._source))
         return self._fresh  # type: ignore[no-any-return]
 
 
-def _stamped(source: Any, it: Iterator[Any]) -> Iterator[Any]:
-    snap = source.state_dict
+def _stamped(holder: _Stamped, it: Iterator[Any]) -> Iterator[Any]:
+    snap = holder._source.state_dict
     for item in it:
-        yield (item, _Stamp(snap(), False))
-    yield (None, _Stamp(snap(), True))
+        yield (item, _Stamp(snap()))
+    holder.end_state = snap()
 
 
 def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has a state to checkpoint: ``state_dict()`` and ``load_state_dict()``.
+    A framework door has both methods whatever it wraps; it says itself whether its source
+    has a state (``_pinloader_stateful``), so that a door over a door of a plain iterable is
+    iterated as the iterable it is."""
+    says = getattr(obj, "_pinloader_stateful", None)
+    if says is not None:
+        return bool(says)
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
@@ -357,23 +383,40 @@ class StatefulPrefetcher:
                             "state_dict() / load_state_dict()")
         self.source: Any = source
         self._args = (device, depth, opts)
+        self._closed = False
+        self._load_error: BaseException | None = None
         self._state = self.source.state_dict()  # before the prefetcher pulls anything
         self._pf = self._make()
 
     def _make(self) -> AsyncPrefetcher:
         device, depth, opts = self._args
-        return AsyncPrefetcher(_Stamped(self.source), device=device, depth=depth, **opts)
+        self._stamped = _Stamped(self.source)
+        return AsyncPrefetcher(self._stamped, device=device, depth=depth, **opts)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ValueError("StatefulPrefetcher is closed")
+        if self._load_error is not None:
+            e = self._load_error
+            raise ValueError(f"StatefulPrefetcher: the source's load_state_dict() failed "
+                             f"({type(e).__name__}: {e}), so where the source is is unknown; "
+                             "load a state again, or make a new prefetcher") from e
 
     def __iter__(self) -> "StatefulPrefetcher":
+        self._check()
         iter(self._pf)
         return self
 
     def __next__(self) -> Any:
-        pf = self._pf
-        item, stamp = next(pf)
+        self._check()
+        try:
+            item, stamp = next(self._pf)
+        except StopIteration:
+            end = self._stamped.end_state
+            if end is not _NO_STATE:  # the source's state at the epoch's end
+                self._state = end
+            raise
         self._state = stamp.state
-        if stamp.end:
-            return next(pf)  # the epoch's end (StopIteration)
         return item
 
     @property
@@ -387,9 +430,18 @@ class StatefulPrefetcher:
         return self._state
 
     def load_state_dict(self, state: Any) -> None:
-        """Discard what was prefetched and give ``state`` to the source."""
+        """Discard what was prefetched and give ``state`` to the source. If the source's
+        ``load_state_dict`` raises, the error propagates and the prefetcher refuses to iterate
+        (saying why) until a state loads; after :meth:`close` it is a ValueError."""
+        if self._closed:
+            raise ValueError("StatefulPrefetcher is closed")
         self._pf.close()  # the producer is out of the source before the source is changed
-        self.source.load_state_dict(state)
+        try:
+            self.source.load_state_dict(state)
+        except BaseException as e:
+            self._load_error = e
+            raise
+        self._load_error = None
         self._state = state
         self._pf = self._make()
 
@@ -400,6 +452,7 @@ class StatefulPrefetcher:
         return self._pf.stats()
 
     def close(self) -> None:
+        self._closed = True
         self._pf.close()
 
     def __enter__(self) -> "StatefulPrefetcher":

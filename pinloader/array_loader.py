@@ -57,6 +57,7 @@ Resuming (``ArrayLoader.state_dict`` / ``ArrayLoader.load_state_dict``)
 """
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from typing import Any
@@ -152,24 +153,56 @@ def _int_arg(name: str, value: Any, lo: int) -> int:
 _HANDOUT_OPTS = frozenset({"output", "stream", "convert", "static", "out"})
 
 
+# The AsyncPrefetcher keywords an ArrayLoader passes on (**prefetch_opts); structure= is its own.
+_PREFETCH_OPTS = frozenset({"pool", "max_pinned_bytes", "staging_threads", "copy_stream_priority"}) | _HANDOUT_OPTS
+_LOADER_KEYWORDS = ("batch_size", "shuffle", "seed", "drop_last", "device", "depth", "rank",
+                    "world_size", "windows", "readahead", "gather", "max_registered_bytes")
+
+# An epoch number must fit the int64 of a state and the uint64 the permutation is keyed by,
+# without wrapping (epoch 2**64 would repeat epoch 0).
+_EPOCH_LIMIT = 1 << 63
+
+
+def _epoch_arg(who: str, epoch: Any) -> int:
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+        raise TypeError(f"{who}: epoch must be an int, not {type(epoch).__name__}")
+    if not 0 <= epoch < _EPOCH_LIMIT:
+        raise ValueError(f"{who}: epoch must be in [0, 2**63), got {epoch}")
+    return int(epoch)
+
+
 def _same_opt(a: Any, b: Any) -> bool:
     """Two prefetcher options are the same: equal plain values, or the very same object (a
-    door's stream and convert callables, out= tensors, which == would compare elementwise)."""
+    door's stream and convert callables, out= tensors, which == would compare elementwise),
+    or lists/tuples of the very same objects (a door's out=)."""
     plain = (str, int, float, bool, type(None))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_opt(x, y) for x, y in zip(a, b))
     return a is b or (isinstance(a, plain) and isinstance(b, plain) and a == b)
 
 
-def _same_device(running: str, wanted: Any) -> bool:
-    """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted`` (as
-    the prefetcher reads it: None, 'cuda' and an index name CUDA devices)."""
-    if wanted is None:
-        return True
-    if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool):
-        return running == f"cuda:{int(wanted)}"
-    text = str(wanted)
-    if text in ("cpu", "cpu:0", "host"):
-        return running == "cpu"
-    return text == running or (text == "cuda" and running.startswith("cuda:"))
+def _same_settings(a: tuple[Any, int, dict[str, Any]], b: tuple[Any, int, dict[str, Any]]) -> bool:
+    """Two (device, depth, prefetcher options) are the same prefetcher's."""
+    return (str(a[0]) == str(b[0]) and a[1] == b[1] and a[2].keys() == b[2].keys()
+            and all(_same_opt(v, b[2][k]) for k, v in a[2].items()))
+
+
+# Note [doors over a loader]
+# A framework door (pinloader.torch.prefetch(loader), jax, cupy) over an ArrayLoader does not
+# stack a second prefetcher: it iterates the loader's own, made with the door's settings (its
+# output, stream, convert, static, out, and a device, depth or option the loader was not given;
+# a door setting that contradicts one the loader was made with is a ValueError naming it). The
+# settings are the door's, not the loader's: they apply to the iterations through that door
+# only, and the loader keeps its own. So a door can be made once per epoch, doors with other
+# options can take turns with each other and with plain iterations of the loader, and each
+# iteration is what its own door asks for. Each iter() begins an epoch (a new one, or the
+# loader's fresh one); when its settings differ from those the running prefetcher was made
+# with, that prefetcher is closed there and a new one made: its static buffers go with it. A
+# door's settings are compared by value and, for callables and buffers, by identity, so the
+# doors keep one callable per device (pinloader/torch.py) and a door made per epoch over one
+# loader keeps the same prefetcher, and the same static buffers, across epochs. A next() on
+# a door whose settings are not the running prefetcher's begins an epoch with them; a plain
+# next() continues whatever runs. A closed loader refuses new doors ("ArrayLoader is closed").
 
 
 class ArrayLoader:
@@ -280,7 +313,16 @@ class ArrayLoader:
         self.drop_last = bool(drop_last)
         self._device = device
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
+        unknown = sorted(set(prefetch_opts) - _PREFETCH_OPTS)
+        if unknown:
+            name = unknown[0]
+            near = difflib.get_close_matches(name, _LOADER_KEYWORDS + tuple(sorted(_PREFETCH_OPTS)), 1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"ArrayLoader() got an unexpected keyword argument {name!r}{hint}")
         self._opts = dict(prefetch_opts)
+        # the (device, depth, options) the running prefetcher was made with (Note [doors over a
+        # loader])
+        self._pf_settings: tuple[Any, int, dict[str, Any]] | None = None
 
         if rank is None or world_size is None:
             d_rank, d_world = _default_rank_world()
@@ -411,16 +453,16 @@ class ArrayLoader:
         ``windows`` the first row of each window. Batch ``b`` of the epoch is items
         ``[b*batch_size, (b+1)*batch_size)`` of it, so a plain loop can reproduce the loader
         exactly."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise TypeError(f"ArrayLoader: epoch must be an int, not {type(epoch).__name__}")
-        # a view: the loader's own cached order stays out of reach of ndarray.__setstate__
-        return _order(self._plan, int(epoch)).view()
+        epoch = _epoch_arg("ArrayLoader", epoch)
+        # a view whose base is the table's capsule, not the loader's cached array: nothing
+        # handed out reaches the cache (ndarray.__setstate__ on the cached array would free
+        # the table under it; see gather_epoch_view in src/py/gather.c)
+        return _C._epoch_view(_order(self._plan, epoch))
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise TypeError(f"ArrayLoader: epoch must be an int, not {type(epoch).__name__}")
-        self._requested = int(epoch)
+        """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``); 0 <=
+        epoch < 2**63."""
+        self._requested = _epoch_arg("ArrayLoader", epoch)
 
     @property
     def epoch(self) -> int | None:
@@ -453,18 +495,38 @@ class ArrayLoader:
                              "added, removed, replaced or reordered); make a new ArrayLoader "
                              "over the new arrays")
 
-    def _make_prefetcher(self) -> AsyncPrefetcher:
+    def _own_settings(self) -> tuple[Any, int, dict[str, Any]]:
+        return self._device, _DEFAULT_DEPTH if self._depth is None else self._depth, self._opts
+
+    def _make_prefetcher(self, settings: tuple[Any, int, dict[str, Any]]) -> AsyncPrefetcher:
         self._check_structure()
-        depth = _DEFAULT_DEPTH if self._depth is None else self._depth
-        self._register(self._device)
-        return AsyncPrefetcher(self._source, device=self._device, depth=depth,
-                               structure=self._structure, **self._opts)
+        device, depth, opts = settings
+        self._register(device)
+        if opts.get("static") or opts.get("out") is not None:
+            # the static buffers hold a whole batch even when the first batch is short (a
+            # resumed epoch's near its end): Note [static batches] in src/py/handout.c
+            opts = dict(opts, static_rows=self.batch_size)
+        pf = AsyncPrefetcher(self._source, device=device, depth=depth, structure=self._structure,
+                             **opts)
+        self._pf_settings = settings
+        return pf
 
     def __iter__(self) -> "ArrayLoader":
+        return self._begin(self._own_settings())
+
+    def _begin(self, settings: tuple[Any, int, dict[str, Any]]) -> "ArrayLoader":
+        """Begin an epoch with these settings (the loader's own, or a door's: Note [doors over a
+        loader])."""
         self._check_open()
         epoch = self._next_epoch()
+        if epoch >= _EPOCH_LIMIT:
+            raise ValueError(f"ArrayLoader: epoch {epoch} is past the last epoch (2**63 - 1); "
+                             "set_epoch() to continue")
         self._resumed_iter = _resume.begin_epoch(self, epoch)  # the resumed epoch's, or None
         pf = self._pf
+        if pf is not None and (self._pf_settings is None or not _same_settings(self._pf_settings, settings)):
+            pf.close()  # made for other settings (Note [doors over a loader])
+            pf = self._pf = None
         if pf is not None and (self._failed or (not self._consumed and not self._done
                                                 and epoch != self._epoch)):
             # A prefetcher whose source failed is finished for good, and one that has handed
@@ -477,7 +539,7 @@ class ArrayLoader:
         self._plan.epoch = epoch
         try:
             if pf is None:
-                self._pf = self._make_prefetcher()
+                self._pf = self._make_prefetcher(settings)
             else:
                 iter(pf)
         except BaseException:
@@ -518,10 +580,20 @@ class ArrayLoader:
 
     # ---- the framework adapters (pinloader/_adapter.py) ----
 
-    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> "ArrayLoader":
+    def _next_with(self, settings: tuple[Any, int, dict[str, Any]]) -> Any:
+        """A door's next(): begins an epoch with the door's settings unless they are the
+        running prefetcher's (Note [doors over a loader])."""
+        self._check_open()
+        if self._pf is None or self._pf_settings is None or not _same_settings(self._pf_settings, settings):
+            self._begin(settings)
+        return self.__next__()
+
+    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> "_LoaderDoor":
         """Let an adapter use this loader as its prefetcher (no second pipeline): the adapter's
-        device, depth and options fill in what the loader was not given; a conflict is an
-        error."""
+        device, depth and options fill in what the loader was not given, for the adapter's
+        iterations only (Note [doors over a loader]); a conflict is an error."""
+        if self._closed:
+            raise ValueError("ArrayLoader is closed")
         def clash(name: str, mine: Any, theirs: Any) -> ValueError:
             return ValueError(f"ArrayLoader was made with {name}={mine!r}, but the adapter asks for "
                               f"{name}={theirs!r}: pass it to one of them only")
@@ -541,21 +613,7 @@ class ArrayLoader:
             if k in merged and not _same_opt(merged[k], v):
                 raise clash(k, merged[k], v)
             merged[k] = v
-        changed = {k for k in merged.keys() | self._opts.keys()
-                   if k not in merged or k not in self._opts or not _same_opt(merged[k], self._opts[k])}
-        pf = self._pf
-        if pf is not None and _same_device(pf.device, want_device) and want_depth == pf.depth \
-                and changed and changed <= _HANDOUT_OPTS and (self._done or not self._consumed):
-            # Only how batches are handed out differs (a door's convert and stream), and the
-            # running prefetcher is between epochs: the next epoch starts a new one.
-            pf.close()
-            self._pf = None
-        if self._pf is not None and (not _same_device(self._pf.device, want_device)
-                                     or want_depth != self._pf.depth or changed):
-            raise ValueError("ArrayLoader: already iterating with other settings; wrap it in the "
-                             "adapter before the first iteration")
-        self._device, self._depth, self._opts = want_device, want_depth, merged
-        return self
+        return _LoaderDoor(self, (want_device, want_depth, merged))
 
     # ---- the rest ----
 
@@ -665,4 +723,47 @@ class ArrayLoader:
                 raise TypeError(f"ArrayLoader: {name} must be an int, not {type(v).__name__}")
         if position < 0:
             raise ValueError(f"ArrayLoader: position must be >= 0, got {position}")
-        return _resume.resumed_order(self._plan, int(epoch), int(position))
+        epoch = _epoch_arg("ArrayLoader", epoch)
+        return _resume.resumed_order(self._plan, epoch, int(position))
+
+
+class _LoaderDoor:
+    """What a framework door iterates when its source is an ArrayLoader: the loader, with the
+    door's settings for the door's iterations (Note [doors over a loader])."""
+
+    def __init__(self, loader: ArrayLoader, settings: tuple[Any, int, dict[str, Any]]) -> None:
+        self._loader = loader
+        self._settings = settings
+
+    def __iter__(self) -> "_LoaderDoor":
+        self._loader._begin(self._settings)
+        return self
+
+    def __next__(self) -> Any:
+        return self._loader._next_with(self._settings)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    @property
+    def valid_rows(self) -> int | None:
+        return self._loader.valid_rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], **kwargs: Any) -> None:
+        self._loader.load_state_dict(state, **kwargs)
+
+    def stats(self) -> dict[str, Any]:
+        return self._loader.stats()
+
+    def close(self) -> None:
+        self._loader.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._loader.closed
+
+    def __repr__(self) -> str:
+        return repr(self._loader)

@@ -44,20 +44,40 @@ class CupyPrefetcher(FrameworkPrefetcher):
         if isinstance(device, int):
             device = f"cuda:{device}"
         dev_id = int(str(device).partition(":")[2] or 0)
-        get_stream, null = _cp.cuda.get_current_stream, _null_stream()
-
-        def stream() -> int:
-            # Once per batch: CuPy's current stream waits on the copy once (see Note
-            # [per-batch import] in pinloader/_adapter.py).
-            return get_stream().ptr or null
-
-        def convert(capsule: Any) -> Any:
-            return _cp.from_dlpack(_Exported(capsule, (2, dev_id)))
-
+        stream, convert = _callables(dev_id)
         handout = dict(output="capsule", stream=stream, convert=convert)
         if static or out is not None:
+            # one array is one leaf's buffer: list(array) would split it into its rows
+            out = [out] if isinstance(out, _cp.ndarray) else out
             handout.update(static=True, out=None if out is None else list(out))
         super().__init__(iterable, device, depth, handout, **opts)
+
+
+# The stream and convert callables per device (and per CuPy stream lookup and null stream): a
+# door made per epoch over one ArrayLoader asks for the same settings each time and keeps the
+# loader's prefetcher (Note [doors over a loader] in pinloader/array_loader.py).
+_callables_cache: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def _callables(dev_id: int) -> tuple[Any, Any]:
+    get_stream, null = _cp.cuda.get_current_stream, _null_stream()
+    key = (dev_id, get_stream, null)
+    found = _callables_cache.get(key)
+    if found is not None:
+        return found
+
+    def stream() -> int:
+        # Once per batch: CuPy's current stream waits on the copy once (see Note
+        # [per-batch import] in pinloader/_adapter.py).
+        return get_stream().ptr or null
+
+    def convert(capsule: Any) -> Any:
+        return _cp.from_dlpack(_Exported(capsule, (2, dev_id)))
+
+    if len(_callables_cache) >= 64:
+        _callables_cache.clear()
+    _callables_cache[key] = (stream, convert)
+    return stream, convert
 
 
 def _null_stream() -> int:

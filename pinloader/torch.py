@@ -111,6 +111,9 @@ class TorchPrefetcher(FrameworkPrefetcher):
                 "pin_memory=False to the DataLoader.", UserWarning, stacklevel=3)
         pl_device, self.device = _pinloader_device(device)
         self.loader = loader
+        if isinstance(out, _torch.Tensor):
+            # one tensor is one leaf's buffer: list(tensor) would split it into its rows
+            out = [out]
         if out is not None:
             out = list(out.values()) if isinstance(out, dict) else list(out)
             for i, t in enumerate(out):
@@ -121,23 +124,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
                     raise ValueError(f"pinloader.torch.prefetch: out[{i}] is on {t.device}, not {self.device}")
         static = bool(static) or out is not None
         convert = _from_capsule_static if static and out is None else _from_capsule
-        if self.device.type == "cuda":
-            index = self.device.index
-            raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
-            if raw is not None and _torch.cuda.current_stream is _real_current_stream:
-
-                def stream() -> int:
-                    # Once per batch: torch's current stream handle, without making a Stream
-                    # object. torch's default stream (handle 0) is the legacy default stream, 1
-                    # in DLPack's numbering, as torch.from_dlpack itself passes it.
-                    return raw(index) or 1
-            else:  # an older torch, or current_stream replaced (a profiler, a test): ask it
-                current = _torch.cuda.current_stream
-
-                def stream() -> int:
-                    return current(index).cuda_stream or 1
-        else:
-            stream = None  # type: ignore[assignment]
+        stream = _stream_of(self.device.index) if self.device.type == "cuda" else None
         handout = dict(output="capsule", stream=stream, convert=convert)
         if static:
             handout.update(static=True, out=out)
@@ -150,6 +137,38 @@ class TorchPrefetcher(FrameworkPrefetcher):
             if holder is not None and hasattr(holder, "set_epoch"):
                 holder.set_epoch(epoch)
                 return
+
+
+# One stream callable per device (and per torch.cuda.current_stream in use): a door made per
+# epoch over one ArrayLoader then asks for the same settings each time, and keeps the loader's
+# prefetcher and its static buffers (Note [doors over a loader] in pinloader/array_loader.py).
+_streams: dict[tuple[Any, ...], Any] = {}
+
+
+def _stream_of(index: int | None) -> Any:
+    raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
+    current = _torch.cuda.current_stream
+    use_raw = raw is not None and current is _real_current_stream
+    key = (index, use_raw, raw if use_raw else current)
+    fn = _streams.get(key)
+    if fn is not None:
+        return fn
+    if use_raw:
+        get_raw = raw
+
+        def stream() -> int:
+            # Once per batch: torch's current stream handle, without making a Stream object.
+            # torch's default stream (handle 0) is the legacy default stream, 1 in DLPack's
+            # numbering, as torch.from_dlpack itself passes it.
+            return get_raw(index) or 1
+    else:  # an older torch, or current_stream replaced (a profiler, a test): ask it
+
+        def stream() -> int:
+            return current(index).cuda_stream or 1
+    if len(_streams) >= 64:  # replaced current_stream functions come and go (tests, profilers)
+        _streams.clear()
+    _streams[key] = stream
+    return stream
 
 
 def _from_capsule_static(capsule: Any) -> Any:

@@ -134,7 +134,7 @@ def test_torch_adapter_wraps_the_loader_prefetcher():
     a = sample((n, 3), np.float32)
     L = pinloader.ArrayLoader((ids(n), a), 16, seed=2)
     tp = pt.prefetch(L, device="cpu", depth=3, staging_threads=2)
-    assert tp._pf is L and len(tp) == 4
+    assert tp._pf._loader is L and len(tp) == 4
     for epoch in range(2):
         tp.set_epoch(epoch)
         got = list(tp)
@@ -161,12 +161,15 @@ def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
     assert all(isinstance(t, np.ndarray) for t in got)
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(plain))
     L.close()
-    # other settings than the running prefetcher's are still refused
+    # a door's other settings apply to its own iterations only (Note [doors over a loader])
     L2 = pinloader.ArrayLoader(data, 5, device="cpu")
     assert len([values(b) for b in L2]) == 4
     for opts in ({"depth": 4}, {"max_pinned_bytes": 1 << 20}):
-        with pytest.raises(ValueError, match="already iterating with other settings"):
-            pt.prefetch(L2, **opts)
+        T2 = pt.prefetch(L2, **opts)
+        assert len([t.numpy().copy() for t in T2]) == 4
+        assert L2._pf.depth == opts.get("depth", 3)
+        assert len([values(b) for b in L2]) == 4  # the loader's own settings again
+        assert L2._pf.depth == 3
     L2.close()
     assert torch_ is not None
 

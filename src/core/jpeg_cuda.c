@@ -159,6 +159,8 @@ struct pl_jpeg {
         int recorded;
     } ring[RING];
     int next;
+    pl_nvjpegDecodeParams_t *params; /* one per hardware sample, grown to the largest batch */
+    int params_cap;
     pl_jpeg_counts counts;
 };
 
@@ -191,6 +193,10 @@ void pl_jpeg_destroy(pl_jpeg *j)
         b->device_free(j->device, j->ws, j->stream);
     if (j->stream)
         b->stream_synchronize(j->stream);
+    for (int i = 0; i < j->params_cap; i++)
+        if (j->params[i])
+            nj.nvjpegDecodeParamsDestroy(j->params[i]);
+    free(j->params);
     if (j->js)
         nj.nvjpegJpegStreamDestroy(j->js);
     if (j->hw_state)
@@ -307,6 +313,26 @@ static void rows_read(int in, int out, int y0, int oh, int *first, int *n)
     *n = (int)(hi - lo);
 }
 
+/* Note [truncated JPEGs]
+ * nvJPEG's decoders accept a file cut short and fill the missing blocks, so a truncated file
+ * would train as a grey-bottomed image without a word. A complete JPEG ends with the EOI marker
+ * (FF D9), and the entropy-coded data can never hold FF D9 (a data byte FF is always followed
+ * by 00 or a restart marker D0-D7), so a file whose last bytes hold no FF D9 was cut inside its
+ * data, or has something appended after the image (some cameras append a preview or a video).
+ * The GPU cannot tell which; such a sample gets PL_JPEG_NO_END and the caller decodes it on the
+ * host, whose decoder reports a truncation as an error and ignores appended data. The search
+ * covers the last END_WINDOW bytes, which also allows for padding after EOI. */
+enum { END_WINDOW = 4096 };
+
+static int has_end_marker(const unsigned char *p, size_t n)
+{
+    size_t lo = n > END_WINDOW ? n - END_WINDOW : 0;
+    for (size_t i = n; i >= lo + 2; i--)
+        if (p[i - 2] == 0xFF && p[i - 1] == 0xD9)
+            return 1;
+    return 0;
+}
+
 static size_t align256(size_t n)
 {
     return (n + 255) & ~(size_t)255;
@@ -315,8 +341,71 @@ static size_t align256(size_t n)
 typedef struct sample {
     int kind; /* 0 failed, 1 hardware, 2 CUDA decoder, 3 raw */
     int h, w; /* the image's */
+    int ry, rx, rh, rw; /* the region decoded (the whole image unless Note [region decode]) */
     size_t img_off, tmp_off;
 } sample;
+
+/* Note [region decode]
+ * A training crop covers 8-100% of its image, and the hardware engines can decode a region only
+ * (nvjpegDecodeBatchedEx with a region per image), which saves engine time in proportion. The
+ * region is the crop's box widened by a pixel and rounded out to 16-pixel blocks (the largest
+ * MCU), clamped to the image, so the pixels of the box come out as in a whole-image decode
+ * (chroma upsampling reads a neighbour on each side). It is used when it is at most 90% of the
+ * image and the engines accept it (nvjpegDecodeBatchedSupportedEx); otherwise the image is decoded
+ * whole. The workspace still holds the whole image, so that an image of a failed hardware batch
+ * can be decoded again, whole, by the CUDA decoder. */
+static void region_of(const int32_t *p, int H, int W, sample *sm)
+{
+    long y0 = ((long)p[0] - 1) & ~15L, x0 = ((long)p[1] - 1) & ~15L;
+    long y1 = ((long)p[0] + p[2] + 1 + 15) & ~15L, x1 = ((long)p[1] + p[3] + 1 + 15) & ~15L;
+    if (y0 < 0)
+        y0 = 0;
+    if (x0 < 0)
+        x0 = 0;
+    if (y1 > H)
+        y1 = H;
+    if (x1 > W)
+        x1 = W;
+    sm->ry = (int)y0;
+    sm->rx = (int)x0;
+    sm->rh = (int)(y1 - y0);
+    sm->rw = (int)(x1 - x0);
+}
+
+static void whole_image(sample *sm)
+{
+    sm->ry = sm->rx = 0;
+    sm->rh = sm->h;
+    sm->rw = sm->w;
+}
+
+static int ensure_params(pl_jpeg *j, int n, const char **why)
+{
+    if (n <= j->params_cap)
+        return PL_OK;
+    pl_nvjpegDecodeParams_t *p = realloc(j->params, (size_t)n * sizeof *p);
+    if (!p) {
+        *why = "out of host memory";
+        return PL_ERR_NO_MEMORY;
+    }
+    j->params = p;
+    for (int i = j->params_cap; i < n; i++) {
+        p[i] = NULL;
+        pl_nvjpegStatus_t s = nj.nvjpegDecodeParamsCreate(j->hw, &p[i]);
+        if (s == pl_NVJPEG_STATUS_SUCCESS)
+            s = nj.nvjpegDecodeParamsSetOutputFormat(p[i], pl_NVJPEG_OUTPUT_RGBI);
+        if (s != pl_NVJPEG_STATUS_SUCCESS) {
+            if (p[i]) {
+                nj.nvjpegDecodeParamsDestroy(p[i]);
+                p[i] = NULL;
+            }
+            j->params_cap = i;
+            return nj_fail(s, "nvjpegDecodeParamsCreate", why);
+        }
+        j->params_cap = i + 1;
+    }
+    return PL_OK;
+}
 
 static int ensure_workspace(pl_jpeg *j, size_t need, const char **why)
 {
@@ -385,6 +474,7 @@ static void decode_one_cuda(pl_jpeg *j, const pl_jpeg_item *it, sample *sm, int3
 {
     pl_nvjpegImage_t dst;
     memset(&dst, 0, sizeof dst);
+    whole_image(sm);
     dst.channel[0] = j->ws + sm->img_off;
     dst.pitch[0] = (size_t)sm->w * 3;
     pl_nvjpegStatus_t s = nj.nvjpegDecode(j->gen, j->gen_state, it->data, it->len, pl_NVJPEG_OUTPUT_RGBI,
@@ -419,8 +509,9 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     const unsigned char **hw_data = calloc((size_t)n, sizeof *hw_data);
     size_t *hw_len = calloc((size_t)n, sizeof *hw_len);
     pl_nvjpegImage_t *hw_dst = calloc((size_t)n, sizeof *hw_dst);
+    pl_nvjpegDecodeParams_t *hw_params = calloc((size_t)n, sizeof *hw_params);
     int prev = -1, pushed = 0, rc = PL_OK;
-    if (!sm || !hw_idx || !hw_data || !hw_len || !hw_dst) {
+    if (!sm || !hw_idx || !hw_data || !hw_len || !hw_dst || !hw_params) {
         *why = "out of host memory";
         rc = PL_ERR_NO_MEMORY;
         goto done;
@@ -430,6 +521,8 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         goto done;
     }
     pushed = 1;
+    if (j->hw && (rc = ensure_params(j, n, why)) != PL_OK)
+        goto done;
 
     /* 1. headers, kinds, sizes and the workspace layout */
     size_t ws = 0;
@@ -456,13 +549,15 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
                 status[i] = PL_JPEG_UNSUPPORTED;
                 continue;
             }
+            if (!has_end_marker(it->data, it->len)) {
+                status[i] = PL_JPEG_NO_END;
+                continue;
+            }
             sm[i].h = (int)h;
             sm[i].w = (int)w;
-            int unsupported = 1;
-            if (j->hw && nj.nvjpegDecodeBatchedSupported(j->hw, j->js, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
-                unsupported = 1;
-            sm[i].kind = j->hw && unsupported == 0 ? 1 : 2;
+            sm[i].kind = 2;
         }
+        whole_image(&sm[i]);
         const int32_t *p = it->p;
         if (p[0] < 0 || p[1] < 0 || p[2] <= 0 || p[3] <= 0 || (int64_t)p[0] + p[2] > sm[i].h ||
             (int64_t)p[1] + p[3] > sm[i].w || p[4] <= 0 || p[5] <= 0 || p[6] < 0 || p[7] < 0 ||
@@ -470,6 +565,27 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
             status[i] = PL_JPEG_BOX_OUTSIDE;
             sm[i].kind = 0;
             continue;
+        }
+        if (sm[i].kind == 2 && j->hw) {
+            /* the engines, with a region where it pays (Note [region decode]); j->js still
+             * holds this image's header */
+            pl_nvjpegDecodeParams_t dp = j->params[i];
+            int unsupported = 1;
+            region_of(p, sm[i].h, sm[i].w, &sm[i]);
+            if ((double)sm[i].rh * sm[i].rw <= 0.9 * (double)sm[i].h * sm[i].w &&
+                nj.nvjpegDecodeParamsSetROI(dp, sm[i].rx, sm[i].ry, sm[i].rw, sm[i].rh) == pl_NVJPEG_STATUS_SUCCESS &&
+                nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                unsupported = 1;
+            if (unsupported) {
+                whole_image(&sm[i]);
+                if (nj.nvjpegDecodeParamsSetROI(dp, 0, 0, -1, -1) != pl_NVJPEG_STATUS_SUCCESS ||
+                    nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                    unsupported = 1;
+            }
+            if (!unsupported)
+                sm[i].kind = 1;
+            else
+                whole_image(&sm[i]);
         }
         size_t img = align256((size_t)sm[i].h * (size_t)sm[i].w * 3);
         int first, rows;
@@ -500,16 +616,20 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         hw_len[n_hw] = items[i].len;
         memset(&hw_dst[n_hw], 0, sizeof hw_dst[n_hw]);
         hw_dst[n_hw].channel[0] = j->ws + sm[i].img_off;
-        hw_dst[n_hw].pitch[0] = (size_t)sm[i].w * 3;
+        hw_dst[n_hw].pitch[0] = (size_t)sm[i].rw * 3;
+        hw_params[n_hw] = j->params[i];
         n_hw++;
     }
     if (n_hw) {
         pl_nvjpegStatus_t s = nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
         if (s == pl_NVJPEG_STATUS_SUCCESS)
-            s = nj.nvjpegDecodeBatched(j->hw, j->hw_state, hw_data, hw_len, hw_dst,
-                                       (pl_nvjpeg_cudaStream_t)j->stream);
+            s = nj.nvjpegDecodeBatchedEx(j->hw, j->hw_state, hw_data, hw_len, hw_dst, hw_params,
+                                         (pl_nvjpeg_cudaStream_t)j->stream);
         if (s == pl_NVJPEG_STATUS_SUCCESS) {
             j->counts.hardware += (unsigned long long)n_hw;
+            for (int k = 0; k < n_hw; k++)
+                if (sm[hw_idx[k]].rh != sm[hw_idx[k]].h || sm[hw_idx[k]].rw != sm[hw_idx[k]].w)
+                    j->counts.roi++;
         } else {
             /* One bad image fails the whole call: the CUDA decoder names it. */
             for (int k = 0; k < n_hw; k++)
@@ -550,9 +670,9 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
         d[i].src = j->ws + sm[i].img_off;
         d[i].tmp = j->ws + sm[i].tmp_off;
-        d[i].src_pitch = (long long)sm[i].w * 3;
-        d[i].top = p[0];
-        d[i].left = p[1];
+        d[i].src_pitch = (long long)sm[i].rw * 3;
+        d[i].top = p[0] - sm[i].ry;
+        d[i].left = p[1] - sm[i].rx;
         d[i].h = p[2];
         d[i].w = p[3];
         d[i].rh = p[4];
@@ -617,5 +737,6 @@ done:
     free(hw_data);
     free(hw_len);
     free(hw_dst);
+    free(hw_params);
     return rc;
 }

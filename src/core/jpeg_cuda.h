@@ -41,10 +41,13 @@ enum {
     PL_JPEG_BAD_DATA = 2,    /* the header parsed, the decode failed (corrupt or truncated data) */
     PL_JPEG_UNSUPPORTED = 3, /* a JPEG nvJPEG does not decode (components other than 1 or 3) */
     PL_JPEG_BOX_OUTSIDE = 4, /* the box does not lie inside the image */
+    PL_JPEG_NO_END = 5,      /* no end-of-image marker near the end (Note [truncated JPEGs]):
+                                truncated, or data after the image; the host decoder judges */
 };
 
 typedef struct pl_jpeg_counts {
     unsigned long long batches, hardware, cuda, raw, failed;
+    unsigned long long roi; /* hardware decodes of a region only (Note [region decode]) */
     unsigned engines, cores_per_engine; /* the hardware decoder's (0: none) */
     size_t workspace_bytes;
 } pl_jpeg_counts;

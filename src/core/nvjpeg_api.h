@@ -52,6 +52,7 @@ typedef struct pl_nvjpegImage {
 typedef struct pl_nvjpegHandle *pl_nvjpegHandle_t;
 typedef struct pl_nvjpegJpegState *pl_nvjpegJpegState_t;
 typedef struct pl_nvjpegJpegStream *pl_nvjpegJpegStream_t;
+typedef struct pl_nvjpegDecodeParams *pl_nvjpegDecodeParams_t;
 /* cudaStream_t, as nvJPEG takes it */
 typedef struct pl_CUstream_st *pl_nvjpeg_cudaStream_t;
 
@@ -87,6 +88,21 @@ typedef struct pl_CUstream_st *pl_nvjpeg_cudaStream_t;
     X(pl_nvjpegStatus_t, nvjpegJpegStreamGetComponentsNum,                                         \
       (pl_nvjpegJpegStream_t jpeg_stream, unsigned int *components_num))                           \
     X(pl_nvjpegStatus_t, nvjpegDecodeBatchedSupported,                                             \
-      (pl_nvjpegHandle_t handle, pl_nvjpegJpegStream_t jpeg_stream, int *is_supported))
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegStream_t jpeg_stream, int *is_supported))           \
+    X(pl_nvjpegStatus_t, nvjpegDecodeParamsCreate,                                                 \
+      (pl_nvjpegHandle_t handle, pl_nvjpegDecodeParams_t *decode_params))                          \
+    X(pl_nvjpegStatus_t, nvjpegDecodeParamsDestroy, (pl_nvjpegDecodeParams_t decode_params))       \
+    X(pl_nvjpegStatus_t, nvjpegDecodeParamsSetOutputFormat,                                        \
+      (pl_nvjpegDecodeParams_t decode_params, pl_nvjpegOutputFormat_t output_format))              \
+    X(pl_nvjpegStatus_t, nvjpegDecodeParamsSetROI,                                                 \
+      (pl_nvjpegDecodeParams_t decode_params, int offset_x, int offset_y, int roi_width,           \
+       int roi_height))                                                                            \
+    X(pl_nvjpegStatus_t, nvjpegDecodeBatchedSupportedEx,                                           \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegStream_t jpeg_stream,                                \
+       pl_nvjpegDecodeParams_t decode_params, int *is_supported))                                  \
+    X(pl_nvjpegStatus_t, nvjpegDecodeBatchedEx,                                                    \
+      (pl_nvjpegHandle_t handle, pl_nvjpegJpegState_t state, const unsigned char *const *data,     \
+       const size_t *lengths, pl_nvjpegImage_t *destinations,                                      \
+       pl_nvjpegDecodeParams_t *decode_params, pl_nvjpeg_cudaStream_t stream))
 
 #endif

@@ -475,6 +475,30 @@ static PyObject *gather_epoch_table(PyObject *m, PyObject *obj)
     return out;
 }
 
+/* pinloader._C._epoch_view(table): a new read-only array over the same entries as `table` (an
+ * epoch table, or a slice of one) whose base is the table's capsule itself. What the loader hands
+ * out is such a view: `view.base` is the capsule, which user code cannot re-point or free, so
+ * ndarray.__setstate__ on anything handed out never reaches the loader's own cached order (a
+ * plain .view() would have the cached array as its base, and __setstate__ on that base frees
+ * the table under the cache). */
+static PyObject *gather_epoch_view(PyObject *m, PyObject *obj)
+{
+    (void)m;
+    PyObject *cap;
+    const epoch_table *t = PyArray_Check(obj) ? epoch_table_of((PyArrayObject *)obj, &cap) : NULL;
+    if (!t)
+        return PyErr_Format(PyExc_TypeError, "_epoch_view: not an epoch table (_epoch_table)");
+    PyArrayObject *a = (PyArrayObject *)obj;
+    npy_intp dim = PyArray_SIZE(a);
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(NPY_INT64), 1, &dim, NULL,
+                                         PyArray_DATA(a), NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
+    if (arr && PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(cap)) < 0) { /* steals cap */
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
 /* Copy `obj` (1-D integers) into a new PyMem_Malloc'd table, each entry r checked:
  * 0 <= r and r + span <= limit. Returns 0, or -1 with an exception naming `what`. */
 static int read_rows(PyObject *obj, const char *what, int64_t span, int64_t limit, int64_t **out,
@@ -1720,6 +1744,9 @@ static PyMethodDef gather_functions[] = {
     {"register_rows", (PyCFunction)(void (*)(void))gather_register_rows, METH_VARARGS | METH_KEYWORDS,
      register_rows_doc},
     {"permutation", (PyCFunction)(void (*)(void))gather_permutation, METH_VARARGS | METH_KEYWORDS, permutation_doc},
+    {"_epoch_view", gather_epoch_view, METH_O, "_epoch_view(table, /)\n--\n\n"
+     "A read-only array over the entries of an epoch table (or a slice of one) whose base is the\n"
+     "table's capsule: what ArrayLoader.indices hands out (see gather_epoch_view)."},
     {"_epoch_table", gather_epoch_table, METH_O, "_epoch_table(order, /)\n--\n\n"
      "order (1-D integers) as a read-only int64 array over an epoch table, which RowGathers of its\n"
      "slices read in place (Note [epoch row tables] in src/py/gather.c)."},

@@ -12,10 +12,15 @@
  * are overwritten after the stream's earlier work (the previous step's reads) and before its
  * later work (the next step), and the host never waits. On the host backend the CPU is the
  * consumer: it waits for the batch's copy and copies.
- *   - The layout is the first batch's: each leaf's dtype and shape. A later leaf with the same
- *     dtype and trailing dimensions and at most as many rows fills the first rows, the rest are
- *     zeroed, and valid_rows says how many rows are real (the fewest over the leaves); any
- *     other difference, or another number of array leaves, is a ValueError naming the leaf.
+ *   - The layout is the first batch's: each leaf's dtype and shape (with static_rows, at least
+ *     that many rows: an ArrayLoader resumed near an epoch's end starts with a short batch). A
+ *     later leaf with the same dtype and trailing dimensions and at most as many rows fills
+ *     the first rows, the rest are zeroed, and valid_rows says how many rows are real (the
+ *     fewest over the leaves with rows: a 0-d leaf, a scalar, has none; a batch of 0-d leaves
+ *     only has valid_rows None); any other difference, or another number of array leaves, is
+ *     a ValueError naming the leaf.
+ *   - out= buffers must not overlap in memory (the same array twice, views of one array):
+ *     the leaves would overwrite each other. A ValueError names both.
  *   - A static batch is valid until the next batch is taken.
  *   - The static block never memoizes consumer waits (pl_block.no_memo): an export of a static
  *     DeviceArray to another stream waits on the latest fill, every time.
@@ -92,9 +97,41 @@ static int leaf_set_layout(static_leaf *L, int ndim, const int64_t *shape, DLDat
     return 0;
 }
 
-/* The static buffers, laid out from the first batch's leaves. */
+/* Note [closed during a handout]
+ * A handout runs user code and releases the GIL: the stream= callable, the wait for the
+ * batch's copy on the host backend, an out= buffer's own __dlpack__ (Python code for a torch
+ * tensor), convert=. Any of them, or another thread meanwhile, may close the prefetcher, which
+ * frees the static layout (pl_handout_drop_static) and sets h->closed. So after each such call
+ * the handout checks h->closed before it reads h->statics again, and static buffers are never
+ * made on a closed prefetcher (they would stay allocated past its close()). The batch itself
+ * stays alive: the caller holds it until the handout returns. */
+static int closed_during(const pl_handout *h)
+{
+    if (!h->closed)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher is closed (closed while the batch was "
+                    "handed out)");
+    return -1;
+}
+
+/* Bytes of one row of a leaf of n rows, nbytes in all, trailing dimensions shape[1:]. */
+static int row_bytes(const pl_da_view *v, size_t *out)
+{
+    if (v->shape[0] > 0) {
+        *out = v->nbytes / (size_t)v->shape[0];
+        return 0;
+    }
+    size_t r = ((size_t)v->dtype.bits * v->dtype.lanes + 7) / 8;
+    for (int d = 1; d < v->ndim; d++)
+        if (v->shape[d] < 0 || __builtin_mul_overflow(r, (size_t)v->shape[d], &r))
+            return -1;
+    *out = r;
+    return 0;
+}
+
+/* The static buffers, laid out from the first batch's leaves (Note [static batches]). */
 static pl_static *static_make(pl_state *st, const pl_backend *b, int device, const pl_leaves *leaves,
-                              pl_stream *s)
+                              pl_stream *s, int64_t static_rows)
 {
     Py_ssize_t n = leaves->n;
     pl_static *S = static_new(n);
@@ -104,15 +141,18 @@ static pl_static *static_make(pl_state *st, const pl_backend *b, int device, con
     for (Py_ssize_t i = 0; i < n; i++) {
         const pl_da_view *v = &leaves->v[i];
         static_leaf *L = &S->leaf[i];
+        size_t nbytes = v->nbytes, row;
+        int grow = v->ndim >= 1 && static_rows > v->shape[0];
+        if (grow && (row_bytes(v, &row) < 0 || __builtin_mul_overflow(row, (size_t)static_rows, &nbytes)))
+            goto too_large;
         if (pl_align_up_checked(total, PL_ALIGN, &L->off) != 0 ||
-            __builtin_add_overflow(L->off, v->nbytes, &total)) {
-            PyErr_SetString(PyExc_OverflowError, "AsyncPrefetcher(static=True): the static "
-                            "buffers' size overflows");
-            goto fail;
-        }
-        L->nbytes = v->nbytes;
+            __builtin_add_overflow(L->off, nbytes, &total))
+            goto too_large;
+        L->nbytes = nbytes;
         if (leaf_set_layout(L, v->ndim, v->shape, v->dtype) < 0)
             goto fail;
+        if (grow)
+            L->shape[0] = static_rows;
     }
     int rc = pl_block_create(b, device, &S->blk), prev = -1;
     if (rc == PL_OK) {
@@ -138,9 +178,55 @@ static pl_static *static_make(pl_state *st, const pl_backend *b, int device, con
         PyTuple_SET_ITEM(S->arrays, i, a);
     }
     return S;
+too_large:
+    PyErr_SetString(PyExc_OverflowError, "AsyncPrefetcher(static=True): the static buffers' size "
+                    "overflows");
 fail:
     static_free(S);
     return NULL;
+}
+
+typedef struct span {
+    const char *lo;
+    size_t n;
+    Py_ssize_t i;
+} span;
+
+static int span_cmp(const void *a, const void *b)
+{
+    const span *x = a, *y = b;
+    return x->lo < y->lo ? -1 : x->lo > y->lo ? 1 : (x->i > y->i) - (x->i < y->i);
+}
+
+/* ValueError naming two out= buffers whose memory overlaps (the same array twice, views of one
+ * array): each would overwrite the other. 0 if none do, -1 with an exception. */
+static int out_overlap(const pl_static *S)
+{
+    span *v = PyMem_RawMalloc((size_t)(S->n ? S->n : 1) * sizeof(span));
+    if (!v) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < S->n; i++)
+        if (S->leaf[i].nbytes)
+            v[m++] = (span){S->leaf[i].ptr, S->leaf[i].nbytes, i};
+    qsort(v, (size_t)m, sizeof(span), span_cmp);
+    Py_ssize_t far = -1; /* the span reaching furthest so far */
+    for (Py_ssize_t k = 0; k < m; k++) {
+        if (far >= 0 && (size_t)(v[k].lo - v[far].lo) < v[far].n) {
+            Py_ssize_t a = v[far].i < v[k].i ? v[far].i : v[k].i, c = v[far].i < v[k].i ? v[k].i : v[far].i;
+            PyMem_RawFree(v);
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): out[%zd] and out[%zd] overlap "
+                         "in memory (the same array twice, or views of one array): each leaf needs a "
+                         "buffer of its own, or the leaves overwrite each other", a, c);
+            return -1;
+        }
+        if (far < 0 || v[k].lo + v[k].n > v[far].lo + v[far].n)
+            far = k;
+    }
+    PyMem_RawFree(v);
+    return 0;
 }
 
 /* The static buffers given by the user (out=): each object's DLPack export, read once. They
@@ -213,6 +299,8 @@ static pl_static *static_from_out(const pl_backend *b, int device, PyObject *out
         if (leaf_set_layout(L, t->ndim, t->shape, t->dtype) < 0)
             goto fail;
     }
+    if (out_overlap(S) < 0)
+        goto fail;
     return S;
 fail:
     static_free(S);
@@ -230,11 +318,16 @@ static int same_dtype(DLDataType a, DLDataType b)
  * by someone else. A buffer that moved or changed since the first batch is a ValueError naming
  * it (a captured graph would read the old address anyway); otherwise the fresh exports replace
  * the previous ones. -1 with an exception, else 0. */
-static int out_moved(const pl_backend *b, int device, pl_static *S, PyObject *out)
+static int out_moved(const pl_backend *b, int device, pl_handout *h)
 {
-    pl_static *fresh = static_from_out(b, device, out);
+    pl_static *fresh = static_from_out(b, device, h->out);
     if (!fresh)
         return -1;
+    if (h->closed) { /* by an out= buffer's own __dlpack__, or meanwhile */
+        static_free(fresh);
+        return closed_during(h);
+    }
+    pl_static *S = h->statics;
     for (Py_ssize_t i = 0; i < S->n; i++) {
         const static_leaf *a = &S->leaf[i], *c = &fresh->leaf[i];
         int same = a->ptr == c->ptr && a->nbytes == c->nbytes && a->ndim == c->ndim &&
@@ -256,22 +349,28 @@ static int out_moved(const pl_backend *b, int device, pl_static *S, PyObject *ou
     return 0;
 }
 
-/* Whether batch leaf i fits static leaf L; its real rows in *rows. ValueError naming it if not. */
-static int check_fits(pl_state *st, Py_ssize_t i, const pl_da_view *v, const static_leaf *L, int64_t *rows)
+/* Whether batch leaf i fits static leaf L; its real rows in *rows (-1: a 0-d leaf has none).
+ * ValueError naming it if not. */
+static int check_fits(pl_state *st, Py_ssize_t i, const pl_da_view *v, const static_leaf *L, int out,
+                      int64_t *rows)
 {
     int ok = same_dtype(v->dtype, L->dtype) && v->ndim == L->ndim;
     for (int d = 1; ok && d < v->ndim; d++)
         ok = v->shape[d] == L->shape[d];
     if (ok && v->ndim)
         ok = v->shape[0] <= L->shape[0];
-    *rows = v->ndim ? v->shape[0] : 1;
+    *rows = v->ndim ? v->shape[0] : -1;
     if (ok)
         return 0;
     char got[160], want[160];
     pl_shape_text(got, sizeof got, v->ndim, v->shape);
     pl_shape_text(want, sizeof want, L->ndim, L->shape);
     PyObject *gd = pl_dtype_to_python(st, v->dtype), *wd = gd ? pl_dtype_to_python(st, L->dtype) : NULL;
-    if (wd)
+    if (wd && out)
+        PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): batch leaf %zd is %s %S, but "
+                     "its buffer out[%zd] is %s %S: a batch may only have fewer rows (see "
+                     "valid_rows)", i, got, gd, i, want, wd);
+    else if (wd)
         PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): batch leaf %zd is %s %S, "
                      "but the static buffer (laid out from the first batch) is %s %S: a later "
                      "batch may only have fewer rows (see valid_rows)", i, got, gd, want, wd);
@@ -340,22 +439,36 @@ static int static_fill(pl_state *st, const pl_backend *b, int device, pl_handout
         }
         waited = blk; /* the leaves of a batch share one block */
     }
-    /* From here on the GIL is held throughout. */
-    if (!h->statics)
-        h->statics = h->out ? static_from_out(b, device, h->out) : static_make(st, b, device, leaves, s);
-    else if (h->out && out_moved(b, device, h->statics, h->out) < 0) {
-        if (cuda)
-            pl_device_pop(b, device, prev);
-        return -1;
+    /* Note [closed during a handout]: an out= buffer's __dlpack__ is user code too. */
+    int failed = closed_during(h) < 0;
+    if (!failed && !h->statics) {
+        pl_static *made = h->out ? static_from_out(b, device, h->out)
+                                 : static_make(st, b, device, leaves, s, h->static_rows);
+        if (made && h->closed) {
+            static_free(made);
+            made = NULL;
+            closed_during(h);
+        }
+        h->statics = made;
+        failed = !made;
+    } else if (!failed && h->out) {
+        failed = out_moved(b, device, h) < 0;
     }
-    pl_static *S = h->statics;
+    /* From here on the GIL is held throughout. */
+    pl_static *S = failed ? NULL : h->statics;
     int64_t valid = -1;
-    if (S && n != S->n)
-        PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): the batch has %zd array "
-                     "leaves, the static batch (laid out from the first batch) %zd", n, S->n);
+    if (S && n != S->n) {
+        if (h->out)
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(out=...): the batch has %zd array "
+                         "leaves, out= has %zd buffers", n, S->n);
+        else
+            PyErr_Format(PyExc_ValueError, "AsyncPrefetcher(static=True): the batch has %zd array "
+                         "leaves, the static batch (laid out from the first batch) %zd", n, S->n);
+    }
     for (Py_ssize_t i = 0; S && n == S->n && i < n && !PyErr_Occurred(); i++) {
-        int64_t rows;
-        if (check_fits(st, i, &leaves->v[i], &S->leaf[i], &rows) == 0 && (valid < 0 || rows < valid))
+        int64_t rows; /* the fewest rows over the leaves with rows (Note [static batches]) */
+        if (check_fits(st, i, &leaves->v[i], &S->leaf[i], h->out != NULL, &rows) == 0 && rows >= 0 &&
+            (valid < 0 || rows < valid))
             valid = rows;
     }
     if (!S || PyErr_Occurred()) {
@@ -437,13 +550,24 @@ static PyObject *deliver_batch(pl_state *st, const pl_backend *b, int device, co
 PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_handout *h,
                            const pl_tree *tree, const pl_leaves *leaves)
 {
-    PyObject *out = NULL, *items = NULL;
-    if (!h->stream) {
+    PyObject *out = NULL, *items = NULL, *stream = NULL;
+    if (!h->stream || h->closed) {
         return PyErr_Format(PyExc_ValueError, "AsyncPrefetcher is closed");
     }
-    PyObject *stream = PyCallable_Check(h->stream) ? PyObject_CallNoArgs(h->stream)
-                                                   : Py_NewRef(h->stream);
-    if (!stream)
+    if (PyCallable_Check(h->stream)) {
+        PyObject *fn = Py_NewRef(h->stream);
+        stream = PyObject_CallNoArgs(fn);
+        if (stream && stream != Py_None && (!PyLong_Check(stream) || PyBool_Check(stream))) {
+            PyErr_Format(PyExc_TypeError, "AsyncPrefetcher: the stream= callable (%R) returned "
+                         "%.100s; it must return a DLPack stream handle (an int) or None", fn,
+                         Py_TYPE(stream)->tp_name);
+            Py_CLEAR(stream);
+        }
+        Py_DECREF(fn);
+    } else {
+        stream = Py_NewRef(h->stream);
+    }
+    if (!stream || closed_during(h) < 0) /* Note [closed during a handout] */
         goto done;
     if (h->is_static) {
         if (static_fill(st, b, device, h, leaves, stream) < 0)
@@ -484,6 +608,7 @@ void pl_handout_drop_static(pl_handout *h)
 {
     pl_static *S = h->statics;
     h->statics = NULL;
+    h->closed = 1;
     h->static_gen++;
     static_free(S);
 }

@@ -40,6 +40,10 @@ typedef struct pl_handout {
     pl_static *statics;   /* the static buffers, made at the first batch */
     Py_ssize_t valid_rows; /* rows of the last static batch (-1: none yet) */
     unsigned long static_gen; /* counts drops of the static buffers (see pl_handout_batch) */
+    int closed;           /* set by pl_handout_drop_static (close()): see Note [closed during
+                           * a handout] in handout.c */
+    int64_t static_rows;  /* static=True without out=: lay the buffers out for at least this
+                           * many rows (0: the first batch's rows) */
 } pl_handout;
 
 /* 1 when batches go through pl_handout_batch (capsule, convert or static). */
@@ -57,8 +61,9 @@ PyObject *pl_handout_batch(pl_state *st, const pl_backend *b, int device, pl_han
 /* The static buffers' DeviceArrays (a new tuple), or None before the first static batch and
  * with out=. */
 PyObject *pl_handout_static_arrays(const pl_handout *h);
-/* Drop the static buffers and their converted leaves (GIL held; at close()): the memory is
- * freed in stream order after the last use, once nothing delivered refers to it. */
+/* Drop the static buffers and their converted leaves and mark the handout closed (GIL held;
+ * at close()): the memory is freed in stream order after the last use, once nothing delivered
+ * refers to it. A handout under way notices (Note [closed during a handout] in handout.c). */
 void pl_handout_drop_static(pl_handout *h);
 /* pl_handout_drop_static, and drop the options' references (tp_clear, dealloc). */
 void pl_handout_clear(pl_handout *h);

@@ -356,18 +356,18 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
     }
     pl_jpeg_counts c;
     pl_jpeg_get_counts(self->j, &c);
-    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:n}", "device", self->device, "engines",
+    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n}", "device", self->device, "engines",
                          c.engines, "cores_per_engine", c.cores_per_engine, "batches", c.batches,
-                         "hardware", c.hardware, "cuda", c.cuda, "raw", c.raw, "failed", c.failed,
-                         "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
+                         "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw", c.raw, "failed",
+                         c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
 }
 
 static PyMethodDef jd_methods[] = {
     {"decode", (PyCFunction)(void (*)(void))jd_decode, METH_VARARGS | METH_KEYWORDS,
-     "decode(base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
+     "decode($self, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
      "--\n\nDecode a batch on the GPU: (DeviceArray, status)."},
-    {"info", (PyCFunction)jd_info, METH_NOARGS, "Counts: batches, images per decoder, engines."},
-    {"close", (PyCFunction)jd_close, METH_NOARGS, "Free the decoder's GPU resources (idempotent)."},
+    {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nCounts: batches, images per decoder, engines."},
+    {"close", (PyCFunction)jd_close, METH_NOARGS, "close($self)\n--\n\nFree the decoder's GPU resources (idempotent)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,17 +32,25 @@ int pl_pf_parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options
 {
     static char *kwlist[] = {"iterable", "device", "depth", "pool", "max_pinned_bytes",
                              "staging_threads", "copy_stream_priority", "output", "stream",
-                             "convert", "static", "out", "structure", NULL};
-    PyObject *depth_obj = NULL, *max_pinned_obj = Py_None, *threads_obj = Py_None;
+                             "convert", "static", "out", "structure", "static_rows", NULL};
+    PyObject *depth_obj = NULL, *max_pinned_obj = Py_None, *threads_obj = Py_None, *rows_obj = Py_None;
     const char *priority = "high", *output = "array";
     memset(o, 0, sizeof(*o));
     o->device = o->pool_obj = o->stream = o->convert = o->out = o->structure = Py_None;
     o->depth = 2;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO$OpOO:AsyncPrefetcher", kwlist, &o->iterable,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOssO$OpOOO:AsyncPrefetcher", kwlist, &o->iterable,
                                      &o->device, &depth_obj, &o->pool_obj, &max_pinned_obj,
                                      &threads_obj, &priority, &output, &o->stream, &o->convert,
-                                     &o->is_static, &o->out, &o->structure))
+                                     &o->is_static, &o->out, &o->structure, &rows_obj))
         return -1;
+    if (rows_obj != Py_None) {
+        /* static=True: lay the static buffers out for at least this many rows (an ArrayLoader
+         * passes its batch_size: a resumed epoch's first batch may be short) */
+        long v;
+        if (parse_positive(rows_obj, "static_rows", 0, LONG_MAX, &v) < 0)
+            return -1;
+        o->static_rows = v;
+    }
     if (o->out == Py_None) {
         o->out = NULL;
     } else if (!PyList_Check(o->out) && !PyTuple_Check(o->out)) {

@@ -582,6 +582,7 @@ static PyObject *pf_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->depth = (int)o.depth;
     self->handout = (pl_handout){o.capsule, Py_XNewRef(o.convert), Py_NewRef(o.stream),
                                  o.is_static, o.out ? PySequence_Tuple(o.out) : NULL, NULL, -1};
+    self->handout.static_rows = o.static_rows;
     if (o.out && !self->handout.out) {
         Py_DECREF(probe);
         Py_DECREF(self);

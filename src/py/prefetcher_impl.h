@@ -128,6 +128,7 @@ struct pl_prefetcher_obj {
 typedef struct pf_options {
     PyObject *iterable, *device, *pool_obj, *stream, *convert, *out, *structure;
     long depth, threads;
+    int64_t static_rows; /* 0: the first batch's rows (Note [static batches] in handout.c) */
     int high_priority, capsule, is_static;
     size_t max_pinned;
     pl_pool *shared; /* borrowed from pool_obj */

@@ -1,0 +1,185 @@
+"""``python -m pinloader pack SRC DEST``: write a packed image dataset (the format is in
+pinloader/_image_sources.py) from an ImageFolder tree or WebDataset tar shards.
+
+Note [resumable pack]
+Samples are appended in chunks: a chunk's bytes go to ``data.bin`` and are flushed to storage,
+then one line per sample (offset, length, label, height, width, components) goes to
+``progress.txt``, flushed too. A pack stopped at any point (Ctrl-C, a crash, a full disk) left
+a ``progress.txt`` whose complete lines describe bytes that are in ``data.bin``: the next run
+over the same source reads those lines, cuts ``data.bin`` back to where the last one ends and
+goes on from the next sample. The .npy files and ``meta.json`` are written only at the end,
+``meta.json`` last (through a rename), so a folder with ``meta.json`` is always complete.
+Encoded bytes are copied as they are: a corrupt image is packed too (its size -1), and the
+loader reports it when it meets it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from . import _image_ops as ops
+from ._image_sources import PACKED_FORMAT, FileSource, MappedSource, make_source
+
+CHUNK = 256
+
+
+def _info(data: Any) -> tuple[int, int, int]:
+    try:
+        return ops.image_info(data)
+    except ValueError:
+        return -1, -1, -1
+
+
+def _read(src: Any, i: int) -> tuple[bytes, tuple[int, int, int]]:
+    data = bytes(src.read_one(i))
+    return data, _info(data)
+
+
+def _name(src: Any, root: str, i: int) -> str:
+    if isinstance(src, FileSource):
+        try:
+            return os.path.relpath(src.paths[i], root)
+        except ValueError:
+            return src.paths[i]
+    return src.name(i)
+
+
+def _load_progress(path: str) -> list[tuple[int, ...]]:
+    rows: list[tuple[int, ...]] = []
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return rows
+    for line in text.split("\n")[:-1]:  # the last piece has no newline: incomplete or empty
+        parts = line.split()
+        if len(parts) != 6:
+            break
+        rows.append(tuple(int(x) for x in parts))
+    return rows
+
+
+class _Progress:
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.quiet = total, quiet
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def show(self, done: int, nbytes: int, start: int, final: bool = False) -> None:
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if not final and (done >= self.total or now - self.last < (0.2 if self.tty else 10.0)):
+            return
+        self.last = now
+        rate = (done - start) / max(now - self.t0, 1e-9)
+        width = 30
+        fill = int(width * done / max(self.total, 1))
+        bar = "#" * fill + "." * (width - fill)
+        msg = (f"pack [{bar}] {done}/{self.total} images, {nbytes / 1e6:.1f} MB, "
+               f"{rate:.0f} img/s")
+        end = "\n" if final or not self.tty else ""
+        print(("\r" if self.tty else "") + msg, end=end, file=sys.stderr, flush=True)
+
+
+def pack(src_path: str, dest: str, workers: int | None = None, quiet: bool = False) -> int:
+    """Pack ``src_path`` (an ImageFolder tree or tar shard(s)) into the folder ``dest``;
+    resumable (Note [resumable pack]). Returns the number of samples."""
+    src = make_source(src_path)
+    if isinstance(src, MappedSource) and src.kind == "packed":
+        raise ValueError(f"pack: {src_path} is already a packed dataset")
+    n = len(src)
+    os.makedirs(dest, exist_ok=True)
+    if os.path.exists(os.path.join(dest, "meta.json")):
+        raise ValueError(f"pack: {dest} already holds a packed dataset (meta.json); choose another "
+                         "folder or remove it")
+    data_path = os.path.join(dest, "data.bin")
+    prog_path = os.path.join(dest, "progress.txt")
+    rows = _load_progress(prog_path)
+    labels = np.asarray(src.labels, np.int64)
+    if len(rows) > n or any(r[2] != labels[k] for k, r in enumerate(rows)):
+        raise ValueError(f"pack: {prog_path} describes another source (its samples or labels differ "
+                         f"from {src_path}'s); remove {dest} to start over")
+    end = rows[-1][0] + rows[-1][1] if rows else 0
+    mode = "r+b" if os.path.exists(data_path) else "wb"
+    with open(data_path, mode) as data, open(prog_path, "a", encoding="ascii") as prog:
+        if os.fstat(data.fileno()).st_size < end:
+            raise ValueError(f"pack: {data_path} is shorter than {prog_path} says; remove {dest} to "
+                             "start over")
+        data.truncate(end)
+        data.seek(end)
+        bar = _Progress(n, quiet)
+        start = len(rows)
+        nw = workers or min(32, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="pl-pack") as pool:
+            k = start
+            while k < n:
+                hi = min(n, k + CHUNK)
+                got = list(pool.map(lambda i: _read(src, i), range(k, hi)))
+                lines = []
+                for j, (blob, (h, w, c)) in enumerate(got):
+                    data.write(blob)
+                    lines.append(f"{end} {len(blob)} {int(labels[k + j])} {h} {w} {c}\n")
+                    rows.append((end, len(blob), int(labels[k + j]), h, w, c))
+                    end += len(blob)
+                data.flush()
+                os.fsync(data.fileno())
+                prog.write("".join(lines))
+                prog.flush()
+                os.fsync(prog.fileno())
+                k = hi
+                bar.show(k, end, start)
+        bar.show(n, end, start, final=True)
+    table = np.array(rows, np.int64).reshape(-1, 6)
+    offsets = np.zeros(n + 1, np.int64)
+    offsets[1:] = table[:, 0] + table[:, 1]
+    np.save(os.path.join(dest, "offsets.npy"), offsets)
+    np.save(os.path.join(dest, "labels.npy"), table[:, 2].copy())
+    np.save(os.path.join(dest, "sizes.npy"), table[:, 3:6].astype(np.int32))
+    with open(os.path.join(dest, "names.txt"), "w", encoding="utf-8") as f:
+        root = os.fspath(src_path) if isinstance(src_path, (str, os.PathLike)) else ""
+        f.write("\n".join(_name(src, root, i).replace("\n", " ") for i in range(n)))
+    meta = {"format": PACKED_FORMAT, "version": 1, "count": n,
+            "classes": list(src.classes) if getattr(src, "classes", None) else None,
+            "source": os.path.abspath(os.fspath(src_path)) if isinstance(src_path, (str, os.PathLike)) else None}
+    tmp = os.path.join(dest, "meta.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(dest, "meta.json"))
+    os.remove(prog_path)
+    src.close()
+    return n
+
+
+def add_parser(sub: Any, fmt: Any) -> None:
+    p = sub.add_parser("pack", formatter_class=fmt,
+                       help="pack an image folder or tar shards into one file for ImageLoader",
+                       description="Write SRC's images (an ImageFolder tree: SRC/<class>/<image>, or "
+                                   "WebDataset .tar shards) into DEST as one data file with int64 "
+                                   "offsets and labels (.npy). Parallel; a stopped pack resumes "
+                                   "where it stopped when run again.")
+    p.add_argument("src", nargs="+", help="the folder, or the .tar shard(s)")
+    p.add_argument("dest", help="the packed dataset's folder (created)")
+    p.add_argument("--workers", type=int, default=None, help="reader threads (default: the CPUs)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: Any) -> int:
+    src = args.src[0] if len(args.src) == 1 else list(args.src)
+    try:
+        n = pack(src, args.dest, workers=args.workers, quiet=args.quiet)
+    except (ValueError, OSError) as e:
+        print(f"pinloader pack: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"packed {n} images into {args.dest}", file=sys.stderr)
+    return 0

@@ -1,0 +1,330 @@
+"""Where :class:`pinloader.ImageLoader` reads encoded images from: an ``ImageFolder`` tree, a
+list of (path, label), WebDataset-style tar shards, or a packed dataset
+(``python -m pinloader pack``).
+
+Every source gives, for an int64 array of sample indices, the samples' encoded bytes as ragged
+rows of one C-contiguous uint8 buffer (``read(indices) -> (base, offsets, lengths)``), their
+labels, a name for error messages (``name(i)``), and a cache of image sizes (``hw``: int32
+(N, 3) height, width, components; -1 where not known yet) that the loader fills from the
+headers as it first meets each sample. A packed dataset and a single tar shard are one mapped
+file: ``read`` returns the mapping itself and the samples' offsets in it, without copying.
+
+Packed format (a directory; every file opens with NumPy alone):
+
+* ``data.bin``: the encoded images, one after the other;
+* ``offsets.npy``: int64 (N + 1,): sample i is ``data.bin[offsets[i]:offsets[i + 1]]``;
+* ``labels.npy``: int64 (N,);
+* ``sizes.npy``: int32 (N, 3): height, width, components from each header (-1: not known);
+* ``meta.json``: ``{"format": "pinloader.packed", "version": 1, "count": N, "classes": [...]}``;
+* ``names.txt``: each sample's source path (relative to the packed folder or tar), one a line.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+TAR_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
+PACKED_FORMAT = "pinloader.packed"
+
+
+class ImageSourceError(ValueError):
+    """A source that cannot be read as a dataset (empty, missing labels, malformed)."""
+
+
+def _unknown_sizes(n: int) -> np.ndarray:
+    return np.full((n, 3), -1, np.int32)
+
+
+def _ragged(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    lengths = np.array([len(c) for c in chunks], np.int64)
+    offsets = np.zeros(len(chunks), np.int64)
+    if len(chunks) > 1:
+        np.cumsum(lengths[:-1], out=offsets[1:])
+    base = np.frombuffer(b"".join(chunks), np.uint8) if chunks else np.zeros(0, np.uint8)
+    if base.size == 0:
+        base = np.zeros(1, np.uint8)  # a buffer to point into even when every sample is empty
+    return base, offsets, lengths
+
+
+def _map(path: str) -> np.ndarray:
+    """The whole file, mapped read-only, as a uint8 array (a one-byte array for an empty file)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return np.zeros(1, np.uint8)
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(m, np.uint8)
+
+
+class FileSource:
+    """Images in files, one per sample (a folder or a list of paths)."""
+
+    kind = "files"
+
+    def __init__(self, paths: list[str], labels: np.ndarray, classes: list[str] | None = None) -> None:
+        self.paths = paths
+        self.labels = labels
+        self.classes = classes
+        self.hw = _unknown_sizes(len(paths))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def name(self, i: int) -> str:
+        return self.paths[int(i)]
+
+    def read_one(self, i: int) -> bytes:
+        with open(self.paths[int(i)], "rb") as f:
+            return f.read()
+
+    def _reader(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pid != os.getpid():
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pl-image-read")
+            self._pid = os.getpid()
+        return self._pool
+
+    def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The files of ``idx`` into one buffer, read by threads (file reads release the GIL).
+        A missing or unreadable file raises OSError naming it, the index in ``err_index``."""
+        def one(i: int) -> bytes:
+            try:
+                return self.read_one(i)
+            except OSError as e:
+                e.err_index = int(i)  # type: ignore[attr-defined]
+                raise
+        chunks = list(self._reader().map(one, [int(i) for i in idx])) if len(idx) > 1 else [one(int(i)) for i in idx]
+        return _ragged(chunks)
+
+    def close(self) -> None:
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=True)
+        self._pool = None
+
+
+def folder_source(root: str) -> FileSource:
+    """torchvision's ImageFolder: class folders sorted by name, labels their positions, files
+    with IMG_EXTENSIONS (any case) found recursively, sorted, symlinks followed."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise ImageSourceError(f"ImageLoader: {root} is not a folder")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    if not classes:
+        raise ImageSourceError(f"ImageLoader: {root} has no class folders (ImageFolder layout: "
+                               "root/<class>/<image>)")
+    paths: list[str] = []
+    labels: list[int] = []
+    for c, name in enumerate(classes):
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            for fname in sorted(files):
+                if fname.lower().endswith(IMG_EXTENSIONS):
+                    paths.append(os.path.join(dirpath, fname))
+                    labels.append(c)
+    if not paths:
+        raise ImageSourceError(f"ImageLoader: no image files ({', '.join(IMG_EXTENSIONS)}) under "
+                               f"{root}'s class folders")
+    return FileSource(paths, np.array(labels, np.int64), classes)
+
+
+def list_source(items: Sequence[tuple[Any, int]]) -> FileSource:
+    paths: list[str] = []
+    labels: list[int] = []
+    for k, item in enumerate(items):
+        try:
+            p, lab = item
+        except (TypeError, ValueError):
+            raise TypeError(f"ImageLoader: source[{k}] must be a (path, label) pair, got {item!r}") from None
+        if isinstance(lab, bool) or not isinstance(lab, (int, np.integer)):
+            raise TypeError(f"ImageLoader: source[{k}]: the label must be an int, got {lab!r}")
+        paths.append(os.fspath(p))
+        labels.append(int(lab))
+    if not paths:
+        raise ImageSourceError("ImageLoader: the list of images is empty")
+    return FileSource(paths, np.array(labels, np.int64))
+
+
+class MappedSource:
+    """Samples as ragged rows of mapped files (packed data, tar shards): ``files[f]`` is the
+    mapping, sample i lies in file ``file_of[i]`` at ``offsets[i]``, ``lengths[i]`` bytes."""
+
+    def __init__(self, kind: str, files: list[np.ndarray], file_names: list[str], file_of: np.ndarray,
+                 offsets: np.ndarray, lengths: np.ndarray, labels: np.ndarray, names: list[str],
+                 hw: np.ndarray | None = None, classes: list[str] | None = None) -> None:
+        self.kind = kind
+        self.files = files
+        self.file_names = file_names
+        self.file_of = file_of
+        self.offsets = offsets
+        self.lengths = lengths
+        self.labels = labels
+        self.names = names
+        self.classes = classes
+        self.hw = hw if hw is not None else _unknown_sizes(len(labels))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def name(self, i: int) -> str:
+        i = int(i)
+        return f"{self.file_names[int(self.file_of[i])]}: {self.names[i]}"
+
+    def read_one(self, i: int) -> memoryview:
+        i = int(i)
+        f = self.files[int(self.file_of[i])]
+        o = int(self.offsets[i])
+        return memoryview(f[o:o + int(self.lengths[i])])
+
+    def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        idx = np.asarray(idx, np.int64)
+        which = self.file_of[idx]
+        if len(idx) and (which == which[0]).all():
+            # one file: the mapping itself, no copy
+            return self.files[int(which[0])], self.offsets[idx].copy(), self.lengths[idx].copy()
+        return _ragged([self.read_one(i) for i in idx])
+
+    def close(self) -> None:
+        self.files = []
+
+
+def packed_source(root: str) -> MappedSource:
+    root = os.fspath(root)
+    try:
+        with open(os.path.join(root, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ImageSourceError(f"ImageLoader: {root} is not a packed dataset (meta.json: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != PACKED_FORMAT:
+        raise ImageSourceError(f"ImageLoader: {root}/meta.json is not a {PACKED_FORMAT} file")
+    bounds = np.load(os.path.join(root, "offsets.npy"))
+    labels = np.load(os.path.join(root, "labels.npy")).astype(np.int64, copy=False)
+    n = len(labels)
+    if bounds.shape != (n + 1,) or n == 0:
+        raise ImageSourceError(f"ImageLoader: {root}: offsets.npy has shape {bounds.shape}, "
+                               f"labels.npy {n} samples (need N + 1 offsets, N >= 1)")
+    data_path = os.path.join(root, "data.bin")
+    data = _map(data_path)
+    size = os.path.getsize(data_path)
+    bounds = bounds.astype(np.int64, copy=False)
+    if bounds[0] != 0 or (np.diff(bounds) < 0).any() or bounds[-1] > size:
+        raise ImageSourceError(f"ImageLoader: {root}: offsets.npy does not describe data.bin "
+                               f"({size} bytes)")
+    hw = None
+    sp = os.path.join(root, "sizes.npy")
+    if os.path.exists(sp):
+        s = np.load(sp)
+        if s.shape == (n, 3):
+            hw = s.astype(np.int32, copy=True)
+    names_path = os.path.join(root, "names.txt")
+    names = [f"sample {i}" for i in range(n)]
+    if os.path.exists(names_path):
+        with open(names_path, encoding="utf-8", errors="replace") as f:
+            got = f.read().split("\n")[:n]
+        if len(got) == n:
+            names = got
+    return MappedSource("packed", [data], [data_path], np.zeros(n, np.int64), bounds[:-1].copy(),
+                        np.diff(bounds), labels, names, hw, meta.get("classes"))
+
+
+def _wds_key(name: str) -> tuple[str, str]:
+    """WebDataset's split: the key is the path up to the first dot of the file name."""
+    d, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (d + "/" + stem if d else stem), ext.lower()
+
+
+def tar_source(shards: Sequence[str]) -> MappedSource:
+    """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
+    ``key.cls`` (its label as decimal text). Each shard's members are indexed once; the shard
+    is then read as one mapped file."""
+    files: list[np.ndarray] = []
+    names_f: list[str] = []
+    file_of: list[int] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    labels: list[int] = []
+    names: list[str] = []
+    for f, shard in enumerate(shards):
+        shard = os.fspath(shard)
+        samples: dict[str, dict[str, Any]] = {}
+        order: list[str] = []
+        try:
+            with tarfile.open(shard, "r:") as t:
+                for m in t:
+                    if not m.isfile():
+                        continue
+                    key, ext = _wds_key(m.name)
+                    if key not in samples:
+                        samples[key] = {}
+                        order.append(key)
+                    samples[key][ext] = m
+                    if ext == "cls":
+                        fh = t.extractfile(m)
+                        samples[key]["label"] = fh.read() if fh is not None else b""
+        except (OSError, tarfile.TarError) as e:
+            raise ImageSourceError(f"ImageLoader: cannot read the tar shard {shard} ({e})") from None
+        data = _map(shard)
+        count = 0
+        for key in order:
+            s = samples[key]
+            img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
+            if img is None:
+                continue
+            if "label" not in s:
+                raise ImageSourceError(f"ImageLoader: {shard}: {img.name} has no label ({key}.cls)")
+            try:
+                lab = int(s["label"].decode("ascii").strip())
+            except (UnicodeDecodeError, ValueError):
+                raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls is not an integer label "
+                                       f"({s['label'][:40]!r})") from None
+            file_of.append(f)
+            offsets.append(int(m_off(img)))
+            lengths.append(int(img.size))
+            labels.append(lab)
+            names.append(img.name)
+            count += 1
+        files.append(data)
+        names_f.append(shard)
+    if not labels:
+        raise ImageSourceError(f"ImageLoader: no images in the tar shards {list(map(str, shards))}")
+    return MappedSource("tar", files, names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
+                        np.array(lengths, np.int64), np.array(labels, np.int64), names)
+
+
+def m_off(m: tarfile.TarInfo) -> int:
+    return int(m.offset_data)
+
+
+def make_source(source: Any) -> Any:
+    """The source object for ImageLoader's ``source`` argument: a folder (ImageFolder layout,
+    or a packed dataset when it holds meta.json), a tar shard or a list of them, or a list of
+    (path, label) pairs."""
+    if isinstance(source, (FileSource, MappedSource)):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        p = os.fspath(source)
+        if os.path.isdir(p):
+            if os.path.exists(os.path.join(p, "meta.json")):
+                return packed_source(p)
+            return folder_source(p)
+        if p.endswith(".tar") and os.path.isfile(p):
+            return tar_source([p])
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"ImageLoader: {p} does not exist")
+        raise ImageSourceError(f"ImageLoader: {p} is neither a folder nor a .tar shard")
+    try:
+        items = list(source)
+    except TypeError:
+        raise TypeError(f"ImageLoader: source must be a folder, tar shard(s) or a list of (path, "
+                        f"label), not {type(source).__name__}") from None
+    if items and all(isinstance(x, (str, os.PathLike)) for x in items):
+        return tar_source(items)
+    return list_source(items)

@@ -1,0 +1,825 @@
+"""ImageLoader: batches of encoded images (JPEG files in an ImageFolder tree, a list of paths,
+WebDataset tar shards, or a packed dataset), decoded, cropped, resized, flipped, normalized and
+cast on the GPU by nvJPEG and pinloader's image kernel, or by Pillow on the host backend.
+
+The loader is a source for :class:`pinloader.AsyncPrefetcher`, as ArrayLoader's batches are: it
+shares ArrayLoader's epoch plan (the seeded permutation, the sharding, the batches:
+pinloader/_epoch_plan.py) and its checkpoint format and re-sharding (pinloader/_resume.py), so
+everything the ArrayLoader's module documentation says under "Sampling" and "Resuming" holds
+here with images as the items. Each epoch's batches are made by a generator on the
+prefetcher's producer thread:
+
+* GPU (a CUDA device, nVJPEG found): the batch's encoded bytes as ragged rows of one buffer (the
+  mapped packed file or tar shard itself, or the files read by threads into one buffer), the
+  crop parameters from the images' header sizes (Note [image parameters] in
+  pinloader/_image_ops.py), then one ``JpegDecoder.decode`` call (src/py/jpeg_decoder.c) that
+  decodes on the GPU's JPEG engines and runs the resampling kernel into the batch. The image
+  is a device array the prefetcher passes through (it is already where it is going); the labels
+  travel the usual way. Images nvJPEG does not take (PNG and other formats, JPEGs with other
+  than 1 or 3 components, anything it fails on) are decoded by the host decoder and handed to
+  the same call (``raw=``), so the kernel still crops them; ``stats()`` counts them by reason.
+* Host: each sample decoded and resampled by Pillow on the loader's worker threads (Pillow
+  releases the GIL while it decodes and resizes), two batches ahead of the producer, and the
+  batch copied by the prefetcher like any other.
+
+Both take the same parameters for the same (seed, epoch, sample): the crops are the same on
+every backend, rank and resume.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import _C, _cudart, _resume
+from ._C import AsyncPrefetcher
+from ._epoch_plan import _order, _Plan, prepare_order
+from . import _image_ops as ops
+from ._image_sources import make_source
+from .array_loader import (_ADAPTER_DEFAULT_DEPTH, _HANDOUT_OPTS, _default_rank_world, _int_arg,
+                           _same_opt)
+
+__all__ = ["ImageLoader", "ImageDecodeError"]
+
+
+def _same_device(running: str, wanted: Any) -> bool:
+    """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted``."""
+    if wanted is None:
+        return True
+    if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool):
+        return running == f"cuda:{int(wanted)}"
+    text = str(wanted)
+    if text in ("cpu", "cpu:0", "host"):
+        return running == "cpu"
+    return text == running or (text == "cuda" and running.startswith("cuda:"))
+
+FORMAT = "pinloader.ImageLoader"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+_DTYPES = ("uint8", "float16", "bfloat16", "float32")
+_LAYOUTS = {"NCHW": False, "NHWC": True, "channels_last": True}
+_DEFAULT_DEPTH = 3
+_HOST_AHEAD = 2  # host batches decoding ahead of the one the producer waits for
+_SKIP_RECORDS = 16  # skipped samples kept in stats() (the count is exact)
+
+
+class ImageDecodeError(ValueError):
+    """A sample that cannot be read or decoded (``on_error="raise"``): names the sample index
+    and its file or shard member."""
+
+
+class _Tag:
+    """Which of the epoch's planned batches an item is: a pass-through leaf the loader's
+    ``__next__`` takes off (skipped samples make batches smaller, never fewer)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+
+class _Runner:
+    """What the epochs' generators need, without a reference to the loader (the loader holds
+    the prefetcher, which holds the source)."""
+
+    def __init__(self, src: Any, cfg: dict[str, Any]) -> None:
+        self.src = src
+        self.cfg = cfg
+        self.decoder: Any = None     # a JpegDecoder on the GPU path
+        self.pool: ThreadPoolExecutor | None = None
+        self.pool_pid = 0
+        self.counts: dict[str, Any] = {"samples": 0, "skipped": 0, "skipped_samples": [],
+                                       "host_decoded": 0, "host_decoded_reasons": {}}
+
+    # ---- shared ----
+
+    def workers(self) -> ThreadPoolExecutor:
+        if self.pool is None or self.pool_pid != os.getpid():
+            self.pool = ThreadPoolExecutor(max_workers=self.cfg["workers"], thread_name_prefix="pl-image")
+            self.pool_pid = os.getpid()
+        return self.pool
+
+    def fail(self, i: int, why: str) -> ImageDecodeError:
+        return ImageDecodeError(f"ImageLoader: sample {int(i)} ({self.src.name(i)}): {why}")
+
+    def skip(self, i: int, why: str) -> None:
+        c = self.counts
+        c["skipped"] += 1
+        if len(c["skipped_samples"]) < _SKIP_RECORDS:
+            c["skipped_samples"].append({"index": int(i), "name": self.src.name(i), "reason": why})
+
+    def bad(self, i: int, why: str) -> None:
+        if self.cfg["on_error"] == "raise":
+            raise self.fail(i, why)
+        self.skip(i, why)
+
+    def host_reason(self, why: str) -> None:
+        c = self.counts
+        c["host_decoded"] += 1
+        r = c["host_decoded_reasons"]
+        r[why] = r.get(why, 0) + 1
+
+    def params(self, epoch: int, idx: np.ndarray, hw: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        if cfg["train"]:
+            u = ops.draws(cfg["seed"], epoch, idx)
+            return ops.train_params(hw[:, :2], u, cfg["size"], cfg["scale"], cfg["ratio"], cfg["flip"])
+        return ops.eval_params(hw[:, :2], cfg["size"], cfg["resize"])
+
+    def header(self, i: int, data: Any) -> np.ndarray:
+        """The sample's (h, w, components), from the cache or its header (then cached)."""
+        hw = self.src.hw[i]
+        if hw[0] > 0:
+            return hw
+        h, w, c = ops.image_info(data)
+        self.src.hw[i] = (h, w, c)
+        return self.src.hw[i]
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.src.labels[idx], dtype=np.int64)
+
+    def batch(self, image: Any, labels: np.ndarray) -> dict[str, Any]:
+        k_img, k_lab = self.cfg["keys"]
+        return {k_img: image, k_lab: labels}
+
+    def epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
+        if self.decoder is not None:
+            return self._gpu_epoch(epoch, order, n_batches)
+        return self._host_epoch(epoch, order, n_batches)
+
+    # ---- host ----
+
+    def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, out: np.ndarray) -> str | None:
+        """Decode sample i into ``out`` (H, W, 3 uint8); an error's text, or None."""
+        cfg = self.cfg
+        try:
+            data = self.src.read_one(i)
+        except OSError as e:
+            return f"cannot be read ({e})"
+        try:
+            hw = self.header(i, data)
+            if cfg["train"]:
+                p = ops.train_params(hw[None, :2], u[None], cfg["size"], cfg["scale"], cfg["ratio"],
+                                     cfg["flip"])[0]
+            else:
+                p = ops.eval_params(hw[None, :2], cfg["size"], cfg["resize"])[0]
+            out[...] = ops.host_decode(data, p, cfg["size"], (int(hw[0]), int(hw[1])))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _host_start(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Future[str | None]]]:
+        H, W = self.cfg["size"]
+        u8 = np.empty((len(idx), H, W, 3), np.uint8)
+        u = ops.draws(self.cfg["seed"], epoch, idx) if self.cfg["train"] else None
+        pool = self.workers()
+        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k], u8[k])
+                for k, i in enumerate(idx)]
+        return idx, u8, futs
+
+    def _host_finish(self, started: tuple[np.ndarray, np.ndarray, list[Future[str | None]]]) -> dict[str, Any]:
+        idx, u8, futs = started
+        keep = []
+        for k, f in enumerate(futs):
+            why = f.result()
+            if why is None:
+                keep.append(k)
+            else:
+                self.bad(int(idx[k]), why)
+        if len(keep) != len(idx):
+            u8, idx = u8[keep], idx[keep]
+        self.counts["samples"] += len(idx)
+        return self.batch(self.finish_host(u8), self.labels(idx))
+
+    def finish_host(self, u8: np.ndarray) -> Any:
+        """(B, H, W, 3) uint8 -> the output dtype and layout, normalized (Note [host decode])."""
+        cfg = self.cfg
+        dtype = cfg["dtype"]
+        if dtype == "uint8":
+            out = u8
+        else:
+            scale = np.asarray(cfg["norm"][0], np.float32)
+            bias = np.asarray(cfg["norm"][1], np.float32)
+            f = u8.astype(np.float32)
+            f *= scale
+            f += bias
+            out = f if dtype == "float32" else f.astype(np.float16) if dtype == "float16" else f
+        if not cfg["channels_last"]:
+            out = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+        if dtype == "bfloat16":
+            import torch  # checked when the loader was made
+            return torch.from_numpy(np.ascontiguousarray(out)).to(torch.bfloat16)
+        return out
+
+    def _host_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
+        bs = self.cfg["batch_size"]
+        started: collections.deque[Any] = collections.deque()
+        nxt = 0
+        try:
+            for b in range(n_batches):
+                while nxt < n_batches and len(started) <= _HOST_AHEAD:
+                    started.append(self._host_start(epoch, np.asarray(order[nxt * bs:(nxt + 1) * bs], np.int64)))
+                    nxt += 1
+                yield (self._host_finish(started.popleft()), _Tag(b))
+        finally:
+            for _, _, futs in started:
+                for f in futs:
+                    f.cancel()
+                for f in futs:  # the arrays they write into are dropped with the deque
+                    if not f.cancelled():
+                        try:
+                            f.result()
+                        except BaseException:  # noqa: BLE001 -- the epoch is being abandoned
+                            pass
+
+    # ---- GPU ----
+
+    def _gpu_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
+        bs = self.cfg["batch_size"]
+        for b in range(n_batches):
+            idx = np.asarray(order[b * bs:(b + 1) * bs], np.int64)
+            yield (self._gpu_batch(epoch, idx), _Tag(b))
+
+    def _read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        try:
+            return self.src.read(idx)
+        except OSError as e:
+            bad = getattr(e, "err_index", None)
+            if bad is None or self.cfg["on_error"] == "raise":
+                if bad is not None:
+                    raise self.fail(bad, f"cannot be read ({e})") from None
+                raise
+        # skip: read the rest one by one, dropping what cannot be read
+        chunks, keep = [], []
+        for k, i in enumerate(idx):
+            try:
+                chunks.append(self.src.read_one(int(i)))
+                keep.append(k)
+            except OSError as e2:
+                self.skip(int(i), f"cannot be read ({e2})")
+        from ._image_sources import _ragged
+        base, off, ln = _ragged(chunks)
+        full_off = np.zeros(len(idx), np.int64)
+        full_len = np.full(len(idx), -1, np.int64)
+        full_off[keep], full_len[keep] = off, ln
+        return base, full_off, full_len
+
+    def _gpu_batch(self, epoch: int, idx: np.ndarray) -> dict[str, Any]:
+        cfg = self.cfg
+        base, offs, lens = self._read(idx)
+        n = len(idx)
+        hw = np.empty((n, 3), np.int32)
+        ok = lens >= 0
+        raw: dict[int, np.ndarray] = {}
+        whys: dict[int, str] = {}
+        for k in range(n):
+            if not ok[k]:
+                continue
+            i = int(idx[k])
+            c = self.src.hw[i]
+            if c[0] > 0:
+                hw[k] = c
+                continue
+            view = base[int(offs[k]):int(offs[k]) + int(lens[k])]
+            try:
+                hw[k] = self.header(i, view)
+            except ValueError as e:
+                whys[k] = str(e)
+                ok[k] = False
+        # what nvJPEG does not take goes to the host decoder (Note [host decode])
+        todo = [k for k in range(n) if ok[k] and hw[k, 2] not in (1, 3)]
+        for k in todo:
+            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok,
+                      "not a JPEG" if hw[k, 2] == 0 else f"a JPEG of {hw[k, 2]} components")
+        image, status = self._decode(epoch, idx, base, offs, lens, hw, raw, ok)
+        st = status.tolist()
+        retry = False
+        for k in range(n):
+            if ok[k] and st[k] != 0:
+                reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
+                          3: "nvJPEG does not support it", 4: "its size differs from its header's"}.get(st[k], f"status {st[k]}")
+                self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
+                retry = True
+        for k in range(n):
+            if not ok[k]:
+                self.bad(int(idx[k]), whys.get(k, "cannot be read"))
+        keep = np.flatnonzero(ok)
+        if retry or len(keep) != n:
+            del image
+            if not len(keep):
+                image = self._empty()
+            else:
+                sub_raw = {j: raw[int(k)] for j, k in enumerate(keep) if int(k) in raw}
+                image, status = self._decode(epoch, idx[keep], base, offs[keep], lens[keep], hw[keep],
+                                             sub_raw, np.ones(len(keep), bool))
+                if (status != 0).any():  # host-decoded samples cannot fail; nvJPEG's did not before
+                    j = int(np.flatnonzero(status != 0)[0])
+                    raise self.fail(int(idx[keep][j]), f"the GPU decoder failed on a retry (status {int(status[j])})")
+            idx = idx[keep]
+        self.counts["samples"] += len(idx)
+        return self.batch(image, self.labels(idx))
+
+    def _raw(self, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray, k: int,
+             hw: np.ndarray, raw: dict[int, np.ndarray], whys: dict[int, str], ok: np.ndarray, reason: str) -> None:
+        """Decode sample k on the host for the GPU call's ``raw=``."""
+        i = int(idx[k])
+        try:
+            img = ops.decode_rgb(base[int(offs[k]):int(offs[k]) + int(lens[k])])
+        except ValueError as e:
+            whys[k] = f"{reason}, and {e}"
+            ok[k] = False
+            return
+        if tuple(img.shape[:2]) != (int(hw[k, 0]), int(hw[k, 1])):
+            hw[k, :2] = img.shape[:2]
+            self.src.hw[i] = hw[k]
+        raw[k] = img
+        self.host_reason(reason)
+
+    def _decode(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray,
+                hw: np.ndarray, raw: dict[int, np.ndarray], ok: np.ndarray) -> tuple[Any, np.ndarray]:
+        cfg = self.cfg
+        safe = hw.copy()
+        safe[~ok] = (1, 1, 3)  # failed samples: any valid parameters (their status is ignored)
+        p = self.params(epoch, idx, safe)
+        o = np.where(ok, offs, 0).astype(np.int64)
+        ln = np.where(ok, lens, 0).astype(np.int64)
+        return self.decoder.decode(base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1],
+                                   cfg["dtype"], cfg["channels_last"], raw or None)
+
+    def _empty(self) -> Any:
+        """A batch whose every sample was skipped: zero rows, on the host (the prefetcher copies it)."""
+        H, W = self.cfg["size"]
+        return self.finish_host(np.zeros((0, H, W, 3), np.uint8))
+
+    def close(self) -> None:
+        if self.pool is not None and self.pool_pid == os.getpid():
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = None
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+        self.src.close()
+
+
+class _ImageEpochs(_resume.ResumableEpochs):
+    """The prefetcher's source: each iter() is the plan's epoch, or the resumed part of it once a
+    state was loaded (``resume``, set by pinloader/_resume.py)."""
+
+    def __init__(self, runner: _Runner, plan: _Plan) -> None:
+        super().__init__(None, plan)
+        self._runner = runner
+
+    def __len__(self) -> int:
+        return int(self._plan.n_batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        plan, r = self._plan, self.resume
+        if r is not None and r[0] == plan.epoch:
+            _, order, n_batches = r
+        else:
+            order, n_batches = _order(plan, plan.epoch), plan.n_batches
+        return self._runner.epoch(plan.epoch, order, n_batches)
+
+
+def _pair(name: str, v: Any) -> tuple[int, int]:
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        v = (int(v), int(v))
+    try:
+        a, b = v
+    except (TypeError, ValueError):
+        raise TypeError(f"ImageLoader: {name} must be an int or (height, width), got {v!r}") from None
+    out = (_int_arg(name, a, 1), _int_arg(name, b, 1))
+    if max(out) > 16384:
+        raise ValueError(f"ImageLoader: {name} must be at most 16384, got {out}")
+    return out
+
+
+def _range(name: str, v: Any, lo: float) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in v)
+    except (TypeError, ValueError):
+        raise TypeError(f"ImageLoader: {name} must be two numbers, got {v!r}") from None
+    if not (lo < a <= b) or not np.isfinite(b):
+        raise ValueError(f"ImageLoader: {name} must be (low, high) with {lo} < low <= high, got {v!r}")
+    return a, b
+
+
+class ImageLoader:
+    """Shuffled, sharded batches of images from JPEG files, tar shards or a packed file,
+    decoded on the GPU (nvJPEG) or on the host (Pillow), with torchvision's crops.
+
+    Parameters
+    ----------
+    source : str, path, list
+        A folder in torchvision's ``ImageFolder`` layout (``root/<class>/<image>``; labels are
+        the sorted class folders' positions, as torchvision's), a packed dataset folder
+        (written by ``python -m pinloader pack``), a ``.tar`` shard or a list of them
+        (WebDataset: ``key.jpg`` with ``key.cls``), or a list of ``(path, label)``.
+    batch_size : int
+        Images per batch.
+    train : bool, default True
+        ``True``: torchvision's ``RandomResizedCrop(size, scale, ratio)`` and a random
+        horizontal flip. ``False``: ``Resize(resize)`` then ``CenterCrop(size)``.
+    size : int or (height, width), default 224
+        The output images' size.
+    resize : int, optional
+        ``train=False``: the shorter side before the center crop (default
+        ``round(max(size) / 0.875)``, 256 for 224).
+    scale, ratio : (float, float)
+        ``RandomResizedCrop``'s (defaults ``(0.08, 1.0)``, ``(3/4, 4/3)``).
+    flip : bool, optional
+        Random horizontal flip (default: ``train``).
+    mean, std : three floats, or None
+        Normalization (default ImageNet's): ``(pixel / 255 - mean) / std``. None: ``pixel /
+        255``. Not applied to ``dtype="uint8"``, which gives the pixels.
+    dtype : {"float32", "float16", "bfloat16", "uint8"}, default "float32"
+    layout : {"NCHW", "NHWC"}, default "NCHW"
+        ``"NHWC"`` (alias ``"channels_last"``): images of shape (B, H, W, 3); in torch,
+        ``image.permute(0, 3, 1, 2)`` is then a (B, 3, H, W) tensor in channels_last memory
+        format, without a copy.
+    keys : (str, str), default ("image", "label")
+        The batch dict's keys.
+    shuffle : bool, optional
+        Default: ``train``.
+    seed, drop_last, device, depth, rank, world_size
+        As for :class:`pinloader.ArrayLoader`.
+    decoder : {"auto", "gpu", "host"}, default "auto"
+        ``"auto"``: the GPU decoder on a CUDA device when nvJPEG can be loaded, else the host
+        decoder (the reason in ``stats()["decoder_reason"]``). ``"gpu"``: an error when it
+        cannot be had.
+    workers : int, optional
+        Host decoder threads (default: the CPUs this process may use, at most 32).
+    on_error : {"raise", "skip"}, default "raise"
+        A sample that cannot be read or decoded: ``ImageDecodeError`` naming its index and its
+        file or shard member, or skipped (its batch is one image shorter) and counted in
+        ``stats()["skipped"]``.
+    **prefetch_opts
+        Passed to :class:`pinloader.AsyncPrefetcher`. ``static=True`` or ``out=`` batches are
+        made by the host decoder (the prefetcher copies them into its static buffers).
+
+    The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
+    re-sharded to another world size) and the framework doors are ArrayLoader's.
+    """
+
+    windows = None  # (the resume machinery's; an image loader has no windows)
+
+    def __init__(self, source: Any, batch_size: int, *, train: bool = True, size: Any = 224,
+                 resize: int | None = None, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), flip: bool | None = None,
+                 mean: Sequence[float] | None = IMAGENET_MEAN, std: Sequence[float] | None = IMAGENET_STD,
+                 dtype: str = "float32", layout: str = "NCHW", keys: Sequence[str] = ("image", "label"),
+                 shuffle: bool | None = None, seed: int = 0, drop_last: bool = False, device: Any = None,
+                 depth: int | None = None, rank: int | None = None, world_size: int | None = None,
+                 decoder: str = "auto", workers: int | None = None, on_error: str = "raise",
+                 **prefetch_opts: Any) -> None:
+        self._pf: AsyncPrefetcher | None = None
+        self._closed = False
+        self._runner: _Runner | None = None
+        self.batch_size = _int_arg("batch_size", batch_size, 1)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"ImageLoader: seed must be an int, not {type(seed).__name__}")
+        self.seed = int(seed)
+        self.train = bool(train)
+        self.shuffle = self.train if shuffle is None else bool(shuffle)
+        self.drop_last = bool(drop_last)
+        if dtype not in _DTYPES:
+            raise ValueError(f"ImageLoader: dtype must be one of {_DTYPES}, got {dtype!r}")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"ImageLoader: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if decoder not in ("auto", "gpu", "host"):
+            raise ValueError(f"ImageLoader: decoder must be 'auto', 'gpu' or 'host', got {decoder!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"ImageLoader: on_error must be 'raise' or 'skip', got {on_error!r}")
+        keys = tuple(keys)
+        if len(keys) != 2 or not all(isinstance(k, str) for k in keys) or keys[0] == keys[1]:
+            raise ValueError(f"ImageLoader: keys must be two different str, got {keys!r}")
+        size_hw = _pair("size", size)
+        if resize is None:
+            resize = int(round(max(size_hw) / 0.875))
+        resize = _int_arg("resize", resize, 1)
+        if (mean is None) != (std is None):
+            raise ValueError("ImageLoader: give both mean and std, or neither")
+        if std is not None:
+            if len(tuple(mean)) != 3 or len(tuple(std)) != 3 or not all(float(s) > 0 for s in std):  # type: ignore[arg-type]
+                raise ValueError("ImageLoader: mean and std must be three numbers, std positive")
+        if dtype == "bfloat16":
+            try:
+                import torch  # noqa: F401 -- the host decoder's bfloat16 cast
+            except ImportError:
+                raise ValueError("ImageLoader: dtype='bfloat16' needs torch (the host decoder casts "
+                                 "with it)") from None
+        self.decoder = decoder
+        self.dtype, self.layout = dtype, layout
+        self._device = device
+        self._depth = None if depth is None else _int_arg("depth", depth, 1)
+        self._opts = dict(prefetch_opts)
+        if workers is None:
+            try:
+                workers = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                workers = os.cpu_count() or 1
+            workers = max(1, min(32, workers))
+        workers = _int_arg("workers", workers, 1)
+
+        if rank is None or world_size is None:
+            d_rank, d_world = _default_rank_world()
+            rank = d_rank if rank is None else rank
+            world_size = d_world if world_size is None else world_size
+        self.world_size = _int_arg("world_size", world_size, 1)
+        self.rank = _int_arg("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"ImageLoader: rank must be < world_size, got rank={self.rank}, "
+                             f"world_size={self.world_size}")
+
+        src = make_source(source)
+        self.source = src
+        self.num_rows = self.num_items = len(src)
+        self.classes = getattr(src, "classes", None)
+        if self.drop_last:
+            self.num_samples = self.num_items // self.world_size
+        else:
+            self.num_samples = -(-self.num_items // self.world_size)
+        n_batches = (self.num_samples // self.batch_size if self.drop_last
+                     else -(-self.num_samples // self.batch_size))
+        plan = _Plan()
+        # the resume machinery's record of the sources (pinloader/_resume.py fingerprint)
+        plan.leaves = [(f"images[{src.kind}]", None, False, (self.num_items,))]
+        plan.dtypes = {plan.leaves[0][0]: "encoded"}
+        plan.batch_size, plan.n_batches = self.batch_size, n_batches
+        plan.window = None
+        plan.num_rows, plan.num_items, plan.num_samples = self.num_items, self.num_items, self.num_samples
+        plan.rank, plan.world_size, plan.seed = self.rank, self.world_size, self.seed
+        plan.shuffle, plan.drop_last = self.shuffle, self.drop_last
+        self._plan = plan
+        cfg = dict(batch_size=self.batch_size, train=self.train, size=size_hw, resize=resize,
+                   scale=_range("scale", scale, 0.0), ratio=_range("ratio", ratio, 0.0),
+                   flip=self.train if flip is None else bool(flip), seed=self.seed,
+                   dtype=dtype, channels_last=_LAYOUTS[layout], keys=keys,
+                   norm=ops.norm_constants(mean, std, dtype), workers=workers, on_error=on_error)
+        self._runner = _Runner(src, cfg)
+        self._source = _ImageEpochs(self._runner, plan)
+        self._decoder_kind = ""
+        self._decoder_reason = ""
+        self._epoch: int | None = None
+        self._requested: int | None = None
+        self._consumed = 0
+        self._done = False
+        self._failed = False
+
+    # ---- sampling ----
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This rank's sample order for ``epoch`` (as :meth:`pinloader.ArrayLoader.indices`)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
+        return _order(self._plan, int(epoch)).view()
+
+    def params(self, epoch: int, indices: Any) -> np.ndarray:
+        """The resampling parameters (int32 (n, 9), Note [image parameters] in
+        pinloader/_image_ops.py) the loader uses for these samples in ``epoch``; the image sizes
+        are read from the samples' headers."""
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        runner = self._runner
+        assert runner is not None
+        hw = np.stack([runner.header(int(i), runner.src.read_one(int(i))) for i in idx]) if len(idx) \
+            else np.zeros((0, 3), np.int32)
+        return runner.params(int(epoch), idx, hw)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
+        self._requested = int(epoch)
+
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    # ---- iteration ----
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("ImageLoader is closed")
+
+    def _next_epoch(self) -> int:
+        if self._requested is not None:
+            e, self._requested = self._requested, None
+            return e
+        if self._epoch is None:
+            return 0
+        return self._epoch + 1 if (self._consumed or self._done) else self._epoch
+
+    def _choose_decoder(self) -> None:
+        """The GPU decoder where it can be had (Note: static=/out= batches are the host's)."""
+        runner = self._runner
+        assert runner is not None
+        if self._decoder_kind:
+            return
+        why = ""
+        device = self._device
+        if self.decoder == "host":
+            why = "decoder='host'"
+        elif self._opts.get("static") or self._opts.get("out") is not None:
+            why = "static=/out= batches are filled by the prefetcher from host batches"
+        elif device is None and not _C.cuda_available():
+            why = "no CUDA device (the host backend)"
+        elif device is not None and str(device) in ("cpu", "cpu:0", "host"):
+            why = f"device={device!r}"
+        if not why:
+            try:
+                runner.decoder = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates())
+            except (RuntimeError, ValueError, OSError, _C.CudaError) as e:
+                why = f"the GPU decoder is not available ({e})"
+        if why and self.decoder == "gpu":
+            raise RuntimeError(f"ImageLoader: decoder='gpu' cannot be used: {why}")
+        self._decoder_kind = "gpu" if runner.decoder is not None else "host"
+        self._decoder_reason = why
+
+    def _make_prefetcher(self) -> AsyncPrefetcher:
+        self._choose_decoder()
+        depth = _DEFAULT_DEPTH if self._depth is None else self._depth
+        return AsyncPrefetcher(self._source, device=self._device, depth=depth, **self._opts)
+
+    def __iter__(self) -> "ImageLoader":
+        self._check_open()
+        epoch = self._next_epoch()
+        self._resumed_iter = _resume.begin_epoch(self, epoch)
+        pf = self._pf
+        if pf is not None and (self._failed or (not self._consumed and not self._done
+                                                and epoch != self._epoch)):
+            pf.close()
+            pf = self._pf = None
+        self._failed = False
+        prev = self._plan.epoch
+        self._plan.epoch = epoch
+        try:
+            if pf is None:
+                self._pf = self._make_prefetcher()
+            else:
+                iter(pf)
+        except BaseException:
+            self._plan.epoch, self._requested, self._failed = prev, epoch, True
+            raise
+        self._epoch = epoch
+        self._consumed = 0
+        self._done = False
+        prepare_order(self._plan, epoch + 1)
+        return self
+
+    def __next__(self) -> Any:
+        self._check_open()
+        if self._pf is None:
+            iter(self)
+        assert self._pf is not None
+        try:
+            item = next(self._pf)
+        except StopIteration:
+            self._done = True
+            raise
+        except Exception:
+            self._failed = True
+            raise
+        batch, tag = item
+        self._consumed = tag.batch + 1
+        k = self._runner.cfg["keys"][0] if self._runner is not None else "image"
+        img = batch[k]
+        if isinstance(img, _C.DeviceArray) and img.device.startswith("cuda") and "convert" in self._opts:
+            batch[k] = self._convert(img)
+        return batch
+
+    def _convert(self, arr: Any) -> Any:
+        """A door's import applied to the GPU-decoded image (the prefetcher passed it through):
+        as the door does for the leaves it copies (Note [per-batch import] in
+        pinloader/_adapter.py)."""
+        convert = self._opts["convert"]
+        if self._opts.get("output") == "capsule":
+            stream = self._opts.get("stream")
+            s = stream() if callable(stream) else stream
+            return convert(arr.__dlpack__(stream=s))
+        return convert(arr)
+
+    def __len__(self) -> int:
+        return int(self._plan.n_batches)
+
+    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> "ImageLoader":
+        """Let a framework door use this loader as its prefetcher (as ArrayLoader does)."""
+        def clash(name: str, mine: Any, theirs: Any) -> ValueError:
+            return ValueError(f"ImageLoader was made with {name}={mine!r}, but the adapter asks for "
+                              f"{name}={theirs!r}: pass it to one of them only")
+        want_device = self._device if self._device is not None else device
+        if self._device is not None and device is not None and str(device) != str(self._device) \
+                and "cuda" not in (str(device), str(self._device)):
+            raise clash("device", self._device, device)
+        given = depth != _ADAPTER_DEFAULT_DEPTH
+        want_depth = self._depth if self._depth is not None else depth if given else _DEFAULT_DEPTH
+        if self._depth is not None and given and depth != self._depth:
+            raise clash("depth", self._depth, depth)
+        merged = dict(self._opts)
+        for k, v in opts.items():
+            if k in merged and not _same_opt(merged[k], v):
+                raise clash(k, merged[k], v)
+            merged[k] = v
+        changed = {k for k in merged.keys() | self._opts.keys()
+                   if k not in merged or k not in self._opts or not _same_opt(merged[k], self._opts[k])}
+        pf = self._pf
+        if pf is not None and _same_device(pf.device, want_device) and want_depth == pf.depth \
+                and changed and changed <= _HANDOUT_OPTS and (self._done or not self._consumed):
+            pf.close()
+            self._pf = None
+        if self._pf is not None and (not _same_device(self._pf.device, want_device)
+                                     or want_depth != self._pf.depth or changed):
+            raise ValueError("ImageLoader: already iterating with other settings; wrap it in the "
+                             "adapter before the first iteration")
+        if "static" in changed or "out" in changed:
+            self._release_decoder()
+        self._device, self._depth, self._opts = want_device, want_depth, merged
+        return self
+
+    def _release_decoder(self) -> None:
+        runner = self._runner
+        if runner is not None and runner.decoder is not None:
+            runner.decoder.close()
+            runner.decoder = None
+        self._decoder_kind = ""
+
+    # ---- the rest ----
+
+    @property
+    def valid_rows(self) -> int | None:
+        rows: int | None = self._pf.valid_rows if self._pf is not None else None
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        """The prefetcher's stats, the epoch, rank and world size, and the decoder's: ``decoder``
+        (``"gpu"`` or ``"host"``, with ``decoder_reason``), ``samples`` decoded, ``skipped`` (and
+        the first ``skipped_samples``: index, name, reason), ``host_decoded`` on the GPU path
+        (with ``host_decoded_reasons``: reason -> count), and ``gpu_decoder``
+        (``JpegDecoder.info()``: batches, hardware, cuda, raw, failed, engines,
+        workspace_bytes)."""
+        s = dict(self._pf.stats()) if self._pf is not None else {}
+        runner = self._runner
+        s.update(epoch=self._epoch, rank=self.rank, world_size=self.world_size,
+                 batches_per_epoch=len(self), source=self.source.kind,
+                 decoder=self._decoder_kind or None, decoder_reason=self._decoder_reason)
+        if runner is not None:
+            c = runner.counts
+            s.update(samples=c["samples"], skipped=c["skipped"],
+                     skipped_samples=[dict(x) for x in c["skipped_samples"]],
+                     host_decoded=c["host_decoded"], host_decoded_reasons=dict(c["host_decoded_reasons"]))
+            if runner.decoder is not None:
+                try:
+                    s["gpu_decoder"] = dict(runner.decoder.info())
+                except ValueError:
+                    pass
+        return s
+
+    def close(self) -> None:
+        """Stop the prefetcher, the decoder threads and the GPU decoder, and unmap the files.
+        Idempotent."""
+        if self._pf is not None:
+            self._pf.close()
+            self._pf = None
+        self._closed = True
+        if self._runner is not None:
+            self._runner.close()
+        self._source.resume = None
+        self._plan.cache = self._plan.ahead = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "ImageLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"pinloader.ImageLoader({self.source.kind}, images={self.num_items}, "
+                f"batch_size={self.batch_size}, train={self.train}, shuffle={self.shuffle}, "
+                f"seed={self.seed}, rank={self.rank}, world_size={self.world_size}, batches={len(self)})")
+
+    # ---- checkpoint and resume (pinloader/_resume.py) ----
+
+    _resume_at: tuple[int, int, int] | None = None
+    _resumed_iter: tuple[int, int, int, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is, as :meth:`pinloader.ArrayLoader.state_dict` says (items are
+        images; skipped images count as handed out), with ``format`` ``"pinloader.ImageLoader"``."""
+        state = _resume.state_of(self)
+        state["format"] = FORMAT
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed: Any = ()) -> None:
+        """Continue from ``state`` (as :meth:`pinloader.ArrayLoader.load_state_dict`: exact, and
+        re-sharded when the world size changed)."""
+        self._check_open()
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"ImageLoader.load_state_dict: not an ImageLoader state (format={got!r})")
+        _resume.load(self, dict(state, format=_resume.FORMAT), allow_changed)

@@ -1,0 +1,334 @@
+"""ImageLoader on the host backend (pinloader/image_loader.py): every source gives the same
+batches, the values are Pillow's computation written out independently (tests/image_helpers.py),
+resume and sharding are ArrayLoader's, and bad input is a clear error or a counted skip."""
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import numpy as np
+import pytest
+
+import pinloader
+from pinloader import ImageDecodeError, ImageLoader
+from pinloader._image_pack import pack
+
+from image_helpers import folder_items, jpeg, make_folder, make_tars, photo, reference
+
+Image = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    folder = make_folder(str(root / "folder"))
+    items = folder_items(folder)
+    tars = make_tars(items, str(root), per_shard=7)
+    packed = str(root / "packed")
+    pack(folder, packed, quiet=True)
+    return {"folder": folder, "items": items, "tars": tars, "packed": packed}
+
+
+def host(loader):
+    """A batch's arrays on the host."""
+    return [{k: np.from_dlpack(v).copy() for k, v in b.items()} for b in loader]
+
+
+def run(source, **kw):
+    kw.setdefault("device", "cpu")
+    with ImageLoader(source, kw.pop("batch_size", 5), **kw) as loader:
+        return host(loader)
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_every_source_gives_the_same_batches(data):
+    kw = dict(size=24, seed=11)
+    want = run(data["folder"], **kw)
+    assert len(want) == 4 and sum(len(b["label"]) for b in want) == 18
+    same(run(data["items"], **kw), want)
+    same(run(data["tars"], **kw), want)
+    same(run(data["tars"][0], **kw), run(data["items"][:7], **kw))
+    same(run(data["packed"], **kw), want)
+
+
+def test_labels_are_imagefolders(data):
+    with ImageLoader(data["folder"], 4, device="cpu", shuffle=False) as loader:
+        assert loader.classes == ["a_cat", "b_dog", "c_eel"]
+        labels = np.concatenate([b["label"] for b in host(loader)])
+    assert labels.tolist() == [lab for _, lab in data["items"]]
+    assert labels.tolist() == sorted(labels.tolist())
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_values_are_pillows(data, train):
+    size = (24, 20)
+    loader = ImageLoader(data["folder"], 6, device="cpu", size=size, seed=3, train=train, resize=30)
+    order = loader.indices(0)
+    batches = host(loader)
+    got = np.concatenate([b["image"] for b in batches])
+    labels = np.concatenate([b["label"] for b in batches])
+    for k, i in enumerate(order):
+        path, lab = data["items"][i]
+        with open(path, "rb") as f:
+            blob = f.read()
+        p = loader.params(0, [i])[0]
+        if not train:
+            assert p[8] == 0 and tuple(p[:2]) == (0, 0)
+        np.testing.assert_allclose(got[k], reference(blob, p, size), rtol=0, atol=1e-6)
+        assert labels[k] == lab
+    loader.close()
+
+
+def test_flips_and_crops_vary_but_repeat(data):
+    a = run(data["packed"], size=16, seed=1, shuffle=False)
+    b = run(data["packed"], size=16, seed=1, shuffle=False)
+    c = run(data["packed"], size=16, seed=2, shuffle=False)
+    same(a, b)
+    assert not np.array_equal(a[0]["image"], c[0]["image"])
+    loader = ImageLoader(data["packed"], 4, device="cpu", size=16)
+    p = loader.params(0, np.arange(18))
+    assert 0 < p[:, 8].sum() < 18
+    assert len({tuple(r[:4]) for r in p}) > 10
+    assert not np.array_equal(p, loader.params(1, np.arange(18)))
+    loader.close()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_dtypes_and_layouts(data, dtype, layout):
+    torch = pytest.importorskip("torch") if dtype == "bfloat16" else None
+    size = (12, 14)
+    loader = ImageLoader(data["packed"], 6, device="cpu", size=size, dtype=dtype, layout=layout, seed=4)
+    base = run(data["packed"], batch_size=6, size=size, seed=4, dtype="uint8")
+    for b, ref in zip(loader, base):
+        img = b["image"]
+        if dtype == "bfloat16":
+            t = torch.from_dlpack(img)
+            assert t.dtype == torch.bfloat16
+            got = t.float().numpy()
+        else:
+            got = np.from_dlpack(img)
+            assert got.dtype == np.dtype(dtype)
+        n = len(ref["label"])
+        want_shape = (n, 3, *size) if layout == "NCHW" else (n, *size, 3)
+        assert got.shape == want_shape
+        if layout == "NHWC":
+            got = got.transpose(0, 3, 1, 2)
+        u8 = ref["image"].astype(np.float32)
+        if dtype == "uint8":
+            np.testing.assert_array_equal(got, ref["image"])
+            continue
+        want = u8 * (1 / (255 * np.array([0.229, 0.224, 0.225]))).astype(np.float32)[:, None, None] \
+            + (-np.array([0.485, 0.456, 0.406]) / np.array([0.229, 0.224, 0.225])).astype(np.float32)[:, None, None]
+        tol = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    loader.close()
+
+
+def test_mean_none_gives_unit_range_and_keys(data):
+    (b, *_) = run(data["packed"], size=8, mean=None, std=None, keys=("x", "y"), batch_size=18)
+    assert set(b) == {"x", "y"}
+    assert b["x"].min() >= 0 and b["x"].max() <= 1 and b["x"].max() > 0.5
+
+
+def test_resume_mid_epoch_is_exact(data):
+    kw = dict(size=8, seed=9, device="cpu")
+    whole = host(ImageLoader(data["packed"], 4, **kw))
+    a = ImageLoader(data["packed"], 4, **kw)
+    it = iter(a)
+    first = [{k: np.from_dlpack(v).copy() for k, v in next(it).items()} for _ in range(2)]
+    state = a.state_dict()
+    a.close()
+    assert state["format"] == "pinloader.ImageLoader" and state["position"] == 8
+    b = ImageLoader(data["packed"], 4, **kw)
+    b.load_state_dict(state)
+    same(first + host(b), whole)
+    # the next epoch follows as usual
+    nxt = host(b)
+    same(nxt, host(_at_epoch(ImageLoader(data["packed"], 4, **kw), 1)))
+    b.close()
+    with pytest.raises(ValueError, match="not an ImageLoader state"):
+        ImageLoader(data["packed"], 4, **kw).load_state_dict(dict(state, format="pinloader.ArrayLoader"))
+    with pytest.raises(ValueError, match="seed"):
+        ImageLoader(data["packed"], 4, size=8, seed=10, device="cpu").load_state_dict(state)
+
+
+def _at_epoch(loader, e):
+    loader.set_epoch(e)
+    return loader
+
+
+def test_sharding_and_elastic_resume(data):
+    kw = dict(size=8, seed=5, device="cpu")
+    shards = [ImageLoader(data["packed"], 3, rank=r, world_size=2, **kw) for r in range(2)]
+    idx = [np.asarray(s.indices(0)) for s in shards]
+    assert len(set(idx[0]) & set(idx[1])) == 0 and sorted(np.concatenate(idx)) == list(range(18))
+    labels = [np.concatenate([b["label"] for b in host(s)]) for s in shards]
+    items = data["items"]
+    for r in range(2):
+        assert labels[r].tolist() == [items[i][1] for i in idx[r]]
+    # two ranks took one batch each; one rank resumes the rest
+    for s in shards:
+        s.set_epoch(0)
+        next(iter(s))
+    state = shards[0].state_dict()
+    assert state["position"] == 6 and state["epoch"] == 0
+    one = ImageLoader(data["packed"], 3, rank=0, world_size=1, **kw)
+    one.load_state_dict(state)
+    rest = np.concatenate([b["label"] for b in host(one)])
+    full = np.asarray(one.indices(0))
+    assert set(full[:6]) == set(idx[0][:3]) | set(idx[1][:3])
+    assert rest.tolist() == [items[i][1] for i in full[6:]]
+    for s in shards + [one]:
+        s.close()
+
+
+def test_torch_door(data):
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    loader = ImageLoader(data["packed"], 5, size=8, device="cpu")
+    got = list(pt.prefetch(loader))
+    assert all(isinstance(b["image"], torch.Tensor) and b["image"].shape[1:] == (3, 8, 8) for b in got)
+    assert sum(len(b["label"]) for b in got) == 18
+    loader.close()
+
+
+def test_odd_images(tmp_path):
+    """Grayscale, CMYK, PNG, palette, 1x1 and a 20,000-pixel-wide image all decode."""
+    a = photo(40, 50, 0)
+    blobs = {"gray.jpg": jpeg(a[..., 0]), "prog.jpg": jpeg(a, progressive=True), "one.jpg": jpeg(a[:1, :1]),
+             "wide.jpg": jpeg(photo(16, 20000, 1)), "tall.jpg": jpeg(photo(20000, 8, 2))}
+    buf = io.BytesIO()
+    Image.fromarray(a).convert("CMYK").save(buf, format="JPEG")
+    blobs["cmyk.jpg"] = buf.getvalue()
+    for name, mode in (("img.png", "RGB"), ("pal.png", "P"), ("rgba.png", "RGBA")):
+        buf = io.BytesIO()
+        Image.fromarray(a).convert(mode).save(buf, format="PNG")
+        blobs[name] = buf.getvalue()
+    items = []
+    for k, (name, blob) in enumerate(sorted(blobs.items())):
+        p = tmp_path / name
+        p.write_bytes(blob)
+        items.append((str(p), k))
+    for train in (True, False):
+        loader = ImageLoader(items, 4, size=(10, 12), device="cpu", train=train, shuffle=False, dtype="uint8")
+        got = np.concatenate([b["image"] for b in host(loader)])
+        assert got.shape == (len(items), 3, 10, 12)
+        for k, (path, _) in enumerate(items):
+            with open(path, "rb") as f:
+                ref = reference(f.read(), loader.params(0, [k])[0], (10, 12), dtype="uint8")
+            np.testing.assert_array_equal(got[k], ref, err_msg=path)
+        g = got[[k for k, (p, _) in enumerate(items) if p.endswith("gray.jpg")][0]]
+        assert (g[0] == g[1]).all()
+        loader.close()
+
+
+def _corrupt_set(tmp_path):
+    a = photo(30, 30, 0)
+    good = jpeg(a)
+    items = []
+    for k, blob in enumerate([good, good[: len(good) // 2], b"not an image", b"", good]):
+        p = tmp_path / f"s{k}.jpg"
+        p.write_bytes(blob)
+        items.append((str(p), k))
+    items.append((str(tmp_path / "missing.jpg"), 5))
+    return items
+
+
+def test_bad_samples_raise_naming_index_and_file(tmp_path):
+    items = _corrupt_set(tmp_path)
+    for k in (1, 2, 3, 5):
+        sub = [items[0], items[k]]
+        loader = ImageLoader(sub, 2, size=8, device="cpu", shuffle=False)
+        with pytest.raises(ImageDecodeError, match=rf"sample 1 \(.*{os.path.basename(sub[1][0])}\)"):
+            host(loader)
+        loader.close()
+
+
+def test_bad_samples_skipped_and_counted(tmp_path):
+    items = _corrupt_set(tmp_path)
+    loader = ImageLoader(items, 3, size=8, device="cpu", shuffle=False, on_error="skip")
+    got = host(loader)
+    assert [b["label"].tolist() for b in got] == [[0], [4]]
+    s = loader.stats()
+    assert s["skipped"] == 4 and s["samples"] == 2 and s["decoder"] == "host"
+    assert sorted(x["index"] for x in s["skipped_samples"]) == [1, 2, 3, 5]
+    assert any("missing.jpg" in x["name"] for x in s["skipped_samples"])
+    # every batch is counted for the resume, also one whose samples were all skipped
+    assert loader.state_dict()["epoch"] == 1
+    loader.close()
+
+
+def test_source_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no class folders"):
+        ImageLoader(str(tmp_path / "empty"), 2)
+    (tmp_path / "empty" / "cls").mkdir()
+    (tmp_path / "empty" / "cls" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="no image files"):
+        ImageLoader(str(tmp_path / "empty"), 2)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ImageLoader(str(tmp_path / "nowhere"), 2)
+    with pytest.raises(ValueError, match="empty"):
+        ImageLoader([], 2)
+    with pytest.raises(TypeError, match="label must be an int"):
+        ImageLoader([("a.jpg", "cat")], 2)
+    t = tmp_path / "nolabel.tar"
+    with tarfile.open(t, "w") as tf:
+        blob = jpeg(photo(10, 10, 0))
+        info = tarfile.TarInfo("k1.jpg")
+        info.size = len(blob)
+        tf.addfile(info, io.BytesIO(blob))
+    with pytest.raises(ValueError, match=r"k1.jpg has no label \(k1.cls\)"):
+        ImageLoader(str(t), 2)
+    items = [(str(t), 0)]
+    for bad in (dict(dtype="int8"), dict(layout="CHW"), dict(on_error="ignore"), dict(decoder="cpu"),
+                dict(size=0), dict(scale=(0.5, 0.1)), dict(keys=("a", "a")), dict(mean=(0.5,) * 3, std=None)):
+        with pytest.raises((ValueError, TypeError)):
+            ImageLoader(items, 2, **bad)
+
+
+def test_gpu_decoder_refused_without_a_gpu(data):
+    if pinloader.cuda_available():
+        pytest.skip("a CUDA device is present: the GPU decoder may be had")
+    loader = ImageLoader(data["packed"], 4, decoder="gpu")
+    with pytest.raises(RuntimeError, match="decoder='gpu'"):
+        iter(loader)
+    loader.close()
+    loader = ImageLoader(data["packed"], 4, size=8)
+    next(iter(loader))
+    assert loader.stats()["decoder"] == "host" and "no CUDA device" in loader.stats()["decoder_reason"]
+    loader.close()
+
+
+def test_close_mid_epoch_and_memory_flat(data):
+    import gc
+    import threading
+    before = threading.active_count()
+    for _ in range(3):
+        loader = ImageLoader(data["folder"], 2, size=8, device="cpu", workers=3)
+        it = iter(loader)
+        next(it)
+        loader.close()
+        assert loader.closed
+        with pytest.raises(ValueError, match="closed"):
+            next(loader)
+    gc.collect()
+    assert threading.active_count() <= before + 1
+    loader = ImageLoader(data["packed"], 6, size=8, device="cpu")
+    peaks = []
+    for e in range(6):
+        host(loader)
+        peaks.append(loader.stats()["pinned_bytes_peak"])
+    # at most the prefetcher's depth (3) and the batch handed out, each about 5 KiB here: the
+    # same bound in the last epoch as in the first, nothing accumulates
+    assert max(peaks) <= 4 * 5120
+    loader.close()
