@@ -17,6 +17,7 @@ Environment toggles:
 """
 import glob
 import os
+import re
 import shutil
 import sys
 
@@ -132,4 +133,24 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()])
+def long_description():
+    """The README for the package index's page. Its links are relative to the repository, which
+    that page does not have, so each becomes an absolute link to the file in the repository
+    (images to the raw file); links to anchors and absolute links stay as they are."""
+    with open("README.md", encoding="utf-8") as f:
+        text = f.read()
+    with open("pyproject.toml", encoding="utf-8") as f:
+        source = re.search(r'^Source = "([^"]+)"', f.read(), flags=re.M).group(1).rstrip("/")
+
+    def absolute(m):
+        image, target = m.group(1), m.group(2)
+        if re.match(r"[a-z]+://|#|mailto:", target):
+            return m.group(0)
+        kind = "raw" if image.startswith("!") else "blob"
+        return f"{image}]({source}/{kind}/main/{target})"
+
+    return re.sub(r"(!?\[[^\]]*)\]\(([^)\s]+)\)", absolute, text)
+
+
+setup(ext_modules=[extension()], long_description=long_description(),
+      long_description_content_type="text/markdown")

@@ -31,7 +31,8 @@ def _abs(vals: list[float], fmt: str = "{:,.0f}") -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    out = [".. list-table::", "   :header-rows: 1", ""]
+    # class "numbers": a median and its range stay on one line (docs/_static/custom.css)
+    out = [".. list-table::", "   :header-rows: 1", "   :class: numbers", ""]
     for row in [header] + rows:
         row = [c if "``" in c else c.replace("`", "``") for c in row]  # Markdown code to RST
         out.append("   * - " + row[0])

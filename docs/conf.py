@@ -27,6 +27,7 @@ extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 exclude_patterns = ["_build", "_generated"]
 templates_path: list[str] = []
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_title = f"pinloader {release}"
 try:
     import furo  # noqa: F401

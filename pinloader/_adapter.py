@@ -73,8 +73,8 @@ class FrameworkPrefetcher:
 
     @property
     def valid_rows(self) -> int | None:
-        """With ``static=True``: the real rows of the last batch handed out (see the door's
-        notes on static batches); else None."""
+        """The real rows of the last batch handed out when batches are static
+        (``static=True``; see the door's notes on static batches), else None."""
         rows: int | None = getattr(self._pf, "valid_rows", None)
         return rows
 

@@ -624,8 +624,8 @@ class ArrayLoader:
 
     @property
     def valid_rows(self) -> int | None:
-        """With ``static=True`` (an AsyncPrefetcher option): the real rows of the last batch
-        handed out; else None."""
+        """The real rows of the last batch handed out when batches are static (``static=True``,
+        an AsyncPrefetcher option), else None."""
         rows: int | None = self._pf.valid_rows if self._pf is not None else None
         return rows
 

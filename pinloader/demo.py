@@ -458,7 +458,7 @@ def run(args: Any) -> int:
     s = result["pinloader_stats"]
     timed = result["rows"]["pinloader"]
     print(f"\npinloader: {s['batches']} batches copied ({args.warmup} warm-up + {args.steps} "
-          f"timed), {s['h2d_gbps']:.1f} GB/s delivered, data wait p99 over the timed steps "
+          f"timed), {s['h2d_gbps']:.2f} GB/s delivered, data wait p99 over the timed steps "
           f"{timed['data_wait_ms_p99']:.2f} ms (the first warm-up batch, which waits for the "
           f"pipeline to fill, is not counted), pinned peak {s['pinned_bytes_peak'] / 1e6:.0f} MB, "
           f"{result['staging_threads']} staging thread(s)\n")

@@ -77,7 +77,7 @@ def _door_names(module: str) -> list[str]:
     """A door's __all__, read from its source (importing it would need the framework)."""
     import ast
 
-    tree = ast.parse((ROOT / "pinloader" / f"{module}.py").read_text(encoding="utf-8"))
+    tree = ast.parse((Path(pinloader.__file__).parent / f"{module}.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
             return [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
@@ -104,3 +104,24 @@ def test_docs_pages_users_look_for_exist_and_are_in_the_toctree():
         assert (DOCS / f"{page}.rst").is_file(), page
         assert re.search(rf"^   {page}$", index, flags=re.M), f"{page} is not in the index's toctree"
     assert ".. code-block:: python" in index, "the landing page shows code"
+
+
+def test_the_api_docstrings_have_no_field_that_napoleon_would_misread():
+    """Napoleon reads a property docstring's first line "X: text" as "type: description", so a
+    line such as "static=True: the real rows" came out as "TYPE: static=True". No public
+    attribute's docstring may start with a word and a colon that is not a type."""
+    import inspect
+
+    classes = [getattr(pinloader, n) for n in pinloader.__all__ if inspect.isclass(getattr(pinloader, n))]
+    bad = []
+    for cls in classes:
+        for name, member in vars(cls).items():
+            if name.startswith("_") or not isinstance(member, (property, type(pinloader.AsyncPrefetcher.depth))):
+                continue
+            first = (member.__doc__ or "").strip().splitlines()[:1]
+            # napoleon splits the first line at its first colon outside ``code`` (conf.py
+            # puts device strings such as 'cuda:N' in code first)
+            bare = re.sub(r"``[^`]*``|:[\w:]+:`[^`]*`|'[^'\s]*:[^'\s]*'", "", first[0]) if first else ""
+            if ":" in bare:
+                bad.append(f"{cls.__name__}.{name}: {first[0]}")
+    assert not bad, bad

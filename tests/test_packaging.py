@@ -171,6 +171,15 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
     assert need <= names, sorted(need - names)
     assert not [n for n in names if n.endswith(".so") or n.startswith("benchmarks/")]
+    # the package index shows the README without the repository: no relative link may be left
+    with tarfile.open(sdist) as tf:
+        info = next(n for n in tf.getnames() if n.count("/") == 1 and n.endswith("/PKG-INFO"))
+        meta = tf.extractfile(info).read().decode("utf-8")
+    assert "Content-Type: text/markdown" in meta and "# pinloader" in meta
+    targets = re.findall(r"\]\(([^)\s]+)\)", meta)
+    assert targets and all(re.match(r"https://|#", t) for t in targets), \
+        [t for t in targets if not re.match(r"https://|#", t)]
+    assert "/blob/main/docs/getting-started.rst)" in meta, "a page link opens the page"
 
 
 def test_stats_typeddicts_match_what_stats_returns():
@@ -195,3 +204,21 @@ def test_stats_typeddicts_match_what_stats_returns():
         pool.alloc(4096).release()
         check(pinloader.PoolStats, pool.stats())
     check(pinloader.CudaInfo, pinloader.cuda_info())
+
+
+def test_the_advertised_pythons_agree_and_ci_tests_each():
+    """requires-python, the classifiers and the wheels built name the same Pythons, and
+    .ci/pythons (run by .ci/run) installs and tests every classifier's version it finds."""
+    meta = _pyproject()
+    classifiers = [c.rsplit(":: ", 1)[1] for c in meta["project"]["classifiers"]
+                   if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    minors = sorted(int(v.split(".")[1]) for v in classifiers)
+    assert minors == list(range(minors[0], minors[-1] + 1)), classifiers
+    assert meta["project"]["requires-python"] == f">=3.{minors[0]}"
+    wheels = sorted(int(m) for m in re.findall(r"cp3(\d+)-\*", meta["tool"]["cibuildwheel"]["build"]))
+    assert wheels == minors
+    ci = (ROOT / ".ci" / "pythons")
+    if not ci.is_file():
+        pytest.skip(".ci/ is not in this tree (the sdist does not carry it)")
+    assert "Programming Language :: Python :: 3" in ci.read_text(encoding="utf-8")
+    assert ".ci/pythons" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")

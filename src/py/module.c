@@ -233,12 +233,16 @@ static PyMethodDef module_methods[] = {
      "default_pool(device=None)\n--\n\nThe process-wide PinnedPool of device, shared by "
      "prefetchers made without pool=. Made on first use with default_pool_cap(); its slabs outlive "
      "the prefetchers; trim() gives idle ones back, and so does interpreter exit. It cannot be "
-     "closed."},
+     "closed.\n\n"
+     "Parameters\n----------\n"
+     "device\n    As for AsyncPrefetcher: None (the current CUDA device, else the host backend), "
+     "'cpu', 'cuda', 'cuda:N' or an int. Each device has its own pool."},
     {"default_pool_cap", mod_default_pool_cap, METH_NOARGS,
      "default_pool_cap()\n--\n\nThe default pools' cap: default_pinned_cap() divided among the "
      "local ranks (LOCAL_WORLD_SIZE, set by torchrun)."},
     {"default_pinned_cap", mod_default_pinned_cap, METH_NOARGS,
-     "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes."},
+     "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes: a quarter of physical memory, "
+     "at most half of RLIMIT_MEMLOCK where that binds."},
     {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
     {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},

@@ -786,8 +786,8 @@ static PyGetSetDef pf_getset[] = {
     {"staging_threads", pf_get_staging_threads, NULL, "Threads staging into pinned memory.", NULL},
     {"valid_rows", pf_get_valid_rows, NULL, "With static=True, the real rows of the last batch "
      "handed out (the fewest over its leaves; the rest of each static buffer is zeros); else None.", NULL},
-    {"static_arrays", pf_get_static_arrays, NULL, "With static=True, the static buffers: a tuple of "
-     "DeviceArrays in leaf order (None before the first batch, and after close()).", NULL},
+    {"static_arrays", pf_get_static_arrays, NULL, "With static=True, a tuple of the static buffers "
+     "(DeviceArrays in leaf order); None before the first batch, and after close().", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
