@@ -231,69 +231,41 @@ class _Runner:
             idx = np.asarray(order[b * bs:(b + 1) * bs], np.int64)
             yield (self._gpu_batch(epoch, idx), _Tag(b))
 
-    def _read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        try:
-            return self.src.read(idx)
-        except OSError as e:
-            bad = getattr(e, "err_index", None)
-            if bad is None or self.cfg["on_error"] == "raise":
-                if bad is not None:
-                    raise self.fail(bad, f"cannot be read ({e})") from None
-                raise
-        # skip: read the rest one by one, dropping what cannot be read
-        chunks, keep = [], []
-        for k, i in enumerate(idx):
-            try:
-                chunks.append(self.src.read_one(int(i)))
-                keep.append(k)
-            except OSError as e2:
-                self.skip(int(i), f"cannot be read ({e2})")
-        from ._image_sources import _ragged
-        base, off, ln = _ragged(chunks)
-        full_off = np.zeros(len(idx), np.int64)
-        full_len = np.full(len(idx), -1, np.int64)
-        full_off[keep], full_len[keep] = off, ln
-        return base, full_off, full_len
-
     def _gpu_batch(self, epoch: int, idx: np.ndarray) -> dict[str, Any]:
-        cfg = self.cfg
-        base, offs, lens = self._read(idx)
+        base, offs, lens, fails = self.src.read(idx)
         n = len(idx)
-        hw = np.empty((n, 3), np.int32)
-        ok = lens >= 0
+        ok = np.ones(n, bool)
+        whys: dict[int, str] = dict(fails)
+        ok[list(fails)] = False
         raw: dict[int, np.ndarray] = {}
-        whys: dict[int, str] = {}
-        for k in range(n):
-            if not ok[k]:
-                continue
-            i = int(idx[k])
-            c = self.src.hw[i]
-            if c[0] > 0:
-                hw[k] = c
-                continue
-            view = base[int(offs[k]):int(offs[k]) + int(lens[k])]
-            try:
-                hw[k] = self.header(i, view)
-            except ValueError as e:
-                whys[k] = str(e)
-                ok[k] = False
+        hw = self.src.hw[idx].copy()
+        unknown = np.flatnonzero(ok & (hw[:, 0] <= 0))
+        if len(unknown):
+            # first meeting: the headers, read in C, and cached (Pillow reads other formats')
+            hw[unknown] = _C._jpeg_info(base, offs[unknown], lens[unknown])
+            for k in unknown[hw[unknown, 0] <= 0]:
+                try:
+                    hw[k] = ops.image_info(base[int(offs[k]):int(offs[k]) + int(lens[k])])
+                except ValueError as e:
+                    whys[int(k)] = str(e)
+                    ok[k] = False
+            good = unknown[ok[unknown]]
+            self.src.hw[idx[good]] = hw[good]
         # what nvJPEG does not take goes to the host decoder (Note [host decode])
-        todo = [k for k in range(n) if ok[k] and hw[k, 2] not in (1, 3)]
-        for k in todo:
-            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok,
+        for k in np.flatnonzero(ok & (hw[:, 2] != 1) & (hw[:, 2] != 3)):
+            self._raw(idx, base, offs, lens, int(k), hw, raw, whys, ok,
                       "not a JPEG" if hw[k, 2] == 0 else f"a JPEG of {hw[k, 2]} components")
         image, status = self._decode(epoch, idx, base, offs, lens, hw, raw, ok)
-        st = status.tolist()
         retry = False
-        for k in range(n):
-            if ok[k] and st[k] != 0:
-                reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
-                          3: "nvJPEG does not support it", 4: "its size differs from its header's"}.get(st[k], f"status {st[k]}")
-                self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
-                retry = True
-        for k in range(n):
-            if not ok[k]:
-                self.bad(int(idx[k]), whys.get(k, "cannot be read"))
+        for k in np.flatnonzero(ok & (status != 0)):
+            k = int(k)
+            reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
+                      3: "nvJPEG does not support it", 4: "its size differs from its header's"}.get(
+                          int(status[k]), f"status {int(status[k])}")
+            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
+            retry = True
+        for k in np.flatnonzero(~ok):
+            self.bad(int(idx[k]), whys.get(int(k), "cannot be read"))
         keep = np.flatnonzero(ok)
         if retry or len(keep) != n:
             del image

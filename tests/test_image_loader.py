@@ -332,3 +332,128 @@ def test_close_mid_epoch_and_memory_flat(data):
     # same bound in the last epoch as in the first, nothing accumulates
     assert max(peaks) <= 4 * 5120
     loader.close()
+
+
+class FakeGpuDecoder:
+    """JpegDecoder.decode's contract (src/py/jpeg_decoder.c) computed with Pillow: per-sample
+    statuses (1 no JPEG header, 2 bad data, 3 not 1 or 3 components, 4 box outside), raw=
+    images resampled, failed samples zero. Lets the host backend run the loader's GPU path."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode(self, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None):
+        from pinloader import _image_ops as ops
+        n = len(offsets)
+        self.calls.append((n, sorted(raw or {})))
+        u8 = np.zeros((n, size[0], size[1], 3), np.uint8)
+        status = np.zeros(n, np.int32)
+        for i in range(n):
+            try:
+                if raw and i in raw:
+                    img = raw[i]
+                else:
+                    data = bytes(base[offsets[i]:offsets[i] + lengths[i]])
+                    info = ops.jpeg_info(data)
+                    if info is None:
+                        status[i] = 1
+                        continue
+                    if info[2] not in (1, 3):
+                        status[i] = 3
+                        continue
+                    img = ops.decode_rgb(data)
+                top, left, h, w = (int(x) for x in params[i][:4])
+                if top + h > img.shape[0] or left + w > img.shape[1]:
+                    status[i] = 4
+                    continue
+                u8[i] = ops.resample(img, params[i], size)
+            except ValueError:
+                status[i] = 2
+        out = u8.astype(np.float32) * np.float32(scale) + np.float32(bias) if dtype != "uint8" else u8
+        if dtype == "float16":
+            out = out.astype(np.float16)
+        if not channels_last:
+            out = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+        return out, status
+
+    def info(self):
+        return {"calls": len(self.calls)}
+
+    def close(self):
+        pass
+
+
+def fake_gpu(loader):
+    fake = FakeGpuDecoder()
+    loader._runner.decoder = fake
+    loader._decoder_kind = "gpu"
+    return fake
+
+
+@pytest.mark.parametrize("source", ["packed", "folder", "tars"])
+def test_gpu_path_logic_on_the_host(data, source):
+    """The GPU path's batching, headers, parameters and labels, with Pillow standing in for
+    nvJPEG: the same batches as the host path, exactly."""
+    for train in (True, False):
+        kw = dict(size=(16, 20), seed=6, train=train, device="cpu")
+        g = ImageLoader(data[source], 4, **kw)
+        fake = fake_gpu(g)
+        got = host(g)
+        assert g.stats()["decoder"] == "gpu" and len(fake.calls) == 5
+        same(got, run(data[source], batch_size=4, **kw))
+        g.close()
+
+
+def test_gpu_path_sends_what_nvjpeg_refuses_to_the_host(tmp_path):
+    a = photo(40, 50, 0)
+    blobs = [jpeg(a), b"", jpeg(a)[:200], b"junk"]
+    buf = io.BytesIO()
+    Image.fromarray(a).convert("CMYK").save(buf, format="JPEG")
+    blobs.append(buf.getvalue())
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    blobs.append(buf.getvalue())
+    blobs.append(jpeg(a[..., 0]))
+    items = []
+    for k, blob in enumerate(blobs):
+        p = tmp_path / f"s{k}.jpg"
+        p.write_bytes(blob)
+        items.append((str(p), k))
+    items.append((str(tmp_path / "gone.jpg"), 7))
+    kw = dict(size=8, shuffle=False, device="cpu", on_error="skip", dtype="uint8")
+    g = ImageLoader(items, 8, **kw)
+    fake = fake_gpu(g)
+    got = host(g)
+    want = run(items, batch_size=8, **kw)
+    same(got, want)
+    assert got[0]["label"].tolist() == [0, 4, 5, 6]
+    s = g.stats()
+    assert s["skipped"] == 4 and s["host_decoded"] == 2
+    assert s["host_decoded_reasons"] == {"a JPEG of 4 components": 1, "not a JPEG": 1}
+    # the first call had the CMYK and PNG images as raw=, the second only the kept samples
+    assert fake.calls[0] == (8, [4, 5]) and fake.calls[1] == (4, [1, 2])
+    g.close()
+    g = ImageLoader(items, 8, **dict(kw, on_error="raise"))
+    fake_gpu(g)
+    with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*s1\.jpg\)"):
+        host(g)
+    g.close()
+
+
+def test_gpu_path_retries_what_nvjpeg_fails_on(data, monkeypatch):
+    """A sample nvJPEG fails on (status 2) but Pillow decodes goes through raw= on a retry."""
+    g = ImageLoader(data["packed"], 6, size=8, seed=1, device="cpu")
+    fake = fake_gpu(g)
+    real = fake.decode
+
+    def flaky(base, offsets, lengths, params, *a, **kw):
+        out, status = real(base, offsets, lengths, params, *a, **kw)
+        if not kw.get("raw") and not (len(a) > 5 and a[5]):
+            status[0] = 2
+        return out, status
+
+    fake.decode = flaky
+    got = host(g)
+    same(got, run(data["packed"], batch_size=6, size=8, seed=1))
+    assert g.stats()["host_decoded_reasons"] == {"nvJPEG could not decode it": 3}
+    g.close()

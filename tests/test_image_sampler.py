@@ -143,3 +143,57 @@ def test_jpeg_header_reader():
         assert ops.jpeg_info(bad) is None
     with pytest.raises(ValueError, match="not an image"):
         ops.image_info(b"not an image")
+
+
+def test_native_header_reader_agrees_with_python():
+    from image_helpers import jpeg, photo
+    from pinloader import _C
+    rng = np.random.default_rng(0)
+    good = [jpeg(photo(int(h), int(w), i)) for i, (h, w) in enumerate(rng.integers(1, 80, (6, 2)))]
+    blobs = list(good) + [b"", b"\xff", b"\xff\xd8", b"\xff\xd8\xff\xd9", b"\xff\xd8\xff\xc0\x00\x02"]
+    for _ in range(300):  # cut and corrupted headers
+        b = bytearray(good[int(rng.integers(len(good)))][:int(rng.integers(0, 700))])
+        for _ in range(int(rng.integers(0, 4))):
+            if b:
+                b[int(rng.integers(len(b)))] = int(rng.integers(256))
+        blobs.append(bytes(b))
+    lengths = np.array([len(b) for b in blobs], np.int64)
+    offsets = np.zeros(len(blobs), np.int64)
+    offsets[1:] = np.cumsum(lengths)[:-1]
+    base = np.frombuffer(b"".join(blobs) + b"\0", np.uint8)
+    got = _C._jpeg_info(base, offsets, lengths)
+    for k, b in enumerate(blobs):
+        want = ops.jpeg_info(b)
+        assert tuple(got[k]) == (want if want is not None else (-1, -1, -1)), k
+    with pytest.raises(ValueError, match="outside"):
+        _C._jpeg_info(base, offsets + 10**6, lengths)
+    with pytest.raises(ValueError, match="outside"):
+        _C._jpeg_info(base, offsets, lengths - 10**6)
+    with pytest.raises(ValueError, match="differ"):
+        _C._jpeg_info(base, offsets, lengths[:-1])
+
+
+def test_native_file_reader(tmp_path):
+    import os
+    from pinloader import _C
+    paths = []
+    for k, size in enumerate([0, 1, 5000, 123]):
+        p = tmp_path / f"f{k}"
+        p.write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
+        paths.append(str(p))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    paths += [str(tmp_path / "missing"), str(tmp_path), str(fifo)]
+    for threads in (1, 3, 64):
+        data, off, ln, err = _C._read_files(paths, threads)
+        for k in range(4):
+            with open(paths[k], "rb") as f:
+                assert data[off[k]:off[k] + ln[k]].tobytes() == f.read()
+            assert err[k] == 0
+        assert err[4] == 2 and err[5] == -1 and err[6] == -1 and (ln[4:] == 0).all()
+    data, off, ln, err = _C._read_files([], 4)
+    assert len(off) == 0 and data.size == 1
+    with pytest.raises(ValueError, match="threads"):
+        _C._read_files(paths, 0)
+    with pytest.raises(ValueError):
+        _C._read_files(["a\0b"], 1)
