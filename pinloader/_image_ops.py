@@ -56,7 +56,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
     z = z * np.uint64(0xBF58476D1CE4E5B9)
     z = z ^ (z >> np.uint64(27))
     z = z * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    out: np.ndarray = z ^ (z >> np.uint64(31))
+    return out
 
 
 def draws(seed: int, epoch: int, index: np.ndarray, count: int = DRAWS) -> np.ndarray:
@@ -249,7 +250,7 @@ def resample(img: np.ndarray, p: Sequence[int], size: tuple[int, int]) -> np.nda
     if (h, w) == (rh, rw):
         out = box
     else:
-        out = np.asarray(Image.fromarray(box, "RGB").resize((rw, rh), Image.BILINEAR))
+        out = np.asarray(Image.fromarray(box, "RGB").resize((rw, rh), Image.Resampling.BILINEAR))
     out = out[oy:oy + size[0], ox:ox + size[1]]
     return out[:, ::-1] if flip else out
 

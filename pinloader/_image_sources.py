@@ -174,7 +174,7 @@ class MappedSource:
         i = int(i)
         f = self.files[int(self.file_of[i])]
         o = int(self.offsets[i])
-        return memoryview(f[o:o + int(self.lengths[i])])
+        return f[o:o + int(self.lengths[i])].data
 
     def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         idx = np.asarray(idx, np.int64)

@@ -79,6 +79,8 @@ class _Runner:
         self.decoder: Any = None     # a JpegDecoder on the GPU path
         self.pool: ThreadPoolExecutor | None = None
         self.pool_pid = 0
+        self.read_pool: ThreadPoolExecutor | None = None
+        self.read_pool_pid = 0
         self.counts: dict[str, Any] = {"samples": 0, "skipped": 0, "skipped_samples": [],
                                        "host_decoded": 0, "host_decoded_reasons": {}}
 
@@ -119,12 +121,13 @@ class _Runner:
 
     def header(self, i: int, data: Any) -> np.ndarray:
         """The sample's (h, w, components), from the cache or its header (then cached)."""
-        hw = self.src.hw[i]
+        hw: np.ndarray = self.src.hw[i]
         if hw[0] > 0:
             return hw
         h, w, c = ops.image_info(data)
         self.src.hw[i] = (h, w, c)
-        return self.src.hw[i]
+        row: np.ndarray = self.src.hw[i]
+        return row
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.src.labels[idx], dtype=np.int64)
@@ -149,7 +152,7 @@ class _Runner:
             return f"cannot be read ({e})"
         try:
             hw = self.header(i, data)
-            if cfg["train"]:
+            if u is not None:
                 p = ops.train_params(hw[None, :2], u[None], cfg["size"], cfg["scale"], cfg["ratio"],
                                      cfg["flip"])[0]
             else:
@@ -225,14 +228,38 @@ class _Runner:
 
     # ---- GPU ----
 
+    def reader(self) -> ThreadPoolExecutor:
+        """One thread that reads the next batch's bytes while this one is decoded."""
+        if self.read_pool is None or self.read_pool_pid != os.getpid():
+            self.read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pl-image-read")
+            self.read_pool_pid = os.getpid()
+        return self.read_pool
+
     def _gpu_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
         bs = self.cfg["batch_size"]
-        for b in range(n_batches):
-            idx = np.asarray(order[b * bs:(b + 1) * bs], np.int64)
-            yield (self._gpu_batch(epoch, idx), _Tag(b))
 
-    def _gpu_batch(self, epoch: int, idx: np.ndarray) -> dict[str, Any]:
-        base, offs, lens, fails = self.src.read(idx)
+        def idx_of(b: int) -> np.ndarray:
+            return np.asarray(order[b * bs:(b + 1) * bs], np.int64)
+
+        # the reads (native threads without the GIL for files; a copy for batches over several
+        # tar shards) overlap the previous batch's decode
+        pool = self.reader()
+        nxt = pool.submit(self.src.read, idx_of(0)) if n_batches else None
+        try:
+            for b in range(n_batches):
+                assert nxt is not None
+                got = nxt.result()
+                nxt = pool.submit(self.src.read, idx_of(b + 1)) if b + 1 < n_batches else None
+                yield (self._gpu_batch(epoch, idx_of(b), got), _Tag(b))
+        finally:
+            if nxt is not None and not nxt.cancel():
+                try:
+                    nxt.result()
+                except BaseException:  # noqa: BLE001 -- the epoch is being abandoned
+                    pass
+
+    def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any) -> dict[str, Any]:
+        base, offs, lens, fails = got
         n = len(idx)
         ok = np.ones(n, bool)
         whys: dict[int, str] = dict(fails)
@@ -306,8 +333,10 @@ class _Runner:
         p = self.params(epoch, idx, safe)
         o = np.where(ok, offs, 0).astype(np.int64)
         ln = np.where(ok, lens, 0).astype(np.int64)
-        return self.decoder.decode(base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1],
-                                   cfg["dtype"], cfg["channels_last"], raw or None)
+        out: tuple[Any, np.ndarray] = self.decoder.decode(
+            base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
+            cfg["channels_last"], raw or None)
+        return out
 
     def _empty(self) -> Any:
         """A batch whose every sample was skipped: zero rows, on the host (the prefetcher copies it)."""
@@ -315,9 +344,10 @@ class _Runner:
         return self.finish_host(np.zeros((0, H, W, 3), np.uint8))
 
     def close(self) -> None:
-        if self.pool is not None and self.pool_pid == os.getpid():
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pool = None
+        for pool, pid in ((self.pool, self.pool_pid), (self.read_pool, self.read_pool_pid)):
+            if pool is not None and pid == os.getpid():
+                pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = self.read_pool = None
         if self.decoder is not None:
             self.decoder.close()
             self.decoder = None
