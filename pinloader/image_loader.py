@@ -144,7 +144,8 @@ class _Runner:
     # ---- host ----
 
     def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, out: np.ndarray) -> str | None:
-        """Decode sample i into ``out`` (H, W, 3 uint8); an error's text, or None."""
+        """Decode sample i into ``out`` (its row of the batch, in the output dtype and layout);
+        an error's text, or None."""
         cfg = self.cfg
         try:
             data = self.src.read_one(i)
@@ -157,22 +158,48 @@ class _Runner:
                                      cfg["flip"])[0]
             else:
                 p = ops.eval_params(hw[None, :2], cfg["size"], cfg["resize"])[0]
-            out[...] = ops.host_decode(data, p, cfg["size"], (int(hw[0]), int(hw[1])))
+            px = ops.host_decode(data, p, cfg["size"], (int(hw[0]), int(hw[1])))
         except ValueError as e:
             return str(e)
+        self._store(px[None], out[None])
         return None
 
+    def _store(self, u8: np.ndarray, out: np.ndarray) -> None:
+        """(n, H, W, 3) uint8 pixels into ``out`` (n rows of the batch), normalized (Note [host
+        decode]) and laid out; on the worker threads (NumPy releases the GIL while it computes)."""
+        cfg = self.cfg
+        if not cfg["channels_last"]:
+            u8 = u8.transpose(0, 3, 1, 2)
+        if cfg["dtype"] == "uint8":
+            out[...] = u8
+            return
+        scale = np.asarray(cfg["norm"][0], np.float32)
+        bias = np.asarray(cfg["norm"][1], np.float32)
+        if not cfg["channels_last"]:
+            scale, bias = scale[:, None, None], bias[:, None, None]
+        f = u8.astype(np.float32)
+        f *= scale
+        f += bias
+        out[...] = f
+
     def _host_start(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Future[str | None]]]:
-        H, W = self.cfg["size"]
-        u8 = np.empty((len(idx), H, W, 3), np.uint8)
+        out = self._alloc(len(idx))
         u = ops.draws(self.cfg["seed"], epoch, idx) if self.cfg["train"] else None
         pool = self.workers()
-        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k], u8[k])
+        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k], out[k])
                 for k, i in enumerate(idx)]
-        return idx, u8, futs
+        return idx, out, futs
+
+    def _alloc(self, n: int) -> np.ndarray:
+        """A host batch: bfloat16 is made as float32 and cast at the end (NumPy has no bfloat16)."""
+        cfg = self.cfg
+        H, W = cfg["size"]
+        shape = (n, H, W, 3) if cfg["channels_last"] else (n, 3, H, W)
+        dt = {"uint8": np.uint8, "float16": np.float16}.get(cfg["dtype"], np.float32)
+        return np.empty(shape, dt)
 
     def _host_finish(self, started: tuple[np.ndarray, np.ndarray, list[Future[str | None]]]) -> dict[str, Any]:
-        idx, u8, futs = started
+        idx, out, futs = started
         keep = []
         for k, f in enumerate(futs):
             why = f.result()
@@ -181,29 +208,19 @@ class _Runner:
             else:
                 self.bad(int(idx[k]), why)
         if len(keep) != len(idx):
-            u8, idx = u8[keep], idx[keep]
+            out, idx = out[keep], idx[keep]
         self.counts["samples"] += len(idx)
-        return self.batch(self.finish_host(u8), self.labels(idx))
+        return self.batch(self._final(out), self.labels(idx))
 
-    def finish_host(self, u8: np.ndarray) -> Any:
-        """(B, H, W, 3) uint8 -> the output dtype and layout, normalized (Note [host decode])."""
-        cfg = self.cfg
-        dtype = cfg["dtype"]
-        if dtype == "uint8":
-            out = u8
-        else:
-            scale = np.asarray(cfg["norm"][0], np.float32)
-            bias = np.asarray(cfg["norm"][1], np.float32)
-            f = u8.astype(np.float32)
-            f *= scale
-            f += bias
-            out = f if dtype == "float32" else f.astype(np.float16) if dtype == "float16" else f
-        if not cfg["channels_last"]:
-            out = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
-        if dtype == "bfloat16":
+    def _final(self, out: np.ndarray) -> Any:
+        if self.cfg["dtype"] == "bfloat16":
             import torch  # checked when the loader was made
-            return torch.from_numpy(np.ascontiguousarray(out)).to(torch.bfloat16)
+            return torch.from_numpy(out).to(torch.bfloat16)
         return out
+
+    def _empty(self) -> Any:
+        """A batch whose every sample was skipped: zero rows, on the host (the prefetcher copies it)."""
+        return self._final(self._alloc(0))
 
     def _host_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
         bs = self.cfg["batch_size"]
@@ -337,11 +354,6 @@ class _Runner:
             base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
             cfg["channels_last"], raw or None)
         return out
-
-    def _empty(self) -> Any:
-        """A batch whose every sample was skipped: zero rows, on the host (the prefetcher copies it)."""
-        H, W = self.cfg["size"]
-        return self.finish_host(np.zeros((0, H, W, 3), np.uint8))
 
     def close(self) -> None:
         for pool, pid in ((self.pool, self.pool_pid), (self.read_pool, self.read_pool_pid)):

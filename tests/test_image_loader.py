@@ -262,9 +262,24 @@ def test_bad_samples_skipped_and_counted(tmp_path):
     assert s["skipped"] == 4 and s["samples"] == 2 and s["decoder"] == "host"
     assert sorted(x["index"] for x in s["skipped_samples"]) == [1, 2, 3, 5]
     assert any("missing.jpg" in x["name"] for x in s["skipped_samples"])
-    # every batch is counted for the resume, also one whose samples were all skipped
     assert loader.state_dict()["epoch"] == 1
     loader.close()
+    # a batch whose samples were all skipped is an empty batch, on both paths; it still counts
+    # for the resume
+    for gpu in (False, True):
+        loader = ImageLoader(items, 2, size=8, device="cpu", shuffle=False, on_error="skip")
+        if gpu:
+            fake_gpu(loader)
+        it = iter(loader)
+        first = next(it)
+        assert np.from_dlpack(first["label"]).tolist() == [0]
+        empty = next(it)
+        assert np.from_dlpack(empty["image"]).shape == (0, 3, 8, 8)
+        assert loader.state_dict()["position"] == 4
+        assert np.from_dlpack(next(it)["label"]).tolist() == [4]
+        with pytest.raises(StopIteration):
+            next(it)
+        loader.close()
 
 
 def test_source_errors(tmp_path):
