@@ -6,8 +6,9 @@ Every source gives, for an int64 array of sample indices, the samples' encoded b
 rows of one C-contiguous uint8 buffer (``read(indices) -> (base, offsets, lengths)``), their
 labels, a name for error messages (``name(i)``), and a cache of image sizes (``hw``: int32
 (N, 3) height, width, components; -1 where not known yet) that the loader fills from the
-headers as it first meets each sample. A packed dataset and a single tar shard are one mapped
-file: ``read`` returns the mapping itself and the samples' offsets in it, without copying.
+headers as it first meets each sample. Packed data and tar shards are mapped next to each other
+as one region (Note [one region of files] in src/py/image_host.c): ``read`` returns the region
+itself and the samples' offsets in it, without copying, whatever shards a batch draws from.
 
 Packed format (a directory; every file opens with NumPy alone):
 
@@ -21,7 +22,6 @@ Packed format (a directory; every file opens with NumPy alone):
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import tarfile
 from typing import Any, Sequence
@@ -53,16 +53,6 @@ def _ragged(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if base.size == 0:
         base = np.zeros(1, np.uint8)  # a buffer to point into even when every sample is empty
     return base, offsets, lengths
-
-
-def _map(path: str) -> np.ndarray:
-    """The whole file, mapped read-only, as a uint8 array (a one-byte array for an empty file)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return np.zeros(1, np.uint8)
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(m, np.uint8)
 
 
 class FileSource:
@@ -146,18 +136,28 @@ def list_source(items: Sequence[tuple[Any, int]]) -> FileSource:
 
 
 class MappedSource:
-    """Samples as ragged rows of mapped files (packed data, tar shards): ``files[f]`` is the
-    mapping, sample i lies in file ``file_of[i]`` at ``offsets[i]``, ``lengths[i]`` bytes."""
+    """Samples as ragged rows of mapped files (packed data, tar shards), all the files mapped
+    next to each other as one region (Note [one region of files] in src/py/image_host.c):
+    sample i is ``region[offsets[i]:offsets[i] + lengths[i]]``, in file ``file_of[i]``. Every
+    batch, of any files, is one buffer without a copy."""
 
-    def __init__(self, kind: str, files: list[np.ndarray], file_names: list[str], file_of: np.ndarray,
-                 offsets: np.ndarray, lengths: np.ndarray, labels: np.ndarray, names: list[str],
+    def __init__(self, kind: str, file_names: list[str], file_of: np.ndarray, offsets: np.ndarray,
+                 lengths: np.ndarray, labels: np.ndarray, names: list[str],
                  hw: np.ndarray | None = None, classes: list[str] | None = None) -> None:
+        """``offsets``: within each sample's own file."""
         self.kind = kind
-        self.files = files
         self.file_names = file_names
+        region, starts = _C._map_files(file_names)
+        self.region: np.ndarray | None = region
+        self.mapped = np.array([os.path.getsize(f) for f in file_names], np.int64)
         self.file_of = file_of
-        self.offsets = offsets
+        self.offsets = offsets + starts[file_of]
         self.lengths = lengths
+        ends = offsets + lengths
+        if len(ends) and (ends > self.mapped[file_of]).any():
+            k = int(np.flatnonzero(ends > self.mapped[file_of])[0])
+            raise ImageSourceError(f"ImageLoader: {file_names[int(file_of[k])]} is shorter than its "
+                                   f"index says (sample {k} ends at byte {int(ends[k])})")
         self.labels = labels
         self.names = names
         self.classes = classes
@@ -170,23 +170,37 @@ class MappedSource:
         i = int(i)
         return f"{self.file_names[int(self.file_of[i])]}: {self.names[i]}"
 
+    def _check(self, files: Any) -> np.ndarray:
+        """The region, once the files about to be read are found no shorter than when they were
+        mapped (a read past a file's end would fault: the check narrows that to one batch)."""
+        region = self.region
+        if region is None:
+            raise ValueError("ImageLoader: the source is closed")
+        for f in np.atleast_1d(files):
+            f = int(f)
+            try:
+                now = os.stat(self.file_names[f]).st_size
+            except OSError as e:
+                raise ImageSourceError(f"ImageLoader: {self.file_names[f]} can no longer be read ({e})") from None
+            if now < self.mapped[f]:
+                raise ImageSourceError(f"ImageLoader: {self.file_names[f]} was truncated on disk while "
+                                       f"loading: it is now {now} bytes, {int(self.mapped[f])} are mapped "
+                                       "(the dataset was rewritten or cut short under the loader)")
+        return region
+
     def read_one(self, i: int) -> memoryview:
         i = int(i)
-        f = self.files[int(self.file_of[i])]
+        region = self._check(self.file_of[i])
         o = int(self.offsets[i])
-        return f[o:o + int(self.lengths[i])].data
+        return region[o:o + int(self.lengths[i])].data
 
     def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         idx = np.asarray(idx, np.int64)
-        which = self.file_of[idx]
-        if len(idx) and (which == which[0]).all():
-            # one file: the mapping itself, no copy
-            return self.files[int(which[0])], self.offsets[idx].copy(), self.lengths[idx].copy(), {}
-        # samples of several shards: copied into one buffer
-        return (*_ragged([self.read_one(i) for i in idx]), {})
+        region = self._check(np.unique(self.file_of[idx]))
+        return region, self.offsets[idx], self.lengths[idx], {}
 
     def close(self) -> None:
-        self.files = []
+        self.region = None  # unmapped once no batch in flight reads it
 
 
 def packed_source(root: str) -> MappedSource:
@@ -205,7 +219,6 @@ def packed_source(root: str) -> MappedSource:
         raise ImageSourceError(f"ImageLoader: {root}: offsets.npy has shape {bounds.shape}, "
                                f"labels.npy {n} samples (need N + 1 offsets, N >= 1)")
     data_path = os.path.join(root, "data.bin")
-    data = _map(data_path)
     size = os.path.getsize(data_path)
     bounds = bounds.astype(np.int64, copy=False)
     if bounds[0] != 0 or (np.diff(bounds) < 0).any() or bounds[-1] > size:
@@ -224,7 +237,7 @@ def packed_source(root: str) -> MappedSource:
             got = f.read().split("\n")[:n]
         if len(got) == n:
             names = got
-    return MappedSource("packed", [data], [data_path], np.zeros(n, np.int64), bounds[:-1].copy(),
+    return MappedSource("packed", [data_path], np.zeros(n, np.int64), bounds[:-1].copy(),
                         np.diff(bounds), labels, names, hw, meta.get("classes"))
 
 
@@ -239,7 +252,6 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
     """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
     ``key.cls`` (its label as decimal text). Each shard's members are indexed once; the shard
     is then read as one mapped file."""
-    files: list[np.ndarray] = []
     names_f: list[str] = []
     file_of: list[int] = []
     offsets: list[int] = []
@@ -265,7 +277,6 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
                         samples[key]["label"] = fh.read() if fh is not None else b""
         except (OSError, tarfile.TarError) as e:
             raise ImageSourceError(f"ImageLoader: cannot read the tar shard {shard} ({e})") from None
-        data = _map(shard)
         count = 0
         for key in order:
             s = samples[key]
@@ -285,11 +296,10 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
             labels.append(lab)
             names.append(img.name)
             count += 1
-        files.append(data)
         names_f.append(shard)
     if not labels:
         raise ImageSourceError(f"ImageLoader: no images in the tar shards {list(map(str, shards))}")
-    return MappedSource("tar", files, names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
+    return MappedSource("tar", names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
                         np.array(lengths, np.int64), np.array(labels, np.int64), names)
 
 

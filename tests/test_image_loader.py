@@ -311,6 +311,27 @@ def test_source_errors(tmp_path):
             ImageLoader(items, 2, **bad)
 
 
+def test_mapped_sources_are_one_region_and_check_truncation(data, tmp_path):
+    import shutil
+    tar = ImageLoader(data["tars"], 4, device="cpu")
+    src = tar.source
+    base, offs, lens, fails = src.read(np.array([0, 7, 17]))  # three shards, no copy
+    assert base is src.region and not fails
+    for k, i in enumerate([0, 7, 17]):
+        with open(data["items"][i][0], "rb") as f:
+            assert base[offs[k]:offs[k] + lens[k]].tobytes() == f.read()
+    tar.close()
+    packed = str(tmp_path / "packed")
+    shutil.copytree(data["packed"], packed)
+    loader = ImageLoader(packed, 4, size=8, device="cpu")
+    next(iter(loader))
+    with open(os.path.join(packed, "data.bin"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="data.bin was truncated on disk while loading"):
+        host(loader)
+    loader.close()
+
+
 def test_gpu_decoder_refused_without_a_gpu(data):
     if pinloader.cuda_available():
         pytest.skip("a CUDA device is present: the GPU decoder may be had")

@@ -197,3 +197,27 @@ def test_native_file_reader(tmp_path):
         _C._read_files(paths, 0)
     with pytest.raises(ValueError):
         _C._read_files(["a\0b"], 1)
+
+
+def test_native_file_mapping(tmp_path):
+    from pinloader import _C
+    blobs = [b"a" * 10, b"", bytes(range(256)) * 40, b"z"]
+    paths = []
+    for k, b in enumerate(blobs):
+        p = tmp_path / f"f{k}"
+        p.write_bytes(b)
+        paths.append(str(p))
+    region, starts = _C._map_files(paths)
+    assert not region.flags.writeable and region.dtype == np.uint8
+    for b, s in zip(blobs, starts):
+        assert region[s:s + len(b)].tobytes() == b
+    assert (np.diff(starts) >= 0).all() and (starts % 4096 == 0).all()
+    # bytes past a file's end, in its last page, are zeros (not the next file's)
+    assert not region[starts[0] + 10:starts[0] + 100].any()
+    region2, starts2 = _C._map_files([])
+    assert region2.shape == (0,) and starts2.shape == (0,)
+    with pytest.raises(FileNotFoundError):
+        _C._map_files([str(tmp_path / "missing")])
+    with pytest.raises(OSError, match="not a regular file"):
+        _C._map_files([str(tmp_path)])
+    del region  # unmapped with its last view

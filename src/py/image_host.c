@@ -8,6 +8,9 @@
  *   data, offsets, lengths, errors = _read_files(paths, threads)
  *       The files' bytes, one after the other, in one uint8 array; errors: int32 per file, 0 or
  *       the errno of the open or read that failed (-1: not a regular file), its length then 0.
+ *   region, starts = _map_files(paths)
+ *       The files mapped read-only one after the other into one range of addresses (Note [one
+ *       region of files]): a read-only uint8 array over all of them, and where each begins.
  *
  * Note [file reader threads]
  * Each file is opened (O_NONBLOCK, so a FIFO under a dataset's name cannot block the open),
@@ -27,6 +30,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -257,6 +261,161 @@ done:
     return result;
 }
 
+/* ---- one region of files ---- */
+
+/* Note [one region of files]
+ * A batch of samples from many tar shards must be one buffer for the GPU decoder. Rather than
+ * copy the samples, the shards are mapped next to each other: an address range for all of them
+ * is reserved (PROT_NONE, anonymous, no memory behind it), and each file is mapped over its
+ * part with MAP_FIXED, starting on a page boundary. Sample bytes are then ragged rows of one
+ * array whose base unmaps the whole range when the last view of it goes. A file's last page is
+ * mapped whole: the bytes past its end read as zeros, never as another file's. Only the files'
+ * sizes when they were mapped are covered; the loader checks them before each batch is read
+ * (a file cut short under a mapping would fault). */
+
+typedef struct {
+    void *addr;
+    size_t len;
+} map_region;
+
+static const char REGION_CAPSULE[] = "pinloader.image_region";
+
+static void region_free(PyObject *cap)
+{
+    map_region *r = PyCapsule_GetPointer(cap, REGION_CAPSULE);
+    if (!r)
+        return;
+    munmap(r->addr, r->len);
+    free(r);
+}
+
+static PyObject *ih_map_files(PyObject *m, PyObject *paths_o)
+{
+    (void)m;
+    PyObject *seq = PySequence_Fast(paths_o, "_map_files: paths must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *encoded = PyList_New(n), *result = NULL, *cap = NULL;
+    PyArrayObject *arr = NULL, *starts = NULL;
+    int *fds = NULL;
+    size_t *sizes = NULL;
+    map_region *r = NULL;
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    if (!encoded)
+        goto done;
+    if (!(fds = PyMem_Malloc(((size_t)n + 1) * sizeof *fds)) ||
+        !(sizes = PyMem_Calloc((size_t)n + 1, sizeof *sizes))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        fds[i] = -1;
+    npy_intp dn = n;
+    if (!(starts = (PyArrayObject *)PyArray_ZEROS(1, &dn, NPY_INT64, 0)))
+        goto done;
+    int64_t *st = PyArray_DATA(starts);
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = NULL;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &b))
+            goto done;
+        PyList_SET_ITEM(encoded, i, b);
+        const char *path = PyBytes_AS_STRING(b);
+        int fd;
+        struct stat sb;
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (fd < 0 || fstat(fd, &sb) < 0)
+            err = errno ? errno : EIO;
+        Py_END_ALLOW_THREADS
+        fds[i] = fd;
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PySequence_Fast_GET_ITEM(seq, i));
+            goto done;
+        }
+        if (!S_ISREG(sb.st_mode)) {
+            PyErr_Format(PyExc_OSError, "_map_files: %s is not a regular file", path);
+            goto done;
+        }
+        sizes[i] = (size_t)sb.st_size;
+        st[i] = (int64_t)total;
+        size_t pages = (sizes[i] + page - 1) / page * page;
+        if (__builtin_add_overflow(total, pages, &total) || total > (size_t)NPY_MAX_INTP / 2) {
+            PyErr_SetString(PyExc_OverflowError, "_map_files: the files are larger than one mapping can hold");
+            goto done;
+        }
+    }
+    size_t len = total ? total : page; /* an empty region still has an address */
+    if (!(r = malloc(sizeof *r))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int err = 0;
+    Py_ssize_t bad = -1;
+    void *base;
+    Py_BEGIN_ALLOW_THREADS
+    base = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) {
+        err = errno;
+    } else {
+        for (Py_ssize_t i = 0; i < n && !err; i++) {
+            if (!sizes[i])
+                continue;
+            void *at = (char *)base + st[i];
+            if (mmap(at, sizes[i], PROT_READ, MAP_SHARED | MAP_FIXED, fds[i], 0) == MAP_FAILED) {
+                err = errno;
+                bad = i;
+            }
+        }
+        if (err)
+            munmap(base, len);
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        free(r);
+        r = NULL;
+        errno = err;
+        if (bad >= 0)
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PySequence_Fast_GET_ITEM(seq, bad));
+        else
+            PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    r->addr = base;
+    r->len = len;
+    if (!(cap = PyCapsule_New(r, REGION_CAPSULE, region_free))) {
+        munmap(base, len);
+        free(r);
+        goto done;
+    }
+    npy_intp dl = (npy_intp)total;
+    if (!(arr = (PyArrayObject *)PyArray_New(&PyArray_Type, 1, &dl, NPY_UINT8, NULL, base, 0,
+                                             NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL)))
+        goto done;
+    if (PyArray_SetBaseObject(arr, cap) < 0) { /* steals cap, also on failure */
+        cap = NULL;
+        goto done;
+    }
+    cap = NULL;
+    result = PyTuple_Pack(2, arr, starts);
+done:
+    if (fds)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (fds[i] >= 0)
+                close(fds[i]); /* a mapping keeps its file */
+    PyMem_Free(fds);
+    PyMem_Free(sizes);
+    Py_XDECREF(cap);
+    Py_XDECREF(arr);
+    Py_XDECREF(starts);
+    Py_XDECREF(encoded);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef image_host_methods[] = {
     {"_jpeg_info", ih_jpeg_info, METH_VARARGS,
      "_jpeg_info(base, offsets, lengths, /)\n--\n\nint32 (n, 3): each sample's JPEG height, width "
@@ -265,6 +424,9 @@ static PyMethodDef image_host_methods[] = {
      "_read_files(paths, threads, /)\n--\n\n(data, offsets, lengths, errors): the files read by "
      "native threads into one uint8 array; errors int32 per file (0, an errno, or -1: not a "
      "regular file)."},
+    {"_map_files", ih_map_files, METH_O,
+     "_map_files(paths, /)\n--\n\n(region, starts): the files mapped read-only one after the other "
+     "into one range of addresses, as one read-only uint8 array, and where each begins."},
     {NULL, NULL, 0, NULL},
 };
 
