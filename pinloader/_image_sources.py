@@ -188,11 +188,12 @@ class MappedSource:
                                        "(the dataset was rewritten or cut short under the loader)")
         return region
 
-    def read_one(self, i: int) -> memoryview:
+    def read_one(self, i: int) -> bytes:
+        """Sample i's bytes, copied at once after the check (its decode may come later)."""
         i = int(i)
         region = self._check(self.file_of[i])
         o = int(self.offsets[i])
-        return region[o:o + int(self.lengths[i])].data
+        return region[o:o + int(self.lengths[i])].tobytes()
 
     def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         idx = np.asarray(idx, np.int64)
