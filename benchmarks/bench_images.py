@@ -192,7 +192,8 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable
 
 def _v2_train(torch: Any) -> Any:
     from torchvision.transforms import v2
-    return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
+    # crop and flip the PIL image (Pillow's resize, the classic recipe), then to a tensor
+    return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.ToImage(),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
 
 
