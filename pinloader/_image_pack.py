@@ -180,6 +180,9 @@ def run(args: Any) -> int:
     except (ValueError, OSError) as e:
         print(f"pinloader pack: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\npinloader pack: interrupted; run the same command again to continue", file=sys.stderr)
+        return 130
     if not args.quiet:
         print(f"packed {n} images into {args.dest}", file=sys.stderr)
     return 0
