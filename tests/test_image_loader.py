@@ -493,3 +493,20 @@ def test_gpu_path_retries_what_nvjpeg_fails_on(data, monkeypatch):
     same(got, run(data["packed"], batch_size=6, size=8, seed=1))
     assert g.stats()["host_decoded_reasons"] == {"nvJPEG could not decode it": 3}
     g.close()
+
+
+def test_static_batches_through_the_torch_door(data):
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    loader = ImageLoader(data["packed"], 5, size=8, seed=2, device="cpu")
+    want = run(data["packed"], batch_size=5, size=8, seed=2)
+    door = pt.prefetch(loader, static=True)
+    ptrs, rows = set(), []
+    for b, ref in zip(door, want):
+        ptrs.add(b["image"].data_ptr())
+        n = door.valid_rows
+        rows.append(n)
+        np.testing.assert_array_equal(b["image"][:n].numpy(), ref["image"])
+    assert len(ptrs) == 1 and rows == [5, 5, 5, 3]
+    assert loader.stats()["decoder"] == "host"
+    loader.close()
