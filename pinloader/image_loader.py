@@ -579,6 +579,16 @@ class ImageLoader:
             raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
         return _order(self._plan, int(epoch)).view()
 
+    def indices_after(self, epoch: int, position: int) -> np.ndarray:
+        """This rank's sample order for what is left of ``epoch`` once the ranks together were
+        handed its first ``position`` images (as :meth:`pinloader.ArrayLoader.indices_after`)."""
+        for name, v in (("epoch", epoch), ("position", position)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"ImageLoader: {name} must be an int, not {type(v).__name__}")
+        if position < 0:
+            raise ValueError(f"ImageLoader: position must be >= 0, got {position}")
+        return _resume.resumed_order(self._plan, int(epoch), int(position))
+
     def params(self, epoch: int, indices: Any) -> np.ndarray:
         """The resampling parameters (int32 (n, 9), Note [image parameters] in
         pinloader/_image_ops.py) the loader uses for these samples in ``epoch``; the image sizes

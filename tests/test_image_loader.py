@@ -187,6 +187,7 @@ def test_sharding_and_elastic_resume(data):
     full = np.asarray(one.indices(0))
     assert set(full[:6]) == set(idx[0][:3]) | set(idx[1][:3])
     assert rest.tolist() == [items[i][1] for i in full[6:]]
+    assert one.indices_after(0, 6).tolist() == full[6:].tolist()
     for s in shards + [one]:
         s.close()
 
