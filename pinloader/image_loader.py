@@ -9,18 +9,26 @@ everything the ArrayLoader's module documentation says under "Sampling" and "Res
 here with images as the items. Each epoch's batches are made by a generator on the
 prefetcher's producer thread:
 
-* GPU (a CUDA device, nVJPEG found): the batch's encoded bytes as ragged rows of one buffer (the
-  mapped packed file or tar shard itself, or the files read by threads into one buffer), the
-  crop parameters from the images' header sizes (Note [image parameters] in
-  pinloader/_image_ops.py), then one ``JpegDecoder.decode`` call (src/py/jpeg_decoder.c) that
+* GPU (a CUDA device, nvJPEG found): the batch's encoded bytes as ragged rows of one buffer
+  (the region the packed file or the tar shards are mapped into, or the files read by native
+  threads into one buffer: pinloader/_image_sources.py), read one batch ahead on a thread of
+  their own; the crop parameters from the images' header sizes (Note [image parameters] in
+  pinloader/_image_ops.py); then one ``JpegDecoder.decode`` call (src/py/jpeg_decoder.c) that
   decodes on the GPU's JPEG engines and runs the resampling kernel into the batch. The image
-  is a device array the prefetcher passes through (it is already where it is going); the labels
-  travel the usual way. Images nvJPEG does not take (PNG and other formats, JPEGs with other
-  than 1 or 3 components, anything it fails on) are decoded by the host decoder and handed to
-  the same call (``raw=``), so the kernel still crops them; ``stats()`` counts them by reason.
-* Host: each sample decoded and resampled by Pillow on the loader's worker threads (Pillow
-  releases the GIL while it decodes and resizes), two batches ahead of the producer, and the
-  batch copied by the prefetcher like any other.
+  is a device array the prefetcher passes through (it is already where it is going) and that
+  ``__next__`` hands to a framework door's import; the labels travel the usual way. Images
+  nvJPEG does not take (PNG and other formats, JPEGs with other than 1 or 3 components,
+  anything it fails on) are decoded by the host decoder and handed to the same call
+  (``raw=``), so the kernel still crops them; ``stats()`` counts them by reason.
+* Host: each sample decoded, resampled, normalized and laid out by Pillow and NumPy on the
+  loader's worker threads (both release the GIL while they compute), up to two batches ahead
+  of the one the producer waits for; the batch is copied by the prefetcher like any other.
+
+Each item the generator yields is ``(batch, _Tag)``: the tag says which planned batch it is,
+so that skipped samples (``on_error="skip"``) never shift the position a checkpoint records.
+The generator holds the GIL while it plans a batch (a few NumPy calls), not while images are
+read or decoded. ArrayLoader's epochs are made in C without the GIL (Note [native epochs] in
+src/py/gather.c); the image epochs are not yet.
 
 Both take the same parameters for the same (seed, epoch, sample): the crops are the same on
 every backend, rank and resume.
