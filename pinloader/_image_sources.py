@@ -331,5 +331,9 @@ def make_source(source: Any) -> Any:
         raise TypeError(f"ImageLoader: source must be a folder, tar shard(s) or a list of (path, "
                         f"label), not {type(source).__name__}") from None
     if items and all(isinstance(x, (str, os.PathLike)) for x in items):
+        odd = [os.fspath(x) for x in items if not os.fspath(x).endswith(".tar")]
+        if odd:
+            raise TypeError(f"ImageLoader: a list of paths must be .tar shards (WebDataset), got "
+                            f"{odd[0]!r}; give images as (path, label) pairs")
         return tar_source(items)
     return list_source(items)

@@ -295,6 +295,8 @@ def test_source_errors(tmp_path):
         ImageLoader(str(tmp_path / "nowhere"), 2)
     with pytest.raises(ValueError, match="empty"):
         ImageLoader([], 2)
+    with pytest.raises(TypeError, match=r"must be .tar shards.*\(path, label\) pairs"):
+        ImageLoader(["a.jpg", "b.jpg"], 2)
     with pytest.raises(TypeError, match="label must be an int"):
         ImageLoader([("a.jpg", "cat")], 2)
     t = tmp_path / "nolabel.tar"
@@ -382,6 +384,15 @@ class FakeGpuDecoder:
     def decode(self, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None):
         from pinloader import _image_ops as ops
         n = len(offsets)
+        # what the real decode() checks (src/py/jpeg_decoder.c)
+        assert 1 <= n <= 65535
+        assert np.asarray(offsets).dtype == np.asarray(lengths).dtype == np.int64
+        assert params.dtype == np.int32 and params.shape == (n, 9) and params.flags.c_contiguous
+        assert set(np.unique(params[:, 8])) <= {0, 1}
+        memoryview(base)  # a buffer
+        for k, v in (raw or {}).items():
+            assert type(k) is int and 0 <= k < n
+            assert v.dtype == np.uint8 and v.ndim == 3 and v.shape[2] == 3 and v.flags.c_contiguous
         self.calls.append((n, sorted(raw or {})))
         u8 = np.zeros((n, size[0], size[1], 3), np.uint8)
         status = np.zeros(n, np.int32)
