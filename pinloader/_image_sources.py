@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import tarfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -251,61 +250,56 @@ def _wds_key(name: str) -> tuple[str, str]:
 
 def tar_source(shards: Sequence[str]) -> MappedSource:
     """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
-    ``key.cls`` (its label as decimal text). Each shard's members are indexed once; the shard
-    is then read as one mapped file."""
-    names_f: list[str] = []
+    ``key.cls`` (its label as decimal text). The shards are mapped as one region and each one's
+    headers are read in place, once, in C (``_C._tar_scan``: ustar, pax and GNU long names)."""
+    names_f = [os.fspath(x) for x in shards]
+    try:
+        region, starts = _C._map_files(names_f)
+    except OSError as e:
+        raise ImageSourceError(f"ImageLoader: cannot open the tar shards ({e})") from None
+    sizes = [os.path.getsize(f) for f in names_f]
     file_of: list[int] = []
     offsets: list[int] = []
     lengths: list[int] = []
     labels: list[int] = []
     names: list[str] = []
-    for f, shard in enumerate(shards):
-        shard = os.fspath(shard)
-        samples: dict[str, dict[str, Any]] = {}
-        order: list[str] = []
+    for f, shard in enumerate(names_f):
+        lo = int(starts[f])
+        view = region[lo:lo + sizes[f]]
         try:
-            with tarfile.open(shard, "r:") as t:
-                for m in t:
-                    if not m.isfile():
-                        continue
-                    key, ext = _wds_key(m.name)
-                    if key not in samples:
-                        samples[key] = {}
-                        order.append(key)
-                    samples[key][ext] = m
-                    if ext == "cls":
-                        fh = t.extractfile(m)
-                        samples[key]["label"] = fh.read() if fh is not None else b""
-        except (OSError, tarfile.TarError) as e:
+            blob, cols = _C._tar_scan(view)
+        except ValueError as e:
             raise ImageSourceError(f"ImageLoader: cannot read the tar shard {shard} ({e})") from None
-        count = 0
-        for key in order:
-            s = samples[key]
+        samples: dict[str, dict[str, tuple[int, int, str]]] = {}
+        end0 = 0
+        for end, off, size in cols.tolist():
+            name = blob[end0:end].decode("utf-8", "surrogateescape")
+            end0 = end
+            key, ext = _wds_key(name)
+            samples.setdefault(key, {})[ext] = (off, size, name)
+        for key, s in samples.items():
             img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
             if img is None:
                 continue
-            if "label" not in s:
-                raise ImageSourceError(f"ImageLoader: {shard}: {img.name} has no label ({key}.cls)")
+            if "cls" not in s:
+                raise ImageSourceError(f"ImageLoader: {shard}: {img[2]} has no label ({key}.cls)")
+            o, n, _ = s["cls"]
+            text = view[o:o + n].tobytes()
             try:
-                lab = int(s["label"].decode("ascii").strip())
+                lab = int(text.decode("ascii").strip())
             except (UnicodeDecodeError, ValueError):
                 raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls is not an integer label "
-                                       f"({s['label'][:40]!r})") from None
+                                       f"({text[:40]!r})") from None
             file_of.append(f)
-            offsets.append(int(m_off(img)))
-            lengths.append(int(img.size))
+            offsets.append(img[0])
+            lengths.append(img[1])
             labels.append(lab)
-            names.append(img.name)
-            count += 1
-        names_f.append(shard)
+            names.append(img[2])
+    del region  # MappedSource maps the shards again, for itself
     if not labels:
-        raise ImageSourceError(f"ImageLoader: no images in the tar shards {list(map(str, shards))}")
+        raise ImageSourceError(f"ImageLoader: no images in the tar shards {names_f}")
     return MappedSource("tar", names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
                         np.array(lengths, np.int64), np.array(labels, np.int64), names)
-
-
-def m_off(m: tarfile.TarInfo) -> int:
-    return int(m.offset_data)
 
 
 def make_source(source: Any) -> Any:

@@ -221,3 +221,80 @@ def test_native_file_mapping(tmp_path):
     with pytest.raises(OSError, match="not a regular file"):
         _C._map_files([str(tmp_path)])
     del region  # unmapped with its last view
+
+
+def _tar_bytes(fmt, members):
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+        for name, data, kind in members:
+            info = tarfile.TarInfo(name)
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                t.addfile(info)
+            elif kind == "link":
+                info.type = tarfile.SYMTYPE
+                info.linkname = "x" * 50
+                t.addfile(info)
+            else:
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _scan(blob):
+    from pinloader import _C
+    names, cols = _C._tar_scan(np.frombuffer(blob, np.uint8))
+    out, start = [], 0
+    for end, off, size in cols.tolist():
+        out.append((names[start:end].decode("utf-8", "surrogateescape"), off, size))
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["USTAR_FORMAT", "GNU_FORMAT", "PAX_FORMAT"])
+def test_tar_scan_agrees_with_tarfile(fmt):
+    import io
+    import tarfile
+    long_dir = "d" * 120 + "/sub"
+    members = [("a.jpg", b"x" * 700, "file"), ("a.cls", b"3", "file"), ("empty.txt", b"", "file"),
+               ("dir", b"", "dir"), (f"{long_dir}/k.jpg", b"y" * 513, "file"),
+               ("lnk", b"", "link"), ("b" * 95 + ".cls", b"12", "file")]
+    if fmt != "USTAR_FORMAT":
+        members += [("z" * 180 + ".jpg", b"z" * 1024, "file")]
+    if fmt == "PAX_FORMAT":
+        members += [("caf\u00e9/\u00e9t\u00e9.jpg", b"w" * 10, "file")]
+    blob = _tar_bytes(getattr(tarfile, fmt), members)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as t:
+        want = [(m.name, m.offset_data, m.size) for m in t if m.isfile()]
+    assert _scan(blob) == want
+    assert len(want) == len([m for m in members if m[2] == "file"])
+
+
+def test_tar_scan_refuses_malformed_archives_without_crashing():
+    import tarfile
+    from pinloader import _C
+    blob = _tar_bytes(tarfile.PAX_FORMAT, [("a" * 150 + ".jpg", b"q" * 3000, "file"), ("a.cls", b"1", "file")])
+    assert _scan(b"") == [] and _scan(bytes(1024)) == []
+    with pytest.raises(ValueError, match="checksum"):
+        _scan(b"not a tar" * 100)
+    with pytest.raises(ValueError, match="past the end"):
+        _scan(blob[:2000])
+    for cut in (1500, 1024, 100):
+        with pytest.raises(ValueError, match="truncated tar"):
+            _scan(blob[:cut])
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # corrupted and cut archives: an error or members inside the bytes
+        b = bytearray(blob[:int(rng.integers(0, len(blob) + 1))])
+        for _ in range(int(rng.integers(0, 6))):
+            if b:
+                b[int(rng.integers(len(b)))] = int(rng.integers(256))
+        try:
+            got = _scan(bytes(b))
+        except ValueError:
+            continue
+        for _, off, size in got:
+            assert 0 <= off and off + size <= len(b)
+    with pytest.raises(TypeError):
+        _C._tar_scan(42)

@@ -23,6 +23,7 @@
 #include "image_host.h"
 
 #include "jpeg_header.h"
+#include "tar_index.h"
 #include "np.h"
 
 #include <errno.h>
@@ -416,6 +417,91 @@ done:
     return result;
 }
 
+/* ---- tar shards ---- */
+
+typedef struct {
+    const unsigned char *p;
+    char *names;        /* the names, one after the other */
+    size_t names_len, names_cap;
+    int64_t *cols;      /* per member: name end, data offset, size */
+    size_t n, cap;
+} tar_acc;
+
+static int tar_add(void *ctx, const pl_tar_member *m)
+{
+    tar_acc *a = ctx;
+    size_t need = (size_t)m->name_len + (m->prefix_len ? (size_t)m->prefix_len + 1 : 0);
+    if (a->names_len + need > a->names_cap) {
+        size_t cap = a->names_cap ? a->names_cap : 4096;
+        while (cap < a->names_len + need)
+            cap *= 2;
+        char *q = realloc(a->names, cap);
+        if (!q)
+            return -1;
+        a->names = q;
+        a->names_cap = cap;
+    }
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? a->cap * 2 : 1024;
+        int64_t *q = realloc(a->cols, cap * 3 * sizeof *q);
+        if (!q)
+            return -1;
+        a->cols = q;
+        a->cap = cap;
+    }
+    if (m->prefix_len) {
+        memcpy(a->names + a->names_len, a->p + m->prefix_off, (size_t)m->prefix_len);
+        a->names_len += (size_t)m->prefix_len;
+        a->names[a->names_len++] = '/';
+    }
+    memcpy(a->names + a->names_len, a->p + m->name_off, (size_t)m->name_len);
+    a->names_len += (size_t)m->name_len;
+    a->cols[3 * a->n] = (int64_t)a->names_len;
+    a->cols[3 * a->n + 1] = m->data_off;
+    a->cols[3 * a->n + 2] = m->size;
+    a->n++;
+    return 0;
+}
+
+static PyObject *ih_tar_scan(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    tar_acc a = {.p = view.buf};
+    const char *why = NULL;
+    int64_t where = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pl_tar_scan(view.buf, (size_t)view.len, tar_add, &a, &why, &where);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL, *names = NULL;
+    PyArrayObject *cols = NULL;
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rc > 0) {
+        PyErr_Format(PyExc_ValueError, "_tar_scan: at byte %lld: %s", (long long)where, why);
+        goto done;
+    }
+    npy_intp dims[2] = {(npy_intp)a.n, 3};
+    if (!(names = PyBytes_FromStringAndSize(a.names ? a.names : "", (Py_ssize_t)a.names_len)) ||
+        !(cols = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_INT64)))
+        goto done;
+    if (a.n)
+        memcpy(PyArray_DATA(cols), a.cols, a.n * 3 * sizeof(int64_t));
+    result = PyTuple_Pack(2, names, cols);
+done:
+    Py_XDECREF(names);
+    Py_XDECREF(cols);
+    free(a.names);
+    free(a.cols);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef image_host_methods[] = {
     {"_jpeg_info", ih_jpeg_info, METH_VARARGS,
      "_jpeg_info(base, offsets, lengths, /)\n--\n\nint32 (n, 3): each sample's JPEG height, width "
@@ -424,6 +510,10 @@ static PyMethodDef image_host_methods[] = {
      "_read_files(paths, threads, /)\n--\n\n(data, offsets, lengths, errors): the files read by "
      "native threads into one uint8 array; errors int32 per file (0, an errno, or -1: not a "
      "regular file)."},
+    {"_tar_scan", ih_tar_scan, METH_O,
+     "_tar_scan(archive, /)\n--\n\n(names, members): a tar archive's regular files, in order: "
+     "their names one after the other (bytes) and int64 (n, 3) rows of name end, data offset and "
+     "size. A malformed archive is a ValueError naming the byte."},
     {"_map_files", ih_map_files, METH_O,
      "_map_files(paths, /)\n--\n\n(region, starts): the files mapped read-only one after the other "
      "into one range of addresses, as one read-only uint8 array, and where each begins."},
