@@ -718,7 +718,7 @@ class ImageLoader:
         if self._opts.get("output") == "capsule":
             stream = self._opts.get("stream")
             s = stream() if callable(stream) else stream
-            return convert(arr.__dlpack__(stream=s))
+            return convert(_C.export_capsules([arr], s)[0])
         return convert(arr)
 
     def __len__(self) -> int:
