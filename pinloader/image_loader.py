@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
@@ -90,7 +91,10 @@ class _Runner:
         self.read_pool: ThreadPoolExecutor | None = None
         self.read_pool_pid = 0
         self.counts: dict[str, Any] = {"samples": 0, "skipped": 0, "skipped_samples": [],
-                                       "host_decoded": 0, "host_decoded_reasons": {}}
+                                       "host_decoded": 0, "host_decoded_reasons": {},
+                                       # the producer's seconds: waiting for a batch's bytes (GPU)
+                                       # or for its decoded images (host), and in decode() calls
+                                       "wait_s": 0.0, "decode_call_s": 0.0}
 
     # ---- shared ----
 
@@ -209,6 +213,10 @@ class _Runner:
     def _host_finish(self, started: tuple[np.ndarray, np.ndarray, list[Future[str | None]]]) -> dict[str, Any]:
         idx, out, futs = started
         keep = []
+        t0 = time.perf_counter()
+        for f in futs:
+            f.exception()  # waits (a worker's own exception is raised below, in order)
+        self.counts["wait_s"] += time.perf_counter() - t0
         for k, f in enumerate(futs):
             why = f.result()
             if why is None:
@@ -273,7 +281,9 @@ class _Runner:
         try:
             for b in range(n_batches):
                 assert nxt is not None
+                t0 = time.perf_counter()
                 got = nxt.result()
+                self.counts["wait_s"] += time.perf_counter() - t0
                 nxt = pool.submit(self.src.read, idx_of(b + 1)) if b + 1 < n_batches else None
                 yield (self._gpu_batch(epoch, idx_of(b), got), _Tag(b))
         finally:
@@ -358,9 +368,11 @@ class _Runner:
         p = self.params(epoch, idx, safe)
         o = np.where(ok, offs, 0).astype(np.int64)
         ln = np.where(ok, lens, 0).astype(np.int64)
+        t0 = time.perf_counter()
         out: tuple[Any, np.ndarray] = self.decoder.decode(
             base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
             cfg["channels_last"], raw or None)
+        self.counts["decode_call_s"] += time.perf_counter() - t0
         return out
 
     def close(self) -> None:
@@ -774,7 +786,9 @@ class ImageLoader:
 
     def stats(self) -> dict[str, Any]:
         """The prefetcher's stats, the epoch, rank and world size, and the decoder's: ``decoder``
-        (``"gpu"`` or ``"host"``, with ``decoder_reason``), ``samples`` decoded, ``skipped`` (and
+        (``"gpu"`` or ``"host"``, with ``decoder_reason``), ``samples`` decoded, the producer's
+        seconds waiting for a batch's bytes (GPU) or decoded images (host)
+        (``producer_wait_s``) and in GPU decode calls (``decode_call_s``), ``skipped`` (and
         the first ``skipped_samples``: index, name, reason), ``host_decoded`` on the GPU path
         (with ``host_decoded_reasons``: reason -> count), and ``gpu_decoder``
         (``JpegDecoder.info()``: batches, hardware, cuda, raw, failed, engines,
@@ -786,7 +800,8 @@ class ImageLoader:
                  decoder=self._decoder_kind or None, decoder_reason=self._decoder_reason)
         if runner is not None:
             c = runner.counts
-            s.update(samples=c["samples"], skipped=c["skipped"],
+            s.update(samples=c["samples"], skipped=c["skipped"], producer_wait_s=c["wait_s"],
+                     decode_call_s=c["decode_call_s"],
                      skipped_samples=[dict(x) for x in c["skipped_samples"]],
                      host_decoded=c["host_decoded"], host_decoded_reasons=dict(c["host_decoded_reasons"]))
             if runner.decoder is not None:

@@ -447,7 +447,9 @@ def test_gpu_path_logic_on_the_host(data, source):
         g = ImageLoader(data[source], 4, **kw)
         fake = fake_gpu(g)
         got = host(g)
-        assert g.stats()["decoder"] == "gpu" and len(fake.calls) == 5
+        st = g.stats()
+        assert st["decoder"] == "gpu" and len(fake.calls) == 5
+        assert st["decode_call_s"] > 0 and st["producer_wait_s"] >= 0
         same(got, run(data[source], batch_size=4, **kw))
         g.close()
 
