@@ -524,3 +524,46 @@ def test_static_batches_through_the_torch_door(data):
     assert len(ptrs) == 1 and rows == [5, 5, 5, 3]
     assert loader.stats()["decoder"] == "host"
     loader.close()
+
+
+def test_fork_child_gets_a_clear_error_then_works(data):
+    """A loader made before fork(): in the child, its running prefetcher refuses with a clear
+    error; the next iteration starts a new one (and new decoder threads) that works."""
+    from helpers import describe, run_py
+    code = f"""
+import os, numpy as np, pinloader
+L = pinloader.ImageLoader({data["packed"]!r}, 4, size=8, device="cpu", seed=1)
+it = iter(L)
+next(it)
+want = [np.from_dlpack(b["label"]).tolist() for b in pinloader.ImageLoader({data["packed"]!r}, 4, size=8,
+        device="cpu", seed=1)]
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    out = []
+    try:
+        next(it)
+        out.append("no error")
+    except RuntimeError as e:
+        out.append("fork" if "fork" in str(e) else str(e))
+    L.set_epoch(0)
+    got = [np.from_dlpack(b["label"]).tolist() for b in L]
+    out.append("same" if got == want else repr((got, want)))
+    os.write(w, ";".join(out).encode())
+    os._exit(0)
+os.close(w)
+msg = os.read(r, 4096).decode()
+os.waitpid(pid, 0)
+print(msg)
+left = 0
+while True:  # the parent's epoch goes on: its other four batches
+    try:
+        next(it)
+    except StopIteration:
+        break
+    left += 1
+print("parent", left)
+"""
+    p = run_py(code, timeout=120)
+    assert p.returncode == 0, describe(p)
+    assert p.stdout.split() == ["fork;same", "parent", "4"], describe(p)
