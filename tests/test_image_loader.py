@@ -537,6 +537,10 @@ it = iter(L)
 next(it)
 want = [np.from_dlpack(b["label"]).tolist() for b in pinloader.ImageLoader({data["packed"]!r}, 4, size=8,
         device="cpu", seed=1)]
+import time
+deadline = time.monotonic() + 30
+while L.stats()["queued"] < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)  # fork once the producer is idle (its queue full): no thread mid-allocation
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:
