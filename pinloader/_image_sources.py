@@ -142,13 +142,19 @@ class MappedSource:
 
     def __init__(self, kind: str, file_names: list[str], file_of: np.ndarray, offsets: np.ndarray,
                  lengths: np.ndarray, labels: np.ndarray, names: list[str],
-                 hw: np.ndarray | None = None, classes: list[str] | None = None) -> None:
-        """``offsets``: within each sample's own file."""
+                 hw: np.ndarray | None = None, classes: list[str] | None = None,
+                 mapping: tuple[np.ndarray, np.ndarray, list[int]] | None = None) -> None:
+        """``offsets``: within each sample's own file. ``mapping``: the files' region, where
+        each begins in it and their sizes when mapped, if the caller mapped them already."""
         self.kind = kind
         self.file_names = file_names
-        region, starts = _C._map_files(file_names)
+        if mapping is None:
+            sizes = [os.path.getsize(f) for f in file_names]
+            region, starts = _C._map_files(file_names)
+        else:
+            region, starts, sizes = mapping
         self.region: np.ndarray | None = region
-        self.mapped = np.array([os.path.getsize(f) for f in file_names], np.int64)
+        self.mapped = np.array(sizes, np.int64)
         self.file_of = file_of
         self.offsets = offsets + starts[file_of]
         self.lengths = lengths
@@ -254,10 +260,10 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
     headers are read in place, once, in C (``_C._tar_scan``: ustar, pax and GNU long names)."""
     names_f = [os.fspath(x) for x in shards]
     try:
+        sizes = [os.path.getsize(f) for f in names_f]
         region, starts = _C._map_files(names_f)
     except OSError as e:
         raise ImageSourceError(f"ImageLoader: cannot open the tar shards ({e})") from None
-    sizes = [os.path.getsize(f) for f in names_f]
     file_of: list[int] = []
     offsets: list[int] = []
     lengths: list[int] = []
@@ -295,11 +301,11 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
             lengths.append(img[1])
             labels.append(lab)
             names.append(img[2])
-    del region  # MappedSource maps the shards again, for itself
     if not labels:
         raise ImageSourceError(f"ImageLoader: no images in the tar shards {names_f}")
     return MappedSource("tar", names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
-                        np.array(lengths, np.int64), np.array(labels, np.int64), names)
+                        np.array(lengths, np.int64), np.array(labels, np.int64), names,
+                        mapping=(region, starts, sizes))
 
 
 def make_source(source: Any) -> Any:
