@@ -155,9 +155,11 @@ class _Runner:
 
     # ---- host ----
 
-    def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, out: np.ndarray) -> str | None:
+    def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, p: np.ndarray | None,
+                     out: np.ndarray) -> str | None:
         """Decode sample i into ``out`` (its row of the batch, in the output dtype and layout);
-        an error's text, or None."""
+        an error's text, or None. ``p``: its parameters when its size was known, else they are
+        made here from its header (``u``: its draws)."""
         cfg = self.cfg
         try:
             data = self.src.read_one(i)
@@ -165,7 +167,9 @@ class _Runner:
             return f"cannot be read ({e})"
         try:
             hw = self.header(i, data)
-            if u is not None:
+            if p is not None:
+                pass
+            elif u is not None:
                 p = ops.train_params(hw[None, :2], u[None], cfg["size"], cfg["scale"], cfg["ratio"],
                                      cfg["flip"])[0]
             else:
@@ -197,8 +201,14 @@ class _Runner:
     def _host_start(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Future[str | None]]]:
         out = self._alloc(len(idx))
         u = ops.draws(self.cfg["seed"], epoch, idx) if self.cfg["train"] else None
+        # the parameters of the images whose sizes are known (a packed dataset's, or met
+        # before), for the whole batch at once; the others' are made from their headers
+        hw = self.src.hw[idx]
+        known = hw[:, 0] > 0
+        params = self.params(epoch, idx, np.where(known[:, None], hw, 1)) if known.any() else None
         pool = self.workers()
-        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k], out[k])
+        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k],
+                            params[k] if params is not None and known[k] else None, out[k])
                 for k, i in enumerate(idx)]
         return idx, out, futs
 
