@@ -22,7 +22,8 @@ rounds; images/s and CPU-seconds per 1,000 images, the process and its worker pr
 
 --models resnet50,resnet18,efficientnet_b0,vit_b_16: a training step (bf16 autocast,
 channels_last, SGD) fed by each way against pre-decoded 224-px crops already on the GPU (the
-bound), rows interleaved over the rounds; ViT-B/16 on the high-res images, the others on the
+bound), rows interleaved over the rounds (before each timed row, --drain batches are taken
+without training and --settle steps run untimed, as bench_models.py does); ViT-B/16 on the high-res images, the others on the
 ImageNet-like ones. The table gives each row's images/s and its ratio to the bound (median and
 range over rounds).
 
@@ -447,6 +448,12 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
             names = list(gens) if r % 2 == 0 else list(gens)[::-1]
             got: dict[str, float] = {}
             for name in names:
+                # batches buffered while the other rows ran would be free steps: take them
+                # without training, then a few untimed steps
+                for _ in range(args.drain):
+                    next(gens[name])
+                for _ in range(args.settle):
+                    step(*next(gens[name]))
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -509,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=C.choice_list(list(MODELS)), default=[],
                     help="real models against the bound (e.g. resnet50,resnet18,efficientnet_b0,vit_b_16)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per row per round")
+    ap.add_argument("--drain", type=int, default=40,
+                    help="batches taken without training before each timed row (what a loader "
+                         "buffered while the other rows ran)")
+    ap.add_argument("--settle", type=int, default=3, help="untimed training steps before each timed row")
     ap.add_argument("--workers", type=int, default=15, help="DataLoader workers")
     ap.add_argument("--dali-threads", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "uint8"])
@@ -519,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.images, args.batch, args.rounds, args.steps = "cpu", 48, 8, 2, 2
+        args.drain, args.settle = 2, 1
         args.size_class = ["imagenet"]
         args.rows = ["imageloader_packed", "imageloader_tar", "imageloader_folder"]
         args.models = [m for m in args.models if m == "tiny"] or ["tiny"]
