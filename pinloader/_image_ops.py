@@ -56,7 +56,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
     z = z * np.uint64(0xBF58476D1CE4E5B9)
     z = z ^ (z >> np.uint64(27))
     z = z * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    out: np.ndarray = z ^ (z >> np.uint64(31))
+    return out
 
 
 def draws(seed: int, epoch: int, index: np.ndarray, count: int = DRAWS) -> np.ndarray:
@@ -139,18 +140,23 @@ def train_params(hw: np.ndarray, u: np.ndarray, size: tuple[int, int], scale: Se
 
 def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarray:
     """int32 (B, 9) parameters of evaluation crops: Resize(resize) then CenterCrop(size)."""
-    hw = np.asarray(hw, dtype=np.int64)
+    hw = np.asarray(hw, dtype=np.int64).reshape(-1, 2)
+    h, w = hw[:, 0], hw[:, 1]
     n = len(hw)
     p = np.zeros((n, 9), np.int64)
-    for r in range(n):
-        h, w = int(hw[r, 0]), int(hw[r, 1])
-        if h <= w:
-            rh, rw = resize, int(resize * w / h)
-        else:
-            rh, rw = int(resize * h / w), resize
-        # never smaller than the window (an image more than resize/size times wider than tall)
-        rh, rw = max(rh, size[0]), max(rw, size[1])
-        p[r] = (0, 0, h, w, rh, rw, int(round((rh - size[0]) / 2.0)), int(round((rw - size[1]) / 2.0)), 0)
+    if not n:
+        return p.astype(np.int32)
+    # torchvision's int(resize * long / short), in float64 as Python computes it
+    tall = np.floor(resize * h.astype(np.float64) / w).astype(np.int64)
+    wide = np.floor(resize * w.astype(np.float64) / h).astype(np.int64)
+    rh = np.where(h <= w, resize, tall)
+    rw = np.where(h <= w, wide, resize)
+    # never smaller than the window (an image more than resize/size times wider than tall)
+    rh, rw = np.maximum(rh, size[0]), np.maximum(rw, size[1])
+    p[:, 2], p[:, 3], p[:, 4], p[:, 5] = h, w, rh, rw
+    # int(round((resized - size) / 2.0)): Python's round halves to even, as np.rint does
+    p[:, 6] = np.rint((rh - size[0]) / 2.0)
+    p[:, 7] = np.rint((rw - size[1]) / 2.0)
     return p.astype(np.int32)
 
 
@@ -249,7 +255,7 @@ def resample(img: np.ndarray, p: Sequence[int], size: tuple[int, int]) -> np.nda
     if (h, w) == (rh, rw):
         out = box
     else:
-        out = np.asarray(Image.fromarray(box, "RGB").resize((rw, rh), Image.BILINEAR))
+        out = np.asarray(Image.fromarray(box, "RGB").resize((rw, rh), Image.Resampling.BILINEAR))
     out = out[oy:oy + size[0], ox:ox + size[1]]
     return out[:, ::-1] if flip else out
 

@@ -7,13 +7,16 @@ then one line per sample (offset, length, label, height, width, components) goes
 ``progress.txt``, flushed too. A pack stopped at any point (Ctrl-C, a crash, a full disk) left
 a ``progress.txt`` whose complete lines describe bytes that are in ``data.bin``: the next run
 over the same source reads those lines, cuts ``data.bin`` back to where the last one ends and
-goes on from the next sample. The .npy files and ``meta.json`` are written only at the end,
+goes on from the next sample, once ``source.json`` (the source's sample count and a hash of its
+file names in order, written when the pack began) shows that the source is still the same.
+The .npy files and ``meta.json`` are written only at the end,
 ``meta.json`` last (through a rename), so a folder with ``meta.json`` is always complete.
 Encoded bytes are copied as they are: a corrupt image is packed too (its size -1), and the
 loader reports it when it meets it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -102,6 +105,19 @@ def pack(src_path: str, dest: str, workers: int | None = None, quiet: bool = Fal
                          "folder or remove it")
     data_path = os.path.join(dest, "data.bin")
     prog_path = os.path.join(dest, "progress.txt")
+    # the source as this pack saw it: a resumed pack must see the same samples in the same order
+    root = os.fspath(src_path) if isinstance(src_path, (str, os.PathLike)) else ""
+    digest = hashlib.sha256("\n".join(_name(src, root, i) for i in range(n)).encode("utf-8", "replace"))
+    ident = {"count": n, "names_sha256": digest.hexdigest()}
+    ident_path = os.path.join(dest, "source.json")
+    if os.path.exists(prog_path) and os.path.exists(ident_path):
+        with open(ident_path, encoding="utf-8") as f:
+            if json.load(f) != ident:
+                raise ValueError(f"pack: {dest} holds part of a pack of another source (its files or "
+                                 f"their order differ from {src_path}'s); remove {dest} to start over")
+    else:
+        with open(ident_path, "w", encoding="utf-8") as f:
+            json.dump(ident, f)
     rows = _load_progress(prog_path)
     labels = np.asarray(src.labels, np.int64)
     if len(rows) > n or any(r[2] != labels[k] for k, r in enumerate(rows)):
@@ -144,7 +160,6 @@ def pack(src_path: str, dest: str, workers: int | None = None, quiet: bool = Fal
     np.save(os.path.join(dest, "labels.npy"), table[:, 2].copy())
     np.save(os.path.join(dest, "sizes.npy"), table[:, 3:6].astype(np.int32))
     with open(os.path.join(dest, "names.txt"), "w", encoding="utf-8") as f:
-        root = os.fspath(src_path) if isinstance(src_path, (str, os.PathLike)) else ""
         f.write("\n".join(_name(src, root, i).replace("\n", " ") for i in range(n)))
     meta = {"format": PACKED_FORMAT, "version": 1, "count": n,
             "classes": list(src.classes) if getattr(src, "classes", None) else None,
@@ -156,6 +171,7 @@ def pack(src_path: str, dest: str, workers: int | None = None, quiet: bool = Fal
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(dest, "meta.json"))
     os.remove(prog_path)
+    os.remove(ident_path)
     src.close()
     return n
 
@@ -180,6 +196,9 @@ def run(args: Any) -> int:
     except (ValueError, OSError) as e:
         print(f"pinloader pack: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\npinloader pack: interrupted; run the same command again to continue", file=sys.stderr)
+        return 130
     if not args.quiet:
         print(f"packed {n} images into {args.dest}", file=sys.stderr)
     return 0

@@ -6,8 +6,9 @@ Every source gives, for an int64 array of sample indices, the samples' encoded b
 rows of one C-contiguous uint8 buffer (``read(indices) -> (base, offsets, lengths)``), their
 labels, a name for error messages (``name(i)``), and a cache of image sizes (``hw``: int32
 (N, 3) height, width, components; -1 where not known yet) that the loader fills from the
-headers as it first meets each sample. A packed dataset and a single tar shard are one mapped
-file: ``read`` returns the mapping itself and the samples' offsets in it, without copying.
+headers as it first meets each sample. Packed data and tar shards are mapped next to each other
+as one region (Note [one region of files] in src/py/image_host.c): ``read`` returns the region
+itself and the samples' offsets in it, without copying, whatever shards a batch draws from.
 
 Packed format (a directory; every file opens with NumPy alone):
 
@@ -21,13 +22,12 @@ Packed format (a directory; every file opens with NumPy alone):
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import tarfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
+
+from . import _C
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -54,16 +54,6 @@ def _ragged(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return base, offsets, lengths
 
 
-def _map(path: str) -> np.ndarray:
-    """The whole file, mapped read-only, as a uint8 array (a one-byte array for an empty file)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return np.zeros(1, np.uint8)
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(m, np.uint8)
-
-
 class FileSource:
     """Images in files, one per sample (a folder or a list of paths)."""
 
@@ -74,8 +64,7 @@ class FileSource:
         self.labels = labels
         self.classes = classes
         self.hw = _unknown_sizes(len(paths))
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = os.getpid()
+        self.threads = 8  # file reader threads per batch (file reads wait on storage, not CPU)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -87,28 +76,21 @@ class FileSource:
         with open(self.paths[int(i)], "rb") as f:
             return f.read()
 
-    def _reader(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pid != os.getpid():
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pl-image-read")
-            self._pid = os.getpid()
-        return self._pool
-
-    def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The files of ``idx`` into one buffer, read by threads (file reads release the GIL).
-        A missing or unreadable file raises OSError naming it, the index in ``err_index``."""
-        def one(i: int) -> bytes:
-            try:
-                return self.read_one(i)
-            except OSError as e:
-                e.err_index = int(i)  # type: ignore[attr-defined]
-                raise
-        chunks = list(self._reader().map(one, [int(i) for i in idx])) if len(idx) > 1 else [one(int(i)) for i in idx]
-        return _ragged(chunks)
+    def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+        """The files of ``idx`` in one buffer, read by native threads without the GIL (Note
+        [file reader threads] in src/py/image_host.c), and {position in idx: why} for those
+        that could not be read (their length -1)."""
+        data, offsets, lengths, errs = _C._read_files([self.paths[int(i)] for i in idx], self.threads)
+        fails: dict[int, str] = {}
+        for k in np.flatnonzero(errs):
+            e = int(errs[k])
+            fails[int(k)] = ("cannot be read (not a regular file)" if e < 0 else
+                             f"cannot be read ([Errno {e}] {os.strerror(e)})")
+            lengths[k] = -1
+        return data, offsets, lengths, fails
 
     def close(self) -> None:
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pool = None
+        pass
 
 
 def folder_source(root: str) -> FileSource:
@@ -153,18 +135,34 @@ def list_source(items: Sequence[tuple[Any, int]]) -> FileSource:
 
 
 class MappedSource:
-    """Samples as ragged rows of mapped files (packed data, tar shards): ``files[f]`` is the
-    mapping, sample i lies in file ``file_of[i]`` at ``offsets[i]``, ``lengths[i]`` bytes."""
+    """Samples as ragged rows of mapped files (packed data, tar shards), all the files mapped
+    next to each other as one region (Note [one region of files] in src/py/image_host.c):
+    sample i is ``region[offsets[i]:offsets[i] + lengths[i]]``, in file ``file_of[i]``. Every
+    batch, of any files, is one buffer without a copy."""
 
-    def __init__(self, kind: str, files: list[np.ndarray], file_names: list[str], file_of: np.ndarray,
-                 offsets: np.ndarray, lengths: np.ndarray, labels: np.ndarray, names: list[str],
-                 hw: np.ndarray | None = None, classes: list[str] | None = None) -> None:
+    def __init__(self, kind: str, file_names: list[str], file_of: np.ndarray, offsets: np.ndarray,
+                 lengths: np.ndarray, labels: np.ndarray, names: list[str],
+                 hw: np.ndarray | None = None, classes: list[str] | None = None,
+                 mapping: tuple[np.ndarray, np.ndarray, list[int]] | None = None) -> None:
+        """``offsets``: within each sample's own file. ``mapping``: the files' region, where
+        each begins in it and their sizes when mapped, if the caller mapped them already."""
         self.kind = kind
-        self.files = files
         self.file_names = file_names
+        if mapping is None:
+            sizes = [os.path.getsize(f) for f in file_names]
+            region, starts = _C._map_files(file_names)
+        else:
+            region, starts, sizes = mapping
+        self.region: np.ndarray | None = region
+        self.mapped = np.array(sizes, np.int64)
         self.file_of = file_of
-        self.offsets = offsets
+        self.offsets = offsets + starts[file_of]
         self.lengths = lengths
+        ends = offsets + lengths
+        if len(ends) and (ends > self.mapped[file_of]).any():
+            k = int(np.flatnonzero(ends > self.mapped[file_of])[0])
+            raise ImageSourceError(f"ImageLoader: {file_names[int(file_of[k])]} is shorter than its "
+                                   f"index says (sample {k} ends at byte {int(ends[k])})")
         self.labels = labels
         self.names = names
         self.classes = classes
@@ -177,22 +175,38 @@ class MappedSource:
         i = int(i)
         return f"{self.file_names[int(self.file_of[i])]}: {self.names[i]}"
 
-    def read_one(self, i: int) -> memoryview:
-        i = int(i)
-        f = self.files[int(self.file_of[i])]
-        o = int(self.offsets[i])
-        return memoryview(f[o:o + int(self.lengths[i])])
+    def _check(self, files: Any) -> np.ndarray:
+        """The region, once the files about to be read are found no shorter than when they were
+        mapped (a read past a file's end would fault: the check narrows that to one batch)."""
+        region = self.region
+        if region is None:
+            raise ValueError("ImageLoader: the source is closed")
+        for f in np.atleast_1d(files):
+            f = int(f)
+            try:
+                now = os.stat(self.file_names[f]).st_size
+            except OSError as e:
+                raise ImageSourceError(f"ImageLoader: {self.file_names[f]} can no longer be read ({e})") from None
+            if now < self.mapped[f]:
+                raise ImageSourceError(f"ImageLoader: {self.file_names[f]} was truncated on disk while "
+                                       f"loading: it is now {now} bytes, {int(self.mapped[f])} are mapped "
+                                       "(the dataset was rewritten or cut short under the loader)")
+        return region
 
-    def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_one(self, i: int) -> bytes:
+        """Sample i's bytes, copied at once after the check (its decode may come later)."""
+        i = int(i)
+        region = self._check(self.file_of[i])
+        o = int(self.offsets[i])
+        return region[o:o + int(self.lengths[i])].tobytes()
+
+    def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         idx = np.asarray(idx, np.int64)
-        which = self.file_of[idx]
-        if len(idx) and (which == which[0]).all():
-            # one file: the mapping itself, no copy
-            return self.files[int(which[0])], self.offsets[idx].copy(), self.lengths[idx].copy()
-        return _ragged([self.read_one(i) for i in idx])
+        region = self._check(np.unique(self.file_of[idx]))
+        return region, self.offsets[idx], self.lengths[idx], {}
 
     def close(self) -> None:
-        self.files = []
+        self.region = None  # unmapped once no batch in flight reads it
 
 
 def packed_source(root: str) -> MappedSource:
@@ -211,7 +225,6 @@ def packed_source(root: str) -> MappedSource:
         raise ImageSourceError(f"ImageLoader: {root}: offsets.npy has shape {bounds.shape}, "
                                f"labels.npy {n} samples (need N + 1 offsets, N >= 1)")
     data_path = os.path.join(root, "data.bin")
-    data = _map(data_path)
     size = os.path.getsize(data_path)
     bounds = bounds.astype(np.int64, copy=False)
     if bounds[0] != 0 or (np.diff(bounds) < 0).any() or bounds[-1] > size:
@@ -230,7 +243,7 @@ def packed_source(root: str) -> MappedSource:
             got = f.read().split("\n")[:n]
         if len(got) == n:
             names = got
-    return MappedSource("packed", [data], [data_path], np.zeros(n, np.int64), bounds[:-1].copy(),
+    return MappedSource("packed", [data_path], np.zeros(n, np.int64), bounds[:-1].copy(),
                         np.diff(bounds), labels, names, hw, meta.get("classes"))
 
 
@@ -243,64 +256,56 @@ def _wds_key(name: str) -> tuple[str, str]:
 
 def tar_source(shards: Sequence[str]) -> MappedSource:
     """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
-    ``key.cls`` (its label as decimal text). Each shard's members are indexed once; the shard
-    is then read as one mapped file."""
-    files: list[np.ndarray] = []
-    names_f: list[str] = []
+    ``key.cls`` (its label as decimal text). The shards are mapped as one region and each one's
+    headers are read in place, once, in C (``_C._tar_scan``: ustar, pax and GNU long names)."""
+    names_f = [os.fspath(x) for x in shards]
+    try:
+        sizes = [os.path.getsize(f) for f in names_f]
+        region, starts = _C._map_files(names_f)
+    except OSError as e:
+        raise ImageSourceError(f"ImageLoader: cannot open the tar shards ({e})") from None
     file_of: list[int] = []
     offsets: list[int] = []
     lengths: list[int] = []
     labels: list[int] = []
     names: list[str] = []
-    for f, shard in enumerate(shards):
-        shard = os.fspath(shard)
-        samples: dict[str, dict[str, Any]] = {}
-        order: list[str] = []
+    for f, shard in enumerate(names_f):
+        lo = int(starts[f])
+        view = region[lo:lo + sizes[f]]
         try:
-            with tarfile.open(shard, "r:") as t:
-                for m in t:
-                    if not m.isfile():
-                        continue
-                    key, ext = _wds_key(m.name)
-                    if key not in samples:
-                        samples[key] = {}
-                        order.append(key)
-                    samples[key][ext] = m
-                    if ext == "cls":
-                        fh = t.extractfile(m)
-                        samples[key]["label"] = fh.read() if fh is not None else b""
-        except (OSError, tarfile.TarError) as e:
+            blob, cols = _C._tar_scan(view)
+        except ValueError as e:
             raise ImageSourceError(f"ImageLoader: cannot read the tar shard {shard} ({e})") from None
-        data = _map(shard)
-        count = 0
-        for key in order:
-            s = samples[key]
+        samples: dict[str, dict[str, tuple[int, int, str]]] = {}
+        end0 = 0
+        for end, off, size in cols.tolist():
+            name = blob[end0:end].decode("utf-8", "surrogateescape")
+            end0 = end
+            key, ext = _wds_key(name)
+            samples.setdefault(key, {})[ext] = (off, size, name)
+        for key, s in samples.items():
             img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
             if img is None:
                 continue
-            if "label" not in s:
-                raise ImageSourceError(f"ImageLoader: {shard}: {img.name} has no label ({key}.cls)")
+            if "cls" not in s:
+                raise ImageSourceError(f"ImageLoader: {shard}: {img[2]} has no label ({key}.cls)")
+            o, n, _ = s["cls"]
+            text = view[o:o + n].tobytes()
             try:
-                lab = int(s["label"].decode("ascii").strip())
+                lab = int(text.decode("ascii").strip())
             except (UnicodeDecodeError, ValueError):
                 raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls is not an integer label "
-                                       f"({s['label'][:40]!r})") from None
+                                       f"({text[:40]!r})") from None
             file_of.append(f)
-            offsets.append(int(m_off(img)))
-            lengths.append(int(img.size))
+            offsets.append(img[0])
+            lengths.append(img[1])
             labels.append(lab)
-            names.append(img.name)
-            count += 1
-        files.append(data)
-        names_f.append(shard)
+            names.append(img[2])
     if not labels:
-        raise ImageSourceError(f"ImageLoader: no images in the tar shards {list(map(str, shards))}")
-    return MappedSource("tar", files, names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
-                        np.array(lengths, np.int64), np.array(labels, np.int64), names)
-
-
-def m_off(m: tarfile.TarInfo) -> int:
-    return int(m.offset_data)
+        raise ImageSourceError(f"ImageLoader: no images in the tar shards {names_f}")
+    return MappedSource("tar", names_f, np.array(file_of, np.int64), np.array(offsets, np.int64),
+                        np.array(lengths, np.int64), np.array(labels, np.int64), names,
+                        mapping=(region, starts, sizes))
 
 
 def make_source(source: Any) -> Any:
@@ -326,5 +331,9 @@ def make_source(source: Any) -> Any:
         raise TypeError(f"ImageLoader: source must be a folder, tar shard(s) or a list of (path, "
                         f"label), not {type(source).__name__}") from None
     if items and all(isinstance(x, (str, os.PathLike)) for x in items):
+        odd = [os.fspath(x) for x in items if not os.fspath(x).endswith(".tar")]
+        if odd:
+            raise TypeError(f"ImageLoader: a list of paths must be .tar shards (WebDataset), got "
+                            f"{odd[0]!r}; give images as (path, label) pairs")
         return tar_source(items)
     return list_source(items)

@@ -9,18 +9,26 @@ everything the ArrayLoader's module documentation says under "Sampling" and "Res
 here with images as the items. Each epoch's batches are made by a generator on the
 prefetcher's producer thread:
 
-* GPU (a CUDA device, nVJPEG found): the batch's encoded bytes as ragged rows of one buffer (the
-  mapped packed file or tar shard itself, or the files read by threads into one buffer), the
-  crop parameters from the images' header sizes (Note [image parameters] in
-  pinloader/_image_ops.py), then one ``JpegDecoder.decode`` call (src/py/jpeg_decoder.c) that
+* GPU (a CUDA device, nvJPEG found): the batch's encoded bytes as ragged rows of one buffer
+  (the region the packed file or the tar shards are mapped into, or the files read by native
+  threads into one buffer: pinloader/_image_sources.py), read one batch ahead on a thread of
+  their own; the crop parameters from the images' header sizes (Note [image parameters] in
+  pinloader/_image_ops.py); then one ``JpegDecoder.decode`` call (src/py/jpeg_decoder.c) that
   decodes on the GPU's JPEG engines and runs the resampling kernel into the batch. The image
-  is a device array the prefetcher passes through (it is already where it is going); the labels
-  travel the usual way. Images nvJPEG does not take (PNG and other formats, JPEGs with other
-  than 1 or 3 components, anything it fails on) are decoded by the host decoder and handed to
-  the same call (``raw=``), so the kernel still crops them; ``stats()`` counts them by reason.
-* Host: each sample decoded and resampled by Pillow on the loader's worker threads (Pillow
-  releases the GIL while it decodes and resizes), two batches ahead of the producer, and the
-  batch copied by the prefetcher like any other.
+  is a device array the prefetcher passes through (it is already where it is going) and that
+  ``__next__`` hands to a framework door's import; the labels travel the usual way. Images
+  nvJPEG does not take (PNG and other formats, JPEGs with other than 1 or 3 components,
+  anything it fails on) are decoded by the host decoder and handed to the same call
+  (``raw=``), so the kernel still crops them; ``stats()`` counts them by reason.
+* Host: each sample decoded, resampled, normalized and laid out by Pillow and NumPy on the
+  loader's worker threads (both release the GIL while they compute), up to two batches ahead
+  of the one the producer waits for; the batch is copied by the prefetcher like any other.
+
+Each item the generator yields is ``(batch, _Tag)``: the tag says which planned batch it is,
+so that skipped samples (``on_error="skip"``) never shift the position a checkpoint records.
+The generator holds the GIL while it plans a batch (a few NumPy calls), not while images are
+read or decoded. ArrayLoader's epochs are made in C without the GIL (Note [native epochs] in
+src/py/gather.c); the image epochs are not yet.
 
 Both take the same parameters for the same (seed, epoch, sample): the crops are the same on
 every backend, rank and resume.
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
@@ -91,8 +100,13 @@ class _Runner:
         self.decoder: Any = None     # a JpegDecoder on the GPU path
         self.pool: ThreadPoolExecutor | None = None
         self.pool_pid = 0
+        self.read_pool: ThreadPoolExecutor | None = None
+        self.read_pool_pid = 0
         self.counts: dict[str, Any] = {"samples": 0, "skipped": 0, "skipped_samples": [],
-                                       "host_decoded": 0, "host_decoded_reasons": {}}
+                                       "host_decoded": 0, "host_decoded_reasons": {},
+                                       # the producer's seconds: waiting for a batch's bytes (GPU)
+                                       # or for its decoded images (host), and in decode() calls
+                                       "wait_s": 0.0, "decode_call_s": 0.0}
 
     # ---- shared ----
 
@@ -131,12 +145,13 @@ class _Runner:
 
     def header(self, i: int, data: Any) -> np.ndarray:
         """The sample's (h, w, components), from the cache or its header (then cached)."""
-        hw = self.src.hw[i]
+        hw: np.ndarray = self.src.hw[i]
         if hw[0] > 0:
             return hw
         h, w, c = ops.image_info(data)
         self.src.hw[i] = (h, w, c)
-        return self.src.hw[i]
+        row: np.ndarray = self.src.hw[i]
+        return row
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.src.labels[idx], dtype=np.int64)
@@ -152,8 +167,11 @@ class _Runner:
 
     # ---- host ----
 
-    def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, out: np.ndarray) -> str | None:
-        """Decode sample i into ``out`` (H, W, 3 uint8); an error's text, or None."""
+    def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, p: np.ndarray | None,
+                     out: np.ndarray) -> str | None:
+        """Decode sample i into ``out`` (its row of the batch, in the output dtype and layout);
+        an error's text, or None. ``p``: its parameters when its size was known, else they are
+        made here from its header (``u``: its draws)."""
         cfg = self.cfg
         try:
             data = self.src.read_one(i)
@@ -161,28 +179,66 @@ class _Runner:
             return f"cannot be read ({e})"
         try:
             hw = self.header(i, data)
-            if cfg["train"]:
+            if p is not None:
+                pass
+            elif u is not None:
                 p = ops.train_params(hw[None, :2], u[None], cfg["size"], cfg["scale"], cfg["ratio"],
                                      cfg["flip"])[0]
             else:
                 p = ops.eval_params(hw[None, :2], cfg["size"], cfg["resize"])[0]
-            out[...] = ops.host_decode(data, p, cfg["size"], (int(hw[0]), int(hw[1])))
+            px = ops.host_decode(data, p, cfg["size"], (int(hw[0]), int(hw[1])))
         except ValueError as e:
             return str(e)
+        self._store(px[None], out[None])
         return None
 
+    def _store(self, u8: np.ndarray, out: np.ndarray) -> None:
+        """(n, H, W, 3) uint8 pixels into ``out`` (n rows of the batch), normalized (Note [host
+        decode]) and laid out; on the worker threads (NumPy releases the GIL while it computes)."""
+        cfg = self.cfg
+        if not cfg["channels_last"]:
+            u8 = u8.transpose(0, 3, 1, 2)
+        if cfg["dtype"] == "uint8":
+            out[...] = u8
+            return
+        scale = np.asarray(cfg["norm"][0], np.float32)
+        bias = np.asarray(cfg["norm"][1], np.float32)
+        if not cfg["channels_last"]:
+            scale, bias = scale[:, None, None], bias[:, None, None]
+        f = u8.astype(np.float32)
+        f *= scale
+        f += bias
+        out[...] = f
+
     def _host_start(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Future[str | None]]]:
-        H, W = self.cfg["size"]
-        u8 = np.empty((len(idx), H, W, 3), np.uint8)
+        out = self._alloc(len(idx))
         u = ops.draws(self.cfg["seed"], epoch, idx) if self.cfg["train"] else None
+        # the parameters of the images whose sizes are known (a packed dataset's, or met
+        # before), for the whole batch at once; the others' are made from their headers
+        hw = self.src.hw[idx]
+        known = hw[:, 0] > 0
+        params = self.params(epoch, idx, np.where(known[:, None], hw, 1)) if known.any() else None
         pool = self.workers()
-        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k], u8[k])
+        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k],
+                            params[k] if params is not None and known[k] else None, out[k])
                 for k, i in enumerate(idx)]
-        return idx, u8, futs
+        return idx, out, futs
+
+    def _alloc(self, n: int) -> np.ndarray:
+        """A host batch: bfloat16 is made as float32 and cast at the end (NumPy has no bfloat16)."""
+        cfg = self.cfg
+        H, W = cfg["size"]
+        shape = (n, H, W, 3) if cfg["channels_last"] else (n, 3, H, W)
+        dt = {"uint8": np.uint8, "float16": np.float16}.get(cfg["dtype"], np.float32)
+        return np.empty(shape, dt)
 
     def _host_finish(self, started: tuple[np.ndarray, np.ndarray, list[Future[str | None]]]) -> dict[str, Any]:
-        idx, u8, futs = started
+        idx, out, futs = started
         keep = []
+        t0 = time.perf_counter()
+        for f in futs:
+            f.exception()  # waits (a worker's own exception is raised below, in order)
+        self.counts["wait_s"] += time.perf_counter() - t0
         for k, f in enumerate(futs):
             why = f.result()
             if why is None:
@@ -190,29 +246,19 @@ class _Runner:
             else:
                 self.bad(int(idx[k]), why)
         if len(keep) != len(idx):
-            u8, idx = u8[keep], idx[keep]
+            out, idx = out[keep], idx[keep]
         self.counts["samples"] += len(idx)
-        return self.batch(self.finish_host(u8), self.labels(idx))
+        return self.batch(self._final(out), self.labels(idx))
 
-    def finish_host(self, u8: np.ndarray) -> Any:
-        """(B, H, W, 3) uint8 -> the output dtype and layout, normalized (Note [host decode])."""
-        cfg = self.cfg
-        dtype = cfg["dtype"]
-        if dtype == "uint8":
-            out = u8
-        else:
-            scale = np.asarray(cfg["norm"][0], np.float32)
-            bias = np.asarray(cfg["norm"][1], np.float32)
-            f = u8.astype(np.float32)
-            f *= scale
-            f += bias
-            out = f if dtype == "float32" else f.astype(np.float16) if dtype == "float16" else f
-        if not cfg["channels_last"]:
-            out = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
-        if dtype == "bfloat16":
+    def _final(self, out: np.ndarray) -> Any:
+        if self.cfg["dtype"] == "bfloat16":
             import torch  # checked when the loader was made
-            return torch.from_numpy(np.ascontiguousarray(out)).to(torch.bfloat16)
+            return torch.from_numpy(out).to(torch.bfloat16)
         return out
+
+    def _empty(self) -> Any:
+        """A batch whose every sample was skipped: zero rows, on the host (the prefetcher copies it)."""
+        return self._final(self._alloc(0))
 
     def _host_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
         bs = self.cfg["batch_size"]
@@ -237,75 +283,73 @@ class _Runner:
 
     # ---- GPU ----
 
+    def reader(self) -> ThreadPoolExecutor:
+        """One thread that reads the next batch's bytes while this one is decoded."""
+        if self.read_pool is None or self.read_pool_pid != os.getpid():
+            self.read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pl-image-read")
+            self.read_pool_pid = os.getpid()
+        return self.read_pool
+
     def _gpu_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
         bs = self.cfg["batch_size"]
-        for b in range(n_batches):
-            idx = np.asarray(order[b * bs:(b + 1) * bs], np.int64)
-            yield (self._gpu_batch(epoch, idx), _Tag(b))
 
-    def _read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def idx_of(b: int) -> np.ndarray:
+            return np.asarray(order[b * bs:(b + 1) * bs], np.int64)
+
+        # the reads (native threads without the GIL for files; a copy for batches over several
+        # tar shards) overlap the previous batch's decode
+        pool = self.reader()
+        nxt = pool.submit(self.src.read, idx_of(0)) if n_batches else None
         try:
-            return self.src.read(idx)
-        except OSError as e:
-            bad = getattr(e, "err_index", None)
-            if bad is None or self.cfg["on_error"] == "raise":
-                if bad is not None:
-                    raise self.fail(bad, f"cannot be read ({e})") from None
-                raise
-        # skip: read the rest one by one, dropping what cannot be read
-        chunks, keep = [], []
-        for k, i in enumerate(idx):
-            try:
-                chunks.append(self.src.read_one(int(i)))
-                keep.append(k)
-            except OSError as e2:
-                self.skip(int(i), f"cannot be read ({e2})")
-        from ._image_sources import _ragged
-        base, off, ln = _ragged(chunks)
-        full_off = np.zeros(len(idx), np.int64)
-        full_len = np.full(len(idx), -1, np.int64)
-        full_off[keep], full_len[keep] = off, ln
-        return base, full_off, full_len
+            for b in range(n_batches):
+                assert nxt is not None
+                t0 = time.perf_counter()
+                got = nxt.result()
+                self.counts["wait_s"] += time.perf_counter() - t0
+                nxt = pool.submit(self.src.read, idx_of(b + 1)) if b + 1 < n_batches else None
+                yield (self._gpu_batch(epoch, idx_of(b), got), _Tag(b))
+        finally:
+            if nxt is not None and not nxt.cancel():
+                try:
+                    nxt.result()
+                except BaseException:  # noqa: BLE001 -- the epoch is being abandoned
+                    pass
 
-    def _gpu_batch(self, epoch: int, idx: np.ndarray) -> dict[str, Any]:
-        cfg = self.cfg
-        base, offs, lens = self._read(idx)
+    def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any) -> dict[str, Any]:
+        base, offs, lens, fails = got
         n = len(idx)
-        hw = np.empty((n, 3), np.int32)
-        ok = lens >= 0
+        ok = np.ones(n, bool)
+        whys: dict[int, str] = dict(fails)
+        ok[list(fails)] = False
         raw: dict[int, np.ndarray] = {}
-        whys: dict[int, str] = {}
-        for k in range(n):
-            if not ok[k]:
-                continue
-            i = int(idx[k])
-            c = self.src.hw[i]
-            if c[0] > 0:
-                hw[k] = c
-                continue
-            view = base[int(offs[k]):int(offs[k]) + int(lens[k])]
-            try:
-                hw[k] = self.header(i, view)
-            except ValueError as e:
-                whys[k] = str(e)
-                ok[k] = False
+        hw = self.src.hw[idx].copy()
+        unknown = np.flatnonzero(ok & (hw[:, 0] <= 0))
+        if len(unknown):
+            # first meeting: the headers, read in C, and cached (Pillow reads other formats')
+            hw[unknown] = _C._jpeg_info(base, offs[unknown], lens[unknown])
+            for k in unknown[hw[unknown, 0] <= 0]:
+                try:
+                    hw[k] = ops.image_info(base[int(offs[k]):int(offs[k]) + int(lens[k])])
+                except ValueError as e:
+                    whys[int(k)] = str(e)
+                    ok[k] = False
+            good = unknown[ok[unknown]]
+            self.src.hw[idx[good]] = hw[good]
         # what nvJPEG does not take goes to the host decoder (Note [host decode])
-        todo = [k for k in range(n) if ok[k] and hw[k, 2] not in (1, 3)]
-        for k in todo:
-            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok,
+        for k in np.flatnonzero(ok & (hw[:, 2] != 1) & (hw[:, 2] != 3)):
+            self._raw(idx, base, offs, lens, int(k), hw, raw, whys, ok,
                       "not a JPEG" if hw[k, 2] == 0 else f"a JPEG of {hw[k, 2]} components")
         image, status = self._decode(epoch, idx, base, offs, lens, hw, raw, ok)
-        st = status.tolist()
         retry = False
-        for k in range(n):
-            if ok[k] and st[k] != 0:
-                reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
-                          3: "nvJPEG does not support it", 4: "its size differs from its header's"}.get(st[k], f"status {st[k]}")
-                self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
-                retry = True
-        for k in range(n):
-            if not ok[k]:
-                self.bad(int(idx[k]), whys.get(k, "cannot be read"))
+        for k in np.flatnonzero(ok & (status != 0)):
+            k = int(k)
+            reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
+                      3: "nvJPEG does not support it", 4: "its size differs from its header's"}.get(
+                          int(status[k]), f"status {int(status[k])}")
+            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
+            retry = True
+        for k in np.flatnonzero(~ok):
+            self.bad(int(idx[k]), whys.get(int(k), "cannot be read"))
         keep = np.flatnonzero(ok)
         if retry or len(keep) != n:
             del image
@@ -346,18 +390,18 @@ class _Runner:
         p = self.params(epoch, idx, safe)
         o = np.where(ok, offs, 0).astype(np.int64)
         ln = np.where(ok, lens, 0).astype(np.int64)
-        return self.decoder.decode(base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1],
-                                   cfg["dtype"], cfg["channels_last"], raw or None)
-
-    def _empty(self) -> Any:
-        """A batch whose every sample was skipped: zero rows, on the host (the prefetcher copies it)."""
-        H, W = self.cfg["size"]
-        return self.finish_host(np.zeros((0, H, W, 3), np.uint8))
+        t0 = time.perf_counter()
+        out: tuple[Any, np.ndarray] = self.decoder.decode(
+            base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
+            cfg["channels_last"], raw or None)
+        self.counts["decode_call_s"] += time.perf_counter() - t0
+        return out
 
     def close(self) -> None:
-        if self.pool is not None and self.pool_pid == os.getpid():
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pool = None
+        for pool, pid in ((self.pool, self.pool_pid), (self.read_pool, self.read_pool_pid)):
+            if pool is not None and pid == os.getpid():
+                pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = self.read_pool = None
         if self.decoder is not None:
             self.decoder.close()
             self.decoder = None
@@ -577,6 +621,16 @@ class ImageLoader:
             raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
         return _order(self._plan, int(epoch)).view()
 
+    def indices_after(self, epoch: int, position: int) -> np.ndarray:
+        """This rank's sample order for what is left of ``epoch`` once the ranks together were
+        handed its first ``position`` images (as :meth:`pinloader.ArrayLoader.indices_after`)."""
+        for name, v in (("epoch", epoch), ("position", position)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"ImageLoader: {name} must be an int, not {type(v).__name__}")
+        if position < 0:
+            raise ValueError(f"ImageLoader: position must be >= 0, got {position}")
+        return _resume.resumed_order(self._plan, int(epoch), int(position))
+
     def params(self, epoch: int, indices: Any) -> np.ndarray:
         """The resampling parameters (int32 (n, 9), Note [image parameters] in
         pinloader/_image_ops.py) the loader uses for these samples in ``epoch``; the image sizes
@@ -698,7 +752,7 @@ class ImageLoader:
         if self._opts.get("output") == "capsule":
             stream = self._opts.get("stream")
             s = stream() if callable(stream) else stream
-            return convert(arr.__dlpack__(stream=s))
+            return convert(_C.export_capsules([arr], s)[0])
         return convert(arr)
 
     def __len__(self) -> int:
@@ -754,7 +808,9 @@ class ImageLoader:
 
     def stats(self) -> dict[str, Any]:
         """The prefetcher's stats, the epoch, rank and world size, and the decoder's: ``decoder``
-        (``"gpu"`` or ``"host"``, with ``decoder_reason``), ``samples`` decoded, ``skipped`` (and
+        (``"gpu"`` or ``"host"``, with ``decoder_reason``), ``samples`` decoded, the producer's
+        seconds waiting for a batch's bytes (GPU) or decoded images (host)
+        (``producer_wait_s``) and in GPU decode calls (``decode_call_s``), ``skipped`` (and
         the first ``skipped_samples``: index, name, reason), ``host_decoded`` on the GPU path
         (with ``host_decoded_reasons``: reason -> count), and ``gpu_decoder``
         (``JpegDecoder.info()``: batches, hardware, cuda, raw, failed, engines,
@@ -766,7 +822,8 @@ class ImageLoader:
                  decoder=self._decoder_kind or None, decoder_reason=self._decoder_reason)
         if runner is not None:
             c = runner.counts
-            s.update(samples=c["samples"], skipped=c["skipped"],
+            s.update(samples=c["samples"], skipped=c["skipped"], producer_wait_s=c["wait_s"],
+                     decode_call_s=c["decode_call_s"],
                      skipped_samples=[dict(x) for x in c["skipped_samples"]],
                      host_decoded=c["host_decoded"], host_decoded_reasons=dict(c["host_decoded_reasons"]))
             if runner.decoder is not None:

@@ -187,6 +187,7 @@ def test_sharding_and_elastic_resume(data):
     full = np.asarray(one.indices(0))
     assert set(full[:6]) == set(idx[0][:3]) | set(idx[1][:3])
     assert rest.tolist() == [items[i][1] for i in full[6:]]
+    assert one.indices_after(0, 6).tolist() == full[6:].tolist()
     for s in shards + [one]:
         s.close()
 
@@ -262,9 +263,24 @@ def test_bad_samples_skipped_and_counted(tmp_path):
     assert s["skipped"] == 4 and s["samples"] == 2 and s["decoder"] == "host"
     assert sorted(x["index"] for x in s["skipped_samples"]) == [1, 2, 3, 5]
     assert any("missing.jpg" in x["name"] for x in s["skipped_samples"])
-    # every batch is counted for the resume, also one whose samples were all skipped
     assert loader.state_dict()["epoch"] == 1
     loader.close()
+    # a batch whose samples were all skipped is an empty batch, on both paths; it still counts
+    # for the resume
+    for gpu in (False, True):
+        loader = ImageLoader(items, 2, size=8, device="cpu", shuffle=False, on_error="skip")
+        if gpu:
+            fake_gpu(loader)
+        it = iter(loader)
+        first = next(it)
+        assert np.from_dlpack(first["label"]).tolist() == [0]
+        empty = next(it)
+        assert np.from_dlpack(empty["image"]).shape == (0, 3, 8, 8)
+        assert loader.state_dict()["position"] == 4
+        assert np.from_dlpack(next(it)["label"]).tolist() == [4]
+        with pytest.raises(StopIteration):
+            next(it)
+        loader.close()
 
 
 def test_source_errors(tmp_path):
@@ -279,6 +295,8 @@ def test_source_errors(tmp_path):
         ImageLoader(str(tmp_path / "nowhere"), 2)
     with pytest.raises(ValueError, match="empty"):
         ImageLoader([], 2)
+    with pytest.raises(TypeError, match=r"must be .tar shards.*\(path, label\) pairs"):
+        ImageLoader(["a.jpg", "b.jpg"], 2)
     with pytest.raises(TypeError, match="label must be an int"):
         ImageLoader([("a.jpg", "cat")], 2)
     t = tmp_path / "nolabel.tar"
@@ -294,6 +312,27 @@ def test_source_errors(tmp_path):
                 dict(size=0), dict(scale=(0.5, 0.1)), dict(keys=("a", "a")), dict(mean=(0.5,) * 3, std=None)):
         with pytest.raises((ValueError, TypeError)):
             ImageLoader(items, 2, **bad)
+
+
+def test_mapped_sources_are_one_region_and_check_truncation(data, tmp_path):
+    import shutil
+    tar = ImageLoader(data["tars"], 4, device="cpu")
+    src = tar.source
+    base, offs, lens, fails = src.read(np.array([0, 7, 17]))  # three shards, no copy
+    assert base is src.region and not fails
+    for k, i in enumerate([0, 7, 17]):
+        with open(data["items"][i][0], "rb") as f:
+            assert base[offs[k]:offs[k] + lens[k]].tobytes() == f.read()
+    tar.close()
+    packed = str(tmp_path / "packed")
+    shutil.copytree(data["packed"], packed)
+    loader = ImageLoader(packed, 4, size=8, device="cpu")
+    host(loader)  # a whole epoch: nothing is being read when the file is cut
+    with open(os.path.join(packed, "data.bin"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="data.bin was truncated on disk while loading"):
+        host(loader)
+    loader.close()
 
 
 def test_gpu_decoder_refused_without_a_gpu(data):
@@ -332,3 +371,203 @@ def test_close_mid_epoch_and_memory_flat(data):
     # same bound in the last epoch as in the first, nothing accumulates
     assert max(peaks) <= 4 * 5120
     loader.close()
+
+
+class FakeGpuDecoder:
+    """JpegDecoder.decode's contract (src/py/jpeg_decoder.c) computed with Pillow: per-sample
+    statuses (1 no JPEG header, 2 bad data, 3 not 1 or 3 components, 4 box outside), raw=
+    images resampled, failed samples zero. Lets the host backend run the loader's GPU path."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode(self, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None):
+        from pinloader import _image_ops as ops
+        n = len(offsets)
+        # what the real decode() checks (src/py/jpeg_decoder.c)
+        assert 1 <= n <= 65535
+        assert np.asarray(offsets).dtype == np.asarray(lengths).dtype == np.int64
+        assert params.dtype == np.int32 and params.shape == (n, 9) and params.flags.c_contiguous
+        assert set(np.unique(params[:, 8])) <= {0, 1}
+        memoryview(base)  # a buffer
+        for k, v in (raw or {}).items():
+            assert type(k) is int and 0 <= k < n
+            assert v.dtype == np.uint8 and v.ndim == 3 and v.shape[2] == 3 and v.flags.c_contiguous
+        self.calls.append((n, sorted(raw or {})))
+        u8 = np.zeros((n, size[0], size[1], 3), np.uint8)
+        status = np.zeros(n, np.int32)
+        for i in range(n):
+            try:
+                if raw and i in raw:
+                    img = raw[i]
+                else:
+                    data = bytes(base[offsets[i]:offsets[i] + lengths[i]])
+                    info = ops.jpeg_info(data)
+                    if info is None:
+                        status[i] = 1
+                        continue
+                    if info[2] not in (1, 3):
+                        status[i] = 3
+                        continue
+                    img = ops.decode_rgb(data)
+                top, left, h, w = (int(x) for x in params[i][:4])
+                if top + h > img.shape[0] or left + w > img.shape[1]:
+                    status[i] = 4
+                    continue
+                u8[i] = ops.resample(img, params[i], size)
+            except ValueError:
+                status[i] = 2
+        out = u8.astype(np.float32) * np.float32(scale) + np.float32(bias) if dtype != "uint8" else u8
+        if dtype == "float16":
+            out = out.astype(np.float16)
+        if not channels_last:
+            out = np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+        return out, status
+
+    def info(self):
+        return {"calls": len(self.calls)}
+
+    def close(self):
+        pass
+
+
+def fake_gpu(loader):
+    fake = FakeGpuDecoder()
+    loader._runner.decoder = fake
+    loader._decoder_kind = "gpu"
+    return fake
+
+
+@pytest.mark.parametrize("source", ["packed", "folder", "tars"])
+def test_gpu_path_logic_on_the_host(data, source):
+    """The GPU path's batching, headers, parameters and labels, with Pillow standing in for
+    nvJPEG: the same batches as the host path, exactly."""
+    for train in (True, False):
+        kw = dict(size=(16, 20), seed=6, train=train, device="cpu")
+        g = ImageLoader(data[source], 4, **kw)
+        fake = fake_gpu(g)
+        got = host(g)
+        st = g.stats()
+        assert st["decoder"] == "gpu" and len(fake.calls) == 5
+        assert st["decode_call_s"] > 0 and st["producer_wait_s"] >= 0
+        same(got, run(data[source], batch_size=4, **kw))
+        g.close()
+
+
+def test_gpu_path_sends_what_nvjpeg_refuses_to_the_host(tmp_path):
+    a = photo(40, 50, 0)
+    blobs = [jpeg(a), b"", jpeg(a)[:200], b"junk"]
+    buf = io.BytesIO()
+    Image.fromarray(a).convert("CMYK").save(buf, format="JPEG")
+    blobs.append(buf.getvalue())
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    blobs.append(buf.getvalue())
+    blobs.append(jpeg(a[..., 0]))
+    items = []
+    for k, blob in enumerate(blobs):
+        p = tmp_path / f"s{k}.jpg"
+        p.write_bytes(blob)
+        items.append((str(p), k))
+    items.append((str(tmp_path / "gone.jpg"), 7))
+    kw = dict(size=8, shuffle=False, device="cpu", on_error="skip", dtype="uint8")
+    g = ImageLoader(items, 8, **kw)
+    fake = fake_gpu(g)
+    got = host(g)
+    want = run(items, batch_size=8, **kw)
+    same(got, want)
+    assert got[0]["label"].tolist() == [0, 4, 5, 6]
+    s = g.stats()
+    assert s["skipped"] == 4 and s["host_decoded"] == 2
+    assert s["host_decoded_reasons"] == {"a JPEG of 4 components": 1, "not a JPEG": 1}
+    # the first call had the CMYK and PNG images as raw=, the second only the kept samples
+    assert fake.calls[0] == (8, [4, 5]) and fake.calls[1] == (4, [1, 2])
+    g.close()
+    g = ImageLoader(items, 8, **dict(kw, on_error="raise"))
+    fake_gpu(g)
+    with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*s1\.jpg\)"):
+        host(g)
+    g.close()
+
+
+def test_gpu_path_retries_what_nvjpeg_fails_on(data, monkeypatch):
+    """A sample nvJPEG fails on (status 2) but Pillow decodes goes through raw= on a retry."""
+    g = ImageLoader(data["packed"], 6, size=8, seed=1, device="cpu")
+    fake = fake_gpu(g)
+    real = fake.decode
+
+    def flaky(base, offsets, lengths, params, *a, **kw):
+        out, status = real(base, offsets, lengths, params, *a, **kw)
+        if not kw.get("raw") and not (len(a) > 5 and a[5]):
+            status[0] = 2
+        return out, status
+
+    fake.decode = flaky
+    got = host(g)
+    same(got, run(data["packed"], batch_size=6, size=8, seed=1))
+    assert g.stats()["host_decoded_reasons"] == {"nvJPEG could not decode it": 3}
+    g.close()
+
+
+def test_static_batches_through_the_torch_door(data):
+    torch = pytest.importorskip("torch")
+    import pinloader.torch as pt
+    loader = ImageLoader(data["packed"], 5, size=8, seed=2, device="cpu")
+    want = run(data["packed"], batch_size=5, size=8, seed=2)
+    door = pt.prefetch(loader, static=True)
+    ptrs, rows = set(), []
+    for b, ref in zip(door, want):
+        ptrs.add(b["image"].data_ptr())
+        n = door.valid_rows
+        rows.append(n)
+        np.testing.assert_array_equal(b["image"][:n].numpy(), ref["image"])
+    assert len(ptrs) == 1 and rows == [5, 5, 5, 3]
+    assert loader.stats()["decoder"] == "host"
+    loader.close()
+
+
+def test_fork_child_gets_a_clear_error_then_works(data):
+    """A loader made before fork(): in the child, its running prefetcher refuses with a clear
+    error; the next iteration starts a new one (and new decoder threads) that works."""
+    from helpers import describe, run_py
+    code = f"""
+import os, numpy as np, pinloader
+L = pinloader.ImageLoader({data["packed"]!r}, 4, size=8, device="cpu", seed=1)
+it = iter(L)
+next(it)
+want = [np.from_dlpack(b["label"]).tolist() for b in pinloader.ImageLoader({data["packed"]!r}, 4, size=8,
+        device="cpu", seed=1)]
+import time
+deadline = time.monotonic() + 30
+while L.stats()["queued"] < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)  # fork once the producer is idle (its queue full): no thread mid-allocation
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    out = []
+    try:
+        next(it)
+        out.append("no error")
+    except RuntimeError as e:
+        out.append("fork" if "fork" in str(e) else str(e))
+    L.set_epoch(0)
+    got = [np.from_dlpack(b["label"]).tolist() for b in L]
+    out.append("same" if got == want else repr((got, want)))
+    os.write(w, ";".join(out).encode())
+    os._exit(0)
+os.close(w)
+msg = os.read(r, 4096).decode()
+os.waitpid(pid, 0)
+print(msg)
+left = 0
+while True:  # the parent's epoch goes on: its other four batches
+    try:
+        next(it)
+    except StopIteration:
+        break
+    left += 1
+print("parent", left)
+"""
+    p = run_py(code, timeout=120)
+    assert p.returncode == 0, describe(p)
+    assert p.stdout.split() == ["fork;same", "parent", "4"], describe(p)

@@ -98,6 +98,30 @@ def test_a_stopped_pack_resumes(folder, tmp_path, monkeypatch):
     check_packed(dest, items)
 
 
+def test_resume_refuses_a_changed_source(folder, tmp_path, monkeypatch):
+    dest = str(tmp_path / "packed")
+    monkeypatch.setattr(_image_pack, "CHUNK", 4)
+    real = _image_pack._read
+
+    def dies(src, i):
+        if i == 5:
+            raise KeyboardInterrupt
+        return real(src, i)
+
+    monkeypatch.setattr(_image_pack, "_read", dies)
+    with pytest.raises(KeyboardInterrupt):
+        pack(folder, dest, quiet=True, workers=1)
+    monkeypatch.setattr(_image_pack, "_read", real)
+    # a file added before the ones packed: the order no longer matches
+    first = folder_items(folder)[0][0]
+    with open(first, "rb") as f:
+        blob = f.read()
+    with open(os.path.join(os.path.dirname(first), "000_new.jpg"), "wb") as f:
+        f.write(blob)
+    with pytest.raises(ValueError, match="another source"):
+        pack(folder, dest, quiet=True)
+
+
 def test_resume_refuses_another_source(folder, tmp_path, monkeypatch):
     dest = str(tmp_path / "packed")
     os.makedirs(dest)

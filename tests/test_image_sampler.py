@@ -143,3 +143,158 @@ def test_jpeg_header_reader():
         assert ops.jpeg_info(bad) is None
     with pytest.raises(ValueError, match="not an image"):
         ops.image_info(b"not an image")
+
+
+def test_native_header_reader_agrees_with_python():
+    from image_helpers import jpeg, photo
+    from pinloader import _C
+    rng = np.random.default_rng(0)
+    good = [jpeg(photo(int(h), int(w), i)) for i, (h, w) in enumerate(rng.integers(1, 80, (6, 2)))]
+    blobs = list(good) + [b"", b"\xff", b"\xff\xd8", b"\xff\xd8\xff\xd9", b"\xff\xd8\xff\xc0\x00\x02"]
+    for _ in range(300):  # cut and corrupted headers
+        b = bytearray(good[int(rng.integers(len(good)))][:int(rng.integers(0, 700))])
+        for _ in range(int(rng.integers(0, 4))):
+            if b:
+                b[int(rng.integers(len(b)))] = int(rng.integers(256))
+        blobs.append(bytes(b))
+    lengths = np.array([len(b) for b in blobs], np.int64)
+    offsets = np.zeros(len(blobs), np.int64)
+    offsets[1:] = np.cumsum(lengths)[:-1]
+    base = np.frombuffer(b"".join(blobs) + b"\0", np.uint8)
+    got = _C._jpeg_info(base, offsets, lengths)
+    for k, b in enumerate(blobs):
+        want = ops.jpeg_info(b)
+        assert tuple(got[k]) == (want if want is not None else (-1, -1, -1)), k
+    with pytest.raises(ValueError, match="outside"):
+        _C._jpeg_info(base, offsets + 10**6, lengths)
+    with pytest.raises(ValueError, match="outside"):
+        _C._jpeg_info(base, offsets, lengths - 10**6)
+    with pytest.raises(ValueError, match="differ"):
+        _C._jpeg_info(base, offsets, lengths[:-1])
+
+
+def test_native_file_reader(tmp_path):
+    import os
+    from pinloader import _C
+    paths = []
+    for k, size in enumerate([0, 1, 5000, 123]):
+        p = tmp_path / f"f{k}"
+        p.write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
+        paths.append(str(p))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    paths += [str(tmp_path / "missing"), str(tmp_path), str(fifo)]
+    for threads in (1, 3, 64):
+        data, off, ln, err = _C._read_files(paths, threads)
+        for k in range(4):
+            with open(paths[k], "rb") as f:
+                assert data[off[k]:off[k] + ln[k]].tobytes() == f.read()
+            assert err[k] == 0
+        assert err[4] == 2 and err[5] == -1 and err[6] == -1 and (ln[4:] == 0).all()
+    data, off, ln, err = _C._read_files([], 4)
+    assert len(off) == 0 and data.size == 1
+    with pytest.raises(ValueError, match="threads"):
+        _C._read_files(paths, 0)
+    with pytest.raises(ValueError):
+        _C._read_files(["a\0b"], 1)
+
+
+def test_native_file_mapping(tmp_path):
+    from pinloader import _C
+    blobs = [b"a" * 10, b"", bytes(range(256)) * 40, b"z"]
+    paths = []
+    for k, b in enumerate(blobs):
+        p = tmp_path / f"f{k}"
+        p.write_bytes(b)
+        paths.append(str(p))
+    region, starts = _C._map_files(paths)
+    assert not region.flags.writeable and region.dtype == np.uint8
+    for b, s in zip(blobs, starts):
+        assert region[s:s + len(b)].tobytes() == b
+    assert (np.diff(starts) >= 0).all() and (starts % 4096 == 0).all()
+    # bytes past a file's end, in its last page, are zeros (not the next file's)
+    assert not region[starts[0] + 10:starts[0] + 100].any()
+    region2, starts2 = _C._map_files([])
+    assert region2.shape == (0,) and starts2.shape == (0,)
+    with pytest.raises(FileNotFoundError):
+        _C._map_files([str(tmp_path / "missing")])
+    with pytest.raises(OSError, match="not a regular file"):
+        _C._map_files([str(tmp_path)])
+    del region  # unmapped with its last view
+
+
+def _tar_bytes(fmt, members):
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+        for name, data, kind in members:
+            info = tarfile.TarInfo(name)
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                t.addfile(info)
+            elif kind == "link":
+                info.type = tarfile.SYMTYPE
+                info.linkname = "x" * 50
+                t.addfile(info)
+            else:
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _scan(blob):
+    from pinloader import _C
+    names, cols = _C._tar_scan(np.frombuffer(blob, np.uint8))
+    out, start = [], 0
+    for end, off, size in cols.tolist():
+        out.append((names[start:end].decode("utf-8", "surrogateescape"), off, size))
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["USTAR_FORMAT", "GNU_FORMAT", "PAX_FORMAT"])
+def test_tar_scan_agrees_with_tarfile(fmt):
+    import io
+    import tarfile
+    long_dir = "d" * 120 + "/sub"
+    members = [("a.jpg", b"x" * 700, "file"), ("a.cls", b"3", "file"), ("empty.txt", b"", "file"),
+               ("dir", b"", "dir"), (f"{long_dir}/k.jpg", b"y" * 513, "file"),
+               ("lnk", b"", "link"), ("b" * 95 + ".cls", b"12", "file")]
+    if fmt != "USTAR_FORMAT":
+        members += [("z" * 180 + ".jpg", b"z" * 1024, "file")]
+    if fmt == "PAX_FORMAT":
+        members += [("caf\u00e9/\u00e9t\u00e9.jpg", b"w" * 10, "file")]
+    blob = _tar_bytes(getattr(tarfile, fmt), members)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as t:
+        want = [(m.name, m.offset_data, m.size) for m in t if m.isfile()]
+    assert _scan(blob) == want
+    assert len(want) == len([m for m in members if m[2] == "file"])
+
+
+def test_tar_scan_refuses_malformed_archives_without_crashing():
+    import tarfile
+    from pinloader import _C
+    blob = _tar_bytes(tarfile.PAX_FORMAT, [("a" * 150 + ".jpg", b"q" * 3000, "file"), ("a.cls", b"1", "file")])
+    assert _scan(b"") == [] and _scan(bytes(1024)) == []
+    with pytest.raises(ValueError, match="checksum"):
+        _scan(b"not a tar" * 100)
+    with pytest.raises(ValueError, match="past the end"):
+        _scan(blob[:2000])
+    for cut in (1500, 1024, 100):
+        with pytest.raises(ValueError, match="truncated tar"):
+            _scan(blob[:cut])
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # corrupted and cut archives: an error or members inside the bytes
+        b = bytearray(blob[:int(rng.integers(0, len(blob) + 1))])
+        for _ in range(int(rng.integers(0, 6))):
+            if b:
+                b[int(rng.integers(len(b)))] = int(rng.integers(256))
+        try:
+            got = _scan(bytes(b))
+        except ValueError:
+            continue
+        for _, off, size in got:
+            assert 0 <= off and off + size <= len(b)
+    with pytest.raises(TypeError):
+        _C._tar_scan(42)

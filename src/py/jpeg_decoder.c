@@ -364,7 +364,7 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
 
 static PyMethodDef jd_methods[] = {
     {"decode", (PyCFunction)(void (*)(void))jd_decode, METH_VARARGS | METH_KEYWORDS,
-     "decode($self, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
+     "decode($self, /, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
      "--\n\nDecode a batch on the GPU: (DeviceArray, status)."},
     {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nCounts: batches, images per decoder, engines."},
     {"close", (PyCFunction)jd_close, METH_NOARGS, "close($self)\n--\n\nFree the decoder's GPU resources (idempotent)."},

@@ -11,6 +11,7 @@
 #include "dlpack.h"
 #include "flatten.h"
 #include "gather.h"
+#include "image_host.h"
 #include "jpeg_decoder.h"
 #include "pinned.h"
 #include "prefetcher.h"
@@ -327,7 +328,7 @@ static int module_exec(PyObject *m)
     if (pl_pinned_init(m, st) < 0 || pl_device_array_init(m, st) < 0 ||
         pl_prefetcher_init(m, st) < 0 || pl_prim_init(m, st) < 0 ||
         pl_gather_init(m, st) < 0 || pl_cpus_init(m) < 0 || pl_flatten_init(m) < 0 ||
-        pl_jpeg_decoder_init(m) < 0)
+        pl_jpeg_decoder_init(m) < 0 || pl_image_host_init(m) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", DLPACK_MAJOR_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "DLPACK_MINOR", DLPACK_MINOR_VERSION) < 0 ||

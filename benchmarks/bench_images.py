@@ -1,0 +1,573 @@
+"""Images from JPEG files to a training step: pinloader.ImageLoader against the DataLoader,
+torchvision's GPU decode, NVIDIA DALI and the GPU decoder alone (issue 36).
+
+Images are made from real photographs (scikit-image's sample photos; synthetic textured images
+when scikit-image is missing), rescaled to ImageNet-like sizes (short side 333-500 px) or high
+resolution (1.2-1.5k px), given sensor noise and saved as JPEG at quality 90, then written as an
+ImageFolder tree, WebDataset tar shards and a packed dataset (``python -m pinloader pack``).
+
+Loader-bound rows (each round is one epoch of --images images, rows interleaved over --rounds
+rounds; images/s and CPU-seconds per 1,000 images, the process and its worker processes):
+
+  imageloader_packed / _tar / _folder   ImageLoader(train=True, size=224, bf16, NHWC) through
+                                        pinloader.torch.prefetch
+  dataloader             torch DataLoader, --workers workers, PIL + torchvision v2
+                         RandomResizedCrop(224) + RandomHorizontalFlip + normalize, pinned, copied
+  torchvision_gpu        torchvision.io.decode_jpeg(list, device="cuda") + the same v2 transforms
+                         on the GPU, image by image
+  dali_default / dali_best   DALI fn.decoders.image_random_crop(device="mixed") + resize + crop,
+                         mirror, normalize (hw_decoder_load 0.65 and 0.9, 8 threads), if importable
+  decoder_alone          _C.JpegDecoder.decode over the packed bytes, no loader: the engines'
+                         ceiling with the same crops
+
+--models resnet50,resnet18,efficientnet_b0,vit_b_16: a training step (bf16 autocast,
+channels_last, SGD) fed by each way against pre-decoded 224-px crops already on the GPU (the
+bound), rows interleaved over the rounds (before each timed row, --drain batches are taken
+without training and --settle steps run untimed, as bench_models.py does); ViT-B/16 on the high-res images, the others on the
+ImageNet-like ones. The table gives each row's images/s and its ratio to the bound (median and
+range over rounds).
+
+--smoke runs the ImageLoader rows on the host backend with small images (no GPU needed; the CI
+test tests/test_bench_images.py runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+LOADER_ROWS = ["imageloader_packed", "imageloader_tar", "imageloader_folder", "dataloader",
+               "torchvision_gpu", "dali_default", "dali_best", "decoder_alone"]
+MODEL_ROWS = ["bound", "imageloader_packed", "dataloader", "dali_best"]
+MODELS = {"resnet50": "imagenet", "resnet18": "imagenet", "efficientnet_b0": "imagenet",
+          "vit_b_16": "highres", "tiny": "imagenet"}
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CLASSES = 10
+
+
+# ---- images ----
+
+def _photos() -> list[np.ndarray]:
+    try:
+        from skimage import data
+    except ImportError:
+        return []
+    out = []
+    for n in ["astronaut", "coffee", "chelsea", "rocket", "motorcycle_left", "retina", "cat",
+              "immunohistochemistry", "hubble_deep_field", "colorwheel"]:
+        f = getattr(data, n, None)
+        try:
+            a = f() if f is not None else None
+        except Exception:  # noqa: BLE001 -- a sample that needs a download
+            a = None
+        if isinstance(a, tuple):
+            a = a[0]
+        if a is not None and a.ndim == 3 and a.shape[2] >= 3:
+            out.append(np.ascontiguousarray(a[..., :3]))
+    return out
+
+
+def _textured(rng: np.random.Generator, h: int = 512, w: int = 512) -> np.ndarray:
+    """A synthetic photo stand-in: smooth colour fields, edges and fine texture."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    f = rng.uniform(3, 40, size=(3, 2))
+    img = np.stack([128 + 90 * np.sin(x / f[c, 0] + y / f[c, 1] + c) for c in range(3)], -1)
+    img += 30 * (((x // rng.integers(8, 64)) + (y // rng.integers(8, 64))) % 2)[..., None]
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def make_jpegs(n: int, size_class: str, seed: int = 0, small: bool = False) -> list[bytes]:
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    base = _photos() or [_textured(rng) for _ in range(6)]
+    distinct = min(n, 256)
+    blobs = []
+    for i in range(distinct):
+        src = Image.fromarray(base[i % len(base)])
+        if small:
+            short = int(rng.integers(40, 90))
+        elif size_class == "imagenet":
+            short = int(rng.integers(333, 501))
+        else:
+            short = int(rng.integers(1200, 1501))
+        aspect = float(rng.uniform(0.75, 1.5))
+        w, h = (int(short * aspect), short) if rng.random() < 0.6 else (short, int(short * aspect))
+        im = np.asarray(src.resize((w, h), Image.BILINEAR), np.float32)
+        im = np.clip(im + rng.normal(0, 4, im.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(im).save(buf, format="JPEG", quality=90)
+        blobs.append(buf.getvalue())
+    return [blobs[i % distinct] for i in range(n)]
+
+
+def write_dataset(root: Path, blobs: list[bytes], shard_size: int = 1000) -> dict[str, Any]:
+    """The images as a folder tree, tar shards and a packed dataset under root."""
+    from pinloader._image_pack import pack
+    folder = root / "folder"
+    items = []
+    for i, b in enumerate(blobs):
+        c = i % CLASSES
+        d = folder / f"class{c:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"img{i:07d}.jpg"
+        p.write_bytes(b)
+        items.append((p, c))
+    tars = []
+    for s in range(0, len(items), shard_size):
+        t = root / f"shard-{s // shard_size:05d}.tar"
+        with tarfile.open(t, "w") as tf:
+            for p, c in items[s:s + shard_size]:
+                tf.add(p, arcname=p.stem + ".jpg")
+                lab = str(c).encode()
+                info = tarfile.TarInfo(p.stem + ".cls")
+                info.size = len(lab)
+                tf.addfile(info, io.BytesIO(lab))
+        tars.append(str(t))
+    pack(str(folder), str(root / "packed"), quiet=True)
+    return {"folder": str(folder), "tars": tars, "packed": str(root / "packed"), "n": len(blobs)}
+
+
+# ---- CPU time of the process and its children (DataLoader workers) ----
+
+def _ticks(pid: int | str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return int(parts[11]) + int(parts[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and its live child processes."""
+    hz = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    return (_ticks(me) + sum(_ticks(c) for c in _children(me))) / hz
+
+
+# ---- rows: each a factory returning run(epoch) -> images seen ----
+
+def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+    import pinloader
+    import pinloader.torch as pt
+    src = {"packed": ds["packed"], "tar": ds["tars"], "folder": ds["folder"]}[key]
+    loader = pinloader.ImageLoader(src, args.batch, size=224, dtype=args.dtype, layout="NHWC",
+                                   device=args.device, drop_last=True, on_error="raise")
+    door = pt.prefetch(loader, device=args.device)
+
+    def run(epoch: int) -> int:
+        loader.set_epoch(epoch)
+        n = 0
+        last = None
+        for b in door:
+            n += b["image"].shape[0]
+            last = b["image"]
+        if last is not None and last.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        return n
+    return run, loader
+
+
+def _v2_train(torch: Any) -> Any:
+    from torchvision.transforms import v2
+    # crop and flip the PIL image (Pillow's resize, the classic recipe), then to a tensor
+    return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.ToImage(),
+                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+
+
+def row_dataloader(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+    import torchvision
+    tf = _v2_train(torch)
+    data = torchvision.datasets.ImageFolder(ds["folder"], transform=tf)
+    dl = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True, drop_last=True,
+                                     num_workers=args.workers, pin_memory=args.device != "cpu",
+                                     persistent_workers=args.workers > 0, prefetch_factor=4 if args.workers else None)
+    dev = torch.device(args.device)
+    dt = getattr(torch, args.dtype)
+
+    def run(epoch: int) -> int:
+        n = 0
+        x = None
+        for x, _ in dl:
+            x = x.to(dev, non_blocking=True).to(dt).contiguous(memory_format=torch.channels_last)
+            n += x.shape[0]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return n
+    return run, None
+
+
+def row_torchvision_gpu(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+    import torchvision
+    from torchvision.transforms import v2
+    files = sorted(str(p) for p in Path(ds["folder"]).rglob("*.jpg"))
+    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
+                     v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    dt = getattr(torch, args.dtype)
+
+    def run(epoch: int) -> int:
+        order = np.random.default_rng(epoch).permutation(len(files))
+        B = args.batch
+        n = 0
+        for k in range(len(files) // B):
+            datas = [torchvision.io.read_file(files[i]) for i in order[k * B:(k + 1) * B]]
+            imgs = torchvision.io.decode_jpeg(datas, device=args.device)
+            x = torch.stack([tf(im) for im in imgs]).to(dt).contiguous(memory_format=torch.channels_last)
+            n += x.shape[0]
+        torch.cuda.synchronize()
+        return n
+    return run, None
+
+
+def dali_iter(ds: dict, args: Any, torch: Any, hw_load: float) -> Any:
+    """DALI's pipeline over the folder: decode a random crop on the GPU (mixed), resize to 224,
+    mirror at random, normalize, HWC; its PyTorch iterator."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    dev = torch.device(args.device)
+
+    @pipeline_def(batch_size=args.batch, num_threads=args.dali_threads, device_id=dev.index or 0)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=ds["folder"], random_shuffle=True, name="r")
+        imgs = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB,
+                                             hw_decoder_load=hw_load)
+        imgs = fn.resize(imgs, resize_x=224, resize_y=224)
+        imgs = fn.crop_mirror_normalize(imgs, dtype=types.FLOAT16 if args.dtype != "float32" else types.FLOAT,
+                                        output_layout="HWC", mean=[m * 255 for m in MEAN],
+                                        std=[s * 255 for s in STD], mirror=fn.random.coin_flip())
+        return imgs, labels
+
+    p = pipe()
+    p.build()
+    return DALIGenericIterator([p], ["image", "label"], reader_name="r",
+                               last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
+
+
+def row_dali(ds: dict, args: Any, torch: Any, hw_load: float) -> tuple[Callable[[int], int], Any]:
+    it = dali_iter(ds, args, torch, hw_load)
+
+    def run(epoch: int) -> int:
+        n = 0
+        for b in it:
+            n += b[0]["image"].shape[0]
+        torch.cuda.synchronize()
+        return n
+    return run, None
+
+
+def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+    from pinloader import _C, _cudart
+    from pinloader import _image_ops as ops
+    dec = _C.JpegDecoder(args.device, libraries=_cudart.nvjpeg_candidates())
+    root = ds["packed"]
+    bounds = np.load(os.path.join(root, "offsets.npy"))
+    sizes = np.load(os.path.join(root, "sizes.npy"))
+    data = np.memmap(os.path.join(root, "data.bin"), np.uint8, mode="r")
+    offsets, lengths = bounds[:-1].copy(), np.diff(bounds)
+    scale, bias = ops.norm_constants(MEAN, STD, args.dtype)
+
+    def run(epoch: int) -> int:
+        order = np.random.default_rng(epoch).permutation(len(offsets))
+        B = args.batch
+        n = 0
+        for k in range(len(order) // B):
+            idx = order[k * B:(k + 1) * B]
+            u = ops.draws(0, epoch, idx)
+            p = ops.train_params(sizes[idx, :2], u, (224, 224), (0.08, 1.0), (3 / 4, 4 / 3), True)
+            arr, st = dec.decode(data, offsets[idx], lengths[idx], p, (224, 224), scale, bias, args.dtype, True)
+            n += B
+            del arr
+        torch.cuda.synchronize()
+        return n
+    return run, dec
+
+
+# ---- loader-bound table ----
+
+def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, Any]:
+    factories: dict[str, Callable[[], tuple[Callable[[int], int], Any]]] = {
+        "imageloader_packed": lambda: row_imageloader(ds, "packed", args, torch),
+        "imageloader_tar": lambda: row_imageloader(ds, "tar", args, torch),
+        "imageloader_folder": lambda: row_imageloader(ds, "folder", args, torch),
+        "dataloader": lambda: row_dataloader(ds, args, torch),
+        "torchvision_gpu": lambda: row_torchvision_gpu(ds, args, torch),
+        "dali_default": lambda: row_dali(ds, args, torch, 0.65),
+        "dali_best": lambda: row_dali(ds, args, torch, 0.9),
+        "decoder_alone": lambda: row_decoder_alone(ds, args, torch),
+    }
+    rows: dict[str, Any] = {}
+    runners: dict[str, Callable[[int], int]] = {}
+    holders = []
+    for name in args.rows:
+        made, err = C.guarded(factories[name])
+        if err is not None:
+            rows[name] = {"skipped": err["error"]}
+            C.log(f"[{size_class}] {name}: not run ({err['error']})")
+            continue
+        run, holder = made
+        holders.append(holder)
+        _, err = C.guarded(run, 10_000)  # warm-up epoch
+        if err is not None:
+            rows[name] = err
+            C.log(f"[{size_class}] {name}: failed ({err['error']})")
+            continue
+        runners[name] = run
+        rows[name] = {"ips": [], "cpu_per_1000": []}
+    for r in range(args.rounds):
+        names = list(runners) if r % 2 == 0 else list(runners)[::-1]
+        for name in names:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            n, err = C.guarded(runners[name], r)
+            t1, c1 = time.perf_counter(), cpu_seconds()
+            if err is not None:
+                rows[name].update(err)
+                continue
+            rows[name]["ips"].append(n / (t1 - t0))
+            rows[name]["cpu_per_1000"].append((c1 - c0) / max(n, 1) * 1000)
+            C.log(f"[{size_class}] round {r} {name}: {n / (t1 - t0):,.0f} img/s")
+    for h in holders:
+        C.close_quietly(h)
+    for v in rows.values():
+        if "ips" in v:
+            v["ips_summary"] = C.summarize(v["ips"])
+            v["cpu_summary"] = C.summarize(v["cpu_per_1000"])
+    return rows
+
+
+# ---- models ----
+
+def _model(name: str, torch: Any, device: str) -> Any:
+    if name == "tiny":
+        m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 7, stride=4), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, CLASSES))
+    else:
+        import torchvision
+        m = getattr(torchvision.models, name)(num_classes=1000)
+    return m.to(device).to(memory_format=torch.channels_last)
+
+
+def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, Any]:
+    import pinloader
+    import pinloader.torch as pt
+    out: dict[str, Any] = {}
+    dev = torch.device(args.device)
+    for mname in args.models:
+        ds = datasets[MODELS[mname] if not args.smoke else "imagenet"]
+        rec: dict[str, Any] = {"size_class": MODELS[mname], "rows": {}}
+        out[mname] = rec
+        model, err = C.guarded(_model, mname, torch, args.device)
+        if err is not None:
+            rec["error"] = err["error"]
+            continue
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        steps = args.steps
+
+        def step(x: Any, y: Any) -> None:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        bound_x = torch.randn(args.batch * 4, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+        bound_y = torch.randint(0, CLASSES, (args.batch * 4,), device=dev)
+
+        def feed_bound() -> Any:
+            k = 0
+            while True:  # the four pre-made batches in turn: no host work, no copy
+                i = k % 4
+                yield bound_x[i * args.batch:(i + 1) * args.batch], bound_y[i * args.batch:(i + 1) * args.batch]
+                k += 1
+
+        def feed_imageloader() -> Any:
+            loader = pinloader.ImageLoader(ds["packed"], args.batch, size=224, dtype="float32" if dev.type != "cuda" else args.dtype,
+                                           layout="NHWC", device=args.device, drop_last=True)
+            door = pt.prefetch(loader, device=args.device)
+            e = 0
+            while True:
+                loader.set_epoch(e)
+                for b in door:
+                    yield b["image"].permute(0, 3, 1, 2), b["label"]
+                e += 1
+
+        def feed_dataloader() -> Any:
+            import torchvision
+            data = torchvision.datasets.ImageFolder(ds["folder"], transform=_v2_train(torch))
+            dl = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True, drop_last=True,
+                                             num_workers=args.workers, pin_memory=dev.type == "cuda",
+                                             persistent_workers=args.workers > 0)
+            while True:
+                for x, y in dl:
+                    yield (x.to(dev, non_blocking=True).contiguous(memory_format=torch.channels_last),
+                           y.to(dev, non_blocking=True))
+
+        def feed_dali() -> Any:
+            it = dali_iter(ds, args, torch, 0.9)
+            while True:
+                for b in it:
+                    yield b[0]["image"].permute(0, 3, 1, 2), b[0]["label"].reshape(-1).long()
+
+        feeds = {"bound": feed_bound, "imageloader_packed": feed_imageloader, "dataloader": feed_dataloader,
+                 "dali_best": feed_dali}
+        gens: dict[str, Any] = {}
+        for name in MODEL_ROWS:
+            if args.smoke and name in ("dataloader", "dali_best"):
+                continue
+            g, err = C.guarded(lambda f=feeds[name]: f())
+            if err is None:
+                _, err = C.guarded(lambda g=g: [step(*next(g)) for _ in range(3)])
+            if err is not None:
+                rec["rows"][name] = {"skipped": err["error"]}
+                continue
+            gens[name] = g
+            rec["rows"][name] = {"ips": [], "ratio": []}
+        for r in range(args.rounds):
+            names = list(gens) if r % 2 == 0 else list(gens)[::-1]
+            got: dict[str, float] = {}
+            for name in names:
+                # batches buffered while the other rows ran would be free steps: take them
+                # without training, then a few untimed steps
+                for _ in range(args.drain):
+                    next(gens[name])
+                for _ in range(args.settle):
+                    step(*next(gens[name]))
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(*next(gens[name]))
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                got[name] = steps * args.batch / (time.perf_counter() - t0)
+                rec["rows"][name]["ips"].append(got[name])
+            for name in gens:
+                rec["rows"][name]["ratio"].append(C.ratio(got[name], got.get("bound")))
+        for name, g in gens.items():
+            g.close()
+        for v in rec["rows"].values():
+            if "ips" in v:
+                v["ips_summary"] = C.summarize(v["ips"])
+                v["ratio_summary"] = C.summarize(v["ratio"])
+        rec["rounds_done"] = args.rounds
+    return out
+
+
+# ---- main ----
+
+def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: Any) -> str:
+    lines = ["# ImageLoader benchmark (bench_images.py)", ""]
+    lines += C.machine_summary_lines(info) if not args.smoke else ["(smoke run on the host backend)"]
+    for size_class, rows in results.items():
+        lines += ["", f"## Loader-bound, {size_class}: {args.images} images, batch {args.batch}, 224 px "
+                  f"{args.dtype}, {args.rounds} rounds", ""]
+        table = []
+        for name, v in rows.items():
+            if "ips_summary" in v:
+                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["cpu_summary"], 3)])
+            else:
+                table.append([name, f"not run: {v.get('skipped') or v.get('error')}", ""])
+        lines.append(C.md_table(["row", "images/s", "CPU-s per 1,000 images"], table, "lrr"))
+    for mname, rec in models.items():
+        lines += ["", f"## {mname} ({rec['size_class']} images), batch {args.batch}, {args.steps} steps "
+                  f"per row per round", ""]
+        if "error" in rec:
+            lines.append(f"error: {rec['error']}")
+            continue
+        table = []
+        for name, v in rec["rows"].items():
+            if "ips_summary" in v:
+                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["ratio_summary"], 2)])
+            else:
+                table.append([name, f"not run: {v.get('skipped')}", ""])
+        lines.append(C.md_table(["feed", "images/s", "ratio to the bound"], table, "lrr"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-class", type=C.choice_list(["imagenet", "highres"]), default=["imagenet", "highres"])
+    ap.add_argument("--images", type=int, default=8192, help="images per size class (one epoch per round)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=C.choice_list(LOADER_ROWS), default=list(LOADER_ROWS))
+    ap.add_argument("--models", type=C.choice_list(list(MODELS)), default=[],
+                    help="real models against the bound (e.g. resnet50,resnet18,efficientnet_b0,vit_b_16)")
+    ap.add_argument("--steps", type=int, default=50, help="training steps per row per round")
+    ap.add_argument("--drain", type=int, default=40,
+                    help="batches taken without training before each timed row (what a loader "
+                         "buffered while the other rows ran)")
+    ap.add_argument("--settle", type=int, default=3, help="untimed training steps before each timed row")
+    ap.add_argument("--workers", type=int, default=15, help="DataLoader workers")
+    ap.add_argument("--dali-threads", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "uint8"])
+    ap.add_argument("--data-dir", type=Path, default=None, help="keep the generated datasets here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few small images on the host backend, the ImageLoader rows and the tiny model")
+    C.add_output_args(ap, "images")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.images, args.batch, args.rounds, args.steps = "cpu", 48, 8, 2, 2
+        args.drain, args.settle = 2, 1
+        args.size_class = ["imagenet"]
+        args.rows = ["imageloader_packed", "imageloader_tar", "imageloader_folder"]
+        args.models = [m for m in args.models if m == "tiny"] or ["tiny"]
+        args.dtype = "float32"
+        args.workers = 0
+        import torch
+    else:
+        torch = C.require_cuda(args.device)
+    info = C.machine_info(torch if not args.smoke else None, args.device)
+    tmp = None
+    root = args.data_dir
+    if root is None:
+        tmp = tempfile.mkdtemp(prefix="pl-bench-images-")
+        root = Path(tmp)
+    try:
+        datasets = {}
+        for sc in args.size_class + (["highres"] if "vit_b_16" in args.models and "highres" not in args.size_class else []):
+            d = Path(root) / sc
+            if not (d / "packed" / "meta.json").exists():
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
+                C.log(f"making {args.images} {sc} images in {d}")
+                datasets[sc] = write_dataset(d, make_jpegs(args.images, sc, small=args.smoke),
+                                             shard_size=max(8, args.images // 8))
+            else:
+                tars = sorted(str(p) for p in d.glob("shard-*.tar"))
+                datasets[sc] = {"folder": str(d / "folder"), "tars": tars, "packed": str(d / "packed"),
+                                "n": args.images}
+        results = {sc: loader_bound(datasets[sc], args, torch, sc) for sc in args.size_class}
+        models = models_table(datasets, args, torch) if args.models else {}
+        payload = {"args": vars(args), "machine": info, "loader_bound": results, "models": models}
+        C.publish(args.out, args.name, payload, render(results, models, info, args))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

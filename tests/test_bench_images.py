@@ -1,0 +1,35 @@
+"""benchmarks/bench_images.py --smoke on the host backend: every ImageLoader row and the tiny
+model run and land in the result files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_images.py"
+
+pytestmark = pytest.mark.skipif(not SCRIPT.is_file(), reason="benchmarks/ is not in the sdist")
+pytest.importorskip("torch", reason="bench_images.py needs PyTorch")
+
+
+def test_smoke_run(tmp_path):
+    env = dict(os.environ, PINLOADER_BACKEND="host")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    assert "Traceback" not in p.stderr, p.stderr[-6000:]
+    data = json.loads((tmp_path / "images.json").read_text())
+    assert (tmp_path / "images.md").is_file()
+    rows = data["loader_bound"]["imagenet"]
+    assert list(rows) == ["imageloader_packed", "imageloader_tar", "imageloader_folder"]
+    for name, v in rows.items():
+        assert len(v["ips"]) == 2 and min(v["ips"]) > 0, (name, v)
+    tiny = data["models"]["tiny"]
+    assert tiny["rounds_done"] == 2 and set(tiny["rows"]) == {"bound", "imageloader_packed"}
+    assert all(len(v["ratio"]) == 2 for v in tiny["rows"].values())
