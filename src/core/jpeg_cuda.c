@@ -233,7 +233,7 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     j->b = b;
     j->device = device;
     const char *env = getenv("PINLOADER_JPEG_REGION");
-    j->region = !(env && strcmp(env, "0") == 0);
+    j->region = env && strcmp(env, "1") == 0;
     int prev = -1;
     if ((rc = pl_device_push(b, device, &prev)) != PL_OK) {
         free(j);
@@ -356,8 +356,10 @@ typedef struct sample {
  * (chroma upsampling reads a neighbour on each side). It is used when it is at most 90% of the
  * image and the engines accept it (nvjpegDecodeBatchedSupportedEx); otherwise the image is decoded
  * whole. The workspace still holds the whole image, so that an image of a failed hardware batch
- * can be decoded again, whole, by the CUDA decoder. PINLOADER_JPEG_REGION=0 in the environment
- * (read when a decoder is made) turns region decodes off, to compare the two. */
+ * can be decoded again, whole, by the CUDA decoder. Region decodes are off unless
+ * PINLOADER_JPEG_REGION=1 is in the environment when a decoder is made: they have not yet run on
+ * a GPU (tests/test_jpeg_decoder_gpu.py::test_a_region_decode_equals_the_crop_of_a_whole_decode
+ * is the check to run with it set); whole-image decodes have. */
 static void region_of(const int32_t *p, int H, int W, sample *sm)
 {
     long y0 = ((long)p[0] - 1) & ~15L, x0 = ((long)p[1] - 1) & ~15L;
