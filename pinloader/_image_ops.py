@@ -243,7 +243,7 @@ def decode_rgb(data: Any) -> np.ndarray:
     return arr
 
 
-def resample(img: np.ndarray, p: Sequence[int], size: tuple[int, int]) -> np.ndarray:
+def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """The box of ``img`` (h, w, 3 uint8) resized and windowed as ``p`` says: (H, W, 3) uint8."""
     from PIL import Image
     top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
@@ -260,7 +260,7 @@ def resample(img: np.ndarray, p: Sequence[int], size: tuple[int, int]) -> np.nda
     return out[:, ::-1] if flip else out
 
 
-def host_decode(data: Any, p: Sequence[int], size: tuple[int, int], expect: tuple[int, int] | None = None) -> np.ndarray:
+def host_decode(data: Any, p: Sequence[int] | np.ndarray, size: tuple[int, int], expect: tuple[int, int] | None = None) -> np.ndarray:
     """Decode one sample and resample it: (H, W, 3) uint8. ``expect``: the (h, w) its header
     gave, which the crop was drawn for."""
     img = decode_rgb(data)

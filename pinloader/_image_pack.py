@@ -47,10 +47,10 @@ def _read(src: Any, i: int) -> tuple[bytes, tuple[int, int, int]]:
 def _name(src: Any, root: str, i: int) -> str:
     if isinstance(src, FileSource):
         try:
-            return os.path.relpath(src.paths[i], root)
+            return str(os.path.relpath(src.paths[i], root))
         except ValueError:
-            return src.paths[i]
-    return src.name(i)
+            return str(src.paths[i])
+    return str(src.name(i))
 
 
 def _load_progress(path: str) -> list[tuple[int, ...]]:
@@ -92,7 +92,7 @@ class _Progress:
         print(("\r" if self.tty else "") + msg, end=end, file=sys.stderr, flush=True)
 
 
-def pack(src_path: str, dest: str, workers: int | None = None, quiet: bool = False) -> int:
+def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet: bool = False) -> int:
     """Pack ``src_path`` (an ImageFolder tree or tar shard(s)) into the folder ``dest``;
     resumable (Note [resumable pack]). Returns the number of samples."""
     src = make_source(src_path)

@@ -733,10 +733,10 @@ class ArrayLoader:
 
 
 class _LoaderDoor:
-    """What a framework door iterates when its source is an ArrayLoader: the loader, with the
-    door's settings for the door's iterations (Note [doors over a loader])."""
+    """What a framework door iterates when its source is an ArrayLoader or an ImageLoader: the
+    loader, with the door's settings for the door's iterations (Note [doors over a loader])."""
 
-    def __init__(self, loader: ArrayLoader, settings: tuple[Any, int, dict[str, Any]]) -> None:
+    def __init__(self, loader: Any, settings: tuple[Any, int, dict[str, Any]]) -> None:
         self._loader = loader
         self._settings = settings
 
@@ -752,23 +752,26 @@ class _LoaderDoor:
 
     @property
     def valid_rows(self) -> int | None:
-        return self._loader.valid_rows
+        rows: int | None = self._loader.valid_rows
+        return rows
 
     def state_dict(self) -> dict[str, Any]:
-        return self._loader.state_dict()
+        state: dict[str, Any] = self._loader.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], **kwargs: Any) -> None:
         self._loader.load_state_dict(state, **kwargs)
 
     def stats(self) -> dict[str, Any]:
-        return self._loader.stats()
+        st: dict[str, Any] = self._loader.stats()
+        return st
 
     def close(self) -> None:
         self._loader.close()
 
     @property
     def closed(self) -> bool:
-        return self._loader.closed
+        return bool(self._loader.closed)
 
     def __repr__(self) -> str:
         return repr(self._loader)

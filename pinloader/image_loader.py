@@ -48,22 +48,10 @@ from ._C import AsyncPrefetcher
 from ._epoch_plan import _order, _Plan, prepare_order
 from . import _image_ops as ops
 from ._image_sources import make_source
-from .array_loader import (_ADAPTER_DEFAULT_DEPTH, _HANDOUT_OPTS, _default_rank_world, _int_arg,
-                           _same_opt)
+from .array_loader import (_ADAPTER_DEFAULT_DEPTH, _EPOCH_LIMIT, _LoaderDoor, _default_rank_world,
+                           _int_arg, _same_opt, _same_settings)
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
-
-
-def _same_device(running: str, wanted: Any) -> bool:
-    """Whether a prefetcher on ``running`` ('cpu' or 'cuda:N') serves the device ``wanted``."""
-    if wanted is None:
-        return True
-    if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool):
-        return running == f"cuda:{int(wanted)}"
-    text = str(wanted)
-    if text in ("cpu", "cpu:0", "host"):
-        return running == "cpu"
-    return text == running or (text == "cuda" and running.startswith("cuda:"))
 
 FORMAT = "pinloader.ImageLoader"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -344,7 +332,8 @@ class _Runner:
         for k in np.flatnonzero(ok & (status != 0)):
             k = int(k)
             reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
-                      3: "nvJPEG does not support it", 4: "its size differs from its header's"}.get(
+                      3: "nvJPEG does not support it", 4: "its size differs from its header's",
+                      5: "no end-of-image marker (cut short, or data after the image)"}.get(
                           int(status[k]), f"status {int(status[k])}")
             self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
             retry = True
@@ -607,6 +596,8 @@ class ImageLoader:
         self._source = _ImageEpochs(self._runner, plan)
         self._decoder_kind = ""
         self._decoder_reason = ""
+        self._decoder_key: tuple[str, bool] | None = None
+        self._pf_settings: tuple[Any, int, dict[str, Any]] | None = None
         self._epoch: int | None = None
         self._requested: int | None = None
         self._consumed = 0
@@ -666,17 +657,21 @@ class ImageLoader:
             return 0
         return self._epoch + 1 if (self._consumed or self._done) else self._epoch
 
-    def _choose_decoder(self) -> None:
-        """The GPU decoder where it can be had (Note: static=/out= batches are the host's)."""
+    def _choose_decoder(self, settings: tuple[Any, int, dict[str, Any]]) -> None:
+        """The GPU decoder where it can be had for these settings (static=/out= batches are the
+        host's); kept while the settings call for the same one."""
         runner = self._runner
         assert runner is not None
-        if self._decoder_kind:
+        device, _, opts = settings
+        static = bool(opts.get("static")) or opts.get("out") is not None
+        key = (str(device), static)
+        if self._decoder_kind and self._decoder_key == key:
             return
+        self._release_decoder()
         why = ""
-        device = self._device
         if self.decoder == "host":
             why = "decoder='host'"
-        elif self._opts.get("static") or self._opts.get("out") is not None:
+        elif static:
             why = "static=/out= batches are filled by the prefetcher from host batches"
         elif device is None and not _C.cuda_available():
             why = "no CUDA device (the host backend)"
@@ -691,17 +686,37 @@ class ImageLoader:
             raise RuntimeError(f"ImageLoader: decoder='gpu' cannot be used: {why}")
         self._decoder_kind = "gpu" if runner.decoder is not None else "host"
         self._decoder_reason = why
+        self._decoder_key = key
 
-    def _make_prefetcher(self) -> AsyncPrefetcher:
-        self._choose_decoder()
-        depth = _DEFAULT_DEPTH if self._depth is None else self._depth
-        return AsyncPrefetcher(self._source, device=self._device, depth=depth, **self._opts)
+    def _own_settings(self) -> tuple[Any, int, dict[str, Any]]:
+        return self._device, _DEFAULT_DEPTH if self._depth is None else self._depth, self._opts
+
+    def _make_prefetcher(self, settings: tuple[Any, int, dict[str, Any]]) -> AsyncPrefetcher:
+        self._choose_decoder(settings)
+        device, depth, opts = settings
+        if opts.get("static") or opts.get("out") is not None:
+            # static buffers for a whole batch, even when a resumed epoch starts short
+            opts = dict(opts, static_rows=self.batch_size)
+        pf = AsyncPrefetcher(self._source, device=device, depth=depth, **opts)
+        self._pf_settings = settings
+        return pf
 
     def __iter__(self) -> "ImageLoader":
+        return self._begin(self._own_settings())
+
+    def _begin(self, settings: tuple[Any, int, dict[str, Any]]) -> "ImageLoader":
+        """Begin an epoch with these settings, the loader's own or a door's (Note [doors over a
+        loader] in pinloader/array_loader.py)."""
         self._check_open()
         epoch = self._next_epoch()
+        if epoch >= _EPOCH_LIMIT:
+            raise ValueError(f"ImageLoader: epoch {epoch} is past the last epoch (2**63 - 1); "
+                             "set_epoch() to continue")
         self._resumed_iter = _resume.begin_epoch(self, epoch)
         pf = self._pf
+        if pf is not None and (self._pf_settings is None or not _same_settings(self._pf_settings, settings)):
+            pf.close()
+            pf = self._pf = None
         if pf is not None and (self._failed or (not self._consumed and not self._done
                                                 and epoch != self._epoch)):
             pf.close()
@@ -711,7 +726,7 @@ class ImageLoader:
         self._plan.epoch = epoch
         try:
             if pf is None:
-                self._pf = self._make_prefetcher()
+                self._pf = self._make_prefetcher(settings)
             else:
                 iter(pf)
         except BaseException:
@@ -740,17 +755,18 @@ class ImageLoader:
         self._consumed = tag.batch + 1
         k = self._runner.cfg["keys"][0] if self._runner is not None else "image"
         img = batch[k]
-        if isinstance(img, _C.DeviceArray) and img.device.startswith("cuda") and "convert" in self._opts:
-            batch[k] = self._convert(img)
+        opts = self._pf_settings[2] if self._pf_settings is not None else {}
+        if isinstance(img, _C.DeviceArray) and img.device.startswith("cuda") and "convert" in opts:
+            batch[k] = self._convert(img, opts)
         return batch
 
-    def _convert(self, arr: Any) -> Any:
+    def _convert(self, arr: Any, opts: dict[str, Any]) -> Any:
         """A door's import applied to the GPU-decoded image (the prefetcher passed it through):
         as the door does for the leaves it copies (Note [per-batch import] in
         pinloader/_adapter.py)."""
-        convert = self._opts["convert"]
-        if self._opts.get("output") == "capsule":
-            stream = self._opts.get("stream")
+        convert = opts["convert"]
+        if opts.get("output") == "capsule":
+            stream = opts.get("stream")
             s = stream() if callable(stream) else stream
             return convert(_C.export_capsules([arr], s)[0])
         return convert(arr)
@@ -758,8 +774,19 @@ class ImageLoader:
     def __len__(self) -> int:
         return int(self._plan.n_batches)
 
-    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> "ImageLoader":
-        """Let a framework door use this loader as its prefetcher (as ArrayLoader does)."""
+    def _next_with(self, settings: tuple[Any, int, dict[str, Any]]) -> Any:
+        """A door's next(): begins an epoch with the door's settings unless they are the
+        running prefetcher's (Note [doors over a loader] in pinloader/array_loader.py)."""
+        self._check_open()
+        if self._pf is None or self._pf_settings is None or not _same_settings(self._pf_settings, settings):
+            self._begin(settings)
+        return self.__next__()
+
+    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> _LoaderDoor:
+        """Let a framework door iterate this loader with the door's settings, for the door's
+        iterations only (Note [doors over a loader] in pinloader/array_loader.py)."""
+        if self._closed:
+            raise ValueError("ImageLoader is closed")
         def clash(name: str, mine: Any, theirs: Any) -> ValueError:
             return ValueError(f"ImageLoader was made with {name}={mine!r}, but the adapter asks for "
                               f"{name}={theirs!r}: pass it to one of them only")
@@ -776,21 +803,7 @@ class ImageLoader:
             if k in merged and not _same_opt(merged[k], v):
                 raise clash(k, merged[k], v)
             merged[k] = v
-        changed = {k for k in merged.keys() | self._opts.keys()
-                   if k not in merged or k not in self._opts or not _same_opt(merged[k], self._opts[k])}
-        pf = self._pf
-        if pf is not None and _same_device(pf.device, want_device) and want_depth == pf.depth \
-                and changed and changed <= _HANDOUT_OPTS and (self._done or not self._consumed):
-            pf.close()
-            self._pf = None
-        if self._pf is not None and (not _same_device(self._pf.device, want_device)
-                                     or want_depth != self._pf.depth or changed):
-            raise ValueError("ImageLoader: already iterating with other settings; wrap it in the "
-                             "adapter before the first iteration")
-        if "static" in changed or "out" in changed:
-            self._release_decoder()
-        self._device, self._depth, self._opts = want_device, want_depth, merged
-        return self
+        return _LoaderDoor(self, (want_device, want_depth, merged))
 
     def _release_decoder(self) -> None:
         runner = self._runner

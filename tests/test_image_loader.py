@@ -435,6 +435,7 @@ def fake_gpu(loader):
     fake = FakeGpuDecoder()
     loader._runner.decoder = fake
     loader._decoder_kind = "gpu"
+    loader._decoder_key = (str(loader._device), False)  # the settings it serves
     return fake
 
 
@@ -524,6 +525,40 @@ def test_static_batches_through_the_torch_door(data):
     assert len(ptrs) == 1 and rows == [5, 5, 5, 3]
     assert loader.stats()["decoder"] == "host"
     loader.close()
+
+
+def test_doors_made_per_epoch_and_switched(data):
+    """Note [doors over a loader] holds for ImageLoader too: a door made once per epoch, doors
+    with other options taking turns with plain iterations, each epoch the batches of its own
+    epoch number; a door over a closed loader says closed."""
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    kw = dict(size=8, seed=3, device="cpu")
+    loader = ImageLoader(data["packed"], 5, **kw)
+
+    def labels(batches):
+        return [np.asarray(b["label"]).tolist() for b in batches]
+
+    want = {}
+    for ep in range(4):
+        ref = ImageLoader(data["packed"], 5, **kw)
+        ref.set_epoch(ep)
+        want[ep] = labels(host(ref))
+        ref.close()
+    assert want[0] != want[1]
+    for ep in range(3):  # a door per epoch
+        loader.set_epoch(ep)
+        assert labels(pt.prefetch(loader)) == want[ep]
+    loader.set_epoch(3)
+    got = []
+    for b in pt.prefetch(loader, static=True):  # another door's options for this epoch only
+        got.append(b["label"][: loader.valid_rows].tolist())
+    assert got == want[3]
+    loader.set_epoch(1)
+    assert labels(host(loader)) == want[1]  # a plain iteration: the loader's own settings
+    loader.close()
+    with pytest.raises(ValueError, match="closed"):
+        pt.prefetch(loader)
 
 
 def test_fork_child_gets_a_clear_error_then_works(data):
