@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Issue 35 on a GPU machine, in one call (about 3-5 minutes): build in place, then
-#   1. bench_user_loop.py over issue 35's four rows (random uint8 rows made by NumPy): the user's
+# The plain user loop's gap on a GPU machine, in one call (about 3-5 minutes): build in place, then
+#   1. bench_user_loop.py over the user loop's four rows (random uint8 rows made by NumPy): the user's
 #      next() loop (seeds 0 and 1, drop_last on and off), the torch door, `for` across epoch ends,
 #      bench_gather's own run_loader on the same source, one DMA (2 rounds);
 #   2. 512 B and 4 KiB rows over sources made four ways (NumPy, torch, torch collapsed into huge
 #      pages, bench_gather's constant rows), the user loop with and without its kernel and
 #      bench_gather's loop, with a cProfile of one user run per source (2 rounds).
 # Writes under $OUT (default ./userloop_out): diag.txt, user_loop.{md,json,log},
-# user_loop_sources.{md,json,log}.
+# user_loop_sources.{md,json,log}; with PACK=1, only the archive $OUT.tgz of them (for a machine
+# that returns a few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/userloop_out}"
@@ -35,4 +36,7 @@ echo "user_loop rc=$rc" >>"$OUT/diag.txt"
     --seeds 0 --drop-last true --profile >/dev/null 2>"$OUT/user_loop_sources.log" || rc=$?
 echo "user_loop_sources rc=$rc" >>"$OUT/diag.txt"
 tail -n 3 "$OUT/user_loop.log" "$OUT/user_loop_sources.log"
+if [ -n "${PACK:-}" ]; then
+    tar -C "$(dirname "$OUT")" -czf "$OUT.tgz" "$(basename "$OUT")" && rm -rf "$OUT"
+fi
 exit $rc
