@@ -219,7 +219,8 @@ def image_info(data: Any) -> tuple[int, int, int]:
     info = jpeg_info(data)
     if info is not None:
         return info
-    from PIL import Image, UnidentifiedImageError
+    Image = _pil()
+    from PIL import UnidentifiedImageError
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             w, h = im.size
@@ -230,9 +231,20 @@ def image_info(data: Any) -> tuple[int, int, int]:
 
 # ---- the host decoder ----
 
+def _pil() -> Any:
+    """Pillow, or an ImportError that says how to get it."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError("ImageLoader decodes on the host with Pillow, which is not installed: "
+                          "pip install Pillow (or pip install 'pinloader[images]')") from None
+    return Image
+
+
 def decode_rgb(data: Any) -> np.ndarray:
     """The whole image as (h, w, 3) uint8 (Note [host decode])."""
-    from PIL import Image, UnidentifiedImageError
+    Image = _pil()
+    from PIL import UnidentifiedImageError
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             im.load()
@@ -245,7 +257,7 @@ def decode_rgb(data: Any) -> np.ndarray:
 
 def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """The box of ``img`` (h, w, 3 uint8) resized and windowed as ``p`` says: (H, W, 3) uint8."""
-    from PIL import Image
+    Image = _pil()
     top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
     H, W = img.shape[:2]
     if top < 0 or left < 0 or h < 1 or w < 1 or top + h > H or left + w > W:
