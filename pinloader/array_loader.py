@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from . import _C, _resume
+from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
 from ._epoch_plan import _Epochs, _Plan, _base_chain, _is_mapped, _mapping_bytes, prepare_order
 # _order and _epoch_batches are read from here by tests and benchmarks as well
@@ -73,7 +74,6 @@ from ._epoch_plan import _epoch_batches, _order  # noqa: F401
 __all__ = ["ArrayLoader"]
 
 _DEFAULT_DEPTH = 3  # a third batch in flight lets loader-bound large batches reach the DMA ceiling
-_ADAPTER_DEFAULT_DEPTH = 2  # pinloader.torch / jax / cupy .prefetch(depth=2)
 _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
 # over registered host memory) and smaller ones with the host gather. Measured on the H200
@@ -237,7 +237,7 @@ class ArrayLoader:
     device : default None
         As for :class:`pinloader.AsyncPrefetcher` (None: the current CUDA device, else the
         host backend). Under torchrun pass ``f"cuda:{LOCAL_RANK}"``.
-    depth : int, default 2
+    depth : int, default 3
         Batches in flight or waiting.
     rank, world_size : int, optional
         This process's shard. Defaults: an initialised ``torch.distributed`` process group,
@@ -608,8 +608,9 @@ class ArrayLoader:
         elif device is not None and str(device) != str(want_device) and str(device) != "cuda" \
                 and str(want_device) != "cuda":
             raise clash("device", self._device, device)
-        # the doors' default depth means "not given": the loader's own default applies
-        given = depth != _ADAPTER_DEFAULT_DEPTH
+        # the doors' default depth (that object, not any 2) means "not given": the loader's own
+        # depth applies; an explicit depth wins
+        given = depth is not _ADAPTER_DEFAULT_DEPTH
         want_depth = self._depth if self._depth is not None else depth if given else _DEFAULT_DEPTH
         if self._depth is not None and given and depth != self._depth:
             raise clash("depth", self._depth, depth)
