@@ -33,8 +33,8 @@
  *
  * Note [epoch permutation]
  * The sampling order must be the same on every machine, NumPy version and run, so it is
- * specified here, not borrowed (tests/test_array_loader.py has a Python reference that must
- * agree bit for bit). All arithmetic is modulo 2**64.
+ * specified here, not borrowed (tests/helpers.py has a Python reference, ref_permutation, that
+ * must agree bit for bit: tests/test_permutation.py). All arithmetic is modulo 2**64.
  *   GAMMA = 0x9E3779B97F4A7C15
  *   mix(z):  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9; z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
  *            return z ^ (z >> 31)                                   (SplitMix64's finaliser)
