@@ -19,10 +19,10 @@
  *     are.
  * The stream is `stream=`: None (the legacy default stream), a DLPack stream handle, or a
  * callable returning one, called once per batch (a framework's current stream).
- * Containers are rebuilt with the item's types: list, tuple, namedtuple, dict and dict
- * subclasses (a shallow copy keeps a defaultdict's factory), dataclasses (frozen ones too);
- * a list subclass is walked as a list and comes back as a plain list (its constructor is not
- * known to take the items); other objects pass through. */
+ * Containers are rebuilt with the item's types: list, tuple, namedtuple, list and tuple
+ * subclasses, dict and dict subclasses (a shallow copy keeps a defaultdict's factory),
+ * dataclasses (frozen ones too); other objects pass through (Note [one leaf classifier] in
+ * flatten.c). */
 #ifndef PL_HANDOUT_H
 #define PL_HANDOUT_H
 
