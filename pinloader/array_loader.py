@@ -76,13 +76,11 @@ __all__ = ["ArrayLoader"]
 _DEFAULT_DEPTH = 3  # a third batch in flight lets loader-bound large batches reach the DMA ceiling
 _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
-# over registered host memory) and smaller ones with the host gather. Measured on the H200
-# (benchmarks/bench_gather.py, loader-bound, 4 MiB batches, medians of 3 interleaved rounds;
-# benchmarks/results/h200_2026-12-02/gather_final.md): host / device GB/s 15.9 / 3.9 at
-# 64-byte rows, 17.9 / 6.7 at 128, 17.8 / 21.5 at 256, 18.5 / 35.0 at 512, 20.4 / 40.9 at
-# 4 KiB. From 256 bytes on the device gather is faster, and it costs the host far less CPU and
-# memory traffic; below, the kernel needs its rows sorted (Note [device gather] in
-# src/core/devgather.h) and the sort costs the producer more than the host gather does.
+# over registered host memory) and smaller ones with the host gather. From this size on the
+# device gather moves more bytes per second than the host gather, and it costs the host far
+# less CPU and memory traffic; below it, the kernel needs its rows sorted (Note [device gather]
+# in src/core/devgather.h) and the sort costs the producer more than the host gather does.
+# The measurements: benchmarks/results/design_measurements.md.
 _DEVICE_GATHER_MIN_SPAN = 256
 
 
@@ -253,7 +251,7 @@ class ArrayLoader:
         pinned memory for the data); a source that cannot be (rows that are not contiguous
         spans, over ``max_registered_bytes``, refused by the driver) is an error naming the
         leaf. ``"auto"``: the device gather on CUDA for every leaf it can serve whose items
-        are at least 256 bytes (below that the host gather was faster on the H200), else the
+        are at least 256 bytes (below that the host gather is faster), else the
         host gather, with the reason in :meth:`stats` (``gather_leaves``). The host backend
         implements ``"device"`` too (same semantics, a copy on its stream thread); ``"auto"``
         picks ``"host"`` there. Batches, events and lifetimes are the same either way.

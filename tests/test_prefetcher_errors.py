@@ -323,7 +323,7 @@ def test_paths_name_every_step_kind_and_take_user_reprs_once_per_walk():
     _CountedKey.calls = 0
     with pinloader.AsyncPrefetcher([{key: np.zeros(2)}], device=DEVICE) as pf:
         assert len(list(pf)) == 1
-    assert _CountedKey.calls == 1  # a good item: one repr() per walk, as before
+    assert _CountedKey.calls == 1  # a good item: one repr() per walk (Note [lazy paths])
     with pinloader.AsyncPrefetcher([item], device=DEVICE) as pf:
         with pytest.raises(TypeError) as info:
             next(pf)

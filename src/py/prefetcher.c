@@ -245,8 +245,8 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
  *   - The handout fails with it (a wait, a convert= callback: a KeyboardInterrupt or
  *     SystemExit, not an Exception): the batch goes back to the head of the queue, not counted
  *     as handed out, and the next next() hands it out again (a convert= callback sees it
- *     twice). An Exception from the handout (a convert= that raises ValueError) stays that
- *     batch's error, as before.
+ *     twice). An Exception from the handout (a convert= that raises ValueError) is that
+ *     batch's error, raised by this next().
  *   - It arrives during C code that does not look (the static copy, freeing the batch's
  *     block), and CPython would raise it as soon as next() returns, in the caller, dropping the
  *     batch next() returned. The signal is checked once the batch is out: next() raises, and
