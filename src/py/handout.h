@@ -15,8 +15,10 @@
  *     torch, CuPy or JAX batch is walked once and built once;
  *   - static=True: the leaves are copied into the prefetcher's static buffers first (Note
  *     [static batches] in handout.c), and the delivered leaves are the same objects every
- *     batch; with out=, the buffers are the user's (any DLPack exporters), delivered as they
- *     are.
+ *     batch (the buffers' DeviceArrays, or their convert= results, made once), except with
+ *     output="capsule" and no convert, where each batch gets fresh capsules of the same
+ *     buffers (a capsule is consumed once); with out=, the buffers are the user's (any DLPack
+ *     exporters), delivered as they are.
  * The stream is `stream=`: None (the legacy default stream), a DLPack stream handle, or a
  * callable returning one, called once per batch (a framework's current stream).
  * Containers are rebuilt with the item's types: list, tuple, namedtuple, list and tuple
