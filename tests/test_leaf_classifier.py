@@ -144,9 +144,15 @@ def test_a_failing_rebuild_names_the_container_and_chains_the_cause():
                 raise ValueError("Pairs wants two items")
             return super().__new__(cls, items)
 
-    item = {"x": [np.arange(2), Pairs(np.arange(3), 1)]}
+    item = {"x": [np.arange(2), NT(a=0, b=Pairs(np.arange(3), 1))]}
     with pinloader.AsyncPrefetcher([item], device=DEVICE) as pf:
-        with pytest.raises(TypeError, match=r"item\['x'\]\[1\]: cannot rebuild the .*Pairs") as info:
+        with pytest.raises(TypeError, match=r"item\['x'\]\[1\]\.b: cannot rebuild the .*Pairs") as info:
             next(pf)
     assert isinstance(info.value.__cause__, ValueError)
     assert "Pairs wants two items" in str(info.value)
+    # structure mode names it the same way
+    found, _ = _C._leaves(item, "item")
+    with pinloader.AsyncPrefetcher([tuple(leaf for _, leaf in found)], device=DEVICE,
+                                   structure=item) as pf:
+        with pytest.raises(TypeError, match=r"item\['x'\]\[1\]\.b: cannot rebuild the .*Pairs"):
+            next(pf)

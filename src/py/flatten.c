@@ -1032,9 +1032,26 @@ static int frame_path(const build_frame *up, char *buf, size_t n)
         const build_frame *fr = chain[d];
         char text[160];
         int w;
-        if (fr->parent->kind == FN_DICT || fr->parent->kind == FN_DATACLASS) {
+        PyObject *name = NULL;
+        if (fr->parent->kind == FN_NAMEDTUPLE) {
+            /* the field's name, as the walk wrote it; the index where the type has none */
+            PyObject *fields;
+            if (optional_attr(fr->parent->obj, "_fields", &fields) < 0) {
+                if (pending_is_base_only())
+                    return -1;
+                PyErr_Clear();
+            } else if (fields) {
+                if (PyTuple_Check(fields) && fr->index < PyTuple_GET_SIZE(fields) &&
+                    PyUnicode_Check(PyTuple_GET_ITEM(fields, fr->index)))
+                    name = Py_NewRef(PyTuple_GET_ITEM(fields, fr->index));
+                Py_DECREF(fields);
+            }
+        }
+        if (fr->parent->kind == FN_DICT || fr->parent->kind == FN_DATACLASS || name) {
             int is_dict = fr->parent->kind == FN_DICT;
-            if (text_of(fr->child->key, is_dict, text, sizeof text) < 0)
+            int rc = text_of(name ? name : fr->child->key, is_dict, text, sizeof text);
+            Py_XDECREF(name);
+            if (rc < 0)
                 return -1;
             w = snprintf(buf + len, n - len, is_dict ? "[%s]" : ".%s", text);
         } else {
