@@ -280,7 +280,7 @@ static int cuda_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 
 /* Note [pinned slabs]
  * malloc-like anonymous memory, prefaulted by several threads, then cudaHostRegister: several
- * times faster than cudaHostAlloc, which touches the pages from one thread (the measurement:
+ * times faster than cudaHostAlloc for large slabs (the measurement:
  * benchmarks/results/design_measurements.md). cudaHostAlloc is the
  * fallback when registration is refused (RLIMIT_MEMLOCK, some virtualised hosts). Both are
  * portable (usable from every device's context) and mapped (kernels read a device gather's pair
@@ -461,8 +461,8 @@ static int cuda_stream_hold(pl_stream *s, volatile int *gate)
 
 /* Registered sources are read by kernels of any device (portable), through a mapping. A
  * source NumPy says is read-only (np.load(mmap_mode="r"), whose file mapping registers only
- * read-only) is registered read-only first, which is also faster (the driver need not make the
- * pages writable); a writable one writable first,
+ * read-only) is registered read-only first, which is also faster
+ * (benchmarks/results/design_measurements.md); a writable one writable first,
  * so that copies into it (a D2H copy into the dataset) keep working; each falls back to the
  * other. Only whole pages of the source are ever registered (Note [registered sources] in
  * devgather.h). */
@@ -632,8 +632,8 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
     if (__builtin_mul_overflow(span_units, (unsigned long long)g->n, &total))
         return PL_ERR_INVALID_VALUE;
     /* 256 threads a block, at most 16 blocks per multiprocessor: each thread keeps 4 loads in
-     * flight (UNROLL in the kernel), enough to keep the link busy; more blocks or a deeper
-     * unroll gain nothing (benchmarks/bench_gather_kernel.py compares them; the measurements:
+     * flight (UNROLL in the kernel). Fewer blocks are slower; more blocks or a deeper unroll
+     * gain nothing (benchmarks/bench_gather_kernel.py compares them; the measurements:
      * benchmarks/results/design_measurements.md). */
     const unsigned long long threads = 256;
     unsigned long long blocks = (total + threads - 1) / threads;

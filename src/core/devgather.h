@@ -16,7 +16,8 @@
  *   table's order, so the batch is exactly source[rows]. Items under PL_GATHER_SORT_BELOW
  *   bytes are sorted by source row, so that consecutive threads read consecutive host
  *   addresses; larger ones stay in batch order. Small rows read in batch order scatter a
- *   warp's loads over many pages and lines, and sorting them gains several times; from 256
+ *   warp's loads over many pages and lines, and sorting them makes the kernel up to several
+ *   times faster; from 256
  *   bytes on a warp's loads cover whole rows either way and the order buys little or nothing,
  *   while the producer's sort (some nanoseconds a row) takes longer than the kernel's time for
  *   the batch and makes the producer the bound. Below 256 bytes the host gather is faster than
