@@ -120,7 +120,7 @@ class AsyncPrefetcher(Iterator[Any]):
     def __new__(cls, iterable: Iterable[Any], device: _Device = None, depth: int = 2,
                 pool: PinnedPool | None = None, max_pinned_bytes: int | None = None,
                 staging_threads: int | None = None,
-                copy_stream_priority: Literal["high", "normal", "low"] = "high",
+                copy_stream_priority: Literal["high", "normal"] = "high",
                 output: Literal["array", "capsule"] = "array",
                 stream: int | Callable[[], int | None] | None = None, *,
                 convert: Callable[[Any], Any] | None = None, static: bool = False,

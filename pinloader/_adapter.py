@@ -27,6 +27,21 @@ from ._C import AsyncPrefetcher
 from ._stats import PrefetcherStats
 
 
+class _DoorDepth(int):
+    """The type of DEFAULT_DEPTH (an int equal to 2)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "2"
+
+
+# The doors' default depth. An adopting loader (ArrayLoader._pinloader_prefetcher) tells it
+# apart from an explicit depth=2 by identity: a door given no depth leaves the loader's own
+# depth (or the loader's default) in force, while an explicit depth, 2 included, wins.
+DEFAULT_DEPTH: int = _DoorDepth(2)
+
+
 def refuse_bool_device(who: str, device: Any) -> None:
     """bool is an int to Python, and True would name device 1 ('cuda:1'): refuse it."""
     if isinstance(device, bool):

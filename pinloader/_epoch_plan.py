@@ -530,7 +530,7 @@ def _epoch_generator(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | 
     # them, which kills the process: another job may rewrite or cut the dataset at any time.
     # Before each batch is read, each file-mapped leaf's file size is checked against the end of
     # its mapping (one fstat), and a shorter file is an error naming the leaf and the file. A
-    # RowBatches checks it in C, on a descriptor _open_mapped_file matched to the mapping
+    # RowBatches checks it in C, on a descriptor _open_mapped_files matched to the mapping
     # (Note [native epochs] in src/py/gather.c); this generator, used where no such descriptor
     # can be had, checks it with mmap.size() before the batch's RowGathers exist. A file cut
     # while a batch is being staged, after its check, is not caught: the check narrows the

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from . import _C, _resume
+from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
 from ._epoch_plan import _Epochs, _Plan, _base_chain, _is_mapped, _mapping_bytes, prepare_order
 # _order and _epoch_batches are read from here by tests and benchmarks as well
@@ -73,16 +74,13 @@ from ._epoch_plan import _epoch_batches, _order  # noqa: F401
 __all__ = ["ArrayLoader"]
 
 _DEFAULT_DEPTH = 3  # a third batch in flight lets loader-bound large batches reach the DMA ceiling
-_ADAPTER_DEFAULT_DEPTH = 2  # pinloader.torch / jax / cupy .prefetch(depth=2)
 _GATHER_MODES = ("auto", "host", "device")
 # gather="auto" reads items of at least this many bytes with the device gather (the kernel
-# over registered host memory) and smaller ones with the host gather. Measured on the H200
-# (benchmarks/bench_gather.py, loader-bound, 4 MiB batches, medians of 3 interleaved rounds;
-# benchmarks/results/h200_2026-12-02/gather_final.md): host / device GB/s 15.9 / 3.9 at
-# 64-byte rows, 17.9 / 6.7 at 128, 17.8 / 21.5 at 256, 18.5 / 35.0 at 512, 20.4 / 40.9 at
-# 4 KiB. From 256 bytes on the device gather is faster, and it costs the host far less CPU and
-# memory traffic; below, the kernel needs its rows sorted (Note [device gather] in
-# src/core/devgather.h) and the sort costs the producer more than the host gather does.
+# over registered host memory) and smaller ones with the host gather. From this size on the
+# device gather moves more bytes per second than the host gather, and it costs the host far
+# less CPU and memory traffic; below it, the kernel needs its rows sorted (Note [device gather]
+# in src/core/devgather.h) and the sort costs the producer more than the host gather does.
+# The measurements: benchmarks/results/design_measurements.md.
 _DEVICE_GATHER_MIN_SPAN = 256
 
 
@@ -237,7 +235,7 @@ class ArrayLoader:
     device : default None
         As for :class:`pinloader.AsyncPrefetcher` (None: the current CUDA device, else the
         host backend). Under torchrun pass ``f"cuda:{LOCAL_RANK}"``.
-    depth : int, default 2
+    depth : int, default 3
         Batches in flight or waiting.
     rank, world_size : int, optional
         This process's shard. Defaults: an initialised ``torch.distributed`` process group,
@@ -253,7 +251,7 @@ class ArrayLoader:
         pinned memory for the data); a source that cannot be (rows that are not contiguous
         spans, over ``max_registered_bytes``, refused by the driver) is an error naming the
         leaf. ``"auto"``: the device gather on CUDA for every leaf it can serve whose items
-        are at least 256 bytes (below that the host gather was faster on the H200), else the
+        are at least 256 bytes (below that the host gather is faster), else the
         host gather, with the reason in :meth:`stats` (``gather_leaves``). The host backend
         implements ``"device"`` too (same semantics, a copy on its stream thread); ``"auto"``
         picks ``"host"`` there. Batches, events and lifetimes are the same either way.
@@ -608,8 +606,9 @@ class ArrayLoader:
         elif device is not None and str(device) != str(want_device) and str(device) != "cuda" \
                 and str(want_device) != "cuda":
             raise clash("device", self._device, device)
-        # the doors' default depth means "not given": the loader's own default applies
-        given = depth != _ADAPTER_DEFAULT_DEPTH
+        # the doors' default depth (that object, not any 2) means "not given": the loader's own
+        # depth applies; an explicit depth wins
+        given = depth is not _ADAPTER_DEFAULT_DEPTH
         want_depth = self._depth if self._depth is not None else depth if given else _DEFAULT_DEPTH
         if self._depth is not None and given and depth != self._depth:
             raise clash("depth", self._depth, depth)

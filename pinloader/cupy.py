@@ -25,6 +25,8 @@ class CupyPrefetcher(FrameworkPrefetcher):
     device : int or str, optional
         CUDA device ordinal (default: CuPy's current device).
     depth : int, default 2
+        Batches in flight or waiting. Left out over an :class:`~pinloader.ArrayLoader`, the
+        loader's depth applies (its default is 3); an explicit value, 2 included, wins.
     static : bool, default False
         Deliver every batch in the same ``cupy.ndarray`` s, one per leaf, copied on CuPy's
         current stream when the batch is taken (for a CUDA graph); the rules are
@@ -36,7 +38,7 @@ class CupyPrefetcher(FrameworkPrefetcher):
         Passed to :class:`pinloader.AsyncPrefetcher`.
     """
 
-    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, *,
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *,
                  static: bool = False, out: Any = None, **opts: Any) -> None:
         _adapter.refuse_bool_device("pinloader.cupy.prefetch", device)
         if device is None:
@@ -110,7 +112,7 @@ class _Exported:
         return device
 
 
-def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = 2, *, static: bool = False,
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *, static: bool = False,
              out: Any = None, **opts: Any) -> CupyPrefetcher:
     """Wrap ``iterable`` so that it yields the same structures with ``cupy.ndarray`` leaves;
     with ``static=True`` (or ``out=``) always the same arrays."""

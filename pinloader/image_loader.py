@@ -794,7 +794,7 @@ class ImageLoader:
         if self._device is not None and device is not None and str(device) != str(self._device) \
                 and "cuda" not in (str(device), str(self._device)):
             raise clash("device", self._device, device)
-        given = depth != _ADAPTER_DEFAULT_DEPTH
+        given = depth is not _ADAPTER_DEFAULT_DEPTH
         want_depth = self._depth if self._depth is not None else depth if given else _DEFAULT_DEPTH
         if self._depth is not None and given and depth != self._depth:
             raise clash("depth", self._depth, depth)

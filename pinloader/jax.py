@@ -43,6 +43,8 @@ class JaxPrefetcher(FrameworkPrefetcher):
         one, else the CPU (pinloader's host backend). "cuda:N"/"gpu:N", "cpu" or "cpu:0" are
         accepted.
     depth : int, default 2
+        Batches in flight or waiting. Left out over an :class:`~pinloader.ArrayLoader`, the
+        loader's depth applies (its default is 3); an explicit value, 2 included, wins.
     **opts
         Passed to :class:`pinloader.AsyncPrefetcher`.
 
@@ -54,7 +56,7 @@ class JaxPrefetcher(FrameworkPrefetcher):
     (``jax.jit(step, donate_argnums=...)``).
     """
 
-    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> None:
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, **opts: Any) -> None:
         if opts.get("static") or opts.get("out") is not None:
             raise ValueError("pinloader.jax.prefetch: static batches are not offered for JAX: a "
                              "jax.Array is immutable, so its memory cannot be refilled with the "
@@ -72,6 +74,6 @@ class JaxPrefetcher(FrameworkPrefetcher):
         return arr if arr.devices() == {self.device} else _jax.device_put(arr, self.device)
 
 
-def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = 2, **opts: Any) -> JaxPrefetcher:
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, **opts: Any) -> JaxPrefetcher:
     """Wrap ``iterable`` so that it yields the same structures with ``jax.Array`` leaves."""
     return JaxPrefetcher(iterable, device=device, depth=depth, **opts)

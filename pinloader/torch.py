@@ -58,7 +58,8 @@ class TorchPrefetcher(FrameworkPrefetcher):
         Target device. Default (None): torch's current CUDA device when pinloader can use CUDA,
         else "cpu" (pinloader's host backend), as for :class:`pinloader.AsyncPrefetcher`.
     depth : int, default 2
-        Batches in flight or waiting.
+        Batches in flight or waiting. Left out over an :class:`~pinloader.ArrayLoader`, the
+        loader's depth applies (its default is 3); an explicit value, 2 included, wins.
     static : bool, default False
         Deliver every batch in the same device tensors, one per leaf, for a step captured in a
         CUDA graph (``torch.cuda.CUDAGraph``, ``torch.compile(mode="reduce-overhead")``): see
@@ -104,7 +105,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
       ``batch_size`` rows, even when an epoch resumed near its end begins with a short batch.
     """
 
-    def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = 2, *,
+    def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *,
                  static: bool = False, out: Any = None, **opts: Any) -> None:
         global _warned_pin_memory
         if getattr(loader, "pin_memory", False) and not _warned_pin_memory:
@@ -188,7 +189,7 @@ def _from_capsule_static(capsule: Any) -> Any:
     return t
 
 
-def prefetch(loader: Iterable[Any], device: Any = None, depth: int = 2, *, static: bool = False,
+def prefetch(loader: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *, static: bool = False,
              out: Any = None, **opts: Any) -> TorchPrefetcher:
     """Wrap ``loader`` so that it yields the same structures with torch tensors on ``device``;
     with ``static=True`` (or ``out=``) always the same tensors, for CUDA graphs.

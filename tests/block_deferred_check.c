@@ -181,7 +181,7 @@ int main(void)
     pl_backend b;
     memset(&b, 0, sizeof b);
     b.name = "fake";
-    b.kind = PL_BACKEND_CUDA; /* deferring is CUDA's: the host backend frees as before */
+    b.kind = PL_BACKEND_CUDA; /* deferring is CUDA's; the host backend does not defer */
     b.get_device = f_get_device;
     b.set_device = f_set_device;
     b.stream_create = f_stream_create;

@@ -406,7 +406,8 @@ def sample(shape, dtype, seed=0):
 def map_leaves(obj, fn):
     """obj rebuilt with every object that is not a container replaced by fn(object): the
     containers the prefetcher rebuilds (dataclasses from their init fields, dicts and dict
-    subclasses from a shallow copy, namedtuples, lists, tuples), with their types."""
+    subclasses from a shallow copy, namedtuples, lists, tuples and their subclasses), with
+    their types (Note [one leaf classifier] in src/py/flatten.c)."""
     import copy
     import dataclasses
 

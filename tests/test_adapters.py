@@ -150,6 +150,24 @@ def test_torch_adapter_wraps_the_loader_prefetcher():
         pt.prefetch(pinloader.ArrayLoader(ids(n), 4, staging_threads=1), device="cpu", staging_threads=2)
 
 
+def test_a_doors_explicit_depth_wins_over_the_loaders_default():
+    """A door left without depth uses the loader's depth; an explicit one, 2 included (the
+    doors' own default value), is the prefetcher's; a loader's own explicit depth clashes."""
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    data = np.arange(12, dtype=np.float32)
+    for loader_depth, door_opts, want in ((None, {}, 3), (None, {"depth": 2}, 2), (4, {}, 4),
+                                          (2, {"depth": 2}, 2)):
+        L = pinloader.ArrayLoader(data, 4, device="cpu", depth=loader_depth)
+        T = pt.prefetch(L, **door_opts)
+        assert len(list(T)) == 3
+        assert L._pf.depth == want, (loader_depth, door_opts)
+        L.close()
+    with pinloader.ArrayLoader(data, 4, device="cpu", depth=4) as L:
+        with pytest.raises(ValueError, match="depth=4.*depth=2"):
+            pt.prefetch(L, depth=2)
+
+
 def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
     torch_ = pytest.importorskip("torch")
     import pinloader.torch as pt
@@ -164,7 +182,7 @@ def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
     # a door's other settings apply to its own iterations only (Note [doors over a loader])
     L2 = pinloader.ArrayLoader(data, 5, device="cpu")
     assert len([values(b) for b in L2]) == 4
-    for opts in ({"depth": 4}, {"max_pinned_bytes": 1 << 20}):
+    for opts in ({"depth": 4}, {"depth": 2}, {"max_pinned_bytes": 1 << 20}):
         T2 = pt.prefetch(L2, **opts)
         assert len([t.numpy().copy() for t in T2]) == 4
         assert L2._pf.depth == opts.get("depth", 3)

@@ -44,7 +44,7 @@ class FakeCuda:
     (dict(windows=11), ValueError, "windows=11 is longer than the arrays"),
     (dict(windows=0), ValueError, "windows must be >= 1"),
     (dict(arrays=[np.zeros(10), FakeCuda()]), ValueError, r"arrays\[1\]: source is on cuda:0"),
-    (dict(arrays=np.float32(3)), ValueError, "at least one dimension"),
+    (dict(arrays=np.float32(3)), TypeError, "arrays: ArrayLoader needs arrays .*got float32"),
     (dict(arrays=[np.zeros(10), "text"]), TypeError, r"arrays\[1\]: ArrayLoader needs arrays"),
     (dict(arrays=[np.zeros(10), object()]), TypeError, r"arrays\[1\]: ArrayLoader needs arrays .*got object"),
     (dict(arrays={}), ValueError, "no array"),

@@ -442,6 +442,6 @@ def test_cuda_auto_prefers_the_device_gather_and_consumer_streams_wait():
 
 
 def test_pair_table_meets_its_contract(tmp_path):
-    # pl_gather_sort on all its paths, pl_gather_in_order, and pl_gather_stage_edges over
+    # pl_gather_sort on all its paths, pl_gather_fill_in_order, and pl_gather_stage_edges over
     # sorted and in-order tables (tests/devgather_sort_check.c), compiled with the sanitizers where the compiler has them
     run_c_check(tmp_path, "devgather_sort_check.c", ["devgather.c"])

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.hostile
 
 def test_broadcast_leaves_whose_sum_wraps_raise_naming_the_leaf():
     # Two one-byte broadcasts of 2**63 - 256 bytes each: their sum wraps a size_t once the third
-    # leaf is added; this used to segfault in the stager.
+    # leaf is added; an unchecked sum would make the stager write past the pinned region.
     code = """
     import numpy as np, pinloader
     b = np.broadcast_to(np.zeros((), np.uint8), (2**63 - 256,))

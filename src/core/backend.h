@@ -89,7 +89,7 @@ typedef struct pl_backend {
 
     int (*memcpy_h2d_async)(void *dst, const void *src, size_t n, pl_stream *s);
     /* Device-to-device copy, and zeroing device memory, queued on s (static batches: Note
-     * [static batches] in static_batch.c). The host backend with s == NULL (the CPU as the
+     * [static batches] in src/py/handout.c). The host backend with s == NULL (the CPU as the
      * consumer) does it at once. */
     int (*memcpy_d2d_async)(void *dst, const void *src, size_t n, pl_stream *s);
     int (*memzero_async)(void *dst, size_t n, pl_stream *s);

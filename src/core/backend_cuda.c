@@ -221,10 +221,9 @@ static int cuda_stream_wait_event(pl_stream *s, pl_event *e)
     return (int)cu.cudaStreamWaitEvent((pl_cudaStream_t)s, (pl_cudaEvent_t)e, 0);
 }
 
-/* Events are not blocking-sync (cudaEventBlockingSync): measured on the H200, that flag costs
- * the driver's event-handler thread 0.03-0.05 ms of CPU per batch whether or not anyone waits
- * (benchmarks/results/h200_2026-12-02/gather_blocking.md), more than the spinning waits it
- * would save, which are rare (a direct copy's producer, close()). */
+/* Events are not blocking-sync (cudaEventBlockingSync): that flag makes the driver's
+ * event-handler thread spend CPU on every event, whether or not anyone waits, which costs more
+ * than the spinning waits it would save: those are rare (a direct copy's producer, close()). */
 static int cuda_event_create(pl_event **out)
 {
     pl_cudaEvent_t e;
@@ -258,11 +257,9 @@ static int cuda_event_synchronize(pl_event *e)
 /* Note [expected waits]
  * CUDA has no timed event wait, so cuda_event_wait polls (pl_event_poll, poll.c) with a short,
  * growing sleep (from 10 us, doubling, capped at 0.2 ms so that a producer waiting for a pinned
- * region notices a finished copy soon). Each poll is a wake-up and a cudaEventQuery: a
- * loader-bound producer that waits for a 0.8 ms copy (a 38 MB batch) polled about 8 times per
- * batch. (A blocking-sync
- * event was measured instead: the driver's event thread then takes 0.02-0.05 ms of CPU per
- * batch, benchmarks/results/h200_2026-12-02/gather_blocking.md.) A caller that knows how long
+ * region notices a finished copy soon). Each poll is a wake-up and a cudaEventQuery, so a
+ * wait of a millisecond polls several times; a blocking-sync event would cost the driver's
+ * event thread CPU on every batch instead (see cuda_event_create). A caller that knows how long
  * such waits take says so (expect_ns: the pool keeps it per client, pool.c): the first sleep is
  * then 7/8 of it, and the polls after it start at 1/16 of it, so a wait of the usual length
  * takes two or three wake-ups. Sleeping past the completion costs no transfer time: the pool
@@ -282,9 +279,9 @@ static int cuda_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 }
 
 /* Note [pinned slabs]
- * malloc-like anonymous memory, prefaulted by several threads, then cudaHostRegister: measured
- * ~5x faster than cudaHostAlloc for 1 GiB on an H200 host (about 141 ms with 8 prefaulting
- * threads against 724 ms). cudaHostAlloc is the
+ * malloc-like anonymous memory, prefaulted by several threads, then cudaHostRegister: several
+ * times faster than cudaHostAlloc for large slabs (the measurement:
+ * benchmarks/results/design_measurements.md). cudaHostAlloc is the
  * fallback when registration is refused (RLIMIT_MEMLOCK, some virtualised hosts). Both are
  * portable (usable from every device's context) and mapped (kernels read a device gather's pair
  * table straight from the slab: Note [mapped tables] in transfer.c). host_free tells the two
@@ -357,9 +354,8 @@ static int cuda_host_is_pinned(const void *p, int *pinned)
  * cudaMallocFromPoolAsync on the copy stream never reuses memory whose free is still pending on
  * a consumer's stream by inserting a wait on that stream: the copy stream must never wait on the
  * consumer's compute. Opportunistic reuse (the free already completed) stays on, but the driver
- * was measured not to see frees on another stream complete between device-wide
- * synchronisations, so blocks are freed on the stream that allocates next (Note [deferred
- * frees] in block.c). */
+ * does not see frees on another stream complete between device-wide synchronisations, so
+ * blocks are freed on the stream that allocates next (Note [deferred frees] in block.c). */
 enum { MAX_DEVICES = 64 };
 static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
 static pl_cudaMemPool_t pools[MAX_DEVICES]; /* guarded by pools_mu; written once per device */
@@ -465,8 +461,8 @@ static int cuda_stream_hold(pl_stream *s, volatile int *gate)
 
 /* Registered sources are read by kernels of any device (portable), through a mapping. A
  * source NumPy says is read-only (np.load(mmap_mode="r"), whose file mapping registers only
- * read-only) is registered read-only first, which is also twice as fast (measured on the H200
- * host: 4 GiB of touched memory in 229 ms, 115 ms read-only); a writable one writable first,
+ * read-only) is registered read-only first, which is also faster
+ * (benchmarks/results/design_measurements.md); a writable one writable first,
  * so that copies into it (a D2H copy into the dataset) keep working; each falls back to the
  * other. Only whole pages of the source are ever registered (Note [registered sources] in
  * devgather.h). */
@@ -636,10 +632,9 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
     if (__builtin_mul_overflow(span_units, (unsigned long long)g->n, &total))
         return PL_ERR_INVALID_VALUE;
     /* 256 threads a block, at most 16 blocks per multiprocessor: each thread keeps 4 loads in
-     * flight (UNROLL in the kernel). Measured on the H200 (benchmarks/bench_gather_kernel.py,
-     * 8 MiB batches, against one DMA of the same bytes): 4 KiB rows 0.84x with 8 blocks per
-     * multiprocessor, 0.91x with 16 or 32; 150 KB rows 0.89x / 0.90x; 512-byte rows 0.84x
-     * throughout; UNROLL 8 the same as 4. */
+     * flight (UNROLL in the kernel). Fewer blocks are slower; more blocks or a deeper unroll
+     * gain nothing (benchmarks/bench_gather_kernel.py compares them; the measurements:
+     * benchmarks/results/design_measurements.md). */
     const unsigned long long threads = 256;
     unsigned long long blocks = (total + threads - 1) / threads;
     unsigned long long max_blocks = atomic_load(&grid_cap);

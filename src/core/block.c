@@ -173,24 +173,22 @@ int pl_block_create(const pl_backend *b, int device, pl_block **out)
 }
 
 /* Note [deferred frees]
- * A block was first freed with cudaFreeAsync on the release stream (Note [device lifetime]) and
- * allocated on a copy stream. The device pool may not make the copy stream wait on a consumer
- * (Note [device pool] in backend_cuda.c), so it could reuse such memory only once it saw the
- * free complete, and the driver does not look between device-wide synchronisations: on the
- * H200 a loader-bound device gather that never synchronised the device grew the pool by one
- * batch per batch (3.5 GB per 100 batches of 38.5 MB), and mapping the new memory cost the
- * producer 0.5 ms of CPU per batch. (Making the copy stream wait on an event of the release
- * stream that had already completed, for cudaMemPoolReuseFollowEventDependencies, stopped the
- * growth only in some stretches of batches.)
- * So on CUDA the release stream no longer frees. It waits on the block's ready and use events
- * as before and then records `done` (under mu, so the list below is in the release stream's
+ * A block is allocated on a copy stream, and its last use is on the release stream (Note
+ * [device lifetime]). Freed there with cudaFreeAsync, its memory could be reused only once the
+ * device pool saw the free complete: the pool may not make the copy stream wait on a consumer
+ * (Note [device pool] in backend_cuda.c), and the driver does not look between device-wide
+ * synchronisations, so a loader-bound pipeline that never synchronises the device would grow
+ * the pool by a batch per batch and spend producer CPU mapping the new memory (the
+ * measurements: benchmarks/results/design_measurements.md).
+ * So on CUDA the release stream does not free. It waits on the block's ready and use events
+ * and then records `done` (under mu, so the list below is in the release stream's
  * order), and the memory is deferred: kept, with `done`, in its device's list. An allocation on
  * a copy stream first frees every deferred block whose `done` the host has seen complete, on
  * that copy stream, where the pool reuses it at once (same-stream order): nothing that reads
  * the memory is still queued, and no stream waits on another. The `done` events complete in
  * list order, so the scan stops at the first that has not. The list holds at most DEFERRED_MAX
  * blocks per device, so memory dropped while no allocation follows stays bounded; past that the
- * oldest is freed on the release stream, behind its waits, as before (a burst of more than
+ * oldest is freed on the release stream, behind its waits (a burst of more than
  * DEFERRED_MAX dropped batches therefore still grows the pool, by at most the burst, until the
  * device is synchronised). An allocation that runs out of memory while blocks are deferred
  * waits for them (on the host), frees them all on its stream and tries once more: a wait, but
@@ -198,8 +196,8 @@ int pl_block_create(const pl_backend *b, int device, pl_block **out)
  * consumer's stream, which may be capturing a CUDA graph: they neither free deferred blocks nor
  * wait. Deferred memory is not live (pl_block_live_bytes) but is still held from the pool, which
  * never gives memory back to the driver anyway (its release threshold is "never").
- * The host backend frees on the release stream as before: its device_alloc takes a cached block
- * whatever stream it is on, so deferring would only hold host memory. */
+ * The host backend frees on the release stream, behind its waits: its device_alloc takes a
+ * cached block whatever stream it is on, so deferring would only hold host memory. */
 static int defer_free(const pl_backend *b, int device, void *ptr, pl_stream *rs)
 {
     devctx *c = get_ctx(b, device);
@@ -252,7 +250,7 @@ static int free_finished(const pl_backend *b, int device, pl_stream *s, int wait
     for (int i = 0; i < n_done; i++) {
         /* waited for outside mu: deleters on other threads keep deferring meanwhile */
         if (wait && b->event_synchronize(done[i].done) != PL_OK) {
-            b->device_free(device, done[i].ptr, rs); /* behind its waits, as before */
+            b->device_free(device, done[i].ptr, rs); /* on the release stream, behind its waits */
         } else if (b->device_free(device, done[i].ptr, s) == PL_OK) {
             freed++;
         } /* else leaked: the runtime is unloading */

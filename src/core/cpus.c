@@ -1,10 +1,10 @@
 /* The CPUs this process may use, and the default staging thread count derived from them.
  *
  * Note [staging threads]
- * Staging is a memory-bandwidth-bound copy. On the 16-core host host-to-pinned copy bandwidth
- * still grows from 8 to 16 threads (29-32 GB/s -> 34-39 GB/s), and on a 32-core host torch's
- * all-thread copy_ (32 threads) reaches 54 GB/s where 16 staging threads reach 34-39 GB/s; so
- * the default is every CPU this process may use, up to PL_STAGING_THREADS_MAX.
+ * Staging is a memory-bandwidth-bound copy, and host-to-pinned copy bandwidth keeps growing
+ * with the thread count up to the core count on the hosts measured
+ * (benchmarks/results/design_measurements.md); so the default is every CPU this process may
+ * use, up to PL_STAGING_THREADS_MAX.
  *
  * "May use" is the smallest of:
  *   - the affinity mask (taskset, cpusets: sched_getaffinity);

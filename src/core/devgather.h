@@ -15,15 +15,14 @@
  *   (Note [mapped tables] in transfer.c). Every item lands in its own slot whatever the
  *   table's order, so the batch is exactly source[rows]. Items under PL_GATHER_SORT_BELOW
  *   bytes are sorted by source row, so that consecutive threads read consecutive host
- *   addresses; larger ones stay in batch order. Measured on the H200 (bench_gather_kernel.py
- *   --order sorted,random, 4 MiB batches of random rows of a 1 GiB source), sorted against
- *   batch order: 64-byte rows 23.6 against 6.7 GB/s, 128 bytes 28.6 against 14.9, 256 bytes
- *   40.6 against 37.0, 512 bytes 43.8 against 44.2 (45.1 against 43.9 from a 64 MiB source),
- *   4 KiB 47.2 against 47.0. From 256 bytes on a warp's loads cover whole rows either way and
- *   the order buys little or nothing, while the producer's sort costs about 13 ns a row on
- *   that host (0.11 ms of the 0.15 ms it spent on a batch of 8,192 rows, 0.27 ms for 16,384),
- *   more than the kernel's time for the batch: it made the producer the bound. Below 256
- *   bytes the host gather is faster than either (ArrayLoader's gather="auto").
+ *   addresses; larger ones stay in batch order. Small rows read in batch order scatter a
+ *   warp's loads over many pages and lines, and sorting them makes the kernel up to several
+ *   times faster; from 256
+ *   bytes on a warp's loads cover whole rows either way and the order buys little or nothing,
+ *   while the producer's sort (some nanoseconds a row) takes longer than the kernel's time for
+ *   the batch and makes the producer the bound. Below 256 bytes the host gather is faster than
+ *   either (ArrayLoader's gather="auto"). The measurements:
+ *   benchmarks/results/design_measurements.md.
  * The kernel is queued on the copy stream after the staged area's copies and before the
  * batch's ready event: the consumer's stream-side wait, the block's lifetime and the stats are
  * the same as for any batch. The RowGather (and with it the registration and the source) is
@@ -98,8 +97,8 @@ int64_t pl_gather_fill_in_order(const int64_t *rows, int64_t n, pl_gather_pair *
  * source are registered, never the partial pages at its ends: those may hold other data (a
  * small array shares them with its heap neighbours), and a registration reaching into them
  * makes the driver treat a neighbour's buffer that starts there as page-locked memory, so
- * that a later copy into it that runs past the registered page fails (seen on the H200 as
- * torch's .cpu() failing with cudaErrorInvalidValue). Items in the partial pages take the
+ * that a later copy into it that runs past the registered page fails (torch's .cpu() into
+ * such a buffer fails with cudaErrorInvalidValue). Items in the partial pages take the
  * staged path of Note [device gather]. Registrations are writable; read-only only where the
  * memory registers no other way (a read-only file mapping). A range that overlaps existing
  * entries (views of one buffer) takes references on them and registers only the gaps between

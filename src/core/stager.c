@@ -20,9 +20,8 @@
  * under SORT_MIN_ROW_BYTES are read in batch order: sorting them costs more than it saves
  * (with 64-byte rows the sort was most of the gather's time). Contiguous rows of a power-of-two
  * size up to 256 bytes are copied by a loop with the size known to the compiler, so each row is
- * a few vector moves instead of a memcpy call. (Prefetching the row 16 ahead was measured on
- * the H200 host and gained nothing: the loop's loads are independent, so the core already keeps
- * several misses in flight.) */
+ * a few vector moves instead of a memcpy call. There is no software prefetch: the loop's loads
+ * are independent, so the core already keeps several misses in flight. */
 #include "stager.h"
 #include "backend.h"
 #include "util.h"
@@ -50,19 +49,15 @@
  * (tens to hundreds of MiB), far above a 1 MiB piece. So contiguous pieces of jobs of at least
  * NT_MIN_BYTES are copied with SSE2 streaming stores, followed by an sfence before the piece
  * is counted done (streaming stores are weakly ordered; the fence and the release decrement
- * make them visible before the chunk's DMA is issued). Measured on a 2-core EPYC VM, 256 MiB
- * in 1 MiB pieces: memcpy 1.7-2.9 GB/s, streaming 3.8-6.4 GB/s. Smaller jobs keep memcpy:
+ * make them visible before the chunk's DMA is issued). Smaller jobs keep memcpy:
  * their lines may still be in cache when the DMA (which snoops) reads them. Row gathers of
  * such jobs (Note [row gather]) stream too, row by row, where a row is contiguous and at least
  * NT_MIN_ROW_BYTES long, but only in a job of one chunk: such a batch is staged whole before
  * its one DMA starts, so staging is the step to shorten. In a chunked job the copy engine reads
  * each chunk right after it was staged, in steady state it is the bottleneck, and it reads
- * cached lines without a trip to memory; streaming them out first made it slower. Measured on
- * the H200 host (bench_gather.py, host gather, PINLOADER_STAGING_NT=0 against streaming rows,
- * passes interleaved in one call): 4 MiB batches of 4 KiB rows 21.7 / 22.1 GB/s against 34.1 /
- * 30.3, of 8-32 KiB rows 17-19 GB/s against 22-27 in most passes; chunked batches of 64 KiB
- * rows (16 MiB) 50.5 GB/s against 24-30, of 150 KB rows (38.5 MB) 47.7-49.7 against 43.5-46.7.
- * Shorter rows keep the cached copies: a call per row, and lines only partly written.
+ * cached lines without a trip to memory, so streaming them out first would slow it. Shorter
+ * rows keep the cached copies: a call per row, and lines only partly written. The
+ * measurements behind these thresholds: benchmarks/results/design_measurements.md.
  * PINLOADER_STAGING_NT=0 / =1 turns streaming off / on for every job, chunked row gathers
  * included (for measurement), read when a stager is created. */
 #define NT_MIN_BYTES ((size_t)4 << 20)

@@ -243,7 +243,8 @@ static int write_tables(const pl_xfer_leaf *leaves, int n, pl_region *region)
  * back; read in place, each row's pair crosses the link once more (16 bytes per item, which
  * the GPU's cache shares among the threads that copy the row). The region is released after
  * the copy stream passes the kernel, as any staged region after its copy. Where the runtime
- * gives no device address for the region, the staged area is copied as before. */
+ * gives no device address for the region, the staged area, tables included, is copied to the
+ * device block and the kernel reads the tables there. */
 
 /* Whether any leaf is staged by the host (its bytes in the staged area besides the tables). */
 static int has_host_staged(const pl_xfer_leaf *leaves, int n)

@@ -22,9 +22,9 @@
 /* Leaves already pinned and contiguous, at least this big, are copied by DMA straight from the
  * source instead of being staged. */
 #define PL_DIRECT_MIN_BYTES ((size_t)64 << 10)
-/* Batches are staged and copied in chunks of this size once they are twice as big. Chunks of
- * 2, 4 and 16 MiB (-DPL_CHUNK_BYTES=..., for measurement) were no faster for loader-bound
- * 38.5 MB batches on the H200 host. */
+/* Batches are staged and copied in chunks of this size once they are twice as big: staging
+ * one chunk overlaps the copy of the one before. -DPL_CHUNK_BYTES=... builds another size, to
+ * compare (benchmarks/results/design_measurements.md). */
 #ifndef PL_CHUNK_BYTES
 #define PL_CHUNK_BYTES ((size_t)8 << 20)
 #endif

@@ -22,6 +22,7 @@ typedef enum {
     FN_LIST,       /* n children */
     FN_DICT,       /* n children, each with its key; obj: an empty dict subclass copy, or NULL */
     FN_NAMEDTUPLE, /* type obj called with the n children as positional arguments */
+    FN_SEQ_SUBCLASS, /* type obj (a list or tuple subclass) called with a tuple of the n children */
     FN_DATACLASS,  /* type obj called with the n children as keyword arguments (their keys) */
 } fnode_kind;
 
@@ -643,18 +644,18 @@ static int walk_child(pl_flat *f, PyObject *item, PyObject *key, int level, size
     return rc;
 }
 
-/* tuple, list, namedtuple. A snapshot of the items, taken without calling user code, is walked:
- * what the walk runs (a __dlpack__) cannot change what is read. */
-static int walk_seq(pl_flat *f, PyObject *obj, PyObject *key, int level, fnode_kind kind)
+/* tuple, list, namedtuple (its _fields in `fields`, borrowed, naming the children), list or tuple
+ * subclass. A snapshot of the items, taken without calling user code, is walked: what the walk
+ * runs (a __dlpack__) cannot change what is read. */
+static int walk_seq(pl_flat *f, PyObject *obj, PyObject *key, int level, fnode_kind kind,
+                    PyObject *fields)
 {
-    PyObject *items = kind == FN_LIST ? PyList_AsTuple(obj) : PyTuple_GetSlice(obj, 0, PY_SSIZE_T_MAX);
+    PyObject *items = PyList_Check(obj) ? PyList_AsTuple(obj) : PyTuple_GetSlice(obj, 0, PY_SSIZE_T_MAX);
     if (!items)
         return -1;
-    Py_ssize_t node = push_node(f, kind, kind == FN_NAMEDTUPLE ? (PyObject *)Py_TYPE(obj) : NULL, key);
-    PyObject *fields = NULL;
+    int typed = kind == FN_NAMEDTUPLE || kind == FN_SEQ_SUBCLASS;
+    Py_ssize_t node = push_node(f, kind, typed ? (PyObject *)Py_TYPE(obj) : NULL, key);
     int rc = node < 0 ? -1 : 0;
-    if (rc == 0 && kind == FN_NAMEDTUPLE && optional_attr(obj, "_fields", &fields) < 0)
-        rc = -1;
     Py_ssize_t n = PyTuple_GET_SIZE(items);
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
         PyObject *name = fields && PyTuple_Check(fields) && i < PyTuple_GET_SIZE(fields)
@@ -669,7 +670,6 @@ static int walk_seq(pl_flat *f, PyObject *obj, PyObject *key, int level, fnode_k
     }
     if (rc == 0)
         f->nodes[node].n = n;
-    Py_XDECREF(fields);
     Py_DECREF(items);
     return rc;
 }
@@ -762,120 +762,194 @@ static int walk_dataclass(pl_flat *f, PyObject *obj, PyObject *key, PyObject *dc
     return rc;
 }
 
-/* Objects exporting DLPack; returns 1 when obj is one (walked), 0 when not, -1 on error. */
-static int walk_dlpack(pl_flat *f, PyObject *obj, PyObject *key)
+/* An object exporting DLPack, devfn its __dlpack_device__ (borrowed). */
+static int walk_dlpack(pl_flat *f, PyObject *obj, PyObject *key, PyObject *devfn)
 {
-    PyObject *devfn, *fn;
-    int has = optional_attr(obj, "__dlpack_device__", &devfn);
-    if (has <= 0)
-        return has;
-    has = optional_attr(obj, "__dlpack__", &fn);
-    Py_XDECREF(fn);
-    if (has <= 0) {
-        Py_DECREF(devfn);
-        return has;
-    }
     PyObject *dev = PyObject_CallNoArgs(devfn);
-    Py_DECREF(devfn);
     if (!dev)
         return -1;
     int rc = dlpack_leaf(f, key, obj, dev);
     Py_DECREF(dev);
-    return rc < 0 ? -1 : 1;
+    return rc < 0 ? -1 : 0;
 }
 
-/* Structure mode (pl_flat_structure): an array-like object (what the walk would read as a leaf)
- * becomes a leaf node and a (path, object) pair in f->found, unread. Returns 1 when obj was
- * one, 0 when not, -1 on error. */
-static int structure_leaf(pl_flat *f, PyObject *obj, PyObject *key)
+/* A buffer-protocol object (not bytes), read as a NumPy array. */
+static int walk_buffer(pl_flat *f, PyObject *obj, PyObject *key)
 {
-    int leaf = PyArray_Check(obj) || pl_row_gather_check(f->st, obj) ||
-               (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj));
-    if (!leaf && !PyUnicode_Check(obj) && !PyBytes_Check(obj) && !PyLong_Check(obj) &&
-        !PyFloat_Check(obj) && obj != Py_None) {
-        PyObject *fn;
-        int has = optional_attr(obj, "__dlpack__", &fn);
+    /* An exporter that refuses (a closed mmap, a released memoryview) says why: NumPy would
+     * read it as a 0-d object array instead. */
+    Py_buffer probe;
+    if (PyObject_GetBuffer(obj, &probe, PyBUF_FULL_RO) < 0) {
+        if (pending_is_base_only())
+            return -1;
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        char why[200];
+        int rc = value ? text_of(value, 0, why, sizeof why) : (snprintf(why, sizeof why, "?"), 0);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (rc < 0)
+            return -1;
+        return leaf_error(f, PyExc_ValueError, "the %.100s cannot be read: %s", Py_TYPE(obj)->tp_name, why);
+    }
+    PyBuffer_Release(&probe);
+    PyObject *arr = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (!arr) {
+        if (pending_is_base_only())
+            return -1;
+        PyErr_Clear();
+        return leaf_error(f, PyExc_TypeError, "buffer-protocol object could not be read as an array");
+    }
+    int rc = numpy_leaf(f, key, (PyArrayObject *)arr);
+    Py_DECREF(arr);
+    return rc;
+}
+
+/* Note [one leaf classifier]
+ * Both walks -- the per-item walk (pl_flat_walk) and structure mode (pl_flat_structure, which
+ * captures an ArrayLoader's or a structure='s leaves without reading them) -- ask classify()
+ * what an object is, so they cannot disagree. The first rule that matches decides:
+ *   1. a NumPy array (0-d included), a RowGather: an array leaf;
+ *   2. None, str, bytes, int (bool), float, complex and NumPy scalars (np.float32(1.5)):
+ *      values, passed through unchanged -- a NumPy scalar is a value as a Python float is;
+ *   3. tuple and list: rebuilt as tuple and list;
+ *   4. a tuple subclass with a tuple `_fields` (a namedtuple): rebuilt as type(obj)(*children);
+ *   5. any other list or tuple subclass (torch.return_types, os.stat_result, class T(list)):
+ *      rebuilt as type(obj)(children), the constructor signature of list and tuple;
+ *   6. a dict or dict subclass: a shallow copy.copy of it, cleared and filled (Note [handout]);
+ *   7. a dataclass instance: type(obj)(**init_fields);
+ *   8. an object with both __dlpack__ and __dlpack_device__: an array leaf;
+ *   9. any other buffer-protocol object (memoryview, bytearray, array.array, mmap): an array
+ *      leaf;
+ *  10. anything else passes through unchanged.
+ * A container's children are walked in order (a dict's in insertion order, a dataclass's in
+ * field order). When a rebuild's constructor raises an Exception, the error is a TypeError
+ * naming the container's path in the batch ("item[0].x: ...") with the constructor's exception
+ * as its cause; a BaseException that is not an Exception, and a StopIteration (which the
+ * prefetcher makes a RuntimeError), propagate unchanged. */
+typedef enum {
+    OK_ARRAY, OK_ROWS, OK_PASS, OK_TUPLE, OK_LIST, OK_NAMEDTUPLE, OK_SEQ_SUBCLASS, OK_DICT,
+    OK_DATACLASS, OK_DLPACK, OK_BUFFER,
+} obj_kind;
+
+/* What obj is (Note [one leaf classifier]), or -1 with an exception (an attribute lookup raised).
+ * *attr gets a new reference for OK_NAMEDTUPLE (its _fields), OK_DATACLASS (the type's
+ * __dataclass_fields__) and OK_DLPACK (its __dlpack_device__), else NULL. */
+static int classify(pl_flat *f, PyObject *obj, PyObject **attr)
+{
+    *attr = NULL;
+    if (PyArray_Check(obj))
+        return OK_ARRAY;
+    if (pl_row_gather_check(f->st, obj))
+        return OK_ROWS;
+    if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyLong_Check(obj) ||
+        PyFloat_Check(obj) || PyComplex_Check(obj) || PyArray_IsScalar(obj, Generic))
+        return OK_PASS;
+    if (PyTuple_CheckExact(obj))
+        return OK_TUPLE;
+    if (PyList_CheckExact(obj))
+        return OK_LIST;
+    if (PyList_Check(obj))
+        return OK_SEQ_SUBCLASS;
+    if (PyTuple_Check(obj)) {
+        PyObject *fields;
+        int has = optional_attr(obj, "_fields", &fields);
         if (has < 0)
             return -1;
-        Py_XDECREF(fn);
-        leaf = has;
+        if (has && PyTuple_Check(fields)) {
+            *attr = fields;
+            return OK_NAMEDTUPLE;
+        }
+        Py_XDECREF(fields);
+        return OK_SEQ_SUBCLASS;
     }
-    if (!leaf)
-        return 0;
+    if (PyDict_Check(obj))
+        return OK_DICT;
+    int has = optional_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__", attr);
+    if (has)
+        return has < 0 ? -1 : OK_DATACLASS;
+    PyObject *devfn, *fn;
+    has = optional_attr(obj, "__dlpack_device__", &devfn);
+    if (has < 0)
+        return -1;
+    if (has) {
+        has = optional_attr(obj, "__dlpack__", &fn);
+        Py_XDECREF(fn);
+        if (has < 0) {
+            Py_DECREF(devfn);
+            return -1;
+        }
+        if (has) {
+            *attr = devfn;
+            return OK_DLPACK;
+        }
+        Py_DECREF(devfn);
+    }
+    return PyObject_CheckBuffer(obj) ? OK_BUFFER : OK_PASS;
+}
+
+/* Structure mode (pl_flat_structure): an array leaf becomes a leaf node and a (path, object)
+ * pair in f->found, unread. */
+static int structure_leaf(pl_flat *f, PyObject *obj, PyObject *key)
+{
     Py_ssize_t node = push_node(f, FN_LEAF, NULL, key);
     if (node < 0 || record_at_path(f, f->found, obj) < 0)
         return -1;
     f->nodes[node].leaf = f->n_leaves++;
-    return 1;
+    return 0;
 }
 
 static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level)
 {
     if (level > MAX_NEST)
         return leaf_error(f, PyExc_RecursionError, "nesting deeper than %d levels", MAX_NEST);
-    if (f->found) {
-        int r = structure_leaf(f, obj, key);
-        if (r)
-            return r < 0 ? -1 : 0;
-    }
-    if (PyArray_Check(obj))
-        return numpy_leaf(f, key, (PyArrayObject *)obj);
-    if (pl_row_gather_check(f->st, obj))
-        return row_gather_leaf(f, key, obj);
-    if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyLong_Check(obj) ||
-        PyFloat_Check(obj) || PyBool_Check(obj) || PyComplex_Check(obj) || PyArray_IsScalar(obj, Generic))
-        return push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0;
-    if (PyTuple_CheckExact(obj))
-        return walk_seq(f, obj, key, level, FN_TUPLE);
-    if (PyList_Check(obj))
-        return walk_seq(f, obj, key, level, FN_LIST);
-    if (PyTuple_Check(obj)) /* namedtuple (or another tuple subclass): type(obj)(*items) */
-        return walk_seq(f, obj, key, level, FN_NAMEDTUPLE);
-    if (PyDict_Check(obj))
-        return walk_dict(f, obj, key, level);
-    PyObject *dcf;
-    int has = optional_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__", &dcf);
-    if (has < 0)
+    PyObject *attr;
+    int kind = classify(f, obj, &attr);
+    if (kind < 0)
         return -1;
-    if (has) {
-        int rc = walk_dataclass(f, obj, key, dcf, level);
-        Py_DECREF(dcf);
-        return rc;
-    }
-    has = walk_dlpack(f, obj, key);
-    if (has)
-        return has < 0 ? -1 : 0;
-    if (PyObject_CheckBuffer(obj)) {
-        /* An exporter that refuses (a closed mmap, a released memoryview) says why: NumPy
-         * would read it as a 0-d object array instead. */
-        Py_buffer probe;
-        if (PyObject_GetBuffer(obj, &probe, PyBUF_FULL_RO) < 0) {
-            if (pending_is_base_only())
-                return -1;
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            char why[200];
-            int rc = value ? text_of(value, 0, why, sizeof why) : (snprintf(why, sizeof why, "?"), 0);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            if (rc < 0)
-                return -1;
-            return leaf_error(f, PyExc_ValueError, "the %.100s cannot be read: %s", Py_TYPE(obj)->tp_name, why);
+    int rc;
+    if (f->found && (kind == OK_ARRAY || kind == OK_ROWS || kind == OK_DLPACK || kind == OK_BUFFER)) {
+        rc = structure_leaf(f, obj, key);
+    } else {
+        switch (kind) {
+        case OK_ARRAY:
+            rc = numpy_leaf(f, key, (PyArrayObject *)obj);
+            break;
+        case OK_ROWS:
+            rc = row_gather_leaf(f, key, obj);
+            break;
+        case OK_TUPLE:
+            rc = walk_seq(f, obj, key, level, FN_TUPLE, NULL);
+            break;
+        case OK_LIST:
+            rc = walk_seq(f, obj, key, level, FN_LIST, NULL);
+            break;
+        case OK_NAMEDTUPLE:
+            rc = walk_seq(f, obj, key, level, FN_NAMEDTUPLE, attr);
+            break;
+        case OK_SEQ_SUBCLASS:
+            rc = walk_seq(f, obj, key, level, FN_SEQ_SUBCLASS, NULL);
+            break;
+        case OK_DICT:
+            rc = walk_dict(f, obj, key, level);
+            break;
+        case OK_DATACLASS:
+            rc = walk_dataclass(f, obj, key, attr, level);
+            break;
+        case OK_DLPACK:
+            rc = walk_dlpack(f, obj, key, attr);
+            break;
+        case OK_BUFFER:
+            rc = walk_buffer(f, obj, key);
+            break;
+        default: /* OK_PASS */
+            rc = push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0;
+            break;
         }
-        PyBuffer_Release(&probe);
-        PyObject *arr = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
-        if (!arr) {
-            if (pending_is_base_only())
-                return -1;
-            PyErr_Clear();
-            return leaf_error(f, PyExc_TypeError, "buffer-protocol object could not be read as an array");
-        }
-        int rc = numpy_leaf(f, key, (PyArrayObject *)arr);
-        Py_DECREF(arr);
-        return rc;
     }
-    return push_node(f, FN_PASS, obj, key) < 0 ? -1 : 0; /* any other object passes through */
+    Py_XDECREF(attr);
+    return rc;
 }
 
 void pl_flat_init(pl_flat *f, pl_state *st, const pl_backend *b, int device)
@@ -934,7 +1008,95 @@ int pl_flat_walk(pl_flat *f, PyObject *item)
 
 /* ---- rebuild ---- */
 
-static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos);
+/* Where build_at is, for an error naming a container it could not rebuild: the chain of
+ * parents on the C stack, rendered only then (Note [one leaf classifier]). */
+typedef struct build_frame {
+    const struct build_frame *up;
+    const pl_flat_node *parent;
+    const pl_flat_node *child;
+    Py_ssize_t index;
+} build_frame;
+
+static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos, const build_frame *up);
+
+/* The path of the node below `up` ("item[0].x['k']"), into buf. -1 only with a BaseException
+ * that is not an Exception pending (a key's repr() runs user code). */
+static int frame_path(const build_frame *up, char *buf, size_t n)
+{
+    const build_frame *chain[MAX_NEST + 2];
+    int depth = 0;
+    for (const build_frame *fr = up; fr && depth < (int)(sizeof chain / sizeof chain[0]); fr = fr->up)
+        chain[depth++] = fr;
+    size_t len = (size_t)snprintf(buf, n, "item");
+    for (int d = depth - 1; d >= 0 && len < n; d--) {
+        const build_frame *fr = chain[d];
+        char text[160];
+        int w;
+        PyObject *name = NULL;
+        if (fr->parent->kind == FN_NAMEDTUPLE) {
+            /* the field's name, as the walk wrote it; the index where the type has none */
+            PyObject *fields;
+            if (optional_attr(fr->parent->obj, "_fields", &fields) < 0) {
+                if (pending_is_base_only())
+                    return -1;
+                PyErr_Clear();
+            } else if (fields) {
+                if (PyTuple_Check(fields) && fr->index < PyTuple_GET_SIZE(fields) &&
+                    PyUnicode_Check(PyTuple_GET_ITEM(fields, fr->index)))
+                    name = Py_NewRef(PyTuple_GET_ITEM(fields, fr->index));
+                Py_DECREF(fields);
+            }
+        }
+        if (fr->parent->kind == FN_DICT || fr->parent->kind == FN_DATACLASS || name) {
+            int is_dict = fr->parent->kind == FN_DICT;
+            int rc = text_of(name ? name : fr->child->key, is_dict, text, sizeof text);
+            Py_XDECREF(name);
+            if (rc < 0)
+                return -1;
+            w = snprintf(buf + len, n - len, is_dict ? "[%s]" : ".%s", text);
+        } else {
+            w = snprintf(buf + len, n - len, "[%zd]", fr->index);
+        }
+        len = w > 0 ? PL_MIN(n - 1, len + (size_t)w) : len;
+    }
+    return 0;
+}
+
+/* The constructor of container node nd raised: a TypeError naming it, with that exception as
+ * its cause. A BaseException that is not an Exception propagates unchanged, and so does a
+ * StopIteration, which the prefetcher turns into its own RuntimeError (a StopIteration must not
+ * end the consumer's loop). Returns NULL. */
+static PyObject *rebuild_failed(const build_frame *up, const pl_flat_node *nd, const char *how)
+{
+    if (pending_is_base_only() || PyErr_ExceptionMatches(PyExc_StopIteration))
+        return NULL;
+    PyObject *type, *cause, *tb;
+    PyErr_Fetch(&type, &cause, &tb);
+    PyErr_NormalizeException(&type, &cause, &tb);
+    if (cause && tb)
+        PyException_SetTraceback(cause, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    char path[512], text[200] = "?";
+    if (frame_path(up, path, sizeof path) < 0 || (cause && text_of(cause, 0, text, sizeof text) < 0)) {
+        Py_XDECREF(cause);
+        return NULL;
+    }
+    const char *name = nd->obj && PyType_Check(nd->obj) ? ((PyTypeObject *)nd->obj)->tp_name
+                                                        : nd->obj ? Py_TYPE(nd->obj)->tp_name : "?";
+    PyErr_Format(PyExc_TypeError, "%s: cannot rebuild the %.100s with %s: %.100s: %s", path, name,
+                 how, cause ? Py_TYPE(cause)->tp_name : "?", text);
+    PyObject *exc;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc && cause) {
+        PyException_SetCause(exc, Py_NewRef(cause));
+        PyException_SetContext(exc, Py_NewRef(cause));
+    }
+    Py_XDECREF(cause);
+    PyErr_Restore(type, exc, tb);
+    return NULL;
+}
 
 static PyObject *copy_of(PyObject *proto)
 {
@@ -948,25 +1110,31 @@ static PyObject *copy_of(PyObject *proto)
     return out;
 }
 
-/* The children of a dict-like node into a dict (out: a new reference, filled). */
-static int build_pairs(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos, Py_ssize_t n, PyObject *out)
+/* The children of a dict-like node nd into a dict (out: a new reference, filled). -1 with the
+ * exception of a child's rebuild, or 1 with the exception of out's own __setitem__. */
+static int build_pairs(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos, const pl_flat_node *nd,
+                       const build_frame *up, PyObject *out)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < nd->n; i++) {
+        build_frame fr = {up, nd, &t->nodes[*pos], i};
         PyObject *k = t->nodes[*pos].key;
-        PyObject *v = build_at(t, leaves, pos);
-        /* a dict subclass through its own __setitem__ (an OrderedDict's order) */
-        int rc = !v ? -1 : PyDict_CheckExact(out) ? PyDict_SetItem(out, k, v) : PyObject_SetItem(out, k, v);
-        Py_XDECREF(v);
-        if (rc < 0)
+        PyObject *v = build_at(t, leaves, pos, &fr);
+        if (!v)
             return -1;
+        /* a dict subclass through its own __setitem__ (an OrderedDict's order) */
+        int rc = PyDict_CheckExact(out) ? PyDict_SetItem(out, k, v) : PyObject_SetItem(out, k, v);
+        Py_DECREF(v);
+        if (rc < 0)
+            return 1;
     }
     return 0;
 }
 
-static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos)
+static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos, const build_frame *up)
 {
     const pl_flat_node *nd = &t->nodes[(*pos)++];
     PyObject *out = NULL, *args;
+    int rc;
     switch (nd->kind) {
     case FN_PASS:
         return Py_NewRef(nd->obj);
@@ -975,9 +1143,11 @@ static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos)
     case FN_TUPLE:
     case FN_LIST:
     case FN_NAMEDTUPLE:
+    case FN_SEQ_SUBCLASS:
         out = nd->kind == FN_LIST ? PyList_New(nd->n) : PyTuple_New(nd->n);
         for (Py_ssize_t i = 0; out && i < nd->n; i++) {
-            PyObject *o = build_at(t, leaves, pos);
+            build_frame fr = {up, nd, &t->nodes[*pos], i};
+            PyObject *o = build_at(t, leaves, pos, &fr);
             if (!o)
                 Py_CLEAR(out);
             else if (nd->kind == FN_LIST)
@@ -989,24 +1159,43 @@ static PyObject *build_at(const pl_tree *t, PyObject *leaves, Py_ssize_t *pos)
             args = out;
             out = PyObject_Call(nd->obj, args, NULL);
             Py_DECREF(args);
+            if (!out)
+                return rebuild_failed(up, nd, "its fields as arguments");
+        } else if (out && nd->kind == FN_SEQ_SUBCLASS) {
+            args = out;
+            out = PyObject_CallOneArg(nd->obj, args);
+            Py_DECREF(args);
+            if (!out)
+                return rebuild_failed(up, nd, "a tuple of its items");
         }
         return out;
     case FN_DICT:
         /* a dict subclass: a shallow copy of the empty one the walk made (keeps its type and a
          * defaultdict's factory), so a tree builds any number of batches */
         out = nd->obj ? copy_of(nd->obj) : PyDict_New();
-        if (out && build_pairs(t, leaves, pos, nd->n, out) < 0)
-            Py_CLEAR(out);
+        if (!out)
+            return nd->obj ? rebuild_failed(up, nd, "copy.copy") : NULL;
+        rc = build_pairs(t, leaves, pos, nd, up, out);
+        if (rc) {
+            Py_DECREF(out);
+            return rc > 0 ? rebuild_failed(up, nd, "its items set") : NULL;
+        }
         return out;
     case FN_DATACLASS:
         out = PyDict_New();
+        if (!out)
+            return NULL;
+        if (build_pairs(t, leaves, pos, nd, up, out) != 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
         args = PyTuple_New(0);
-        if (out && args && build_pairs(t, leaves, pos, nd->n, out) == 0)
+        if (args)
             Py_SETREF(out, PyObject_Call(nd->obj, args, out));
         else
             Py_CLEAR(out);
         Py_XDECREF(args);
-        return out;
+        return out || !args ? out : rebuild_failed(up, nd, "its fields as keyword arguments");
     }
     return PyErr_Format(PyExc_SystemError, "pinloader: unknown flatten node");
 }
@@ -1020,7 +1209,7 @@ PyObject *pl_tree_build(const pl_tree *t, PyObject *leaves)
                             "with %zd", PyTuple_Check(leaves) ? PyTuple_GET_SIZE(leaves) : -1,
                             t->n_leaves);
     Py_ssize_t pos = 0;
-    return build_at(t, leaves, &pos);
+    return build_at(t, leaves, &pos, NULL);
 }
 
 void pl_tree_clear(pl_tree *t)

@@ -35,9 +35,9 @@ typedef struct pl_tree {
 /* Note [lazy paths]
  * An error names the leaf by its path ("item['x'][2].y"), and structure mode records each
  * leaf's path; but almost every walk succeeds, and formatting every step's text (a repr() and
- * an encode per dict key, a printf per index) cost more than reading the leaves. So the walk
- * keeps the path as a stack of steps, and pl_flat_path_text renders the text only when it is
- * read. A step whose text needs no user code (an index, an exact str or int key, an exact str
+ * an encode per dict key, a printf per index) costs more than reading the leaves. So the walk
+ * keeps the path as a stack of steps, and path_render (flatten.c) renders the text only when
+ * it is read. A step whose text needs no user code (an index, an exact str or int key, an exact str
  * field name) keeps its object and is rendered then; any other key's repr() (or name's str())
  * is still taken when the walk reaches it, as user code may raise there or answer differently
  * later, and that text is kept with the step. The objects are borrowed from the snapshots the

@@ -33,8 +33,8 @@
  *
  * Note [epoch permutation]
  * The sampling order must be the same on every machine, NumPy version and run, so it is
- * specified here, not borrowed (tests/test_array_loader.py has a Python reference that must
- * agree bit for bit). All arithmetic is modulo 2**64.
+ * specified here, not borrowed (tests/helpers.py has a Python reference, ref_permutation, that
+ * must agree bit for bit: tests/test_permutation.py). All arithmetic is modulo 2**64.
  *   GAMMA = 0x9E3779B97F4A7C15
  *   mix(z):  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9; z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
  *            return z ^ (z >> 31)                                   (SplitMix64's finaliser)
@@ -336,23 +336,22 @@ static PyObject *source_array(RowGatherObject *g, PyObject *src)
 /* ---- rows ---- */
 
 /* Note [epoch row tables]
- * A loader's epoch order is made once per epoch and read a batch at a time. The RowGathers of
- * its batches need not copy and check their rows (a batch of 65,536 rows: 1 MiB of memory
- * traffic on the producer per batch, 0.1-0.3 ms on the 16-core H200 host, where one thread
- * copies about 6.5 GB/s) when the order is immutable and checked once: _epoch_table(order)
- * copies it into an epoch table, memory owned by a capsule that exports no buffer, and
- * returns a read-only int64 array over it (NumPy refuses to make it or a view of it writeable,
- * since its base offers no writable buffer; only raw-pointer tools such as ctypes or a
- * hand-made __array_interface__ could write it, and those can write anything); the table
- * records its smallest and largest entry. A RowGather given such an array, or a C-contiguous
- * slice of one (found through the array's bases, its bytes checked to lie inside the table on
- * whole entries: np.lib.stride_tricks can point a view anywhere), keeps a reference to the
- * table's capsule (not to the array, which ndarray.__setstate__ can re-point elsewhere) and
- * reads the rows in place; they are checked against the source once, by the table's range.
- * Anything else (other arrays, lists, a table whose range does not fit the source) is copied
- * and checked row by row as before. permutation() returns an epoch table too. _epoch_table
- * takes integers only by NumPy's safe casts: floats, or uint64 that int64 cannot hold, are a
- * TypeError, never a silently truncated order. */
+ * A loader's epoch order is made once per epoch and read a batch at a time. The RowGathers of its
+ * batches need not copy and check their rows (16 bytes of memory traffic per row on the producer,
+ * read and written, every batch) when the order is immutable and checked once: _epoch_table(order)
+ * copies it into an epoch table, memory owned by a capsule that exports no buffer, and returns a
+ * read-only int64 array over it (NumPy refuses to make it or a view of it writeable, since its
+ * base offers no writable buffer; only raw-pointer tools such as ctypes or a hand-made
+ * __array_interface__ could write it, and those can write anything); the table records its
+ * smallest and largest entry. A RowGather given such an array, or a C-contiguous slice of one
+ * (found through the array's bases, its bytes checked to lie inside the table on whole entries:
+ * np.lib.stride_tricks can point a view anywhere), keeps a reference to the table's capsule (not
+ * to the array, which ndarray.__setstate__ can re-point elsewhere) and reads the rows in place;
+ * they are checked against the source once, by the table's range. Anything else (other arrays,
+ * lists, a table whose range does not fit the source) is copied and checked row by row.
+ * permutation() returns an epoch table too. _epoch_table takes integers only by NumPy's safe
+ * casts: floats, or uint64 that int64 cannot hold, are a TypeError, never a silently truncated
+ * order. */
 #define EPOCH_TABLE_CAPSULE "pinloader._epoch_table"
 
 typedef struct epoch_table {

@@ -15,14 +15,16 @@
  *     torch, CuPy or JAX batch is walked once and built once;
  *   - static=True: the leaves are copied into the prefetcher's static buffers first (Note
  *     [static batches] in handout.c), and the delivered leaves are the same objects every
- *     batch; with out=, the buffers are the user's (any DLPack exporters), delivered as they
- *     are.
+ *     batch (the buffers' DeviceArrays, or their convert= results, made once), except with
+ *     output="capsule" and no convert, where each batch gets fresh capsules of the same
+ *     buffers (a capsule is consumed once); with out=, the buffers are the user's (any DLPack
+ *     exporters), delivered as they are.
  * The stream is `stream=`: None (the legacy default stream), a DLPack stream handle, or a
  * callable returning one, called once per batch (a framework's current stream).
- * Containers are rebuilt with the item's types: list, tuple, namedtuple, dict and dict
- * subclasses (a shallow copy keeps a defaultdict's factory), dataclasses (frozen ones too);
- * a list subclass is walked as a list and comes back as a plain list (its constructor is not
- * known to take the items); other objects pass through. */
+ * Containers are rebuilt with the item's types: list, tuple, namedtuple, list and tuple
+ * subclasses, dict and dict subclasses (a shallow copy keeps a defaultdict's factory),
+ * dataclasses (frozen ones too); other objects pass through (Note [one leaf classifier] in
+ * flatten.c). */
 #ifndef PL_HANDOUT_H
 #define PL_HANDOUT_H
 

@@ -77,11 +77,17 @@ int pl_pf_parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options
         return -1;
     if (threads_obj != Py_None && parse_positive(threads_obj, "staging_threads", 1, 256, &o->threads) < 0)
         return -1;
+    /* CUDA's default stream priority is also its least, so there is no 'low' below 'normal' */
     if (strcmp(priority, "high") == 0)
         o->high_priority = 1;
-    else if (strcmp(priority, "normal") != 0 && strcmp(priority, "low") != 0) {
-        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high', 'normal' or 'low', "
-                     "got '%s'", priority);
+    else if (strcmp(priority, "low") == 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_stream_priority='low' is not offered: CUDA's "
+                        "default stream priority ('normal') is already its least; pass 'high' "
+                        "or 'normal'");
+        return -1;
+    } else if (strcmp(priority, "normal") != 0) {
+        PyErr_Format(PyExc_ValueError, "copy_stream_priority must be 'high' or 'normal', got '%s'",
+                     priority);
         return -1;
     }
     if (strcmp(output, "capsule") == 0)

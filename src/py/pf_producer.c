@@ -512,7 +512,7 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
  * iterator runs on this thread too, so its CUDA calls also ignore other threads' captures.
  * pinloader's calls on the user's threads (next() querying the events of sources still being
  * copied, close() waiting for its streams) keep the user's mode: take, drop and close batches
- * outside a capture. Should the call fail, the thread keeps the default mode, as before. Checked by
+ * outside a capture. Should the call fail, the thread keeps the default (global) mode. Checked by
  * test_a_graph_captured_in_global_mode_while_the_producer_works in tests/test_static_cuda.py. */
 void *pl_pf_producer_main(void *arg)
 {

@@ -245,8 +245,8 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
  *   - The handout fails with it (a wait, a convert= callback: a KeyboardInterrupt or
  *     SystemExit, not an Exception): the batch goes back to the head of the queue, not counted
  *     as handed out, and the next next() hands it out again (a convert= callback sees it
- *     twice). An Exception from the handout (a convert= that raises ValueError) stays that
- *     batch's error, as before.
+ *     twice). An Exception from the handout (a convert= that raises ValueError) is that
+ *     batch's error, raised by this next().
  *   - It arrives during C code that does not look (the static copy, freeing the batch's
  *     block), and CPython would raise it as soon as next() returns, in the caller, dropping the
  *     batch next() returned. The signal is checked once the batch is out: next() raises, and
@@ -815,10 +815,10 @@ static PyType_Slot pf_slots[] = {
      "--\n\n"
      "Prefetch batches from any iterable to a device, off the GIL.\n"
      "\n"
-     "Items may nest tuple, list, dict (and dict subclasses), namedtuple and dataclass; array\n"
+     "Items may nest tuple, list, dict (and their subclasses), namedtuple and dataclass; array\n"
      "leaves (NumPy arrays, CPU DLPack exporters, buffer-protocol objects) arrive as DeviceArray\n"
-     "views of one device block per batch; other leaves pass through unchanged. Each batch is\n"
-     "walked once, on the producer thread, and built once.\n"
+     "views of one device block per batch; other leaves (NumPy scalars too) pass through\n"
+     "unchanged. Each batch is walked once, on the producer thread, and built once.\n"
      "\n"
      "Parameters\n"
      "----------\n"
@@ -841,8 +841,8 @@ static PyType_Slot pf_slots[] = {
      "    divided among the local ranks, at least 1, at most 32).\n"
      "copy_stream_priority\n"
      "    'high' (the copy stream gets the device's greatest priority, so its copies are not queued\n"
-     "    behind compute work), 'normal' or 'low' (the two are the same: the device's least\n"
-     "    priority, which is CUDA's default). No effect on the host backend.\n"
+     "    behind compute work) or 'normal' (CUDA's default priority, which is also its least).\n"
+     "    No effect on the host backend.\n"
      "output\n"
      "    'array' (DeviceArray leaves) or 'capsule' (DLPack capsules exported for ``stream``, which\n"
      "    waits on the batch's copy once).\n"
