@@ -149,7 +149,7 @@ def make_feed(row, args, images, labels, device, gpu_data):
     bs = args.batch_size
     if row == "arrayloader":
         loader = pinloader.ArrayLoader((images, labels), bs, seed=1, drop_last=True)
-        feed = pt.prefetch(loader, device=device, depth=args.depth)
+        feed = pt.prefetch(loader, device=device)  # ArrayLoader's own depth
         return cycle(feed), feed
     if row in ("dataloader", "pinloader_dl"):
         pin = row == "dataloader" and device.type == "cuda"
@@ -243,7 +243,7 @@ def run_windows(args, device):
            "arrayloader": [], "stack_loop": []}
     for _ in range(args.repeats):
         loader = pinloader.ArrayLoader(data, bs, windows=L, seed=2, drop_last=True)
-        feed = pt.prefetch(loader, device=device, depth=args.depth)
+        feed = pt.prefetch(loader, device=device)  # ArrayLoader's own depth
         it = iter(feed)
         for _ in range(3):
             next(it)
@@ -300,7 +300,7 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--prefetch-factor", type=int, default=3)
-    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--depth", type=int, default=2, help="prefetch depth over the DataLoader (ArrayLoader rows use its own default)")
     p.add_argument("--dim", type=int, default=8192, help="matmul size (default 8192; CPU: use 256)")
     p.add_argument("--token-bytes", type=common.parse_size, default=2 * common.GiB)
     p.add_argument("--token-file", default=None)

@@ -339,7 +339,7 @@ def build_image_rows(args, images, labels, dev, pinloader):
             mode = name.split("_")[1]
             al = pinloader.ArrayLoader((images, labels), args.batch, gather=mode, drop_last=True,
                                        seed=1, max_registered_bytes=args.registered_budget)
-            pf = pt.prefetch(al, device=str(dev), depth=args.depth)
+            pf = pt.prefetch(al, device=str(dev))  # ArrayLoader's own depth
             batches = endless(pf)
             next(batches)  # the first batch: registration (device gather), the first epoch
             st = al.stats()
@@ -418,7 +418,7 @@ def build_token_rows(args, tokens, dev, pinloader):
             al = pinloader.ArrayLoader(tokens, args.gpt2_batch, windows=block + 1, gather=mode,
                                        drop_last=True, seed=1,
                                        max_registered_bytes=args.registered_budget)
-            pf = pt.prefetch(al, device=str(dev), depth=args.depth)
+            pf = pt.prefetch(al, device=str(dev))  # ArrayLoader's own depth
             batches = endless(pf)
             next(batches)
             st = al.stats()
@@ -725,7 +725,7 @@ def build_parser():
     ap.add_argument("--crop-size", type=int, default=112)
     ap.add_argument("--workers", type=int, default=8, help="DataLoader worker processes per DataLoader")
     ap.add_argument("--prefetch-factor", type=int, default=2)
-    ap.add_argument("--depth", type=int, default=2, help="pinloader prefetch depth")
+    ap.add_argument("--depth", type=int, default=2, help="pinloader prefetch depth over the DataLoader (ArrayLoader rows use its own default)")
     ap.add_argument("--device-grids", type=C.csv_list(int), default=[],
                     help="extra arrayloader_device rows, arrayloader_device_gN, whose gather "
                          "kernel launches use at most N blocks (pinloader._C._gather_grid)")

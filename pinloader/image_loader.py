@@ -48,8 +48,9 @@ from ._C import AsyncPrefetcher
 from ._epoch_plan import _order, _Plan, prepare_order
 from . import _image_ops as ops
 from ._image_sources import make_source
-from .array_loader import (_ADAPTER_DEFAULT_DEPTH, _EPOCH_LIMIT, _LoaderDoor, _default_rank_world,
-                           _int_arg, _same_opt, _same_settings)
+from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
+from .array_loader import (_EPOCH_LIMIT, _LoaderDoor, _default_rank_world, _int_arg, _same_opt,
+                           _same_settings)
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
 
