@@ -1,5 +1,5 @@
 """Images from JPEG files to a training step: pinloader.ImageLoader against the DataLoader,
-torchvision's GPU decode, NVIDIA DALI and the GPU decoder alone (issue 36).
+torchvision's GPU decode, NVIDIA DALI and the GPU decoder alone.
 
 Images are made from real photographs (scikit-image's sample photos; synthetic textured images
 when scikit-image is missing), rescaled to ImageNet-like sizes (short side 333-500 px) or high

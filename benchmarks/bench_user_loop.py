@@ -2,7 +2,7 @@
 """ArrayLoader loader-bound as a user's loop gets it, beside bench_gather.py's own measurement of
 the same rows, in one run.
 
-For each row size (--rows; the batch and the source as issue 35 states them: 512 B x 8,192 over
+For each row size (--rows; the batch and the source of the user-loop measurements: 512 B x 8,192 over
 512 MiB, 4 KiB x 1,024 over 1 GiB, 150,528 B x 256 over 1.2 GiB, 64 B x 65,536 over 256 MiB) a
 source of random uint8 rows is made once per kind (--sources):
   numpy   np.random.default_rng(0).integers(0, 256, ..., dtype=np.uint8): NumPy's allocator
@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import bench_gather as BG  # noqa: E402
 
-# (row bytes, rows per batch, source bytes) as issue 35 measured them
+# (row bytes, rows per batch, source bytes) of the user-loop measurements
 ROWS = {512: (8192, 512 * C.MiB), 4096: (1024, C.GiB), 150_528: (256, 1_204_224_000), 64: (65536, 256 * C.MiB)}
 SOURCES = ["numpy", "torch", "torch_thp", "bytes", "full"]
 LOOPS = ["next", "next_bare", "door", "for", "bench"]
@@ -359,7 +359,7 @@ def fmt_line(name: str, r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     C.add_output_args(ap, "user_loop")
-    ap.add_argument("--rows", type=C.csv_list(int), default=list(ROWS), help="row sizes in bytes (issue 35's four)")
+    ap.add_argument("--rows", type=C.csv_list(int), default=list(ROWS), help="row sizes in bytes (the four measured)")
     ap.add_argument("--source-scale", type=float, default=1.0,
                     help="scale every source's size (at least two batches)")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="scale every batch's rows")
