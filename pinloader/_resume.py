@@ -2,6 +2,9 @@
 of a resumed epoch's remaining items (Resuming, in the module documentation of
 :mod:`pinloader.array_loader`). The prefetcher over a source with its own ``state_dict`` /
 ``load_state_dict`` is :class:`~pinloader.StatefulPrefetcher`, in pinloader/_stateful.py.
+The functions here take what they read as arguments: the loader's settings (its public
+attributes), its epoch plan, and the IterState it keeps its iteration in
+(pinloader/_iter_state.py); they set nothing of the loader but that IterState.
 
 Note [consumer-side position]
 A state describes what the *consumer* has been handed, never what the prefetcher has pulled:
@@ -18,6 +21,8 @@ import copy
 from typing import Any, Iterable, Iterator
 
 import numpy as np
+
+from ._iter_state import IterState
 
 FORMAT = "pinloader.ArrayLoader"
 VERSION = 1
@@ -49,29 +54,30 @@ def _settings(loader: Any) -> dict[str, Any]:
             "rank": int(loader.rank), "world_size": int(loader.world_size)}
 
 
-def state_of(loader: Any) -> dict[str, Any]:
-    """ArrayLoader.state_dict(): see its documentation."""
+def state_of(loader: Any, it: IterState, plan: Any) -> dict[str, Any]:
+    """ArrayLoader.state_dict(): see its documentation. ``loader`` gives its settings (public
+    attributes), ``it`` where its iteration is, ``plan`` its sources."""
     n, world = loader.num_items, loader.world_size
     consumed = 0
-    if loader._requested is not None:  # set_epoch() (or a load) not yet followed by an iteration
-        epoch = loader._requested
-        if _pending_applies(loader, epoch):
-            _, position, consumed = loader._resume_at
+    if it.requested is not None:  # set_epoch() (or a load) not yet followed by an iteration
+        epoch, pend = it.requested, it.resume_at
+        if pend is not None and _pending_applies(it, epoch):
+            _, position, consumed = pend
         else:
             position = 0
-    elif loader._epoch is None:        # never iterated: the first epoch's start
+    elif it.epoch is None:  # never iterated: the first epoch's start
         epoch, position = 0, 0
     else:
-        epoch = loader._epoch
-        resumed = loader._resumed_iter
+        epoch = it.epoch
+        resumed = it.resumed
         if resumed is None:
             base, shard, n_batches, before = 0, len(loader.indices(epoch)), len(loader), 0
         else:
             base, shard, n_batches, before = resumed
-        if loader._done or loader._consumed >= n_batches:
+        if it.done or it.consumed >= n_batches:
             epoch, position = epoch + 1, 0
         else:
-            items = min(loader._consumed * loader.batch_size, shard)
+            items = min(it.consumed * loader.batch_size, shard)
             # Every rank has taken as many items (DDP's lockstep): together the first
             # base + items * world items of the epoch's (resumed) order.
             position = min(base + items * world, n)
@@ -79,7 +85,7 @@ def state_of(loader: Any) -> dict[str, Any]:
     out = {"format": FORMAT, "version": VERSION, "epoch": int(epoch), "position": int(position),
            "consumed": int(consumed)}
     out.update(_settings(loader))
-    out["sources"] = fingerprint(loader._plan)
+    out["sources"] = fingerprint(plan)
     return out
 
 
@@ -115,8 +121,9 @@ def _sources_differ(saved: Any, now: dict[str, Any]) -> str | None:
             f"[{_describe_sources(now)}]")
 
 
-def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int, int]:
-    """Check ``state`` against ``loader``; return the (epoch, position) to resume at."""
+def validate(loader: Any, plan: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int, int]:
+    """Check ``state`` against ``loader``'s settings and ``plan``'s sources; return the (epoch,
+    position) to resume at."""
     where = "ArrayLoader.load_state_dict"
     if isinstance(allow_changed, str):
         allow_changed = {allow_changed}
@@ -158,7 +165,7 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
         if k in allowed:
             continue
         if k == "sources":
-            why = _sources_differ(state["sources"], fingerprint(loader._plan))
+            why = _sources_differ(state["sources"], fingerprint(plan))
             if why:
                 raise ValueError(f"{where}: {why}; pass allow_changed={{'sources'}} to continue "
                                  "at the state's epoch and position over these sources")
@@ -203,13 +210,19 @@ def batches_of(plan: Any, items: int) -> int:
 
 
 class ResumableEpochs:
-    """The ArrayLoader's source once a state was loaded: the resumed epoch's iteration gives the
-    batches of :func:`resumed_order`, every other one the loader's own source's."""
+    """The ArrayLoader's source: the resumed epoch's iteration (``resume_run`` of the loader's
+    IterState, set by :func:`begin_epoch`) gives the batches of :func:`resumed_order`, every
+    other one the batches of ``inner``, the loader's own source."""
 
-    def __init__(self, inner: Any, plan: Any) -> None:
+    def __init__(self, inner: Any, plan: Any, it: IterState) -> None:
         self._inner = inner
         self._plan = plan
-        self.resume: tuple[int, np.ndarray, int] | None = None
+        self._it = it
+
+    @property
+    def resume(self) -> tuple[int, np.ndarray, int] | None:
+        """The resumed epoch's (epoch, order, batches), or None."""
+        return self._it.resume_run
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -223,53 +236,48 @@ class ResumableEpochs:
         return _epoch_batches(plan, epoch, (order, n_batches))
 
 
-def _pending_applies(loader: Any, epoch: int) -> bool:
+def _pending_applies(it: IterState, epoch: int) -> bool:
     """Whether the next iteration, of ``epoch``, is the resumed one."""
-    pend = loader._resume_at
+    pend = it.resume_at
     if pend is None or pend[0] != epoch:
         return False
-    ran = loader._resumed_iter is not None and loader._epoch == epoch and (loader._consumed or loader._done)
+    ran = it.resumed is not None and it.epoch == epoch and (it.consumed or it.done)
     return not ran
 
 
-def begin_epoch(loader: Any, epoch: int) -> tuple[int, int, int, int] | None:
+def begin_epoch(it: IterState, plan: Any, epoch: int) -> tuple[int, int, int, int] | None:
     """Called as an iteration of ``epoch`` begins: whether it is the resumed epoch's (then its
     position, the rank's item and batch counts, and the state's ``consumed``), or a whole
     epoch's (None)."""
-    pend = loader._resume_at
+    pend = it.resume_at
     if pend is None:
         return None
-    if not _pending_applies(loader, epoch):
+    if not _pending_applies(it, epoch):
         # another epoch, or the resumed iteration already ran: whole epochs from now on
-        loader._resume_at = None
-        loader._source.resume = None
+        it.resume_at = None
+        it.resume_run = None
         return None
-    src = loader._source
-    plan = loader._plan
     order = resumed_order(plan, epoch, pend[1])
     n_batches = batches_of(plan, len(order))
-    src.resume = (epoch, order, n_batches)
+    it.resume_run = (epoch, order, n_batches)
     return (min(pend[1], plan.num_items), len(order), n_batches, pend[2])
 
 
-def load(loader: Any, state: Any, allow_changed: Iterable[str]) -> None:
-    """ArrayLoader.load_state_dict(): see its documentation."""
-    epoch, position = validate(loader, state, allow_changed)
-    if loader._pf is not None:  # what it prefetched is not what comes next
-        loader._pf.close()
-        loader._pf = None
-    if not isinstance(loader._source, ResumableEpochs):
-        loader._source = ResumableEpochs(loader._source, loader._plan)
-    loader._source.resume = None
-    loader._resumed_iter = None
-    loader._consumed, loader._done, loader._failed = 0, False, False
-    loader._epoch = None
-    if position >= loader.num_items and loader.num_items:  # (a changed source) nothing is left
+def load(it: IterState, state: dict[str, Any], epoch: int, position: int, num_items: int,
+         world_size: int) -> None:
+    """ArrayLoader.load_state_dict(), once :func:`validate` accepted ``state`` (whose epoch and
+    position it gave) and the loader dropped what it prefetched: the next iteration is the
+    state's. ``num_items`` and ``world_size`` are the loader's."""
+    it.resume_run = None
+    it.resumed = None
+    it.consumed, it.done, it.failed = 0, False, False
+    it.epoch = None
+    if position >= num_items and num_items:  # (a changed source) nothing is left
         epoch, position = epoch + 1, 0
-    loader._requested = epoch
+    it.requested = epoch
     if not position:
-        loader._resume_at = None
+        it.resume_at = None
         return
     # this rank's items of the epoch so far, as far as it is known (informational)
-    consumed = state["consumed"] if state["world_size"] == loader.world_size else position // loader.world_size
-    loader._resume_at = (epoch, position, int(consumed))
+    consumed = state["consumed"] if state["world_size"] == world_size else position // world_size
+    it.resume_at = (epoch, position, int(consumed))
