@@ -68,9 +68,9 @@ from . import _C, _resume
 from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
 from ._epoch_plan import _Epochs, _Plan, prepare_order
-from ._iter_state import IterState
 # _order and _epoch_batches are read from here by tests and benchmarks as well
 from ._epoch_plan import _epoch_batches, _order  # noqa: F401
+from ._iter_state import IterState
 from ._mapped import _base_chain, _is_mapped, _mapping_bytes
 
 __all__ = ["ArrayLoader"]
