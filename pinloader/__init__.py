@@ -34,7 +34,7 @@ from ._C import (  # noqa: E402
 )
 from .array_loader import ArrayLoader  # noqa: E402
 from .image_loader import ImageDecodeError, ImageLoader  # noqa: E402
-from ._resume import StatefulPrefetcher  # noqa: E402
+from ._stateful import StatefulPrefetcher  # noqa: E402
 
 __all__ = [
     "ArrayLoader",

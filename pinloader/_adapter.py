@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from . import _resume
+from . import _stateful
 from ._C import AsyncPrefetcher
 from ._stats import PrefetcherStats
 
@@ -66,17 +66,17 @@ class FrameworkPrefetcher:
         if adopt is not None:
             # An ArrayLoader already is a prefetcher: use it rather than stack a second one.
             self._pf = adopt(device, depth, **opts)
-        elif _resume.is_stateful(iterable):
+        elif _stateful.is_stateful(iterable):
             # Each item travels with the source's state (Note [consumer-side position] in
             # pinloader/_resume.py), so state_dict() is as of the last batch handed out.
-            self._pf = _resume.StatefulPrefetcher(iterable, device=device, depth=depth, **opts)
+            self._pf = _stateful.StatefulPrefetcher(iterable, device=device, depth=depth, **opts)
         else:
             self._pf = AsyncPrefetcher(iterable, device=device, depth=depth, **opts)
 
     @property
     def _pinloader_stateful(self) -> bool:
         """Whether this door has a state to checkpoint (an ArrayLoader's, a stateful source's):
-        a door over a door of a plain iterable has none (see _resume.is_stateful)."""
+        a door over a door of a plain iterable has none (see _stateful.is_stateful)."""
         return callable(getattr(self._pf, "state_dict", None))
 
     def __iter__(self) -> "FrameworkPrefetcher":

@@ -1,7 +1,10 @@
-"""Checkpoint and resume: the ArrayLoader's state format and its validation, the re-sharding of
-a resumed epoch's remaining items (Resuming, in the module documentation of
-:mod:`pinloader.array_loader`), and :class:`StatefulPrefetcher`, the prefetcher over a source
-with its own ``state_dict`` / ``load_state_dict`` (torchdata's ``StatefulDataLoader``...).
+"""Checkpoint and resume: the ArrayLoader's state format and its validation, and the re-sharding
+of a resumed epoch's remaining items (Resuming, in the module documentation of
+:mod:`pinloader.array_loader`). The prefetcher over a source with its own ``state_dict`` /
+``load_state_dict`` is :class:`~pinloader.StatefulPrefetcher`, in pinloader/_stateful.py.
+The functions here take what they read as arguments: the loader's settings (its public
+attributes), its epoch plan, and the IterState it keeps its iteration in
+(pinloader/_iter_state.py); they set nothing of the loader but that IterState.
 
 Note [consumer-side position]
 A state describes what the *consumer* has been handed, never what the prefetcher has pulled:
@@ -15,14 +18,11 @@ state of the last item it handed out. Loading a state discards everything prefet
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ._C import AsyncPrefetcher
-
-__all__ = ["StatefulPrefetcher"]
+from ._iter_state import IterState
 
 FORMAT = "pinloader.ArrayLoader"
 VERSION = 1
@@ -54,29 +54,30 @@ def _settings(loader: Any) -> dict[str, Any]:
             "rank": int(loader.rank), "world_size": int(loader.world_size)}
 
 
-def state_of(loader: Any) -> dict[str, Any]:
-    """ArrayLoader.state_dict(): see its documentation."""
+def state_of(loader: Any, it: IterState, plan: Any) -> dict[str, Any]:
+    """ArrayLoader.state_dict(): see its documentation. ``loader`` gives its settings (public
+    attributes), ``it`` where its iteration is, ``plan`` its sources."""
     n, world = loader.num_items, loader.world_size
     consumed = 0
-    if loader._requested is not None:  # set_epoch() (or a load) not yet followed by an iteration
-        epoch = loader._requested
-        if _pending_applies(loader, epoch):
-            _, position, consumed = loader._resume_at
+    if it.requested is not None:  # set_epoch() (or a load) not yet followed by an iteration
+        epoch, pend = it.requested, it.resume_at
+        if pend is not None and _pending_applies(it, epoch):
+            _, position, consumed = pend
         else:
             position = 0
-    elif loader._epoch is None:        # never iterated: the first epoch's start
+    elif it.epoch is None:  # never iterated: the first epoch's start
         epoch, position = 0, 0
     else:
-        epoch = loader._epoch
-        resumed = loader._resumed_iter
+        epoch = it.epoch
+        resumed = it.resumed
         if resumed is None:
             base, shard, n_batches, before = 0, len(loader.indices(epoch)), len(loader), 0
         else:
             base, shard, n_batches, before = resumed
-        if loader._done or loader._consumed >= n_batches:
+        if it.done or it.consumed >= n_batches:
             epoch, position = epoch + 1, 0
         else:
-            items = min(loader._consumed * loader.batch_size, shard)
+            items = min(it.consumed * loader.batch_size, shard)
             # Every rank has taken as many items (DDP's lockstep): together the first
             # base + items * world items of the epoch's (resumed) order.
             position = min(base + items * world, n)
@@ -84,7 +85,7 @@ def state_of(loader: Any) -> dict[str, Any]:
     out = {"format": FORMAT, "version": VERSION, "epoch": int(epoch), "position": int(position),
            "consumed": int(consumed)}
     out.update(_settings(loader))
-    out["sources"] = fingerprint(loader._plan)
+    out["sources"] = fingerprint(plan)
     return out
 
 
@@ -120,8 +121,9 @@ def _sources_differ(saved: Any, now: dict[str, Any]) -> str | None:
             f"[{_describe_sources(now)}]")
 
 
-def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int, int]:
-    """Check ``state`` against ``loader``; return the (epoch, position) to resume at."""
+def validate(loader: Any, plan: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int, int]:
+    """Check ``state`` against ``loader``'s settings and ``plan``'s sources; return the (epoch,
+    position) to resume at."""
     where = "ArrayLoader.load_state_dict"
     if isinstance(allow_changed, str):
         allow_changed = {allow_changed}
@@ -163,7 +165,7 @@ def validate(loader: Any, state: Any, allow_changed: Iterable[str]) -> tuple[int
         if k in allowed:
             continue
         if k == "sources":
-            why = _sources_differ(state["sources"], fingerprint(loader._plan))
+            why = _sources_differ(state["sources"], fingerprint(plan))
             if why:
                 raise ValueError(f"{where}: {why}; pass allow_changed={{'sources'}} to continue "
                                  "at the state's epoch and position over these sources")
@@ -208,13 +210,19 @@ def batches_of(plan: Any, items: int) -> int:
 
 
 class ResumableEpochs:
-    """The ArrayLoader's source once a state was loaded: the resumed epoch's iteration gives the
-    batches of :func:`resumed_order`, every other one the loader's own source's."""
+    """The ArrayLoader's source: the resumed epoch's iteration (``resume_run`` of the loader's
+    IterState, set by :func:`begin_epoch`) gives the batches of :func:`resumed_order`, every
+    other one the batches of ``inner``, the loader's own source."""
 
-    def __init__(self, inner: Any, plan: Any) -> None:
+    def __init__(self, inner: Any, plan: Any, it: IterState) -> None:
         self._inner = inner
         self._plan = plan
-        self.resume: tuple[int, np.ndarray, int] | None = None
+        self._it = it
+
+    @property
+    def resume(self) -> tuple[int, np.ndarray, int] | None:
+        """The resumed epoch's (epoch, order, batches), or None."""
+        return self._it.resume_run
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -228,236 +236,48 @@ class ResumableEpochs:
         return _epoch_batches(plan, epoch, (order, n_batches))
 
 
-def _pending_applies(loader: Any, epoch: int) -> bool:
+def _pending_applies(it: IterState, epoch: int) -> bool:
     """Whether the next iteration, of ``epoch``, is the resumed one."""
-    pend = loader._resume_at
+    pend = it.resume_at
     if pend is None or pend[0] != epoch:
         return False
-    ran = loader._resumed_iter is not None and loader._epoch == epoch and (loader._consumed or loader._done)
+    ran = it.resumed is not None and it.epoch == epoch and (it.consumed or it.done)
     return not ran
 
 
-def begin_epoch(loader: Any, epoch: int) -> tuple[int, int, int, int] | None:
+def begin_epoch(it: IterState, plan: Any, epoch: int) -> tuple[int, int, int, int] | None:
     """Called as an iteration of ``epoch`` begins: whether it is the resumed epoch's (then its
     position, the rank's item and batch counts, and the state's ``consumed``), or a whole
     epoch's (None)."""
-    pend = loader._resume_at
+    pend = it.resume_at
     if pend is None:
         return None
-    if not _pending_applies(loader, epoch):
+    if not _pending_applies(it, epoch):
         # another epoch, or the resumed iteration already ran: whole epochs from now on
-        loader._resume_at = None
-        loader._source.resume = None
+        it.resume_at = None
+        it.resume_run = None
         return None
-    src = loader._source
-    plan = loader._plan
     order = resumed_order(plan, epoch, pend[1])
     n_batches = batches_of(plan, len(order))
-    src.resume = (epoch, order, n_batches)
+    it.resume_run = (epoch, order, n_batches)
     return (min(pend[1], plan.num_items), len(order), n_batches, pend[2])
 
 
-def load(loader: Any, state: Any, allow_changed: Iterable[str]) -> None:
-    """ArrayLoader.load_state_dict(): see its documentation."""
-    epoch, position = validate(loader, state, allow_changed)
-    if loader._pf is not None:  # what it prefetched is not what comes next
-        loader._pf.close()
-        loader._pf = None
-    if not isinstance(loader._source, ResumableEpochs):
-        loader._source = ResumableEpochs(loader._source, loader._plan)
-    loader._source.resume = None
-    loader._resumed_iter = None
-    loader._consumed, loader._done, loader._failed = 0, False, False
-    loader._epoch = None
-    if position >= loader.num_items and loader.num_items:  # (a changed source) nothing is left
+def load(it: IterState, state: dict[str, Any], epoch: int, position: int, num_items: int,
+         world_size: int) -> None:
+    """ArrayLoader.load_state_dict(), once :func:`validate` accepted ``state`` (whose epoch and
+    position it gave) and the loader dropped what it prefetched: the next iteration is the
+    state's. ``num_items`` and ``world_size`` are the loader's."""
+    it.resume_run = None
+    it.resumed = None
+    it.consumed, it.done, it.failed = 0, False, False
+    it.epoch = None
+    if position >= num_items and num_items:  # (a changed source) nothing is left
         epoch, position = epoch + 1, 0
-    loader._requested = epoch
+    it.requested = epoch
     if not position:
-        loader._resume_at = None
+        it.resume_at = None
         return
     # this rank's items of the epoch so far, as far as it is known (informational)
-    consumed = state["consumed"] if state["world_size"] == loader.world_size else position // loader.world_size
-    loader._resume_at = (epoch, position, int(consumed))
-
-
-# ---- a prefetcher over a stateful source ----
-
-class _Stamp:
-    """The source's state right after an item was pulled: a pass-through leaf."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-
-_NO_STATE: Any = object()
-
-
-class _Stamped:
-    """Re-iterable over a stateful source: yields ``(item, _Stamp)``; once the source's epoch
-    ends, its state at that end is kept in ``end_state`` (not sent as an item: an item without
-    arrays would not fit a static batch), for the consumer to take when the prefetcher's
-    epoch ends. The producer sets it before it queues the epoch's end, which the consumer sees
-    only after every item of the epoch."""
-
-    def __init__(self, source: Any) -> None:
-        self._source = source
-        self._fresh: Any = None
-        self.end_state: Any = _NO_STATE
-
-    def __len__(self) -> int:
-        return len(self._source)
-
-    def __iter__(self) -> Iterator[Any]:
-        # The AsyncPrefetcher calls iter() on its source twice as it starts an epoch (the first
-        # to tell a one-shot iterator), but a stateful source's iter() is an epoch (and a
-        # DataLoader's starts its workers): a generator not yet started is given again.
-        fresh = self._fresh
-        if fresh is not None and inspect.getgeneratorstate(fresh) == inspect.GEN_CREATED:
-            return fresh  # type: ignore[no-any-return]
-        self.end_state = _NO_STATE
-        self._fresh = _stamped(self, iter(self._source))
-        return self._fresh  # type: ignore[no-any-return]
-
-
-def _stamped(holder: _Stamped, it: Iterator[Any]) -> Iterator[Any]:
-    snap = holder._source.state_dict
-    for item in it:
-        yield (item, _Stamp(snap()))
-    holder.end_state = snap()
-
-
-def is_stateful(obj: Any) -> bool:
-    """Whether ``obj`` has a state to checkpoint: ``state_dict()`` and ``load_state_dict()``.
-    A framework door has both methods whatever it wraps; it says itself whether its source
-    has a state (``_pinloader_stateful``), so that a door over a door of a plain iterable is
-    iterated as the iterable it is."""
-    says = getattr(obj, "_pinloader_stateful", None)
-    if says is not None:
-        return bool(says)
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-class StatefulPrefetcher:
-    """An :class:`~pinloader.AsyncPrefetcher` over a source with ``state_dict()`` /
-    ``load_state_dict()`` (torchdata's ``StatefulDataLoader``, or any object with the two):
-    batches as the AsyncPrefetcher gives them, and a ``state_dict()`` that is the *source's*
-    state as of the last batch handed out, not of the batches prefetched since (see Note
-    [consumer-side position] in pinloader/_resume.py).
-
-    ``state_dict()`` returns the source's own state object (load it into the source itself, or
-    into this prefetcher); after the end of an epoch it is the source's state at that end.
-    ``load_state_dict(state)`` discards what was prefetched, passes ``state`` to the source's
-    ``load_state_dict`` and starts again from there: the source's next iteration is the one the
-    state describes. The framework doors (``pinloader.torch.prefetch``...) use this class for a
-    stateful source by themselves. States are not copied: a source whose ``state_dict()``
-    returns an object it later mutates must return a copy.
-
-    Parameters
-    ----------
-    source : iterable with ``state_dict()`` and ``load_state_dict()``
-        The stateful source of batches, e.g. torchdata's ``StatefulDataLoader``.
-    device : str or int, optional
-        As for :class:`~pinloader.AsyncPrefetcher` (None: the current CUDA device, else the
-        host backend).
-    depth : int, default 2
-        Batches in flight or waiting.
-    **opts
-        Passed to :class:`~pinloader.AsyncPrefetcher` (``pool``, ``max_pinned_bytes``,
-        ``staging_threads``, ``static``, ...).
-
-    Notes
-    -----
-    Cost, besides the source's own ``state_dict()`` per item: the item travels as
-    ``(item, state)`` and is unpacked by a Python ``__next__``, a few microseconds per batch
-    on top of the prefetcher's own (the extra tuple walked per batch and the thread
-    hand-offs; the Python work on the producer's side is a fraction of a microsecond).
-    """
-
-    def __init__(self, source: Any, device: Any = None, depth: int = 2, **opts: Any) -> None:
-        if not is_stateful(source):
-            raise TypeError(f"StatefulPrefetcher: the source ({type(source).__name__}) has no "
-                            "state_dict() / load_state_dict()")
-        self.source: Any = source
-        self._args = (device, depth, opts)
-        self._closed = False
-        self._load_error: BaseException | None = None
-        self._state = self.source.state_dict()  # before the prefetcher pulls anything
-        self._pf = self._make()
-
-    def _make(self) -> AsyncPrefetcher:
-        device, depth, opts = self._args
-        self._stamped = _Stamped(self.source)
-        return AsyncPrefetcher(self._stamped, device=device, depth=depth, **opts)
-
-    def _check(self) -> None:
-        if self._closed:
-            raise ValueError("StatefulPrefetcher is closed")
-        if self._load_error is not None:
-            e = self._load_error
-            raise ValueError(f"StatefulPrefetcher: the source's load_state_dict() failed "
-                             f"({type(e).__name__}: {e}), so where the source is is unknown; "
-                             "load a state again, or make a new prefetcher") from e
-
-    def __iter__(self) -> "StatefulPrefetcher":
-        self._check()
-        iter(self._pf)
-        return self
-
-    def __next__(self) -> Any:
-        self._check()
-        try:
-            item, stamp = next(self._pf)
-        except StopIteration:
-            end = self._stamped.end_state
-            if end is not _NO_STATE:  # the source's state at the epoch's end
-                self._state = end
-            raise
-        self._state = stamp.state
-        return item
-
-    @property
-    def valid_rows(self) -> int | None:
-        """See :attr:`pinloader.AsyncPrefetcher.valid_rows`."""
-        rows: int | None = self._pf.valid_rows
-        return rows
-
-    def state_dict(self) -> Any:
-        """The source's state as of the last batch handed out."""
-        return self._state
-
-    def load_state_dict(self, state: Any) -> None:
-        """Discard what was prefetched and give ``state`` to the source. If the source's
-        ``load_state_dict`` raises, the error propagates and the prefetcher refuses to iterate
-        (saying why) until a state loads; after :meth:`close` it is a ValueError."""
-        if self._closed:
-            raise ValueError("StatefulPrefetcher is closed")
-        self._pf.close()  # the producer is out of the source before the source is changed
-        try:
-            self.source.load_state_dict(state)
-        except BaseException as e:
-            self._load_error = e
-            raise
-        self._load_error = None
-        self._state = state
-        self._pf = self._make()
-
-    def __len__(self) -> int:
-        return len(self._pf)
-
-    def stats(self) -> Any:
-        return self._pf.stats()
-
-    def close(self) -> None:
-        self._closed = True
-        self._pf.close()
-
-    def __enter__(self) -> "StatefulPrefetcher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"pinloader.StatefulPrefetcher({self._pf!r})"
+    consumed = state["consumed"] if state["world_size"] == world_size else position // world_size
+    it.resume_at = (epoch, position, int(consumed))

@@ -67,9 +67,11 @@ import numpy as np
 from . import _C, _resume
 from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
-from ._epoch_plan import _Epochs, _Plan, _base_chain, _is_mapped, _mapping_bytes, prepare_order
+from ._epoch_plan import _Epochs, _Plan, prepare_order
 # _order and _epoch_batches are read from here by tests and benchmarks as well
 from ._epoch_plan import _epoch_batches, _order  # noqa: F401
+from ._iter_state import IterState
+from ._mapped import _base_chain, _is_mapped, _mapping_bytes
 
 __all__ = ["ArrayLoader"]
 
@@ -397,12 +399,9 @@ class ArrayLoader:
         plan.rank, plan.world_size, plan.seed = self.rank, self.world_size, self.seed
         plan.shuffle, plan.drop_last = self.shuffle, self.drop_last
         self._plan = plan
-        self._source = _Epochs(plan)
-        self._epoch: int | None = None     # the epoch of the current (last) iteration
-        self._requested: int | None = None  # set_epoch() since the last iteration
-        self._consumed = 0
-        self._done = False
-        self._failed = False
+        # where the iteration is: epochs, batches handed out, a loaded state to resume at
+        self._it = IterState()
+        self._source = _resume.ResumableEpochs(_Epochs(plan), plan, self._it)
 
     # ---- the device gather ----
 
@@ -465,26 +464,18 @@ class ArrayLoader:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``); 0 <=
         epoch < 2**63."""
-        self._requested = _epoch_arg("ArrayLoader", epoch)
+        self._it.requested = _epoch_arg("ArrayLoader", epoch)
 
     @property
     def epoch(self) -> int | None:
         """The epoch of the current (or last) iteration; None before the first."""
-        return self._epoch
+        return self._it.epoch
 
     # ---- iteration ----
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("ArrayLoader is closed")
-
-    def _next_epoch(self) -> int:
-        if self._requested is not None:
-            e, self._requested = self._requested, None
-            return e
-        if self._epoch is None:
-            return 0
-        return self._epoch + 1 if (self._consumed or self._done) else self._epoch
 
     def _check_structure(self) -> None:
         """The prefetcher places leaf i of each batch where the structure's leaf i is when it
@@ -521,23 +512,23 @@ class ArrayLoader:
         """Begin an epoch with these settings (the loader's own, or a door's: Note [doors over a
         loader])."""
         self._check_open()
-        epoch = self._next_epoch()
+        it = self._it
+        epoch = it.next_epoch()
         if epoch >= _EPOCH_LIMIT:
             raise ValueError(f"ArrayLoader: epoch {epoch} is past the last epoch (2**63 - 1); "
                              "set_epoch() to continue")
-        self._resumed_iter = _resume.begin_epoch(self, epoch)  # the resumed epoch's, or None
+        it.resumed = _resume.begin_epoch(it, self._plan, epoch)  # the resumed epoch's, or None
         pf = self._pf
         if pf is not None and (self._pf_settings is None or not _same_settings(self._pf_settings, settings)):
             pf.close()  # made for other settings (Note [doors over a loader])
             pf = self._pf = None
-        if pf is not None and (self._failed or (not self._consumed and not self._done
-                                                and epoch != self._epoch)):
+        if pf is not None and (it.failed or (not it.consumed and not it.done and epoch != it.epoch)):
             # A prefetcher whose source failed is finished for good, and one that has handed
             # out nothing keeps its untouched epoch (Note [epochs] in src/py/prefetcher.c): start
             # over with a new one.
             pf.close()
             pf = self._pf = None
-        self._failed = False
+        it.failed = False
         prev = self._plan.epoch
         self._plan.epoch = epoch
         try:
@@ -549,11 +540,9 @@ class ArrayLoader:
             # The epoch did not begin (a Ctrl-C while its order was drawn, a source that could
             # not be read): the next iteration begins it again with a new prefetcher, and
             # state_dict() still says where the loader is.
-            self._plan.epoch, self._requested, self._failed = prev, epoch, True
+            self._plan.epoch, it.requested, it.failed = prev, epoch, True
             raise
-        self._epoch = epoch
-        self._consumed = 0
-        self._done = False
+        it.epoch, it.consumed, it.done = epoch, 0, False
         # the order of the epoch that comes next by default, made while this one runs (Note
         # [orders made ahead] in pinloader/_epoch_plan.py)
         prepare_order(self._plan, epoch + 1)
@@ -567,14 +556,14 @@ class ArrayLoader:
         try:
             batch = next(self._pf)
         except StopIteration:
-            self._done = True
+            self._it.done = True
             raise
         except Exception:
-            self._failed = True
+            self._it.failed = True
             raise
         # (a KeyboardInterrupt leaves the prefetcher as it was: the batch it interrupted comes
         # with the next next(), Note [interrupted handout] in src/py/prefetcher.c)
-        self._consumed += 1
+        self._it.consumed += 1
         return batch
 
     def __len__(self) -> int:
@@ -636,7 +625,7 @@ class ArrayLoader:
         (a Python generator, one GIL hold per batch), with ``epoch_source_reason``."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
         modes = {i["gather"] for i in self._gather_info}
-        s.update(epoch=self._epoch, rank=self.rank, world_size=self.world_size,
+        s.update(epoch=self._it.epoch, rank=self.rank, world_size=self.world_size,
                  batches_per_epoch=len(self),
                  gather=modes.pop() if len(modes) == 1 else "mixed",
                  gather_leaves=[dict(i) for i in self._gather_info],
@@ -662,8 +651,7 @@ class ArrayLoader:
         plan.leaves = [(path, None, mapped, shape) for path, _, mapped, shape in plan.leaves]
         plan.files = plan.cache = plan.ahead = None
         self._structure = None
-        if isinstance(self._source, _resume.ResumableEpochs):
-            self._source.resume = None
+        self._it.resume_run = None
 
     @property
     def closed(self) -> bool:
@@ -683,9 +671,6 @@ class ArrayLoader:
 
     # ---- checkpoint and resume (pinloader/_resume.py; Resuming in the module documentation) ----
 
-    _resume_at: tuple[int, int, int] | None = None  # a loaded (epoch, position, consumed) to run
-    _resumed_iter: tuple[int, int, int, int] | None = None  # the resumed iteration's (pinloader/_resume.py)
-
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as the training loop sees it: a small dict that JSON, torch.save
         and ``torch.distributed.checkpoint`` all store (torch's ``Stateful`` protocol).
@@ -698,7 +683,7 @@ class ArrayLoader:
         dtype). Only batches handed out count: those prefetched since are not part of it. A
         ``set_epoch`` not yet followed by an iteration is recorded as that epoch's start, and
         an epoch whose batches were all handed out as the next epoch's start."""
-        return _resume.state_of(self)
+        return _resume.state_of(self, self._it, self._plan)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed: Any = ()) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, possibly of another process, rank
@@ -715,7 +700,11 @@ class ArrayLoader:
         remaining items are re-sharded (Resuming, in the module documentation); ``rank`` is
         not checked, since every rank's state holds the same position."""
         self._check_open()
-        _resume.load(self, state, allow_changed)
+        epoch, position = _resume.validate(self, self._plan, state, allow_changed)
+        if self._pf is not None:  # what it prefetched is not what comes next
+            self._pf.close()
+            self._pf = None
+        _resume.load(self._it, state, epoch, position, self.num_items, self.world_size)
 
     def indices_after(self, epoch: int, position: int) -> np.ndarray:
         """This rank's item order for what is left of ``epoch`` once the ranks together were

@@ -46,6 +46,7 @@ import numpy as np
 from . import _C, _cudart, _resume
 from ._C import AsyncPrefetcher
 from ._epoch_plan import _order, _Plan, prepare_order
+from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
 from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
@@ -402,8 +403,8 @@ class _ImageEpochs(_resume.ResumableEpochs):
     """The prefetcher's source: each iter() is the plan's epoch, or the resumed part of it once a
     state was loaded (``resume``, set by pinloader/_resume.py)."""
 
-    def __init__(self, runner: _Runner, plan: _Plan) -> None:
-        super().__init__(None, plan)
+    def __init__(self, runner: _Runner, plan: _Plan, it: IterState) -> None:
+        super().__init__(None, plan, it)
         self._runner = runner
 
     def __len__(self) -> int:
@@ -594,16 +595,13 @@ class ImageLoader:
                    dtype=dtype, channels_last=_LAYOUTS[layout], keys=keys,
                    norm=ops.norm_constants(mean, std, dtype), workers=workers, on_error=on_error)
         self._runner = _Runner(src, cfg)
-        self._source = _ImageEpochs(self._runner, plan)
+        # where the iteration is: epochs, batches handed out, a loaded state to resume at
+        self._it = IterState()
+        self._source = _ImageEpochs(self._runner, plan, self._it)
         self._decoder_kind = ""
         self._decoder_reason = ""
         self._decoder_key: tuple[str, bool] | None = None
         self._pf_settings: tuple[Any, int, dict[str, Any]] | None = None
-        self._epoch: int | None = None
-        self._requested: int | None = None
-        self._consumed = 0
-        self._done = False
-        self._failed = False
 
     # ---- sampling ----
 
@@ -638,25 +636,17 @@ class ImageLoader:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
             raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
-        self._requested = int(epoch)
+        self._it.requested = int(epoch)
 
     @property
     def epoch(self) -> int | None:
-        return self._epoch
+        return self._it.epoch
 
     # ---- iteration ----
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("ImageLoader is closed")
-
-    def _next_epoch(self) -> int:
-        if self._requested is not None:
-            e, self._requested = self._requested, None
-            return e
-        if self._epoch is None:
-            return 0
-        return self._epoch + 1 if (self._consumed or self._done) else self._epoch
 
     def _choose_decoder(self, settings: tuple[Any, int, dict[str, Any]]) -> None:
         """The GPU decoder where it can be had for these settings (static=/out= batches are the
@@ -709,20 +699,20 @@ class ImageLoader:
         """Begin an epoch with these settings, the loader's own or a door's (Note [doors over a
         loader] in pinloader/array_loader.py)."""
         self._check_open()
-        epoch = self._next_epoch()
+        it = self._it
+        epoch = it.next_epoch()
         if epoch >= _EPOCH_LIMIT:
             raise ValueError(f"ImageLoader: epoch {epoch} is past the last epoch (2**63 - 1); "
                              "set_epoch() to continue")
-        self._resumed_iter = _resume.begin_epoch(self, epoch)
+        it.resumed = _resume.begin_epoch(it, self._plan, epoch)
         pf = self._pf
         if pf is not None and (self._pf_settings is None or not _same_settings(self._pf_settings, settings)):
             pf.close()
             pf = self._pf = None
-        if pf is not None and (self._failed or (not self._consumed and not self._done
-                                                and epoch != self._epoch)):
+        if pf is not None and (it.failed or (not it.consumed and not it.done and epoch != it.epoch)):
             pf.close()
             pf = self._pf = None
-        self._failed = False
+        it.failed = False
         prev = self._plan.epoch
         self._plan.epoch = epoch
         try:
@@ -731,11 +721,9 @@ class ImageLoader:
             else:
                 iter(pf)
         except BaseException:
-            self._plan.epoch, self._requested, self._failed = prev, epoch, True
+            self._plan.epoch, it.requested, it.failed = prev, epoch, True
             raise
-        self._epoch = epoch
-        self._consumed = 0
-        self._done = False
+        it.epoch, it.consumed, it.done = epoch, 0, False
         prepare_order(self._plan, epoch + 1)
         return self
 
@@ -747,13 +735,13 @@ class ImageLoader:
         try:
             item = next(self._pf)
         except StopIteration:
-            self._done = True
+            self._it.done = True
             raise
         except Exception:
-            self._failed = True
+            self._it.failed = True
             raise
         batch, tag = item
-        self._consumed = tag.batch + 1
+        self._it.consumed = tag.batch + 1
         k = self._runner.cfg["keys"][0] if self._runner is not None else "image"
         img = batch[k]
         opts = self._pf_settings[2] if self._pf_settings is not None else {}
@@ -831,7 +819,7 @@ class ImageLoader:
         workspace_bytes)."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
         runner = self._runner
-        s.update(epoch=self._epoch, rank=self.rank, world_size=self.world_size,
+        s.update(epoch=self._it.epoch, rank=self.rank, world_size=self.world_size,
                  batches_per_epoch=len(self), source=self.source.kind,
                  decoder=self._decoder_kind or None, decoder_reason=self._decoder_reason)
         if runner is not None:
@@ -856,7 +844,7 @@ class ImageLoader:
         self._closed = True
         if self._runner is not None:
             self._runner.close()
-        self._source.resume = None
+        self._it.resume_run = None
         self._plan.cache = self._plan.ahead = None
 
     @property
@@ -876,13 +864,10 @@ class ImageLoader:
 
     # ---- checkpoint and resume (pinloader/_resume.py) ----
 
-    _resume_at: tuple[int, int, int] | None = None
-    _resumed_iter: tuple[int, int, int, int] | None = None
-
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as :meth:`pinloader.ArrayLoader.state_dict` says (items are
         images; skipped images count as handed out), with ``format`` ``"pinloader.ImageLoader"``."""
-        state = _resume.state_of(self)
+        state = _resume.state_of(self, self._it, self._plan)
         state["format"] = FORMAT
         return state
 
@@ -893,4 +878,9 @@ class ImageLoader:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"ImageLoader.load_state_dict: not an ImageLoader state (format={got!r})")
-        _resume.load(self, dict(state, format=_resume.FORMAT), allow_changed)
+        state = dict(state, format=_resume.FORMAT)
+        epoch, position = _resume.validate(self, self._plan, state, allow_changed)
+        if self._pf is not None:  # what it prefetched is not what comes next
+            self._pf.close()
+            self._pf = None
+        _resume.load(self._it, state, epoch, position, self.num_items, self.world_size)

@@ -186,9 +186,9 @@ def test_deleted_mapped_file_falls_back_to_the_generator(tmp_path):
 def test_a_mapped_file_is_matched_by_its_mapping_not_by_stat(tmp_path, monkeypatch):
     # On a btrfs subvolume stat()'s st_dev is not the device /proc/self/maps shows for the
     # file's mappings: a stat() match took every such file for another one, and each epoch fell
-    # back to the generator (_open_matching in pinloader/_epoch_plan.py). Such a file system is
+    # back to the generator (_open_matching in pinloader/_mapped.py). Such a file system is
     # played here by a stat() whose st_dev never agrees with /proc/self/maps.
-    import pinloader._epoch_plan as plan_mod
+    import pinloader._mapped as mapped_mod
     mm = np.memmap(tmp_path / "m.bin", dtype=np.int32, mode="w+", shape=(400, 8))
     mm[:] = np.arange(400, dtype=np.int32)[:, None]
     mm.flush()
@@ -198,8 +198,8 @@ def test_a_mapped_file_is_matched_by_its_mapping_not_by_stat(tmp_path, monkeypat
         return os.stat_result((st.st_mode, st.st_ino, st.st_dev ^ 0x5A5A, st.st_nlink, st.st_uid,
                                st.st_gid, st.st_size, int(st.st_atime), int(st.st_mtime), int(st.st_ctime)))
 
-    monkeypatch.setattr(plan_mod.os, "stat", lambda *a, **k: other_device(real_stat(*a, **k)))
-    monkeypatch.setattr(plan_mod.os, "fstat", lambda fd: other_device(real_fstat(fd)))
+    monkeypatch.setattr(mapped_mod.os, "stat", lambda *a, **k: other_device(real_stat(*a, **k)))
+    monkeypatch.setattr(mapped_mod.os, "fstat", lambda fd: other_device(real_fstat(fd)))
     with pinloader.ArrayLoader({"x": mm}, 50, device=DEVICE, seed=4) as L:
         got = np.concatenate([g["x"] for g in collect(L)])
         st = L.stats()
@@ -354,9 +354,9 @@ def test_a_failed_batch_read_from_python_is_read_again(tmp_path):
 
 
 def test_mapped_files_are_matched_with_one_read_of_the_maps(tmp_path, monkeypatch):
-    # _open_matching in pinloader/_epoch_plan.py: a read of /proc/self/maps per mapped file is
+    # _open_matching in pinloader/_mapped.py: a read of /proc/self/maps per mapped file is
     # O(files x mappings) at the first native epoch (24 s for 3,000 memmapped files)
-    import pinloader._epoch_plan as plan_mod
+    import pinloader._mapped as mapped_mod
     leaves = {}
     for i in range(20):
         mm = np.memmap(tmp_path / f"m{i}.bin", dtype=np.int32, mode="w+", shape=(400, 8))
@@ -364,8 +364,8 @@ def test_mapped_files_are_matched_with_one_read_of_the_maps(tmp_path, monkeypatc
         mm.flush()
         leaves[f"x{i}"] = mm
     reads = []
-    real = plan_mod._maps_lines
-    monkeypatch.setattr(plan_mod, "_maps_lines", lambda addrs: reads.append(len(addrs)) or real(addrs))
+    real = mapped_mod._maps_lines
+    monkeypatch.setattr(mapped_mod, "_maps_lines", lambda addrs: reads.append(len(addrs)) or real(addrs))
     with pinloader.ArrayLoader(leaves, 50, device=DEVICE, seed=4) as L:
         got = np.concatenate([g["x7"] for g in collect(L)])
         st = L.stats()

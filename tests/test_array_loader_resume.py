@@ -495,3 +495,18 @@ def test_a_resumed_epoch_says_how_its_batches_were_made_and_opens_no_file_again(
         fds = count_fds() if fds is None else fds
         assert count_fds() == fds
     L.close()
+
+
+def test_resume_reads_and_sets_no_private_attribute_of_a_loader():
+    # pinloader/_resume.py works through what the loaders pass it (their settings, plan and
+    # IterState): an attribute of theirs it read or set by a private name would tie it to one
+    # loader's insides again, and an ImageLoader that lacks the name would break.
+    import ast
+    with open(os.path.join(ROOT, "pinloader", "_resume.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    reached = sorted({f"{n.value.id}.{n.attr} (line {n.lineno})" for n in ast.walk(tree)
+                      if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                      and n.value.id == "loader" and n.attr.startswith("_")})
+    assert not reached, reached
+    uses_loader = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "loader"]
+    assert uses_loader, "pinloader/_resume.py no longer takes a loader: update this test"
