@@ -57,7 +57,7 @@ class CupyPrefetcher(FrameworkPrefetcher):
 
 # The stream and convert callables per device (and per CuPy stream lookup and null stream): a
 # door made per epoch over one ArrayLoader asks for the same settings each time and keeps the
-# loader's prefetcher (Note [doors over a loader] in pinloader/array_loader.py).
+# loader's prefetcher (Note [doors over a loader] in pinloader/_loader_base.py).
 _callables_cache: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 

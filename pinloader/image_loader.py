@@ -49,9 +49,8 @@ from ._epoch_plan import _order, _Plan, prepare_order
 from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
-from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
-from .array_loader import (_EPOCH_LIMIT, _LoaderDoor, _default_rank_world, _int_arg, _same_opt,
-                           _same_settings)
+from ._loader_base import _EpochLoader, _epoch_arg
+from .array_loader import _default_rank_world, _int_arg
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
 
@@ -442,7 +441,7 @@ def _range(name: str, v: Any, lo: float) -> tuple[float, float]:
     return a, b
 
 
-class ImageLoader:
+class ImageLoader(_EpochLoader):
     """Shuffled, sharded batches of images from JPEG files, tar shards or a packed file,
     decoded on the GPU (nvJPEG) or on the host (Pillow), with torchvision's crops.
 
@@ -498,6 +497,9 @@ class ImageLoader:
     The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
     re-sharded to another world size) and the framework doors are ArrayLoader's.
     """
+
+    _NAME = "ImageLoader"
+    _DEFAULT_DEPTH = _DEFAULT_DEPTH
 
     windows = None  # (the resume machinery's; an image loader has no windows)
 
@@ -607,9 +609,7 @@ class ImageLoader:
 
     def indices(self, epoch: int) -> np.ndarray:
         """This rank's sample order for ``epoch`` (as :meth:`pinloader.ArrayLoader.indices`)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
-        return _order(self._plan, int(epoch)).view()
+        return _order(self._plan, _epoch_arg("ImageLoader", epoch)).view()
 
     def indices_after(self, epoch: int, position: int) -> np.ndarray:
         """This rank's sample order for what is left of ``epoch`` once the ranks together were
@@ -619,7 +619,7 @@ class ImageLoader:
                 raise TypeError(f"ImageLoader: {name} must be an int, not {type(v).__name__}")
         if position < 0:
             raise ValueError(f"ImageLoader: position must be >= 0, got {position}")
-        return _resume.resumed_order(self._plan, int(epoch), int(position))
+        return _resume.resumed_order(self._plan, _epoch_arg("ImageLoader", epoch), int(position))
 
     def params(self, epoch: int, indices: Any) -> np.ndarray:
         """The resampling parameters (int32 (n, 9), Note [image parameters] in
@@ -630,23 +630,17 @@ class ImageLoader:
         assert runner is not None
         hw = np.stack([runner.header(int(i), runner.src.read_one(int(i))) for i in idx]) if len(idx) \
             else np.zeros((0, 3), np.int32)
-        return runner.params(int(epoch), idx, hw)
+        return runner.params(_epoch_arg("ImageLoader", epoch), idx, hw)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise TypeError(f"ImageLoader: epoch must be an int, not {type(epoch).__name__}")
-        self._it.requested = int(epoch)
+        self._it.requested = _epoch_arg("ImageLoader", epoch)
 
     @property
     def epoch(self) -> int | None:
         return self._it.epoch
 
     # ---- iteration ----
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("ImageLoader is closed")
 
     def _choose_decoder(self, settings: tuple[Any, int, dict[str, Any]]) -> None:
         """The GPU decoder where it can be had for these settings (static=/out= batches are the
@@ -679,9 +673,6 @@ class ImageLoader:
         self._decoder_reason = why
         self._decoder_key = key
 
-    def _own_settings(self) -> tuple[Any, int, dict[str, Any]]:
-        return self._device, _DEFAULT_DEPTH if self._depth is None else self._depth, self._opts
-
     def _make_prefetcher(self, settings: tuple[Any, int, dict[str, Any]]) -> AsyncPrefetcher:
         self._choose_decoder(settings)
         device, depth, opts = settings
@@ -692,55 +683,8 @@ class ImageLoader:
         self._pf_settings = settings
         return pf
 
-    def __iter__(self) -> "ImageLoader":
-        return self._begin(self._own_settings())
-
-    def _begin(self, settings: tuple[Any, int, dict[str, Any]]) -> "ImageLoader":
-        """Begin an epoch with these settings, the loader's own or a door's (Note [doors over a
-        loader] in pinloader/array_loader.py)."""
-        self._check_open()
-        it = self._it
-        epoch = it.next_epoch()
-        if epoch >= _EPOCH_LIMIT:
-            raise ValueError(f"ImageLoader: epoch {epoch} is past the last epoch (2**63 - 1); "
-                             "set_epoch() to continue")
-        it.resumed = _resume.begin_epoch(it, self._plan, epoch)
-        pf = self._pf
-        if pf is not None and (self._pf_settings is None or not _same_settings(self._pf_settings, settings)):
-            pf.close()
-            pf = self._pf = None
-        if pf is not None and (it.failed or (not it.consumed and not it.done and epoch != it.epoch)):
-            pf.close()
-            pf = self._pf = None
-        it.failed = False
-        prev = self._plan.epoch
-        self._plan.epoch = epoch
-        try:
-            if pf is None:
-                self._pf = self._make_prefetcher(settings)
-            else:
-                iter(pf)
-        except BaseException:
-            self._plan.epoch, it.requested, it.failed = prev, epoch, True
-            raise
-        it.epoch, it.consumed, it.done = epoch, 0, False
-        prepare_order(self._plan, epoch + 1)
-        return self
-
     def __next__(self) -> Any:
-        self._check_open()
-        if self._pf is None:
-            iter(self)
-        assert self._pf is not None
-        try:
-            item = next(self._pf)
-        except StopIteration:
-            self._it.done = True
-            raise
-        except Exception:
-            self._it.failed = True
-            raise
-        batch, tag = item
+        batch, tag = self._take()
         self._it.consumed = tag.batch + 1
         k = self._runner.cfg["keys"][0] if self._runner is not None else "image"
         img = batch[k]
@@ -759,40 +703,6 @@ class ImageLoader:
             s = stream() if callable(stream) else stream
             return convert(_C.export_capsules([arr], s)[0])
         return convert(arr)
-
-    def __len__(self) -> int:
-        return int(self._plan.n_batches)
-
-    def _next_with(self, settings: tuple[Any, int, dict[str, Any]]) -> Any:
-        """A door's next(): begins an epoch with the door's settings unless they are the
-        running prefetcher's (Note [doors over a loader] in pinloader/array_loader.py)."""
-        self._check_open()
-        if self._pf is None or self._pf_settings is None or not _same_settings(self._pf_settings, settings):
-            self._begin(settings)
-        return self.__next__()
-
-    def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> _LoaderDoor:
-        """Let a framework door iterate this loader with the door's settings, for the door's
-        iterations only (Note [doors over a loader] in pinloader/array_loader.py)."""
-        if self._closed:
-            raise ValueError("ImageLoader is closed")
-        def clash(name: str, mine: Any, theirs: Any) -> ValueError:
-            return ValueError(f"ImageLoader was made with {name}={mine!r}, but the adapter asks for "
-                              f"{name}={theirs!r}: pass it to one of them only")
-        want_device = self._device if self._device is not None else device
-        if self._device is not None and device is not None and str(device) != str(self._device) \
-                and "cuda" not in (str(device), str(self._device)):
-            raise clash("device", self._device, device)
-        given = depth is not _ADAPTER_DEFAULT_DEPTH
-        want_depth = self._depth if self._depth is not None else depth if given else _DEFAULT_DEPTH
-        if self._depth is not None and given and depth != self._depth:
-            raise clash("depth", self._depth, depth)
-        merged = dict(self._opts)
-        for k, v in opts.items():
-            if k in merged and not _same_opt(merged[k], v):
-                raise clash(k, merged[k], v)
-            merged[k] = v
-        return _LoaderDoor(self, (want_device, want_depth, merged))
 
     def _release_decoder(self) -> None:
         runner = self._runner

@@ -146,7 +146,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
 
 # One stream callable per device (and per torch.cuda.current_stream in use): a door made per
 # epoch over one ArrayLoader then asks for the same settings each time, and keeps the loader's
-# prefetcher and its static buffers (Note [doors over a loader] in pinloader/array_loader.py).
+# prefetcher and its static buffers (Note [doors over a loader] in pinloader/_loader_base.py).
 _streams: dict[tuple[Any, ...], Any] = {}
 
 

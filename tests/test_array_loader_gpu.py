@@ -132,7 +132,7 @@ def test_a_dropped_batch_is_not_reused_while_a_slow_stream_still_reads_it():
     assert sorted(got[:, 0].tolist()) == list(range(n)), "the epoch's rows were not each read once"
 
 
-# ---- doors over one loader (Note [doors over a loader] in pinloader/array_loader.py) ----
+# ---- doors over one loader (Note [doors over a loader] in pinloader/_loader_base.py) ----
 
 @pytest.mark.gpu
 def test_gpu_a_torch_door_per_epoch_over_one_loader():

@@ -343,7 +343,7 @@ def test_setstate_on_what_indices_hands_out_never_reaches_the_loader():
     L.close()
 
 
-# ---- doors over one loader (Note [doors over a loader] in pinloader/array_loader.py) ----
+# ---- doors over one loader (Note [doors over a loader] in pinloader/_loader_base.py) ----
 
 def test_a_torch_door_per_epoch_over_one_loader_keeps_one_prefetcher():
     pt = pytest.importorskip("pinloader.torch")

@@ -606,3 +606,15 @@ print("parent", left)
     p = run_py(code, timeout=120)
     assert p.returncode == 0, describe(p)
     assert p.stdout.split() == ["fork;same", "parent", "4"], describe(p)
+
+
+def test_epochs_out_of_range_are_refused(data):
+    loader = ImageLoader(data["packed"], 5, size=8, device="cpu")
+    for bad in (-1, 2**63):
+        with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
+            loader.set_epoch(bad)
+        with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
+            loader.indices(bad)
+    with pytest.raises(TypeError, match="epoch must be an int"):
+        loader.set_epoch(1.0)
+    loader.close()
