@@ -416,8 +416,8 @@ static int numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a)
 
 /* ---- ArrayLoader rows ---- */
 
-/* A RowGather leaf (src/py/gather.c) is gathered by the staging threads straight from its source
- * (see Note [array sources] in gather.c and Note [row gather] in stager.c), or, when it carries
+/* A RowGather leaf (src/py/row_gather.c) is gathered by the staging threads straight from its source
+ * (see Note [array sources] in row_gather.c and Note [row gather] in stager.c), or, when it carries
  * a registration of the prefetcher's backend, by the device gather (Note [device gather] in
  * devgather.h). Its rows were validated when it was made; the RowGather, kept as the owner,
  * keeps them, the registration and the source alive until the batch's copy is done. */

@@ -129,7 +129,7 @@ int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);
  * structure once (AsyncPrefetcher's structure=, pinloader._C._leaves). */
 int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
                       PyObject **passed);
-/* ArrayLoader batches made without the GIL (Note [native epochs] in gather.c): the leaves of
+/* ArrayLoader batches made without the GIL (Note [native epochs] in row_batches.c): the leaves of
  * the batch are row-gathered leaves only, added in order after pl_flat_begin, with no nodes
  * and no owners (the epoch's RowBatches keeps the sources). pl_flat_reserve_rows makes room for
  * n leaves (GIL held; 0, or -1 with MemoryError); pl_flat_add_rows adds one (no GIL; 0, or -1
