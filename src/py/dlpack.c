@@ -1,6 +1,6 @@
 /* DLPack in both directions. Export, shared by every exporter in pinloader (PinnedBuffer in
  * pinned.c, DeviceArray in device_array.c): parsing of the __dlpack__ keywords, the capsule,
- * its destructor and the managed tensor's deleters (legacy and versioned). Import (flatten.c
+ * its destructor and the managed tensor's deleters (legacy and versioned). Import (flat_leaves.c
  * reads leaves with it): the dtype map between NumPy and DLPack, the call of an exporter's
  * __dlpack__, and the reading of the capsule it returns.
  *
