@@ -1,6 +1,6 @@
 /* RowGather's part, private header: the objects and the functions its files share.
- * row_gather.c holds RowGather (its source, its rows, read-ahead) and pl_gather_init;
- * row_batches.c RowBatches, one epoch's batches made without the GIL; epoch_table.c the epoch
+ * row_batches.c holds RowBatches, one epoch's batches made without the GIL, and pl_gather_init;
+ * row_gather.c RowGather (its source, its rows, read-ahead); epoch_table.c the epoch
  * tables and the epoch permutation; registration.c Registration, register_rows and what makes
  * a source eligible for the device gather. The public header is gather.h. */
 #ifndef PL_GATHER_IMPL_H
@@ -64,6 +64,9 @@ int pl_epoch_table_init(PyObject *m);
 
 /* ---- row_gather.c ---- */
 
+/* The RowGather type, added to module m. */
+int pl_row_gather_init(PyObject *m, pl_state *st);
+
 /* Read-ahead of rows (Note [read-ahead] in row_gather.c): bytes advised. No GIL. */
 int64_t pl_advise_rows(const char *data, int nd, const npy_intp *shape, const npy_intp *strides,
                        size_t itemsize, int64_t window, const int64_t *rows, Py_ssize_t n);
@@ -74,10 +77,5 @@ int64_t pl_advise_rows(const char *data, int nd, const npy_intp *shape, const np
 int pl_attach_registration(RowGatherObject *g, PyObject *reg_obj);
 /* The Registration type, register_rows and _registered_bytes, added to module m. */
 int pl_registration_init(PyObject *m, pl_state *st);
-
-/* ---- row_batches.c ---- */
-
-/* The RowBatches type, added to module m. */
-int pl_row_batches_init(PyObject *m, pl_state *st);
 
 #endif

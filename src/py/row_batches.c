@@ -415,10 +415,12 @@ static PyType_Spec rb_spec = {
     .slots = rb_slots,
 };
 
-int pl_row_batches_init(PyObject *m, pl_state *st)
+int pl_gather_init(PyObject *m, pl_state *st)
 {
+    if (pl_row_gather_init(m, st) < 0 || pl_registration_init(m, st) < 0)
+        return -1;
     st->RowBatches_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &rb_spec, NULL);
     if (!st->RowBatches_Type || PyModule_AddObjectRef(m, "RowBatches", (PyObject *)st->RowBatches_Type) < 0)
         return -1;
-    return 0;
+    return pl_epoch_table_init(m);
 }

@@ -657,12 +657,10 @@ static PyType_Spec rg_spec = {
     .slots = rg_slots,
 };
 
-int pl_gather_init(PyObject *m, pl_state *st)
+int pl_row_gather_init(PyObject *m, pl_state *st)
 {
     st->RowGather_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &rg_spec, NULL);
     if (!st->RowGather_Type || PyModule_AddObjectRef(m, "RowGather", (PyObject *)st->RowGather_Type) < 0)
         return -1;
-    if (pl_registration_init(m, st) < 0 || pl_row_batches_init(m, st) < 0)
-        return -1;
-    return pl_epoch_table_init(m);
+    return 0;
 }
