@@ -1,7 +1,7 @@
 """The epoch plan of an ArrayLoader (pinloader/array_loader.py): which items each rank takes in
 an epoch, in what order, and the epoch's batches the loader's prefetcher places in its structure
 (AsyncPrefetcher's structure=): a RowBatches, whose batches the prefetcher makes in C without
-the GIL (Note [native epochs] in src/py/gather.c), or, where a file-mapped source's file cannot
+the GIL (Note [native epochs] in src/py/row_batches.c), or, where a file-mapped source's file cannot
 be opened for its size check, a generator of tuples of RowGather leaves. The files under
 memory-mapped sources are found and opened by pinloader/_mapped.py. Shared by the loader and by
 the resumed epoch (pinloader/_resume.py), which both build on it; it imports neither."""
@@ -76,13 +76,13 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
     if L is not None:
         order = phase + order * L
     # read-only, and read in place by the batches' RowGathers (Note [epoch row tables] in
-    # src/py/gather.c); the unsharded order of plain rows is permutation()'s own table
+    # src/py/epoch_table.c); the unsharded order of plain rows is permutation()'s own table
     return _epoch_table(order)
 
 
 # Note [orders made ahead]
 # An epoch's order is a permutation of all its items (Note [epoch permutation] in
-# src/py/gather.c), made when the epoch begins, in time linear in the items (tens of
+# src/py/epoch_table.c), made when the epoch begins, in time linear in the items (tens of
 # milliseconds for millions of rows, one random access each). The prefetcher's producer stops at an epoch's end until the next iter() (Note [epochs] in
 # src/py/prefetcher.c), so a loop across epochs would wait that long for the next epoch's first
 # batch, every epoch: for a short epoch of small rows, longer than the batches themselves take.
@@ -211,7 +211,7 @@ def _row_gather(plan: _Plan, path: str, src: Any, shape: tuple[int, ...], rows: 
 
 
 def _epoch_batches(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
-    """The epoch's batches: a RowBatches (Note [native epochs] in src/py/gather.c), or the
+    """The epoch's batches: a RowBatches (Note [native epochs] in src/py/row_batches.c), or the
     generator where a mapped file cannot be opened for its size check. A source found changed
     or cut short is the first batch's error, as the generator reports it, not iter()'s.
     ``resumed``: the resumed epoch's order and batch count (pinloader/_resume.py), in place of
@@ -259,7 +259,7 @@ def _epoch_generator(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | 
     # Before each batch is read, each file-mapped leaf's file size is checked against the end of
     # its mapping (one fstat), and a shorter file is an error naming the leaf and the file. A
     # RowBatches checks it in C, on a descriptor that _open_mapped_files (pinloader/_mapped.py)
-    # matched to the mapping (Note [native epochs] in src/py/gather.c); this generator, used
+    # matched to the mapping (Note [native epochs] in src/py/row_batches.c); this generator, used
     # where no such descriptor can be had, checks it with mmap.size() before the batch's
     # RowGathers exist. A file cut while a batch is being staged, after its check, is not
     # caught: the check narrows the window to one batch.
@@ -278,7 +278,7 @@ def _epoch_generator(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | 
                 raise _truncated(path, m, need, name)
         lo = b * bs
         rows = order[lo:lo + bs]
-        # Note [read-ahead] in src/py/gather.c: the next batch's rows (the first batch's own too)
+        # Note [read-ahead] in src/py/row_gather.c: the next batch's rows (the first batch's own too)
         ahead = order[(lo + bs if b else lo):lo + 2 * bs] if any_mapped else None
         leaves = [_row_gather(plan, path, src, shape, rows, ahead if mapped else None)
                   for path, src, mapped, shape in plan.leaves]

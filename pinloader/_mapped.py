@@ -3,7 +3,7 @@
 and how large their mappings are, the file each maps and the size it needs (_file_mapping, by
 the mmap a source holds or, where its owners hide it, by its address in /proc/self/maps), and
 read-only descriptors of those very files (_open_mapped_files), which a RowBatches checks with
-fstat() (Note [native epochs] in src/py/gather.c). Reads /proc/self/maps; knows nothing of
+fstat() (Note [native epochs] in src/py/row_batches.c). Reads /proc/self/maps; knows nothing of
 epochs or loaders."""
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _maps_entry(addr: int) -> tuple[int, str] | None:
 
 class _MappedFile:
     """A read-only descriptor of a file that a source maps, matched to the mapping, for the
-    RowBatches' size checks (Note [native epochs] in src/py/gather.c). Closed with its last
+    RowBatches' size checks (Note [native epochs] in src/py/row_batches.c). Closed with its last
     reference, never earlier: a RowBatches may outlive the loader that opened it."""
 
     __slots__ = ("fd",)

@@ -201,7 +201,7 @@ def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
         full = _order(whole, epoch)
         # continue the order cyclically from position g: the padding wraps to the epoch's start
         out = full[(g + np.arange(rank, length, world, dtype=np.int64)) % n]
-    return _epoch_table(out)  # read-only, read in place (Note [epoch row tables] in src/py/gather.c)
+    return _epoch_table(out)  # read-only, read in place (Note [epoch row tables] in src/py/epoch_table.c)
 
 
 def batches_of(plan: Any, items: int) -> int:

@@ -5,7 +5,7 @@ the registered sources) and copied to the device.
 The loader is a second kind of *source* for :class:`pinloader.AsyncPrefetcher`, not a second
 pipeline: each epoch is a :class:`pinloader._C.RowBatches` (made with the GIL when the epoch
 begins), whose batches the prefetcher's producer makes in C without taking the GIL at all
-(Note [native epochs] in ``src/py/gather.c``): the training thread never lends it the GIL.
+(Note [native epochs] in ``src/py/row_batches.c``): the training thread never lends it the GIL.
 The prefetcher places each batch's leaves in the structure of ``arrays`` it captured once
 (``structure=``); the staging threads read the rows from the sources into the pinned region
 (the only host copy), then the batch is copied to the device like any other.
@@ -17,7 +17,7 @@ Sampling (see ``ArrayLoader.indices``)
   ``[phase + k*L, phase + (k+1)*L)``; ``phase`` is drawn per epoch in ``[0, N - W*L]``, so the
   window boundaries move from epoch to epoch while windows never overlap within one.
 * ``shuffle=True``: the items are visited in the order of a seeded permutation specified in
-  ``src/py/gather.c`` (Note [epoch permutation]: SplitMix64 keyed by ``(seed, epoch)``, Lemire's
+  ``src/py/epoch_table.c`` (Note [epoch permutation]: SplitMix64 keyed by ``(seed, epoch)``, Lemire's
   unbiased bounded integers, Fisher-Yates), identical on every machine and NumPy version.
   ``shuffle=False``: in order, ``phase = 0``.
 * Sharding (``world_size > 1``), as ``torch.utils.data.DistributedSampler`` does: with
@@ -98,7 +98,7 @@ def _mem_available() -> int | None:
 
 
 def _wants_readahead(src: Any, readahead: bool | None) -> bool:
-    """Note [read-ahead] in src/py/gather.c. Advice costs a system call per row range (a few
+    """Note [read-ahead] in src/py/row_gather.c. Advice costs a system call per row range (a few
     microseconds each), which pays off only when the rows must come from storage: by default
     it is given for mappings larger than the memory available to the page cache."""
     if readahead is not None:
@@ -112,7 +112,7 @@ def _hold(src: Any) -> list[memoryview]:
     """Buffer exports that keep the object under ``src`` from being closed or resized while the
     loader lives (Python raises BufferError instead). A CPU torch tensor is held by the
     RowGathers themselves, the first of them made as the loader is (torch_hold in
-    src/py/gather.c: torch refuses to resize its storage from then on)."""
+    src/py/row_gather.c: torch refuses to resize its storage from then on)."""
     target = src
     if isinstance(src, np.ndarray):
         target = next((b for b in _base_chain(src) if not isinstance(b, np.ndarray)), None)
@@ -320,7 +320,7 @@ class ArrayLoader(_EpochLoader):
             shape = probe.source_shape
             lengths[path] = shape[0]
             # Each batch's RowGather takes its own view of the live source (Note [array sources]
-            # in src/py/gather.c), checked against the shape and dtype seen here: a source
+            # in src/py/row_gather.c), checked against the shape and dtype seen here: a source
             # reshaped, retyped or resized in place since is a clear error, and changes made
             # while a batch is being gathered cannot reach the gather.
             plan_leaves.append((path, src, _wants_readahead(src, readahead), shape))
@@ -414,7 +414,7 @@ class ArrayLoader(_EpochLoader):
         epoch = _epoch_arg("ArrayLoader", epoch)
         # a view whose base is the table's capsule, not the loader's cached array: nothing
         # handed out reaches the cache (ndarray.__setstate__ on the cached array would free
-        # the table under it; see gather_epoch_view in src/py/gather.c)
+        # the table under it; see gather_epoch_view in src/py/epoch_table.c)
         return _C._epoch_view(_order(self._plan, epoch))
 
     def set_epoch(self, epoch: int) -> None:

@@ -28,7 +28,7 @@ Each item the generator yields is ``(batch, _Tag)``: the tag says which planned 
 so that skipped samples (``on_error="skip"``) never shift the position a checkpoint records.
 The generator holds the GIL while it plans a batch (a few NumPy calls), not while images are
 read or decoded. ArrayLoader's epochs are made in C without the GIL (Note [native epochs] in
-src/py/gather.c); the image epochs are not yet.
+src/py/row_batches.c); the image epochs are not yet.
 
 Both take the same parameters for the same (seed, epoch, sample): the crops are the same on
 every backend, rank and resume.

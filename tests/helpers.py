@@ -328,7 +328,7 @@ def pool_stats(pool):
     return s
 
 
-# ---- ArrayLoader: the Python reference of Note [epoch permutation] (src/py/gather.c) ----------
+# ---- ArrayLoader: the Python reference of Note [epoch permutation] (src/py/epoch_table.c) ------
 
 M64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15

@@ -124,7 +124,7 @@ def test_array_loader_container_constructor_calling_next_on_the_loader():
     class Pair(collections.namedtuple("Pair", ["x", "y"])):
         def __new__(cls, x, y):
             # the batch's structure is built where the batch is handed out (the producer makes
-            # an ArrayLoader's batches in C: Note [native epochs] in src/py/gather.c), so a
+            # an ArrayLoader's batches in C: Note [native epochs] in src/py/row_batches.c), so a
             # next() in here is the consumer's own, nested: it takes the following batch
             if isinstance(x, pinloader.DeviceArray) and "L" in box and "seen" not in box:
                 box["seen"] = "entered"

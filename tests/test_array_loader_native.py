@@ -1,4 +1,4 @@
-"""ArrayLoader epochs made in C (Note [native epochs] in src/py/gather.c), on the host backend:
+"""ArrayLoader epochs made in C (Note [native epochs] in src/py/row_batches.c), on the host backend:
 the producer takes the GIL once per epoch, not once per batch; the batches equal the Python
 generator's and NumPy indexing; a RowBatches read from Python gives the same RowGathers; an
 epoch has one reader; hostile constructor arguments are clear errors.

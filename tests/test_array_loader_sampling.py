@@ -254,7 +254,7 @@ def test_windows_sharded():
 
 
 def test_indices_is_read_only_and_cannot_repoint_the_loaders_order():
-    # Note [epoch row tables] in src/py/gather.c: what indices() returns is the loader's order,
+    # Note [epoch row tables] in src/py/epoch_table.c: what indices() returns is the loader's order,
     # read-only; re-pointing it (ndarray.__setstate__) leaves the loader's batches unchanged
     data = np.arange(100, dtype=np.int64)
     with pinloader.ArrayLoader(data, 10, seed=3, device=DEVICE) as L:

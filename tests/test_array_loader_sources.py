@@ -129,7 +129,7 @@ def test_source_resized_under_the_loader_is_a_clear_error():
     got = [np.from_dlpack(next(it)).copy()]
     t.resize_(20, 4)  # torch allows it (the storage stays: the epoch's export holds it)
     # the epoch in flight reads the layout it began with (Note [native epochs] in
-    # src/py/gather.c): every row as it was, none lost or torn
+    # src/py/row_batches.c): every row as it was, none lost or torn
     got += [np.from_dlpack(next(it)).copy() for _ in range(len(L) - 1)]  # next(): iter() starts an epoch
     with pytest.raises(StopIteration):
         next(it)

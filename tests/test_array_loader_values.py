@@ -91,7 +91,7 @@ def test_duplicate_rows_and_rowgather_direct():
 
 
 def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
-    # Note [epoch row tables] in src/py/gather.c
+    # Note [epoch row tables] in src/py/epoch_table.c
     import sys
 
     a = sample((1000, 5), np.float32, 8)

@@ -242,7 +242,7 @@ def test_rowgather_refuses_a_registration_of_another_source():
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_registration_holds_its_source_until_it_is_closed(device):
-    # Note [a registration holds its source] in src/py/gather.c: freed memory that stayed
+    # Note [a registration holds its source] in src/py/registration.c: freed memory that stayed
     # registered would be read through the stale mapping by a RowGather over whatever array the
     # allocator puts at the same addresses next.
     src = np.zeros((100_000, 4), np.float32)  # owns its memory: the view below bases on it

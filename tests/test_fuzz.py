@@ -248,7 +248,7 @@ print("MUTATION", stats, flush=True)
 
 def test_array_loader_sources_mutated_in_place():
     # Sources reshaped or retyped in place under the loader: each RowGather reads through its
-    # own view of the source (Note [array sources] in src/py/gather.c), so a change made while a
+    # own view of the source (Note [array sources] in src/py/row_gather.c), so a change made while a
     # batch is gathered cannot reach the gather, and one made between batches is a clean error.
     # In a child: a crash there fails this test only. The budget follows the fuzz profile.
     p = run_py(MUTATION_CHILD, timeout=600, argv=(str(max(20, EXAMPLES // 10)), "18"))

@@ -1,4 +1,4 @@
-"""The epoch permutation (Note [epoch permutation] in src/py/gather.c; _C.permutation).
+"""The epoch permutation (Note [epoch permutation] in src/py/epoch_table.c; _C.permutation).
 
 Checked against the Python reference in tests/helpers.py: a golden vector that pins the
 specification, agreement over many (n, seed, epoch, phase_range) and as a property, bad

@@ -1,4 +1,4 @@
-"""PinnedPool (src/core/pool.c, src/py/pinned.c) on the host backend: allocation.
+"""PinnedPool (src/core/pool.c, src/py/pinned_pool.c) on the host backend: allocation.
 
 Many threads allocating and releasing at once never get overlapping regions nor pass the cap;
 same-sized requests reuse the same extents and a steady mix stops creating slabs; every region is

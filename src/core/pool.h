@@ -1,6 +1,6 @@
 /* PinnedPool: page-locked host slabs carved into regions, reused, bounded, event-gated.
  * No Python here: the prefetcher's producer thread uses this API without the GIL, and
- * pinned.c wraps it for Python. */
+ * pinned_pool.c wraps it for Python. */
 #ifndef PL_POOL_H
 #define PL_POOL_H
 

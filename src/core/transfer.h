@@ -4,9 +4,9 @@
  *
  * No Python here: the producer runs all of it without the GIL. It knows nothing of where the
  * leaves came from, so any source that can describe its batch as leaves uses it: the
- * AsyncPrefetcher's flatten.c, with array leaves, row-gathered leaves (staged by the stager,
- * Note [row gather] in stager.c) and device-gathered leaves (read by a kernel, Note [device
- * gather] in devgather.h). */
+ * AsyncPrefetcher's flatten (flat_leaves.c), with array leaves, row-gathered leaves (staged by
+ * the stager, Note [row gather] in stager.c) and device-gathered leaves (read by a kernel, Note
+ * [device gather] in devgather.h). */
 #ifndef PL_TRANSFER_H
 #define PL_TRANSFER_H
 

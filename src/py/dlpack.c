@@ -1,6 +1,6 @@
 /* DLPack in both directions. Export, shared by every exporter in pinloader (PinnedBuffer in
- * pinned.c, DeviceArray in device_array.c): parsing of the __dlpack__ keywords, the capsule,
- * its destructor and the managed tensor's deleters (legacy and versioned). Import (flatten.c
+ * pinned_buffer.c, DeviceArray in device_array.c): parsing of the __dlpack__ keywords, the capsule,
+ * its destructor and the managed tensor's deleters (legacy and versioned). Import (flat_leaves.c
  * reads leaves with it): the dtype map between NumPy and DLPack, the call of an exporter's
  * __dlpack__, and the reading of the capsule it returns.
  *
@@ -17,7 +17,7 @@
  * context is allocated with malloc (not a Python allocator), and the owner's release function
  * calls only pinloader's own C layers, which tolerate backend failure by leaking rather than
  * crashing (see Note [device lifetime] in block.c and Note [pinned buffer lifetime] in
- * pinned.c). */
+ * pinned_buffer.c). */
 #include "dlpack.h"
 
 #include <stdint.h>

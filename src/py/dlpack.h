@@ -1,6 +1,6 @@
 /* DLPack: the ABI (version 1.3, written from the public specification) and pinloader's export
- * side (dlpack.c), shared by every object that implements __dlpack__ (PinnedBuffer in pinned.c,
- * DeviceArray in device_array.c).
+ * side (dlpack.c), shared by every object that implements __dlpack__ (PinnedBuffer in
+ * pinned_buffer.c, DeviceArray in device_array.c).
  *
  * Only the declarations pinloader uses; layout checked by static assertions below so a
  * mismatch with the specification fails the build rather than a consumer. */

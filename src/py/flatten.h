@@ -36,7 +36,7 @@ typedef struct pl_tree {
  * An error names the leaf by its path ("item['x'][2].y"), and structure mode records each
  * leaf's path; but almost every walk succeeds, and formatting every step's text (a repr() and
  * an encode per dict key, a printf per index) costs more than reading the leaves. So the walk
- * keeps the path as a stack of steps, and path_render (flatten.c) renders the text only when
+ * keeps the path as a stack of steps, and path_render (flat_path.c) renders the text only when
  * it is read. A step whose text needs no user code (an index, an exact str or int key, an exact str
  * field name) keeps its object and is rendered then; any other key's repr() (or name's str())
  * is still taken when the walk reaches it, as user code may raise there or answer differently
@@ -47,7 +47,7 @@ typedef struct pl_tree {
 enum { PL_FLAT_MAX_NEST = 256 };
 
 typedef struct pl_path_step {
-    int kind;        /* see path_step_kind in flatten.c */
+    int kind;        /* see path_step_kind in flat_path.c */
     PyObject *obj;   /* borrowed (Note [lazy paths]) */
     Py_ssize_t index;
     char *text;      /* the root's (borrowed), or a key's taken at once (PyMem_Raw, owned) */
@@ -129,7 +129,7 @@ int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);
  * structure once (AsyncPrefetcher's structure=, pinloader._C._leaves). */
 int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
                       PyObject **passed);
-/* ArrayLoader batches made without the GIL (Note [native epochs] in gather.c): the leaves of
+/* ArrayLoader batches made without the GIL (Note [native epochs] in row_batches.c): the leaves of
  * the batch are row-gathered leaves only, added in order after pl_flat_begin, with no nodes
  * and no owners (the epoch's RowBatches keeps the sources). pl_flat_reserve_rows makes room for
  * n leaves (GIL held; 0, or -1 with MemoryError); pl_flat_add_rows adds one (no GIL; 0, or -1

@@ -1,5 +1,5 @@
 /* RowGather: rows of an array source (RAM or memory-mapped), a batch leaf that the staging
- * threads gather straight into pinned memory (see Note [array sources] in gather.c and
+ * threads gather straight into pinned memory (see Note [array sources] in row_gather.c and
  * Note [row gather] in stager.c). Also the epoch permutation ArrayLoader samples with. */
 #ifndef PL_GATHER_H
 #define PL_GATHER_H
@@ -30,7 +30,7 @@ int pl_row_gather_check(pl_state *st, PyObject *o);
 int pl_gather_init(PyObject *m, pl_state *st);
 
 /* RowBatches: one epoch of an ArrayLoader, whose batches the prefetcher's producer makes in C
- * without the GIL (Note [native epochs] in gather.c). */
+ * without the GIL (Note [native epochs] in row_batches.c). */
 int pl_row_batches_check(pl_state *st, PyObject *o);
 /* GIL held: the producer takes o for its own (0), or -1 with RuntimeError when another reader
  * already did. *n_leaves gets the leaves per batch. */

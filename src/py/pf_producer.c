@@ -2,7 +2,7 @@
  * handoff]) to call next() on the source and read the item with flatten.c, then, without the
  * GIL, copies the batch with transfer.c and queues it (pf_queue.c). An ArrayLoader's epoch (a
  * RowBatches) is adopted with the GIL once, and its batches are then made without it (Note
- * [native epochs] in gather.c). A producer that close()
+ * [native epochs] in row_batches.c). A producer that close()
  * left inside user code frees the pipeline itself when it comes back (Note [stuck producers]
  * in prefetcher.c). The object and its batches are in prefetcher_impl.h. */
 #include "prefetcher_impl.h"
@@ -76,7 +76,7 @@ typedef struct producer {
     PyThreadState *ts;
     int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
     PyGILState_STATE gstate; /* only then */
-    /* The epoch's RowBatches this producer adopted (Note [native epochs] in gather.c), kept
+    /* The epoch's RowBatches this producer adopted (Note [native epochs] in row_batches.c), kept
      * until its last batch is copied: then buried with prev_blk, that batch's block. */
     PyObject *native;
     uint64_t native_epoch;
@@ -113,7 +113,7 @@ static void wait_direct_copy(pl_prefetcher_obj *self)
 
 /* Note [GIL handoff]
  * The producer needs the GIL once per batch of a Python source (next() on the source, reading
- * the leaves; an ArrayLoader's epoch needs it once, Note [native epochs] in gather.c). A
+ * the leaves; an ArrayLoader's epoch needs it once, Note [native epochs] in row_batches.c). A
  * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
  * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
  * per step anyway, lends it the GIL right there. */
@@ -211,7 +211,7 @@ static void release_previous(pl_prefetcher_obj *self, producer *p, int all)
 static void native_item(pl_prefetcher_obj *self, producer *p, batch *bt);
 
 /* GIL held: adopt `it`, the epoch's RowBatches, and make its first batch (Note [native
- * epochs] in gather.c). */
+ * epochs] in row_batches.c). */
 static void adopt_native(pl_prefetcher_obj *self, producer *p, batch *bt, PyObject *it)
 {
     int n;

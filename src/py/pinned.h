@@ -1,4 +1,5 @@
-/* PinnedPool, PinnedBuffer and PoolClient: the Python face of pool.c (pinned.c). */
+/* PinnedPool, PinnedBuffer and PoolClient: the Python face of pool.c
+ * (pinned_pool.c, pinned_buffer.c, pinned_client.c; their private header is pinned_impl.h). */
 #ifndef PL_PINNED_H
 #define PL_PINNED_H
 

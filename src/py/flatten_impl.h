@@ -1,0 +1,60 @@
+/* Flatten's private header: the nodes of a walked item and the functions its files share.
+ * flatten.c holds the walk (Note [one leaf classifier]) and the rebuild; flat_leaves.c the leaf
+ * readers (NumPy arrays, RowGathers, DLPack exporters, buffer-protocol objects) and the
+ * nodes, leaves and owners they add; flat_path.c the error helpers and the leaf paths (Note
+ * [lazy paths] in flatten.h). The public header is flatten.h. GIL held throughout, except
+ * where a function says otherwise. */
+#ifndef PL_FLATTEN_IMPL_H
+#define PL_FLATTEN_IMPL_H
+
+#include "flatten.h"
+
+typedef enum {
+    FN_PASS,       /* obj passes through unchanged */
+    FN_LEAF,       /* an array leaf: a DeviceArray of leaves[leaf] */
+    FN_TUPLE,      /* n children */
+    FN_LIST,       /* n children */
+    FN_DICT,       /* n children, each with its key; obj: an empty dict subclass copy, or NULL */
+    FN_NAMEDTUPLE, /* type obj called with the n children as positional arguments */
+    FN_SEQ_SUBCLASS, /* type obj (a list or tuple subclass) called with a tuple of the n children */
+    FN_DATACLASS,  /* type obj called with the n children as keyword arguments (their keys) */
+} fnode_kind;
+
+struct pl_flat_node {
+    fnode_kind kind;
+    PyObject *obj;  /* see fnode_kind; a strong reference */
+    PyObject *key;  /* the key (or field name) under which the parent holds it; strong or NULL */
+    Py_ssize_t n;   /* children, which follow in preorder */
+    int leaf;
+};
+/* ---- flat_path.c ---- */
+
+/* A BaseException that is not an Exception is pending: it must propagate unchanged. */
+int pl_fl_pending_is_base_only(void);
+/* str(o) (or repr) as UTF-8 into buf; -1 only with a BaseException that is not an Exception. */
+int pl_fl_text_of(PyObject *o, int use_repr, char *buf, size_t n);
+/* getattr(o, name): 1 and *out set, 0 when missing, -1 with another error. */
+int pl_fl_optional_attr(PyObject *o, const char *name, PyObject **out);
+/* The path's steps (Note [lazy paths] in flatten.h). */
+void pl_fl_path_root(pl_flat *f, const char *root);
+size_t pl_fl_path_push_index(pl_flat *f, Py_ssize_t i);
+int pl_fl_path_push_text(pl_flat *f, PyObject *key, int as_attr, size_t *mark);
+void pl_fl_path_pop(pl_flat *f, size_t mark);
+/* Render the path into f->path. */
+int pl_fl_path_render(pl_flat *f);
+/* An exception of `type`, "path: why", for the leaf being walked. Returns -1. */
+int pl_fl_leaf_error(pl_flat *f, PyObject *type, const char *fmt, ...);
+
+/* ---- flat_leaves.c ---- */
+
+/* Structure mode: append (the current path, obj) to list. */
+int pl_fl_record_at_path(pl_flat *f, PyObject *list, PyObject *obj);
+/* Append a node; its index, or -1. */
+Py_ssize_t pl_fl_push_node(pl_flat *f, fnode_kind kind, PyObject *obj, PyObject *key);
+/* The leaf readers: each adds the leaf and its node, 0 or -1 with an exception. */
+int pl_fl_numpy_leaf(pl_flat *f, PyObject *key, PyArrayObject *a);
+int pl_fl_row_gather_leaf(pl_flat *f, PyObject *key, PyObject *obj);
+int pl_fl_walk_dlpack(pl_flat *f, PyObject *obj, PyObject *key, PyObject *devfn);
+int pl_fl_walk_buffer(pl_flat *f, PyObject *obj, PyObject *key);
+
+#endif

@@ -1,0 +1,81 @@
+/* RowGather's part, private header: the objects and the functions its files share.
+ * row_batches.c holds RowBatches, one epoch's batches made without the GIL, and pl_gather_init;
+ * row_gather.c RowGather (its source, its rows, read-ahead); epoch_table.c the epoch
+ * tables and the epoch permutation; registration.c Registration, register_rows and what makes
+ * a source eligible for the device gather. The public header is gather.h. */
+#ifndef PL_GATHER_IMPL_H
+#define PL_GATHER_IMPL_H
+
+#include "gather.h"
+
+#include "devgather.h"
+
+_Static_assert(sizeof(npy_intp) == sizeof(int64_t), "npy_intp must be 64-bit");
+
+typedef struct {
+    PyObject_HEAD
+    pl_hostreg *reg;
+    const pl_backend *b;
+    int device;
+    uint32_t gen;         /* Note [fork generations] */
+    size_t span;          /* bytes per item, when registered for */
+    int64_t window;
+    const char *lo;       /* the source's bytes, [lo, lo + n): what RowGathers may read */
+    size_t n;
+    PyObject *holder;     /* a RowGather over the source, holding it until close() (Note [a
+                           * registration holds its source]); NULL once closed */
+} RegistrationObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *array;      /* the ndarray rows are read from: the RowGather's own view */
+    PyObject *registration; /* a Registration for the device gather, or NULL */
+    pl_hostreg *reg;      /* with it: the RowGather's own handle on its range (pl_hostreg_dup),
+                           * which the Registration's close() does not release */
+    PyObject *source;     /* what the caller passed */
+    Py_buffer held;       /* an export on the object the array views; held.obj NULL if none */
+    int64_t *rows;        /* n_rows validated starts: PyMem_Malloc'd, or borrowed */
+    PyObject *rows_owner; /* the capsule of the epoch table rows are borrowed from (Note [epoch
+                           * row tables]), or NULL when rows is the RowGather's own */
+    Py_ssize_t n_rows;
+    int64_t window;       /* 0: single rows */
+    int64_t advised;      /* bytes given to madvise (Note [read-ahead]) */
+    int writeable;        /* NumPy says the source may be written */
+    DLDataType dtype;
+} RowGatherObject;
+
+/* The epoch table (Note [epoch row tables] in epoch_table.c). */
+typedef struct epoch_table {
+    int64_t n, lo, hi; /* entries, and the smallest and largest of them (0, -1 when empty) */
+    int64_t data[];
+} epoch_table;
+
+/* ---- epoch_table.c ---- */
+
+/* The epoch table that array a lies inside, or NULL (no exception); *cap gets its capsule
+ * (borrowed). */
+const epoch_table *pl_epoch_table_of(PyArrayObject *a, PyObject **cap);
+/* If obj is (a slice of) an epoch table whose entries all fit [0, limit - span], borrow it
+ * (*owner: a new reference to the table's capsule). Returns 1 if borrowed, else 0. */
+int pl_borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out, Py_ssize_t *n_out,
+                   PyObject **owner);
+/* permutation, _epoch_table and _epoch_view, added to module m. */
+int pl_epoch_table_init(PyObject *m);
+
+/* ---- row_gather.c ---- */
+
+/* The RowGather type, added to module m. */
+int pl_row_gather_init(PyObject *m, pl_state *st);
+
+/* Read-ahead of rows (Note [read-ahead] in row_gather.c): bytes advised. No GIL. */
+int64_t pl_advise_rows(const char *data, int nd, const npy_intp *shape, const npy_intp *strides,
+                       size_t itemsize, int64_t window, const int64_t *rows, Py_ssize_t n);
+
+/* ---- registration.c ---- */
+
+/* Take registration reg_obj for the device gather of g's rows, or -1 with an exception. */
+int pl_attach_registration(RowGatherObject *g, PyObject *reg_obj);
+/* The Registration type, register_rows and _registered_bytes, added to module m. */
+int pl_registration_init(PyObject *m, pl_state *st);
+
+#endif
