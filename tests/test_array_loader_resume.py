@@ -502,7 +502,8 @@ def test_resume_reads_and_sets_no_private_attribute_of_a_loader():
     # IterState): an attribute of theirs it read or set by a private name would tie it to one
     # loader's insides again, and an ImageLoader that lacks the name would break.
     import ast
-    with open(os.path.join(ROOT, "pinloader", "_resume.py"), encoding="utf-8") as f:
+    from pinloader import _resume
+    with open(_resume.__file__, encoding="utf-8") as f:  # the pinloader under test (installed too)
         tree = ast.parse(f.read())
     reached = sorted({f"{n.value.id}.{n.attr} (line {n.lineno})" for n in ast.walk(tree)
                       if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
