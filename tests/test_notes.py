@@ -10,6 +10,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _package_dir() -> Path:
+    """pinloader/ of the repository, else (the sdist's tests run against the installed package,
+    from a tree without pinloader/) the installed package's."""
+    if (ROOT / "pinloader").is_dir():
+        return ROOT / "pinloader"
+    import pinloader
+    return Path(pinloader.__file__).resolve().parent
+
+
+PKG = _package_dir()
+
+
+def _dir(top: str) -> Path:
+    return PKG if top == "pinloader" else ROOT / top
+
+
+def _rel(path: Path) -> str:
+    for base in (ROOT, PKG.parent):
+        try:
+            return str(path.relative_to(base))
+        except ValueError:
+            pass
+    return str(path)
+
+
+def _at(cited: str) -> Path:
+    """Where a path cited from the repository's root is."""
+    top, _, rest = cited.partition("/")
+    return _dir(top) / rest
+
+
 SCANNED = ("src", "pinloader", "tests")
 SUFFIXES = {".c", ".h", ".cu", ".py", ".pyi", ".md"}
 # a line break inside a comment, with the next line's comment marker: read as one space
@@ -22,7 +55,7 @@ PATH = re.compile(r"(?<![\w./-])((?:src|pinloader|tests|benchmarks|docs|tools|ex
 
 def _files():
     for top in SCANNED:
-        for path in sorted((ROOT / top).rglob("*")):
+        for path in sorted(_dir(top).rglob("*")):
             if path.suffix in SUFFIXES and path.is_file() and "__pycache__" not in path.parts:
                 yield path
 
@@ -45,14 +78,14 @@ def _named_file(name: str) -> list[Path]:
     """The files a comment's "in X" names: a path from the root, or a file name under src/ and
     pinloader/."""
     if "/" in name:
-        return [ROOT / name]
-    return [p for top in ("src", "pinloader") for p in (ROOT / top).rglob(name)]
+        return [_at(name)]
+    return [p for top in ("src", "pinloader") for p in _dir(top).rglob(name)]
 
 
 def test_every_cited_note_is_defined_where_it_is_said_to_be():
     defined = _definitions()
     assert len(defined) > 40, "Notes not found: has their heading format changed?"
-    twice = {n: sorted(str(p.relative_to(ROOT)) for p in ps) for n, ps in defined.items() if len(ps) > 1}
+    twice = {n: sorted(_rel(p) for p in ps) for n, ps in defined.items() if len(ps) > 1}
     assert not twice, f"Notes defined in more than one file: {twice}"
     this = Path(__file__).resolve()
     bad = []
@@ -65,11 +98,11 @@ def test_every_cited_note_is_defined_where_it_is_said_to_be():
             note = re.sub(r"\s+", " ", note)
             if "x" == note or "..." in note:  # a placeholder in prose about Notes
                 continue
-            rel = path.relative_to(ROOT)
+            rel = _rel(path)
             if note not in defined:
                 bad.append(f"{rel}: Note [{note}] is not defined anywhere")
             elif where and not any(p.resolve() in defined[note] for p in _named_file(where)):
-                homes = ", ".join(sorted(str(p.relative_to(ROOT)) for p in defined[note]))
+                homes = ", ".join(sorted(_rel(p) for p in defined[note]))
                 bad.append(f"{rel}: Note [{note}] in {where}, but it is in {homes}")
     assert not bad, "\n".join(sorted(set(bad)))
 
@@ -90,8 +123,8 @@ def test_every_cited_path_exists():
             cited = m.group(1).rstrip(".")
             if in_sdist and not _shipped_in_sdist(cited):
                 continue
-            if not (ROOT / cited).exists():
-                bad.append(f"{path.relative_to(ROOT)}: {cited} does not exist")
+            if not _at(cited).exists():
+                bad.append(f"{_rel(path)}: {cited} does not exist")
     assert not bad, "\n".join(sorted(set(bad)))
 
 
