@@ -223,7 +223,7 @@ def image_info(data: Any) -> tuple[int, int, int]:
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             w, h = im.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise ValueError(f"not an image Pillow recognizes ({e})") from None
     return h, w, 0
 

@@ -39,6 +39,9 @@ class ImageSourceError(ValueError):
     """A source that cannot be read as a dataset (empty, missing labels, malformed)."""
 
 
+_INT64 = (-2**63, 2**63 - 1)  # labels are int64
+
+
 def _unknown_sizes(n: int) -> np.ndarray:
     return np.full((n, 3), -1, np.int32)
 
@@ -127,6 +130,8 @@ def list_source(items: Sequence[tuple[Any, int]]) -> FileSource:
             raise TypeError(f"ImageLoader: source[{k}] must be a (path, label) pair, got {item!r}") from None
         if isinstance(lab, bool) or not isinstance(lab, (int, np.integer)):
             raise TypeError(f"ImageLoader: source[{k}]: the label must be an int, got {lab!r}")
+        if not _INT64[0] <= int(lab) <= _INT64[1]:
+            raise ValueError(f"ImageLoader: source[{k}]: the label {int(lab)} does not fit in int64")
         paths.append(os.fspath(p))
         labels.append(int(lab))
     if not paths:
@@ -340,6 +345,9 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
             except (UnicodeDecodeError, ValueError):
                 raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls is not an integer label "
                                        f"({text[:40]!r})") from None
+            if not _INT64[0] <= lab <= _INT64[1]:
+                raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls holds {text[:40]!r}, which "
+                                       "does not fit in int64")
             file_of.append(f)
             offsets.append(img[0])
             lengths.append(img[1])

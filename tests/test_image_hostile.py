@@ -229,3 +229,48 @@ def test_a_cut_progress_line_is_dropped_before_the_next_lines_are_appended(folde
         assert got == [b"\xff\xd8 one", b"\xff\xd8 3", b"\xff\xd8 two two"]
     finally:
         src.close()
+
+
+# ---- labels, headers and arguments ---------------------------------------------------------------
+
+def test_a_label_past_int64_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"source\[1\]: the label 9223372036854775808 does not fit in int64"):
+        make_source([("a.jpg", 0), ("b.jpg", 2**63)])
+    shard = str(tmp_path / "s.tar")
+    with tarfile.open(shard, "w") as t:
+        for name, blob in (("k.jpg", b"\xff\xd8"), ("k.cls", b"99999999999999999999")):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(blob)
+            t.addfile(ti, io.BytesIO(blob))
+    with pytest.raises(ImageSourceError, match=r"k.cls holds b'99999999999999999999', which does not fit in int64"):
+        make_source(shard)
+
+
+def png_header(w: int, h: int) -> bytes:
+    import struct
+    import zlib
+
+    def chunk(t: bytes, d: bytes) -> bytes:
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def test_an_image_too_large_for_pillow_is_a_value_error():
+    from pinloader import _image_ops as ops
+    with pytest.raises(ValueError, match="not an image Pillow recognizes.*exceeds limit"):
+        ops.image_info(png_header(100000, 100000))
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    ({"resize": 2**31}, ValueError, "resize must be at most 16384"),
+    ({"mean": (0.5, float("nan"), 0.5), "std": (1, 1, 1)}, ValueError, "three finite numbers"),
+    ({"mean": (0.5, 0.5, 0.5), "std": (1, float("inf"), 1)}, ValueError, "three finite numbers"),
+    ({"mean": (0.5, 0.5, 0.5), "std": (1, 0, 1)}, ValueError, "std positive"),
+    ({"mean": 5, "std": (1, 1, 1)}, TypeError, "mean and std must be three numbers each"),
+    ({"mean": ("a", 1, 1), "std": (1, 1, 1)}, TypeError, "mean and std must be three numbers each"),
+    ({"mean": (1, 1), "std": (1, 1)}, ValueError, "three finite numbers"),
+])
+def test_image_loader_refuses_bad_resize_mean_and_std(kw, err, match):
+    from pinloader import ImageLoader
+    with pytest.raises(err, match=match):
+        ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
