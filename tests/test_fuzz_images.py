@@ -9,13 +9,18 @@
   with the checksum fixed or not, sizes past the end, octal and base-256 sizes overflowing or
   negative, pax records with bad lengths, long names without terminators, cuts). A shard is
   read or refused with a ValueError naming the byte; what is read must lie inside the shard
-  and be what ``tarfile`` reads.
+  and be what ``tarfile`` reads. WebDataset shards (``key.jpg`` with ``key.cls`` holding random
+  text) so mutated are refused by ``make_source`` naming the shard, or read with each image's
+  bytes and label exactly.
 * Packed datasets with hand-edited ``offsets.npy``/``labels.npy``/``sizes.npy``/``meta.json``
   (wrong dtypes, shapes, negative or overlapping offsets, lengths past the end): refused with an
   ImageSourceError naming the file, or read with every sample's bytes and label exactly those
   of the files.
 * Resumed packs over a hand-edited ``progress.txt``: refused with a ValueError naming the file,
   or a packed dataset whose samples are exactly the source's.
+* ``_C._read_files`` and ``_C._map_files`` over random lists of regular files (empty, one byte,
+  page-sized and not), a folder, a FIFO, links, a missing path, ``/dev/null``, bytes and PathLike
+  paths, a path with a NUL byte and a non-path: each file's bytes exactly, or its error.
 
 Every example runs in this process; CI runs this module under the ASan build (.ci/run). The
 number of examples comes from ``PINLOADER_FUZZ_EXAMPLES`` (150 by default); the counts tried
@@ -27,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 import shutil
 import tarfile
 import tempfile
@@ -49,7 +55,7 @@ LOG = os.environ.get("PINLOADER_FUZZ_LOG")  # where to write each example before
 
 # Read by tests/conftest.py for the terminal summary.
 TRIED_IMAGES = {"jpeg": 0, "tar": 0, "tar_read": 0, "packed": 0, "packed_read": 0, "resume": 0,
-                "resume_done": 0}
+                "resume_done": 0, "files": 0, "wds": 0, "wds_read": 0}
 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                     print_blob=True)
@@ -371,6 +377,67 @@ def test_tar_scan_of_mutated_shards_reads_inside_and_agrees_with_tarfile(shard):
     assert ours[:len(members)] == members, f"_tar_scan read {ours!r:.500}, tarfile {members!r:.500}"
 
 
+@st.composite
+def wds_shards(draw):
+    """WebDataset shards: key.jpg with key.cls holding random text (a label or not), then
+    mutated as above."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]))) as t:
+        for k in range(draw(st.integers(1, 3))):
+            key = draw(name_part) + str(k)
+            cls = draw(st.one_of(st.integers(-2**70, 2**70).map(lambda v: str(v).encode()),
+                                 st.binary(max_size=12), st.just(b" 3\n"), st.just(b"1_0")))
+            members = [(f"{key}.jpg", JPEGS[k % len(JPEGS)])]
+            if draw(st.integers(0, 4)):
+                members.append((f"{key}.cls", cls))
+            for name, blob in members:
+                ti = tarfile.TarInfo(name)
+                ti.size = len(blob)
+                t.addfile(ti, io.BytesIO(blob))
+    b = bytearray(buf.getvalue())
+    heads = _headers(bytes(b))
+    for _ in range(draw(st.integers(0, 2))):
+        h = draw(st.sampled_from(heads))
+        at = h + draw(st.sampled_from([124, 125, 130, 156, 0, 5, 512, 600]))
+        if at < len(b):
+            b[at] = draw(st.integers(0, 255))
+            if draw(st.booleans()):
+                _fix_checksum(b, h)
+    return bytes(b)
+
+
+@FILE_SETTINGS
+@given(shard=wds_shards())
+def test_mutated_webdataset_shards_are_refused_or_read_exactly(shard):
+    log(("wds", shard))
+    TRIED_IMAGES["wds"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "s.tar")
+        with open(path, "wb") as f:
+            f.write(shard)
+        try:
+            src = make_source(path)
+        except ImageSourceError as e:
+            assert path in str(e), str(e)
+            return
+        try:
+            TRIED_IMAGES["wds_read"] += 1
+            base, offs, lens, _ = src.read(np.arange(len(src)))
+            names, cols = _C._tar_scan(exact(shard))
+            members, e0 = {}, 0
+            for end, off, size in cols.tolist():
+                members[names[e0:end].decode("utf-8", "surrogateescape")] = shard[off:off + size]
+                e0 = end
+            assert src.labels.dtype == np.int64
+            for k in range(len(src)):
+                name = src.names[k]
+                assert bytes(base[int(offs[k]):int(offs[k]) + int(lens[k])]) == members[name]
+                cls = members[name.rsplit(".", 1)[0] + ".cls"]
+                assert int(src.labels[k]) == int(cls.decode("ascii").strip())
+        finally:
+            src.close()
+
+
 def test_tar_scan_of_real_shards_is_tarfiles():
     for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
         long = "p" * 150 + "/" + "q" * 95 if fmt == tarfile.USTAR_FORMAT else "r" * 300
@@ -579,3 +646,82 @@ def test_a_resumed_pack_over_an_edited_progress_file_is_refused_or_exact(spec):
         finally:
             got.close()
         shutil.rmtree(dest)
+
+
+# ---- reading files -------------------------------------------------------------------------------
+
+_FILES: dict[str, bytes | None] = {}  # name -> bytes (regular files) or None (anything else)
+
+
+def _file_tree() -> tuple[str, dict[str, bytes | None]]:
+    if not _FILES:
+        root = tempfile.mkdtemp(prefix="pl-fuzz-files-")
+        rng = np.random.default_rng(5)
+        for k, n in enumerate((0, 1, 511, 4096, 4097, 70000)):
+            blob = rng.integers(0, 256, n, np.uint8).tobytes()
+            with open(os.path.join(root, f"reg{k}"), "wb") as f:
+                f.write(blob)
+            _FILES[os.path.join(root, f"reg{k}")] = blob
+        os.mkdir(os.path.join(root, "dir"))
+        os.mkfifo(os.path.join(root, "fifo"))
+        os.symlink(os.path.join(root, "reg3"), os.path.join(root, "link"))
+        os.symlink(os.path.join(root, "nowhere"), os.path.join(root, "dangling"))
+        _FILES[os.path.join(root, "link")] = _FILES[os.path.join(root, "reg3")]
+        for name in ("dir", "fifo", "dangling", "missing"):
+            _FILES[os.path.join(root, name)] = None
+        _FILES["/dev/null"] = None
+        _FILES["_root"] = root.encode()
+    return _FILES["_root"].decode(), _FILES  # type: ignore[union-attr]
+
+
+@st.composite
+def path_lists(draw):
+    _, files = _file_tree()
+    names = sorted(k for k in files if k != "_root")
+    out = []
+    for _ in range(draw(st.integers(0, 12))):
+        p = draw(st.sampled_from(names))
+        kind = draw(st.sampled_from(["str", "str", "bytes", "pathlike", "nul", "int"]))
+        out.append({"str": p, "bytes": p.encode(), "pathlike": pathlib.Path(p),
+                    "nul": p + "\0x", "int": 7}[kind])
+    return out
+
+
+@SETTINGS
+@given(paths=path_lists(), threads=st.integers(1, 8))
+def test_reading_random_files_gives_their_bytes_or_a_clear_error(paths, threads):
+    log(("files", paths, threads))
+    TRIED_IMAGES["files"] += 1
+    _, files = _file_tree()
+    bad_type = any(isinstance(p, int) for p in paths)
+    bad_nul = any("\0" in os.fsdecode(os.fspath(p)) for p in paths if not isinstance(p, int))
+    want = [None if isinstance(p, int) else files.get(os.fsdecode(os.fspath(p)).split("\0")[0]) for p in paths]
+    try:
+        data, offsets, lengths, errors = _C._read_files(paths, threads)
+    except TypeError:
+        assert bad_type
+    except ValueError as e:
+        assert bad_nul and "null" in str(e)
+    else:
+        assert not bad_type and not bad_nul
+        assert len(offsets) == len(lengths) == len(errors) == len(paths)
+        for k, w in enumerate(want):
+            o, n = int(offsets[k]), int(lengths[k])
+            if w is None:
+                assert errors[k] != 0 and n == 0
+            else:
+                assert errors[k] == 0 and bytes(data[o:o + n]) == w
+    try:
+        region, starts = _C._map_files(paths)
+    except TypeError:
+        assert bad_type
+    except ValueError as e:
+        assert bad_nul and "null" in str(e)
+    except OSError:
+        assert any(w is None for w in want)
+    else:
+        assert not bad_type and not bad_nul and all(w is not None for w in want)
+        assert not region.flags.writeable
+        for k, w in enumerate(want):
+            assert bytes(region[int(starts[k]):int(starts[k]) + len(w)]) == w
+        del region

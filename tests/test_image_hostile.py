@@ -274,3 +274,25 @@ def test_image_loader_refuses_bad_resize_mean_and_std(kw, err, match):
     from pinloader import ImageLoader
     with pytest.raises(err, match=match):
         ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
+
+
+class _ClearsTheList:
+    """A path whose __fspath__ empties the list it is in (user code run while paths encode)."""
+
+    def __init__(self, paths: list, path: str) -> None:
+        self.paths, self.path = paths, path
+
+    def __fspath__(self) -> str:
+        self.paths.clear()
+        return self.path
+
+
+def test_reading_paths_whose_fspath_changes_their_list(tmp_path):
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"abc")
+    for read in (lambda p: _C._read_files(p, 2), _C._map_files):
+        paths: list = []
+        paths.extend([_ClearsTheList(paths, str(f)), str(f), str(f)])
+        got = read(paths)
+        starts = got[1]
+        assert len(starts) == 3 and bytes(got[0][int(starts[2]):int(starts[2]) + 3]) == b"abc"

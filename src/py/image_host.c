@@ -106,6 +106,18 @@ error:
 
 /* ---- files (Note [file reader threads]) ---- */
 
+/* The paths as a tuple: a list could be changed under the loop that encodes them by a path's
+ * own __fspath__ (user code), and the loop indexes it by the length it had first. */
+static PyObject *paths_tuple(PyObject *o, const char *msg)
+{
+    PyObject *seq = PySequence_Fast(o, msg);
+    if (!seq || PyTuple_CheckExact(seq))
+        return seq;
+    PyObject *t = PyList_AsTuple(seq);
+    Py_DECREF(seq);
+    return t;
+}
+
 typedef struct {
     const char **paths;
     size_t n;
@@ -183,7 +195,7 @@ static PyObject *ih_read_files(PyObject *m, PyObject *args)
         PyErr_Format(PyExc_ValueError, "_read_files: threads must be in 1..%d, got %d", MAX_READERS, threads);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(paths_o, "_read_files: paths must be a sequence");
+    PyObject *seq = paths_tuple(paths_o, "_read_files: paths must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -293,7 +305,7 @@ static void region_free(PyObject *cap)
 static PyObject *ih_map_files(PyObject *m, PyObject *paths_o)
 {
     (void)m;
-    PyObject *seq = PySequence_Fast(paths_o, "_map_files: paths must be a sequence");
+    PyObject *seq = paths_tuple(paths_o, "_map_files: paths must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
