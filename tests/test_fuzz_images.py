@@ -201,7 +201,8 @@ def test_jpeg_info_refuses_samples_outside_the_base(n, offs, lens):
 
 def test_jpeg_info_refuses_offsets_it_cannot_read_as_int64():
     base = exact(JPEGS[0])
-    for bad in (np.array([0.5]), np.array([[0]]), np.array(0), np.array([2**63], np.uint64), "x", None):
+    for bad in (np.array([0.5]), np.array([[0]]), np.array(0), np.array([2**63], np.uint64), "x", None,
+                [1.5], ["1"], [True], [2**63]):
         with pytest.raises(ValueError, match="offsets must be a 1-d array of integers"):
             _C._jpeg_info(base, bad, np.array([1]))
 

@@ -37,9 +37,19 @@
 
 /* ---- headers ---- */
 
+/* o as a 1-d int64 array: integers only, cast safely (a float or a string, or a list of them,
+ * is refused rather than converted; so is a uint64 beyond int64). */
 static PyArrayObject *int64_vector(PyObject *o, const char *name)
 {
-    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(o, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
+    PyArrayObject *a = NULL, *raw = (PyArrayObject *)PyArray_FromAny(o, NULL, 1, 1, NPY_ARRAY_IN_ARRAY, NULL);
+    npy_intp none = 0;
+    if (raw && PyArray_SIZE(raw) == 0) /* [] is float64 to NumPy */
+        a = (PyArrayObject *)PyArray_SimpleNew(1, &none, NPY_INT64);
+    else if (raw && !PyArray_ISINTEGER(raw))
+        PyErr_SetString(PyExc_TypeError, "not integers");
+    else if (raw)
+        a = (PyArrayObject *)PyArray_FROMANY((PyObject *)raw, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
+    Py_XDECREF(raw);
     if (!a) {
         if (PyErr_ExceptionMatches(PyExc_ValueError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
