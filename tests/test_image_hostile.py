@@ -296,3 +296,15 @@ def test_reading_paths_whose_fspath_changes_their_list(tmp_path):
         got = read(paths)
         starts = got[1]
         assert len(starts) == 3 and bytes(got[0][int(starts[2]):int(starts[2]) + 3]) == b"abc"
+
+
+def test_a_long_thin_image_is_refused_before_its_resize_is_allocated():
+    # 1 x 65500 pixels: Resize(256) would make it 256 x 16.8M (12.9 GB of RGB)
+    from PIL import Image
+
+    from pinloader import _image_ops as ops
+    buf = io.BytesIO()
+    Image.new("RGB", (65500, 1)).save(buf, format="JPEG")
+    p = ops.eval_params(np.array([[1, 65500]]), (224, 224), 256)[0]
+    with pytest.raises(ValueError, match="resizing the 1 x 65500 image to 256 x 16768000 is past Pillow's"):
+        ops.host_decode(buf.getvalue(), p, (224, 224), (1, 65500))
