@@ -91,7 +91,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             "fuzz images: {jpeg} JPEG headers, {tar} tar shards ({tar_read} read), {packed} packed "
             "datasets ({packed_read} read), {resume} resumed packs ({resume_done} done), {files} file "
-            "lists, {wds} WebDataset shards ({wds_read} read)".format(**images))
+            "lists, {wds} WebDataset shards ({wds_read} read), {loader} loaders".format(**images))
 
 
 def pytest_collection_modifyitems(config, items):

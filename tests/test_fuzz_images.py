@@ -21,6 +21,8 @@
 * ``_C._read_files`` and ``_C._map_files`` over random lists of regular files (empty, one byte,
   page-sized and not), a folder, a FIFO, links, a missing path, ``/dev/null``, bytes and PathLike
   paths, a path with a NUL byte and a non-path: each file's bytes exactly, or its error.
+* ImageLoader (host decoder, ``on_error="skip"``) over folders and packed datasets of mutated
+  JPEGs: each sample decoded or skipped with its reason.
 
 Every example runs in this process; CI runs this module under the ASan build (.ci/run). The
 number of examples comes from ``PINLOADER_FUZZ_EXAMPLES`` (150 by default); the counts tried
@@ -55,7 +57,7 @@ LOG = os.environ.get("PINLOADER_FUZZ_LOG")  # where to write each example before
 
 # Read by tests/conftest.py for the terminal summary.
 TRIED_IMAGES = {"jpeg": 0, "tar": 0, "tar_read": 0, "packed": 0, "packed_read": 0, "resume": 0,
-                "resume_done": 0, "files": 0, "wds": 0, "wds_read": 0}
+                "resume_done": 0, "files": 0, "wds": 0, "wds_read": 0, "loader": 0}
 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                     print_blob=True)
@@ -726,3 +728,49 @@ def test_reading_random_files_gives_their_bytes_or_a_clear_error(paths, threads)
         for k, w in enumerate(want):
             assert bytes(region[int(starts[k]):int(starts[k]) + len(w)]) == w
         del region
+
+
+# ---- the loader over mutated images --------------------------------------------------------------
+
+def _host_decodes(b: bytes) -> bool:
+    """Whether the host decoder takes the sample: Pillow decodes it to the size its header says."""
+    try:
+        h, w, _ = ops.image_info(b)
+        return ops.decode_rgb(b).shape[:2] == (h, w)
+    except ValueError:
+        return False
+
+
+@FILE_SETTINGS
+@given(samples=st.lists(jpeg_samples(), min_size=1, max_size=6), train=st.booleans(),
+       packed=st.booleans())
+def test_image_loader_over_mutated_jpegs_decodes_or_skips_each(samples, train, packed):
+    # every sample is decoded or skipped with its reason (host decoder), never a crash; the
+    # batches' images and skips add up to the samples
+    from pinloader import ImageLoader
+    log(("loader", samples, train, packed))
+    TRIED_IMAGES["loader"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, b in enumerate(samples):
+            os.makedirs(os.path.join(tmp, "src", f"c{k % 2}"), exist_ok=True)
+            with open(os.path.join(tmp, "src", f"c{k % 2}", f"{k}.jpg"), "wb") as f:
+                f.write(b)
+        root = os.path.join(tmp, "src")
+        if packed:
+            pack(root, os.path.join(tmp, "packed"), workers=1, quiet=True)
+            root = os.path.join(tmp, "packed")
+        loader = ImageLoader(root, 4, train=train, size=16, device="cpu", decoder="host",
+                             on_error="skip", workers=2, seed=1)
+        try:
+            got = 0
+            for batch in loader:
+                img, lab = np.from_dlpack(batch["image"]), np.from_dlpack(batch["label"])
+                assert img.shape[1:] == (3, 16, 16) and np.isfinite(img).all()
+                assert len(lab) == img.shape[0]
+                got += img.shape[0]
+            s = loader.stats()
+            assert got + s["skipped"] == len(samples)
+            assert got == sum(map(_host_decodes, samples)), s["skipped_samples"]
+            assert all(r["reason"] for r in s["skipped_samples"])
+        finally:
+            loader.close()
