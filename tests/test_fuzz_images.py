@@ -322,7 +322,7 @@ def tar_samples(draw):
         elif kind == "type":
             # not 'g': tarfile applies a global header's path and size to every member after
             # it, which _tar_scan (as GNU tar and WebDataset writers) leaves aside
-            b[h + 156] = draw(st.sampled_from(b"0123456x LKS7\0"))
+            b[h + 156] = draw(st.sampled_from(b"0123456xX LKS7\0"))
         elif kind == "magic":
             b[h + 257:h + 265] = draw(st.sampled_from([b"ustar\x0000", b"ustar  \0", b"\0" * 8]))
         elif kind == "checksum":

@@ -308,3 +308,9 @@ def test_a_long_thin_image_is_refused_before_its_resize_is_allocated():
     p = ops.eval_params(np.array([[1, 65500]]), (224, 224), 256)[0]
     with pytest.raises(ValueError, match="resizing the 1 x 65500 image to 256 x 16768000 is past Pillow's"):
         ops.host_decode(buf.getvalue(), p, (224, 224), (1, 65500))
+
+
+def test_a_solaris_extended_header_names_its_member_as_a_pax_one():
+    rec = pax({"path": "long/" + "s" * 120 + ".jpg"})
+    shard = header("././@PaxHeader", len(rec), b"X") + data(rec) + header("short.jpg", 2) + data(b"ab") + END
+    assert scan(shard) == tarfile_reads(shard) == [("long/" + "s" * 120 + ".jpg", 1536, 2)]

@@ -1,6 +1,6 @@
 /* See tar_index.h. POSIX ustar headers, with the two extensions WebDataset writers use: pax
- * extended headers ('x': "path" and "size" records for the next member; global 'g' headers are
- * skipped) and GNU long names ('L'). Sizes are octal, or GNU base-256 when the field's first
+ * extended headers ('x', and Solaris tar's 'X', as tarfile reads them: "path" and "size"
+ * records for the next member; global 'g' headers are skipped) and GNU long names ('L'). Sizes are octal, or GNU base-256 when the field's first
  * byte has its high bit set. Every header's checksum is verified, as tarfile does. */
 #include "tar_index.h"
 
@@ -125,7 +125,7 @@ int pl_tar_scan(const unsigned char *p, size_t n, int (*add)(void *ctx, const pl
         /* A pax size is the next member's, not that of another extension header between them.
          * Links, devices, FIFOs and directories (and, as tarfile reads old archives, a type-0
          * member whose name ends in '/') have no data blocks, whatever their size field says. */
-        int ext = type == 'x' || type == 'L' || type == 'g' || type == 'K';
+        int ext = type == 'x' || type == 'X' || type == 'L' || type == 'g' || type == 'K';
         int no_data = (type >= '1' && type <= '6') || (type == 0 && own > 0 && h[own - 1] == '/');
         if (next_size >= 0 && !ext)
             size = next_size;
@@ -138,7 +138,7 @@ int pl_tar_scan(const unsigned char *p, size_t n, int (*add)(void *ctx, const pl
         }
         /* In a chain of extension headers before one member, the first to name it (or to size
          * it) wins, as in tarfile, which WebDataset's readers use. */
-        if (type == 'x') {
+        if (type == 'x' || type == 'X') {
             int64_t off = -1, len = 0, sz = -1;
             if (pax(p + data, size, data, &off, &len, &sz) < 0) {
                 *why = "a pax extended header is malformed";
