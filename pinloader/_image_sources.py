@@ -331,7 +331,11 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
             name = blob[end0:end].decode("utf-8", "surrogateescape")
             end0 = end
             key, ext = _wds_key(name)
-            samples.setdefault(key, {})[ext] = (off, size, name)
+            group = samples.setdefault(key, {})
+            if ext in group:  # the later would silently replace the earlier
+                raise ImageSourceError(f"ImageLoader: {shard}: {name} appears twice in the shard "
+                                       f"({group[ext][2]} first)")
+            group[ext] = (off, size, name)
         for key, s in samples.items():
             img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
             if img is None:

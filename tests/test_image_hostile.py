@@ -314,3 +314,14 @@ def test_a_solaris_extended_header_names_its_member_as_a_pax_one():
     rec = pax({"path": "long/" + "s" * 120 + ".jpg"})
     shard = header("././@PaxHeader", len(rec), b"X") + data(rec) + header("short.jpg", 2) + data(b"ab") + END
     assert scan(shard) == tarfile_reads(shard) == [("long/" + "s" * 120 + ".jpg", 1536, 2)]
+
+
+def test_a_shard_member_named_twice_is_refused(tmp_path):
+    shard = str(tmp_path / "s.tar")
+    with tarfile.open(shard, "w") as t:
+        for name, blob in (("k.jpg", b"\xff\xd8"), ("k.cls", b"1"), ("k.jpg", b"\xff\xd8 other")):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(blob)
+            t.addfile(ti, io.BytesIO(blob))
+    with pytest.raises(ImageSourceError, match="k.jpg appears twice in the shard"):
+        make_source(shard)
