@@ -325,3 +325,9 @@ def test_a_shard_member_named_twice_is_refused(tmp_path):
             t.addfile(ti, io.BytesIO(blob))
     with pytest.raises(ImageSourceError, match="k.jpg appears twice in the shard"):
         make_source(shard)
+
+
+def test_a_member_with_an_empty_name_first():
+    # its name field starts with NUL: no name bytes to copy before any were stored
+    shard = header("\0x.jpg", 1) + data(b"z") + header("y.jpg", 1) + data(b"w") + END
+    assert scan(shard) == [("", 512, 1), ("y.jpg", 1536, 1)]

@@ -476,7 +476,8 @@ static int tar_add(void *ctx, const pl_tar_member *m)
         a->names_len += (size_t)m->prefix_len;
         a->names[a->names_len++] = '/';
     }
-    memcpy(a->names + a->names_len, a->p + m->name_off, (size_t)m->name_len);
+    if (m->name_len) /* an empty name (a header whose name field starts with NUL): names may be NULL */
+        memcpy(a->names + a->names_len, a->p + m->name_off, (size_t)m->name_len);
     a->names_len += (size_t)m->name_len;
     a->cols[3 * a->n] = (int64_t)a->names_len;
     a->cols[3 * a->n + 1] = m->data_off;
