@@ -268,7 +268,7 @@ def tar_samples(draw):
     heads = _headers(bytes(b))
     for _ in range(draw(st.integers(0, 3))):
         kind = draw(st.sampled_from(["flip", "size_octal", "size_b256", "size_big", "pax_len", "pax_size",
-                                     "longname", "cut", "insert", "type", "magic", "checksum"]))
+                                     "longname", "cut", "insert", "type", "magic", "checksum", "random"]))
         h = draw(st.sampled_from(heads))
         if h + 512 > len(b):
             continue
@@ -325,6 +325,10 @@ def tar_samples(draw):
             b[h + 156] = draw(st.sampled_from(b"0123456xX LKS7\0"))
         elif kind == "magic":
             b[h + 257:h + 265] = draw(st.sampled_from([b"ustar\x0000", b"ustar  \0", b"\0" * 8]))
+        elif kind == "random":
+            # a header of random bytes with a small octal size and a right checksum
+            b[h:h + 512] = draw(st.binary(min_size=512, max_size=512))
+            b[h + 124:h + 136] = b"%011o\0" % draw(st.integers(0, 2048))
         elif kind == "checksum":
             b[h + 148:h + 156] = draw(st.sampled_from([b"\xff" * 8, b"9999999\0", b"       \0", b"-1\0\0\0\0\0\0"]))
             fix = False
