@@ -224,7 +224,7 @@ def image_info(data: Any) -> tuple[int, int, int]:
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             w, h = im.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise ValueError(f"not an image Pillow recognizes ({e})") from None
     return h, w, 0
 
@@ -263,6 +263,10 @@ def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, in
     if top < 0 or left < 0 or h < 1 or w < 1 or top + h > H or left + w > W:
         raise ValueError(f"the box (top {top}, left {left}, {h} x {w}) is outside the "
                          f"{H} x {W} image")
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and rh * rw > 2 * limit:  # an image hundreds of times wider than tall
+        raise ValueError(f"resizing the {H} x {W} image to {rh} x {rw} is past Pillow's image size "
+                         f"limit ({2 * limit} pixels)")
     box = np.ascontiguousarray(img[top:top + h, left:left + w])
     if (h, w) == (rh, rw):
         out = box

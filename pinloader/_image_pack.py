@@ -54,17 +54,36 @@ def _name(src: Any, root: str, i: int) -> str:
 
 
 def _load_progress(path: str) -> list[tuple[int, ...]]:
+    """The complete lines of progress.txt (Note [resumable pack]), each checked: the samples'
+    bytes one after the other from 0, sizes as the loader's cache holds them. A line that is not
+    so (the file edited or damaged) is a ValueError: resuming from it would pack wrong offsets.
+    An incomplete last line (a write cut short) is cut off the file, so that the lines appended
+    next start on a line of their own."""
     rows: list[tuple[int, ...]] = []
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()
     except FileNotFoundError:
         return rows
-    for line in text.split("\n")[:-1]:  # the last piece has no newline: incomplete or empty
+    except UnicodeDecodeError as e:
+        raise ValueError(f"pack: {path} is not a progress file ({e}); remove its folder to start over") from None
+    end = 0
+    for k, line in enumerate(text.split("\n")[:-1]):  # the last piece has no newline: incomplete or empty
         parts = line.split()
-        if len(parts) != 6:
-            break
-        rows.append(tuple(int(x) for x in parts))
+        try:
+            row = tuple(int(x) for x in parts)
+        except ValueError:
+            row = ()
+        ok = len(row) == 6 and row[0] == end and row[1] >= 0 and (
+            row[3:] == (-1, -1, -1) or (1 <= row[3] < 2**31 and 1 <= row[4] < 2**31 and 0 <= row[5] <= 255))
+        if not ok:
+            raise ValueError(f"pack: {path} line {k + 1} is not a progress line after the ones before it "
+                             f"({line[:80]!r}); remove its folder to start over")
+        rows.append(row)
+        end += row[1]
+    keep = text.rfind("\n") + 1
+    if keep < len(text):
+        os.truncate(path, keep)
     return rows
 
 
@@ -111,10 +130,14 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     ident = {"count": n, "names_sha256": digest.hexdigest()}
     ident_path = os.path.join(dest, "source.json")
     if os.path.exists(prog_path) and os.path.exists(ident_path):
-        with open(ident_path, encoding="utf-8") as f:
-            if json.load(f) != ident:
-                raise ValueError(f"pack: {dest} holds part of a pack of another source (its files or "
-                                 f"their order differ from {src_path}'s); remove {dest} to start over")
+        try:
+            with open(ident_path, encoding="utf-8") as f:
+                seen = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"pack: {ident_path} is damaged ({e}); remove {dest} to start over") from None
+        if seen != ident:
+            raise ValueError(f"pack: {dest} holds part of a pack of another source (its files or "
+                             f"their order differ from {src_path}'s); remove {dest} to start over")
     else:
         with open(ident_path, "w", encoding="utf-8") as f:
             json.dump(ident, f)
@@ -123,6 +146,11 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     if len(rows) > n or any(r[2] != labels[k] for k, r in enumerate(rows)):
         raise ValueError(f"pack: {prog_path} describes another source (its samples or labels differ "
                          f"from {src_path}'s); remove {dest} to start over")
+    for k, r in enumerate(rows):  # each sample packed whole (its bytes are not read back)
+        want = int(src.lengths[k]) if isinstance(src, MappedSource) else os.path.getsize(src.paths[k])
+        if r[1] != want:
+            raise ValueError(f"pack: {prog_path} line {k + 1} gives sample {k} ({_name(src, root, k)}) "
+                             f"{r[1]} bytes, the source {want}; remove {dest} to start over")
     end = rows[-1][0] + rows[-1][1] if rows else 0
     mode = "r+b" if os.path.exists(data_path) else "wb"
     with open(data_path, mode) as data, open(prog_path, "a", encoding="ascii") as prog:

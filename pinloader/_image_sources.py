@@ -39,6 +39,9 @@ class ImageSourceError(ValueError):
     """A source that cannot be read as a dataset (empty, missing labels, malformed)."""
 
 
+_INT64 = (-2**63, 2**63 - 1)  # labels are int64
+
+
 def _unknown_sizes(n: int) -> np.ndarray:
     return np.full((n, 3), -1, np.int32)
 
@@ -127,6 +130,8 @@ def list_source(items: Sequence[tuple[Any, int]]) -> FileSource:
             raise TypeError(f"ImageLoader: source[{k}] must be a (path, label) pair, got {item!r}") from None
         if isinstance(lab, bool) or not isinstance(lab, (int, np.integer)):
             raise TypeError(f"ImageLoader: source[{k}]: the label must be an int, got {lab!r}")
+        if not _INT64[0] <= int(lab) <= _INT64[1]:
+            raise ValueError(f"ImageLoader: source[{k}]: the label {int(lab)} does not fit in int64")
         paths.append(os.fspath(p))
         labels.append(int(lab))
     if not paths:
@@ -209,6 +214,47 @@ class MappedSource:
         self.region = None  # unmapped once no batch in flight reads it
 
 
+def _load(root: str, name: str) -> np.ndarray:
+    try:
+        a = np.load(os.path.join(root, name), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ImageSourceError(f"ImageLoader: {root}: {name} cannot be read ({e})") from None
+    if not isinstance(a, np.ndarray):
+        raise ImageSourceError(f"ImageLoader: {root}: {name} is not one .npy array")
+    return a
+
+
+def _int_vector(root: str, name: str) -> np.ndarray:
+    """A 1-d integer .npy array as int64: any other dtype or shape, or a uint64 value past
+    int64, is refused rather than converted."""
+    a = _load(root, name)
+    if a.dtype.kind not in "iu" or a.ndim != 1:
+        raise ImageSourceError(f"ImageLoader: {root}: {name} must be a 1-d array of integers, got "
+                               f"{a.dtype} of shape {a.shape}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ImageSourceError(f"ImageLoader: {root}: {name} holds {int(a.max())}, past int64")
+    return a.astype(np.int64, copy=False)
+
+
+def _sizes(root: str, n: int) -> np.ndarray:
+    """sizes.npy as int32 (n, 3): each row (-1, -1, -1) or a height and width >= 1 and
+    components in 0..255, as the loader's size cache holds them (crops are drawn from them)."""
+    s = _load(root, "sizes.npy")
+    if s.dtype.kind not in "iu" or s.shape != (n, 3):
+        raise ImageSourceError(f"ImageLoader: {root}: sizes.npy must be an ({n}, 3) array of integers, "
+                               f"got {s.dtype} of shape {s.shape}")
+    if s.size and (int(s.max()) > np.iinfo(np.int32).max or int(s.min()) < -1):
+        raise ImageSourceError(f"ImageLoader: {root}: sizes.npy holds values outside -1..2**31-1")
+    s = s.astype(np.int32)
+    known = (s[:, 0] >= 1) & (s[:, 1] >= 1) & (s[:, 2] >= 0) & (s[:, 2] <= 255)
+    bad = np.flatnonzero(~(known | (s == -1).all(1)))
+    if len(bad):
+        k = int(bad[0])
+        raise ImageSourceError(f"ImageLoader: {root}: sizes.npy row {k} is {tuple(s[k].tolist())} "
+                               "(need a height and width >= 1 and 0..255 components, or -1s)")
+    return s
+
+
 def packed_source(root: str) -> MappedSource:
     root = os.fspath(root)
     try:
@@ -218,24 +264,27 @@ def packed_source(root: str) -> MappedSource:
         raise ImageSourceError(f"ImageLoader: {root} is not a packed dataset (meta.json: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != PACKED_FORMAT:
         raise ImageSourceError(f"ImageLoader: {root}/meta.json is not a {PACKED_FORMAT} file")
-    bounds = np.load(os.path.join(root, "offsets.npy"))
-    labels = np.load(os.path.join(root, "labels.npy")).astype(np.int64, copy=False)
+    classes = meta.get("classes")
+    if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
+        raise ImageSourceError(f"ImageLoader: {root}/meta.json: classes must be a list of names, got {classes!r:.80}")
+    bounds = _int_vector(root, "offsets.npy")
+    labels = _int_vector(root, "labels.npy")
     n = len(labels)
     if bounds.shape != (n + 1,) or n == 0:
         raise ImageSourceError(f"ImageLoader: {root}: offsets.npy has shape {bounds.shape}, "
                                f"labels.npy {n} samples (need N + 1 offsets, N >= 1)")
+    if meta.get("count", n) != n:
+        raise ImageSourceError(f"ImageLoader: {root}: meta.json counts {meta['count']!r:.40} samples, "
+                               f"labels.npy has {n}")
     data_path = os.path.join(root, "data.bin")
     size = os.path.getsize(data_path)
-    bounds = bounds.astype(np.int64, copy=False)
-    if bounds[0] != 0 or (np.diff(bounds) < 0).any() or bounds[-1] > size:
+    # compared, not subtracted: a difference of int64 offsets can wrap around
+    if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > size:
         raise ImageSourceError(f"ImageLoader: {root}: offsets.npy does not describe data.bin "
                                f"({size} bytes)")
     hw = None
-    sp = os.path.join(root, "sizes.npy")
-    if os.path.exists(sp):
-        s = np.load(sp)
-        if s.shape == (n, 3):
-            hw = s.astype(np.int32, copy=True)
+    if os.path.exists(os.path.join(root, "sizes.npy")):
+        hw = _sizes(root, n)
     names_path = os.path.join(root, "names.txt")
     names = [f"sample {i}" for i in range(n)]
     if os.path.exists(names_path):
@@ -244,7 +293,7 @@ def packed_source(root: str) -> MappedSource:
         if len(got) == n:
             names = got
     return MappedSource("packed", [data_path], np.zeros(n, np.int64), bounds[:-1].copy(),
-                        np.diff(bounds), labels, names, hw, meta.get("classes"))
+                        np.diff(bounds), labels, names, hw, classes)
 
 
 def _wds_key(name: str) -> tuple[str, str]:
@@ -282,7 +331,11 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
             name = blob[end0:end].decode("utf-8", "surrogateescape")
             end0 = end
             key, ext = _wds_key(name)
-            samples.setdefault(key, {})[ext] = (off, size, name)
+            group = samples.setdefault(key, {})
+            if ext in group:  # the later would silently replace the earlier
+                raise ImageSourceError(f"ImageLoader: {shard}: {name} appears twice in the shard "
+                                       f"({group[ext][2]} first)")
+            group[ext] = (off, size, name)
         for key, s in samples.items():
             img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
             if img is None:
@@ -296,6 +349,9 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
             except (UnicodeDecodeError, ValueError):
                 raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls is not an integer label "
                                        f"({text[:40]!r})") from None
+            if not _INT64[0] <= lab <= _INT64[1]:
+                raise ImageSourceError(f"ImageLoader: {shard}: {key}.cls holds {text[:40]!r}, which "
+                                       "does not fit in int64")
             file_of.append(f)
             offsets.append(img[0])
             lengths.append(img[1])

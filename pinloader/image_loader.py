@@ -537,11 +537,19 @@ class ImageLoader(_EpochLoader):
         if resize is None:
             resize = int(round(max(size_hw) / 0.875))
         resize = _int_arg("resize", resize, 1)
+        if resize > 16384:  # as size: the crop parameters are int32, resized sides bounded
+            raise ValueError(f"ImageLoader: resize must be at most 16384, got {resize}")
         if (mean is None) != (std is None):
             raise ValueError("ImageLoader: give both mean and std, or neither")
-        if std is not None:
-            if len(tuple(mean)) != 3 or len(tuple(std)) != 3 or not all(float(s) > 0 for s in std):  # type: ignore[arg-type]
-                raise ValueError("ImageLoader: mean and std must be three numbers, std positive")
+        if mean is not None and std is not None:
+            try:
+                m3, s3 = tuple(float(x) for x in mean), tuple(float(x) for x in std)
+            except (TypeError, ValueError):
+                raise TypeError(f"ImageLoader: mean and std must be three numbers each, got {mean!r:.60} "
+                                f"and {std!r:.60}") from None
+            if len(m3) != 3 or len(s3) != 3 or not np.isfinite(m3 + s3).all() or not all(x > 0 for x in s3):
+                raise ValueError(f"ImageLoader: mean and std must be three finite numbers each, std "
+                                 f"positive, got {m3} and {s3}")
         if dtype == "bfloat16":
             try:
                 import torch  # noqa: F401 -- the host decoder's bfloat16 cast

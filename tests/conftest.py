@@ -56,7 +56,7 @@ def pytest_configure(config):
         "markers", "gpu: needs a CUDA device (skipped with a reason elsewhere)")
     config.addinivalue_line("markers", "slow: long soak or stress test")
     config.addinivalue_line(
-        "markers", "fuzz: the hostile-input fuzz target (tests/test_fuzz.py; CI also runs it under "
+        "markers", "fuzz: the hostile-input fuzz targets (tests/test_fuzz*.py; CI also runs them under "
         "the ASan build with PINLOADER_FUZZ_EXAMPLES and a fixed --hypothesis-seed)")
     config.addinivalue_line("markers", "fork: forks a child process (tests/test_fork.py)")
     config.addinivalue_line(
@@ -86,6 +86,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             "fuzz: {examples} resume/door examples, {batches} batches checked, {refused} states "
             "refused cleanly".format(**resume))
+    images = getattr(sys.modules.get("test_fuzz_images"), "TRIED_IMAGES", None)
+    if images and any(images.values()):
+        terminalreporter.write_line(
+            "fuzz images: {jpeg} JPEG headers, {tar} tar shards ({tar_read} read), {packed} packed "
+            "datasets ({packed_read} read), {resume} resumed packs ({resume_done} done), {files} file "
+            "lists, {wds} WebDataset shards ({wds_read} read), {loader} loaders".format(**images))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 /* See tar_index.h. POSIX ustar headers, with the two extensions WebDataset writers use: pax
- * extended headers ('x': "path" and "size" records for the next member; global 'g' headers are
- * skipped) and GNU long names ('L'). Sizes are octal, or GNU base-256 when the field's first
+ * extended headers ('x', and Solaris tar's 'X', as tarfile reads them: "path" and "size"
+ * records for the next member; global 'g' headers are skipped) and GNU long names ('L'). Sizes are octal, or GNU base-256 when the field's first
  * byte has its high bit set. Every header's checksum is verified, as tarfile does. */
 #include "tar_index.h"
 
@@ -120,36 +120,59 @@ int pl_tar_scan(const unsigned char *p, size_t n, int (*add)(void *ctx, const pl
             *why = "a header's size field is malformed";
             return 1;
         }
-        if (next_size >= 0)
-            size = next_size;
         unsigned type = h[156];
+        int own = (int)strnlen((const char *)h, 100);
+        /* A pax size is the next member's, not that of another extension header between them.
+         * Links, devices, FIFOs and directories (and, as tarfile reads old archives, a type-0
+         * member whose name ends in '/') have no data blocks, whatever their size field says. */
+        int ext = type == 'x' || type == 'X' || type == 'L' || type == 'g' || type == 'K';
+        int no_data = (type >= '1' && type <= '6') || (type == 0 && own > 0 && h[own - 1] == '/');
+        if (next_size >= 0 && !ext)
+            size = next_size;
+        if (no_data)
+            size = 0;
         int64_t data = pos + BLOCK;
         if (size > end - data) {
             *why = "a member's data runs past the end of the archive (a truncated tar)";
             return 1;
         }
-        if (type == 'x') {
-            if (pax(p + data, size, data, &next_name_off, &next_name_len, &next_size) < 0) {
+        /* In a chain of extension headers before one member, the first to name it (or to size
+         * it) wins, as in tarfile, which WebDataset's readers use. */
+        if (type == 'x' || type == 'X') {
+            int64_t off = -1, len = 0, sz = -1;
+            if (pax(p + data, size, data, &off, &len, &sz) < 0) {
                 *why = "a pax extended header is malformed";
                 return 1;
             }
+            if (next_name_off < 0 && off >= 0) {
+                next_name_off = off;
+                next_name_len = len;
+            }
+            if (next_size < 0)
+                next_size = sz;
         } else if (type == 'L') {
-            int64_t l = size;
-            while (l > 0 && p[data + l - 1] == 0)
-                l--;
-            next_name_off = data;
-            next_name_len = l;
+            /* a C string whose NUL the size counts (GNU tar and tarfile write it so; tarfile
+             * reads an unterminated one on to its block's end, GNU tar stops at the size) */
+            int64_t l = (int64_t)strnlen((const char *)p + data, (size_t)size);
+            if (l == size) {
+                *why = "a GNU long name is not NUL-terminated within its size";
+                return 1;
+            }
+            if (next_name_off < 0) {
+                next_name_off = data;
+                next_name_len = l;
+            }
         } else if (type == 'g' || type == 'K') {
             /* global pax headers and GNU long link names: nothing for the files' index */
         } else {
-            if (type == '0' || type == 0 || type == '7') {
+            if ((type == '0' || type == 0 || type == '7') && !no_data) {
                 pl_tar_member m = {.data_off = data, .size = size};
                 if (next_name_off >= 0) {
                     m.name_off = next_name_off;
                     m.name_len = next_name_len;
                 } else {
                     m.name_off = pos;
-                    m.name_len = (int64_t)strnlen((const char *)h, 100);
+                    m.name_len = own;
                     if (memcmp(h + 257, "ustar", 5) == 0 && h[262] == 0) { /* POSIX: a prefix */
                         m.prefix_off = pos + 345;
                         m.prefix_len = (int64_t)strnlen((const char *)h + 345, 155);

@@ -37,9 +37,19 @@
 
 /* ---- headers ---- */
 
+/* o as a 1-d int64 array: integers only, cast safely (a float or a string, or a list of them,
+ * is refused rather than converted; so is a uint64 beyond int64). */
 static PyArrayObject *int64_vector(PyObject *o, const char *name)
 {
-    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(o, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
+    PyArrayObject *a = NULL, *raw = (PyArrayObject *)PyArray_FromAny(o, NULL, 1, 1, NPY_ARRAY_IN_ARRAY, NULL);
+    npy_intp none = 0;
+    if (raw && PyArray_SIZE(raw) == 0) /* [] is float64 to NumPy */
+        a = (PyArrayObject *)PyArray_SimpleNew(1, &none, NPY_INT64);
+    else if (raw && !PyArray_ISINTEGER(raw))
+        PyErr_SetString(PyExc_TypeError, "not integers");
+    else if (raw)
+        a = (PyArrayObject *)PyArray_FROMANY((PyObject *)raw, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
+    Py_XDECREF(raw);
     if (!a) {
         if (PyErr_ExceptionMatches(PyExc_ValueError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
@@ -105,6 +115,18 @@ error:
 }
 
 /* ---- files (Note [file reader threads]) ---- */
+
+/* The paths as a tuple: a list could be changed under the loop that encodes them by a path's
+ * own __fspath__ (user code), and the loop indexes it by the length it had first. */
+static PyObject *paths_tuple(PyObject *o, const char *msg)
+{
+    PyObject *seq = PySequence_Fast(o, msg);
+    if (!seq || PyTuple_CheckExact(seq))
+        return seq;
+    PyObject *t = PyList_AsTuple(seq);
+    Py_DECREF(seq);
+    return t;
+}
 
 typedef struct {
     const char **paths;
@@ -183,7 +205,7 @@ static PyObject *ih_read_files(PyObject *m, PyObject *args)
         PyErr_Format(PyExc_ValueError, "_read_files: threads must be in 1..%d, got %d", MAX_READERS, threads);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(paths_o, "_read_files: paths must be a sequence");
+    PyObject *seq = paths_tuple(paths_o, "_read_files: paths must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -293,7 +315,7 @@ static void region_free(PyObject *cap)
 static PyObject *ih_map_files(PyObject *m, PyObject *paths_o)
 {
     (void)m;
-    PyObject *seq = PySequence_Fast(paths_o, "_map_files: paths must be a sequence");
+    PyObject *seq = paths_tuple(paths_o, "_map_files: paths must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -454,7 +476,8 @@ static int tar_add(void *ctx, const pl_tar_member *m)
         a->names_len += (size_t)m->prefix_len;
         a->names[a->names_len++] = '/';
     }
-    memcpy(a->names + a->names_len, a->p + m->name_off, (size_t)m->name_len);
+    if (m->name_len) /* an empty name (a header whose name field starts with NUL): names may be NULL */
+        memcpy(a->names + a->names_len, a->p + m->name_off, (size_t)m->name_len);
     a->names_len += (size_t)m->name_len;
     a->cols[3 * a->n] = (int64_t)a->names_len;
     a->cols[3 * a->n + 1] = m->data_off;
