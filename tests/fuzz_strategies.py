@@ -360,9 +360,13 @@ def build_leaf(spec, pool):
         el = spec["strides"]
         if el is None:
             el = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
-        view = np.ndarray(shape, dtype=PROXY[isz], buffer=ex.backing,
+        # the expected bytes in C order, read without the dimensions of extent 1 (the same
+        # order): NumPy before 2.3 copies a strided array of over 32 dimensions with an
+        # iterator limited to 32 ("this function only supports up to 32 dimensions")
+        keep = [i for i, n in enumerate(shape) if n != 1]
+        view = np.ndarray(tuple(shape[i] for i in keep), dtype=PROXY[isz], buffer=ex.backing,
                           offset=spec["data_off"] + spec["byte_offset"],
-                          strides=tuple(s * isz for s in el))
+                          strides=tuple(el[i] * isz for i in keep))
         return ex, ("bytes", shape, view.tobytes())
     raise AssertionError(spec)
 
