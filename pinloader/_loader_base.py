@@ -2,7 +2,8 @@
 framework doors over a loader (Note [doors over a loader])."""
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from ._epoch_plan import _Plan, prepare_order
 from ._iter_state import IterState
 
 Settings = tuple[Any, int, dict[str, Any]]
+_L = TypeVar("_L", bound="_EpochLoader")
 
 
 # An epoch number must fit the int64 of a state and the uint64 the permutation is keyed by,
@@ -63,7 +65,7 @@ def _same_settings(a: tuple[Any, int, dict[str, Any]], b: tuple[Any, int, dict[s
 # _EpochLoader below is that logic, shared by both loaders.
 
 
-class _EpochLoader:
+class _EpochLoader(ABC):
     """A loader that is its own iterator over a prefetcher made per settings (its own or a
     door's). The subclass sets the attributes below and makes the prefetcher."""
 
@@ -78,8 +80,23 @@ class _EpochLoader:
     _depth: int | None
     _opts: dict[str, Any]
 
+    @abstractmethod
     def _make_prefetcher(self, settings: Settings) -> AsyncPrefetcher:
-        raise NotImplementedError
+        """The prefetcher for these settings (each loader makes its own)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the loader's prefetcher and sources (each loader frees its own)."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self: _L) -> _L:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _check_open(self) -> None:
         if self._closed:

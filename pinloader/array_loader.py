@@ -504,16 +504,6 @@ class ArrayLoader(_EpochLoader):
         self._structure = None
         self._it.resume_run = None
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "ArrayLoader":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         w = f", windows={self.windows}" if self.windows is not None else ""
         return (f"pinloader.ArrayLoader(rows={self.num_rows}, batch_size={self.batch_size}, "

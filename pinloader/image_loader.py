@@ -765,16 +765,6 @@ class ImageLoader(_EpochLoader):
         self._it.resume_run = None
         self._plan.cache = self._plan.ahead = None
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "ImageLoader":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (f"pinloader.ImageLoader({self.source.kind}, images={self.num_items}, "
                 f"batch_size={self.batch_size}, train={self.train}, shuffle={self.shuffle}, "
