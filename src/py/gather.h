@@ -29,15 +29,8 @@ int pl_row_gather_check(pl_state *st, PyObject *o);
 
 int pl_gather_init(PyObject *m, pl_state *st);
 
-/* RowBatches: one epoch of an ArrayLoader, whose batches the prefetcher's producer makes in C
- * without the GIL (Note [native epochs] in row_batches.c). */
-int pl_row_batches_check(pl_state *st, PyObject *o);
-/* GIL held: the producer takes o for its own (0), or -1 with RuntimeError when another reader
- * already did. *n_leaves gets the leaves per batch. */
-int pl_row_batches_adopt(PyObject *o, int *n_leaves);
-/* No GIL (o adopted, kept alive by the caller): the next batch's leaves into out[0..n_leaves).
- * Returns 1, 0 when the epoch is over, or -1 with the reason in why (the leaf's path first). */
-int pl_row_batches_next(PyObject *o, pl_row_gather_leaf *out, char *why, size_t n_why);
+/* RowBatches, one epoch of an ArrayLoader, is a native source (Note [sources] in source.h,
+ * Note [native epochs] in row_batches.c): the producer reads it through the ops it registers. */
 
 /* The layout of RowGather o (already validated when o was made; cannot fail). Valid while o
  * is alive. */

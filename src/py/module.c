@@ -375,6 +375,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->Prim_Type);
     Py_CLEAR(st->RowGather_Type);
     Py_CLEAR(st->Registration_Type);
+    st->n_sources = 0; /* their types are the ones cleared here */
     Py_CLEAR(st->RowBatches_Type);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->PoolExhausted);

@@ -120,16 +120,15 @@ int pl_pf_parse_options(pl_state *st, PyObject *args, PyObject *kwds, pf_options
     return 0;
 }
 
-/* The first iterator over the source, with a clear error for a non-iterable. */
+/* The first iterator over the source, with a clear error for a non-iterable. A TypeError that
+ * the source's own __iter__ raised is the source's, and stays as it is. */
 PyObject *pl_pf_first_iterator(PyObject *iterable)
 {
-    PyObject *probe = PyObject_GetIter(iterable);
-    if (!probe && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "AsyncPrefetcher needs an iterable source, got %.100s",
-                     Py_TYPE(iterable)->tp_name);
-    }
-    return probe;
+    PyTypeObject *tp = Py_TYPE(iterable);
+    if (!tp->tp_iter && !PySequence_Check(iterable))
+        return PyErr_Format(PyExc_TypeError, "AsyncPrefetcher needs an iterable source, got %.100s",
+                            tp->tp_name);
+    return PyObject_GetIter(iterable);
 }
 
 /* ---- structure= ---- */

@@ -1,12 +1,12 @@
-/* AsyncPrefetcher's producer thread: it waits for room in the queue, takes the GIL (Note [GIL
- * handoff]) to call next() on the source and read the item with flatten.c, then, without the
- * GIL, copies the batch with transfer.c and queues it (pf_queue.c). An ArrayLoader's epoch (a
- * RowBatches) is adopted with the GIL once, and its batches are then made without it (Note
- * [native epochs] in row_batches.c). A producer that close()
+/* AsyncPrefetcher's producer thread: it waits for room in the queue, asks the epoch's source for
+ * a batch (Note [sources] in source.h) -- a Python iterable with the GIL (Note [GIL handoff]),
+ * a native source opened once with the GIL and then without it -- then, without the GIL, copies
+ * the batch with transfer.c and queues it (pf_queue.c). A producer that close()
  * left inside user code frees the pipeline itself when it comes back (Note [stuck producers]
  * in prefetcher.c). The object and its batches are in prefetcher_impl.h. */
 #include "prefetcher_impl.h"
 
+#include "source.h"
 #include "transfer.h"
 #include "util.h"
 
@@ -28,23 +28,6 @@ static void fail_source(batch *bt, const char *what)
     bt->kind = B_ERROR;
     bt->err_value = 1;
     snprintf(bt->err_what, sizeof bt->err_what, "%s", what);
-}
-
-static void add_source_note(PyObject *exc, uint64_t index)
-{
-#if PY_VERSION_HEX >= 0x030B0000
-    PyObject *note = PyUnicode_FromFormat("raised by the source at item %llu of the epoch "
-                                          "(pinloader producer thread)", (unsigned long long)index);
-    if (note) {
-        PyObject *r = PyObject_CallMethod(exc, "add_note", "O", note);
-        Py_XDECREF(r);
-        Py_DECREF(note);
-    }
-    PyErr_Clear();
-#else
-    (void)exc;
-    (void)index;
-#endif
 }
 
 static PyObject *fetch_exception(void)
@@ -76,12 +59,14 @@ typedef struct producer {
     PyThreadState *ts;
     int ts_failed;           /* PyThreadState_New failed: PyGILState per hold instead */
     PyGILState_STATE gstate; /* only then */
-    /* The epoch's RowBatches this producer adopted (Note [native epochs] in row_batches.c), kept
-     * until its last batch is copied: then buried with prev_blk, that batch's block. */
-    PyObject *native;
-    uint64_t native_epoch;
-    int native_leaves;
-    pl_row_gather_leaf *native_out; /* native_leaves entries (PyMem_Raw) */
+    /* The native source this producer opened and its reader's state (Note [sources] in source.h),
+     * held until its last batch is copied: then buried with prev_blk, that batch's block. */
+    struct {
+        const pl_source_ops *ops;
+        PyObject *obj;
+        void *state;
+        uint64_t epoch;
+    } native;
     uint64_t want_epoch;            /* the epoch asked for, as producer_wait last saw it */
 } producer;
 
@@ -113,7 +98,7 @@ static void wait_direct_copy(pl_prefetcher_obj *self)
 
 /* Note [GIL handoff]
  * The producer needs the GIL once per batch of a Python source (next() on the source, reading
- * the leaves; an ArrayLoader's epoch needs it once, Note [native epochs] in row_batches.c). A
+ * the leaves; a native source needs it once per epoch, Note [sources] in source.h). A
  * consumer loop that never blocks would make it wait for CPython's switch interval (5 ms) each
  * time. Instead the producer says it is waiting, and the consumer's __next__, which runs once
  * per step anyway, lends it the GIL right there. */
@@ -171,16 +156,20 @@ void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self)
     Py_END_ALLOW_THREADS
 }
 
-/* GIL held: the adopted RowBatches goes to the graveyard with the last batch made from it
- * (copies finish in order on the copy stream, so that one finishes last); unless `keep` and it
- * is still the source's current epoch. */
+/* GIL held: the native source goes to the graveyard with the last batch made from it (copies
+ * finish in order on the copy stream, so that one finishes last); unless `keep` and it is still
+ * the epoch's iterator. */
 static void retire_native(pl_prefetcher_obj *self, producer *p, int keep)
 {
-    if (!p->native || (keep && p->native == self->it))
+    PyObject *obj = p->native.obj;
+    if (!obj || (keep && obj == self->it))
         return;
+    if (p->native.ops->close)
+        p->native.ops->close(p->native.state);
+    memset(&p->native, 0, sizeof p->native);
     PyObject **objs = PyMem_RawMalloc(sizeof(PyObject *));
     if (objs) {
-        objs[0] = p->native;
+        objs[0] = obj;
         pl_pf_bury(self, objs, 1, p->prev_blk);
     } else {
         if (p->prev_blk) {
@@ -188,13 +177,12 @@ static void retire_native(pl_prefetcher_obj *self, producer *p, int keep)
             pl_block_sync_ready(p->prev_blk);
             Py_END_ALLOW_THREADS
         }
-        Py_DECREF(p->native);
+        Py_DECREF(obj);
     }
-    p->native = NULL;
 }
 
 /* GIL held: the previous batch's owners go to the graveyard (and, at the producer's end, the
- * adopted RowBatches: `all`). */
+ * native source: `all`). */
 static void release_previous(pl_prefetcher_obj *self, producer *p, int all)
 {
     retire_native(self, p, !all);
@@ -206,112 +194,79 @@ static void release_previous(pl_prefetcher_obj *self, producer *p, int all)
     p->prev_blk = NULL;
 }
 
-/* GIL held: next() on the source, then flatten the item into bt. Returns 0 with bt filled (as
- * B_READY with an output, or B_END / B_ERROR), or -1 when close() came meanwhile. */
-static void native_item(pl_prefetcher_obj *self, producer *p, batch *bt);
-
-/* GIL held: adopt `it`, the epoch's RowBatches, and make its first batch (Note [native
- * epochs] in row_batches.c). */
-static void adopt_native(pl_prefetcher_obj *self, producer *p, batch *bt, PyObject *it)
+/* GIL held: open `obj`, a native source read with `ops`, for this producer (Note [sources] in
+ * source.h). 0, or -1 with an exception. */
+static int open_native(pl_prefetcher_obj *self, producer *p, const pl_source_ops *ops, PyObject *obj)
 {
+    void *state = NULL;
     int n;
-    if (pl_row_batches_adopt(it, &n) < 0 || pl_flat_reserve_rows(&p->flat, n) < 0) {
-        bt->kind = B_ERROR;
-        bt->exc = fetch_exception();
-        return;
-    }
+    if (ops->open(obj, &p->flat, &state, &n) < 0)
+        return -1;
     if (n != self->templ.n_leaves) {
+        if (ops->close)
+            ops->close(state);
         PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): the source's batches have %d "
                      "leaves, the structure %zd", n, self->templ.n_leaves);
-        bt->kind = B_ERROR;
-        bt->exc = fetch_exception();
-        return;
-    }
-    pl_row_gather_leaf *out = PyMem_RawRealloc(p->native_out, (size_t)n * sizeof(*out));
-    if (!out) {
-        PyErr_NoMemory();
-        bt->kind = B_ERROR;
-        bt->exc = fetch_exception();
-        return;
-    }
-    p->native_out = out;
-    p->native_leaves = n;
-    p->native = Py_NewRef(it);
-    p->native_epoch = bt->epoch;
-    native_item(self, p, bt);
-}
-
-static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
-{
-    if (self->it && self->templ.n_nodes && pl_row_batches_check(self->st, self->it)) {
-        int64_t t0 = pl_now_ns();
-        if (self->it == p->native) { /* adopted already (an epoch restarted meanwhile) */
-            p->native_epoch = bt->epoch;
-            native_item(self, p, bt);
-        } else {
-            adopt_native(self, p, bt, self->it);
-        }
-        *t_next = pl_now_ns() - t0;
-        return atomic_load(&self->stop) ? -1 : 0;
-    }
-    PyObject *it = Py_XNewRef(self->it);
-    int64_t t0 = pl_now_ns();
-    PyObject *item = it ? PyIter_Next(it) : NULL;
-    *t_next = pl_now_ns() - t0;
-    Py_XDECREF(it);
-    if (atomic_load(&self->stop)) {
-        /* closed while the source was running: what it gave is not wanted */
-        Py_XDECREF(item);
-        PyErr_Clear();
         return -1;
     }
-    if (!item) {
-        if (PyErr_Occurred()) {
-            bt->kind = B_ERROR;
-            bt->exc = fetch_exception();
-            add_source_note(bt->exc, bt->index);
-        } else {
-            bt->kind = B_END;
-        }
+    p->native.ops = ops;
+    p->native.obj = Py_NewRef(obj);
+    p->native.state = state;
+    return 0;
+}
+
+/* bt (its epoch and index set) from a source, its next batch: B_READY with its output, B_END
+ * or B_ERROR. A batch with no tree of its own goes out as leaf views, which the consumer places
+ * in the captured structure (Note [batch leaves] in flatten.h). The GIL is held for a source
+ * that needs it (and may be for one that does not). Returns -1 when close() came while user
+ * code ran (bt then holds nothing to hand out), else 0. */
+static int make_batch(pl_prefetcher_obj *self, producer *p, batch *bt, const pl_source_ops *ops,
+                      PyObject *obj, void *state, int64_t *t_next)
+{
+    char why[sizeof bt->err_what];
+    pl_source_ctx ctx = {&self->stop, self->templ.n_nodes ? self->templ.n_leaves : 0, bt->index, 0};
+    int r = ops->next(obj, state, &p->flat, &ctx, why, sizeof why);
+    *t_next = ctx.next_ns;
+    if (r == PL_SOURCE_STOPPED)
+        return -1;
+    if (r == PL_SOURCE_END) {
+        bt->kind = B_END;
         return 0;
     }
-    int rc = pl_block_create(self->b, self->device, &bt->blk);
-    if (rc != PL_OK) {
-        Py_DECREF(item);
-        fail_batch(bt, rc, "creating the batch's ready event");
+    if (r != PL_SOURCE_BATCH) {
+        if (ops->needs_gil) {
+            bt->kind = B_ERROR;
+            bt->exc = fetch_exception();
+        } else {
+            fail_source(bt, why);
+        }
         return 0;
     }
     pl_flat *f = &p->flat;
-    pl_flat_begin(f); /* the last item's leaf buffers are reused */
-    /* see Note [flatten in two passes] in flatten.h */
-    if (self->templ.n_nodes) {
-        /* structure=: the item is a tuple of the leaves, placed in the captured structure */
-        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != self->templ.n_leaves)
-            PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): each item must be a "
-                         "tuple of the structure's %zd leaves, got %.100s", self->templ.n_leaves,
-                         Py_TYPE(item)->tp_name);
-        else if (pl_flat_walk(f, item) == 0) {
-            pl_tree walked;
-            pl_flat_take_tree(f, &walked);
-            pl_tree_clear(&walked);
-            if (f->n_leaves != self->templ.n_leaves)
-                PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's "
-                             "%zd entries are array leaves", (Py_ssize_t)f->n_leaves,
-                             self->templ.n_leaves);
-            else if (pl_handout_active(&self->handout))
-                bt->leaves = pl_flat_leaf_views(f, bt->blk); /* Note [batch leaves] */
-            else if ((bt->output = pl_flat_device_arrays(f, bt->blk)))
-                Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
-        }
-    } else if (pl_flat_walk(f, item) == 0) {
-        if (pl_handout_active(&self->handout)) {
-            if ((bt->leaves = pl_flat_leaf_views(f, bt->blk))) /* Note [batch leaves] */
-                pl_flat_take_tree(f, &bt->tree);
-        } else {
-            bt->output = pl_flat_rebuild(f, bt->blk);
-        }
+    int rc = pl_block_create(self->b, self->device, &bt->blk);
+    if (rc != PL_OK) {
+        if (ops->needs_gil)
+            pl_flat_clear(f); /* the walked item's owners and nodes */
+        fail_batch(bt, rc, "creating the batch's ready event");
+        return 0;
     }
-    Py_DECREF(item);
+    if (!ops->needs_gil) { /* leaves only, and maybe no GIL */
+        if (!(bt->leaves = pl_flat_leaf_views_raw(f, bt->blk))) {
+            fail_batch(bt, PL_ERR_NO_MEMORY, "the batch's leaf views");
+            return 0;
+        }
+        bt->kind = B_READY;
+        return atomic_load(&self->stop) ? -1 : 0;
+    }
+    if (pl_handout_active(&self->handout)) {
+        if ((bt->leaves = pl_flat_leaf_views(f, bt->blk)) && !self->templ.n_nodes) /* Note [batch leaves] */
+            pl_flat_take_tree(f, &bt->tree);
+    } else if (self->templ.n_nodes) {
+        if ((bt->output = pl_flat_device_arrays(f, bt->blk)))
+            Py_SETREF(bt->output, pl_tree_build(&self->templ, bt->output));
+    } else {
+        bt->output = pl_flat_rebuild(f, bt->blk);
+    }
     if (!bt->output && !bt->leaves) {
         bt->kind = B_ERROR;
         bt->exc = fetch_exception();
@@ -321,52 +276,32 @@ static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t
     }
     if (atomic_load(&self->stop)) {
         /* closed by user code the item ran (a __dlpack__, a constructor) */
-        Py_CLEAR(bt->output);
-        PyMem_RawFree(bt->leaves);
-        bt->leaves = NULL;
-        Py_CLEAR(bt->exc);
         pl_flat_clear(f);
         return -1;
     }
     return 0;
 }
 
-/* bt (its epoch and index set) from the adopted RowBatches, GIL or not: B_READY with its leaves
- * as views (Note [batch leaves] in flatten.h; the consumer builds the structure around them),
- * B_END, or B_ERROR. Nothing here needs Python. */
-static void native_item(pl_prefetcher_obj *self, producer *p, batch *bt)
+/* GIL held: the epoch's next batch into bt, from its iterator read as a native source when it
+ * is one and the prefetcher has a structure to place its leaves in, else as a Python iterable.
+ * Returns 0, or -1 when close() came meanwhile. */
+static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
 {
-    char why[sizeof bt->err_what];
-    int r = pl_row_batches_next(p->native, p->native_out, why, sizeof why);
-    if (r == 0) {
-        bt->kind = B_END;
-        return;
+    const pl_source_ops *ops = self->it && self->templ.n_nodes ? pl_source_ops_of(self->st, self->it) : NULL;
+    if (!ops)
+        return make_batch(self, p, bt, &pl_py_source, self->it, NULL, t_next);
+    /* opened already when an epoch restarted with the same iterator */
+    if (self->it != p->native.obj && open_native(self, p, ops, self->it) < 0) {
+        bt->kind = B_ERROR;
+        bt->exc = fetch_exception();
+        return atomic_load(&self->stop) ? -1 : 0;
     }
-    if (r < 0) {
-        fail_source(bt, why);
-        return;
-    }
-    int rc = pl_block_create(self->b, self->device, &bt->blk);
-    if (rc != PL_OK) {
-        fail_batch(bt, rc, "creating the batch's ready event");
-        return;
-    }
-    pl_flat *f = &p->flat;
-    pl_flat_begin(f);
-    for (int i = 0; i < p->native_leaves; i++)
-        if (pl_flat_add_rows(f, &p->native_out[i], why, sizeof why) < 0) {
-            fail_source(bt, why);
-            return;
-        }
-    pl_flat_finish_rows(f);
-    if (!(bt->leaves = pl_flat_leaf_views_raw(f, bt->blk))) {
-        fail_batch(bt, PL_ERR_NO_MEMORY, "the batch's leaf views");
-        return;
-    }
-    bt->kind = B_READY;
+    p->native.epoch = bt->epoch;
+    return make_batch(self, p, bt, p->native.ops, p->native.obj, p->native.state, t_next);
 }
 
-/* A round of an adopted epoch, without the GIL: 1 with *out a batch to ship, 0 to try again. */
+/* A round of an opened native source, without the GIL: 1 with *out a batch to ship, 0 to try
+ * again. */
 static int native_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t *t_next)
 {
     p->gil_wait_ns = 0;
@@ -375,11 +310,10 @@ static int native_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64
         pl_sleep_ns(1000000);
         return 0;
     }
-    bt->epoch = p->native_epoch;
+    bt->epoch = p->native.epoch;
     bt->index = p->index++;
-    int64_t t0 = pl_now_ns();
-    native_item(self, p, bt);
-    *t_next = pl_now_ns() - t0;
+    /* stop is seen by producer_wait before the next round; this batch is queued and dropped */
+    (void)make_batch(self, p, bt, p->native.ops, p->native.obj, p->native.state, t_next);
     *out = bt;
     return 1;
 }
@@ -457,9 +391,9 @@ static void ship_batch(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t 
         }
         p->prev_owners = pl_flat_take_owners(f, &p->prev_n);
         if (f->layout.direct || f->layout.gathered) {
-            /* A GIL round buried the previous block with its owners already; an adopted
-             * epoch's batches have no owners, and their block is needed only until the next
-             * one that reads the sources replaces it: retire_native buries the RowBatches with
+            /* A GIL round buried the previous block with its owners already; a native
+             * source's batches have no owners, and their block is needed only until the next
+             * one that reads the sources replaces it: retire_native buries the source with
              * the last of them (a round that makes no such batch, the epoch's end or an error,
              * keeps the one before). */
             if (p->prev_blk)
@@ -529,14 +463,15 @@ void *pl_pf_producer_main(void *arg)
         wait_direct_copy(self);
         if (pl_py_finalizing()) {
             pl_flat_release_leaves(&p.flat); /* PyMem_Raw, not the interpreter's */
-            PyMem_RawFree(p.native_out);
+            if (p.native.obj && p.native.ops->close)
+                p.native.ops->close(p.native.state);
             return NULL; /* the interpreter is going away: touch nothing of it */
         }
         batch *bt = NULL;
         int64_t t_next = 0;
         p.round_start_ns = pl_now_ns();
-        /* an adopted epoch's batches need no GIL, and carry no source objects (prev_n 0) */
-        int r = p.native && p.native_epoch == p.want_epoch && !p.prev_n
+        /* a native source's batches need no GIL, and carry no source objects (prev_n 0) */
+        int r = p.native.obj && p.native.epoch == p.want_epoch && !p.prev_n
                     ? native_batch(self, &p, &bt, &t_next)
                     : pull_batch(self, &p, &bt, &t_next);
         if (r < 0)
@@ -546,6 +481,7 @@ void *pl_pf_producer_main(void *arg)
     }
     producer_exit(self, &p);
     pl_flat_release_leaves(&p.flat); /* PyMem_Raw: no GIL needed */
-    PyMem_RawFree(p.native_out);
+    if (p.native.obj && p.native.ops->close) /* left by a finalizing interpreter */
+        p.native.ops->close(p.native.state);
     return NULL;
 }

@@ -8,7 +8,7 @@
  * RowGather over no rows (the source held, its own view, its registration; its shape and dtype
  * checked against the loader's), the epoch table, whose range is checked once here against
  * every leaf, and the batch size and count. The prefetcher's producer adopts it and then makes
- * every batch without the GIL (pl_row_batches_next, pf_producer.c): the leaves' layouts over
+ * every batch without the GIL (rb_source_next, Note [sources] in source.h): the leaves' layouts over
  * the batch's slice of the table, the read-ahead of the next batch's rows for memory-mapped
  * leaves (Note [read-ahead]), and the size check of their files (Note [truncated mappings] in
  * pinloader/_epoch_plan.py) by fstat() on a descriptor of the mapped file, which the Python
@@ -21,6 +21,7 @@
  * flight reads the layout it began with, from memory the held export keeps alive. */
 #include "gather_impl.h"
 
+#include "source.h"
 #include "util.h"
 
 #include <string.h>
@@ -56,11 +57,6 @@ typedef struct {
     int adopted;        /* GIL: a producer reads it */
     int reading;        /* GIL: __next__ is running (it releases the GIL for madvise) */
 } RowBatchesObject;
-
-int pl_row_batches_check(pl_state *st, PyObject *o)
-{
-    return PyObject_TypeCheck(o, st->RowBatches_Type);
-}
 
 static char *raw_strdup(const char *s)
 {
@@ -115,7 +111,9 @@ static void rb_count_advice(rb_leaf *L, int64_t bytes)
     }
 }
 
-int pl_row_batches_adopt(PyObject *o, int *n_leaves)
+/* GIL held: the producer takes o for its own (0), or -1 with RuntimeError when another reader
+ * already did. *n_leaves gets the leaves per batch. */
+static int rb_adopt(PyObject *o, int *n_leaves)
 {
     RowBatchesObject *rb = (RowBatchesObject *)o;
     if (rb->adopted || rb->reading || rb->next) {
@@ -128,7 +126,9 @@ int pl_row_batches_adopt(PyObject *o, int *n_leaves)
     return 0;
 }
 
-int pl_row_batches_next(PyObject *o, pl_row_gather_leaf *out, char *why, size_t n_why)
+/* No GIL (o adopted, kept alive by the caller): the next batch's leaves into out[0..n_leaves).
+ * Returns 1, 0 when the epoch is over, or -1 with the reason in why (the leaf's path first). */
+static int rb_next_leaves(PyObject *o, pl_row_gather_leaf *out, char *why, size_t n_why)
 {
     RowBatchesObject *rb = (RowBatchesObject *)o;
     if (rb->next >= rb->n_batches)
@@ -150,6 +150,62 @@ int pl_row_batches_next(PyObject *o, pl_row_gather_leaf *out, char *why, size_t 
     }
     return 1;
 }
+
+/* ---- RowBatches as a native source (Note [sources] in source.h) ---- */
+
+/* What the producer's reader keeps: the batch's gathered leaves, n of them (PyMem_Raw). */
+typedef struct {
+    int n;
+    pl_row_gather_leaf out[];
+} rb_reader;
+
+static int rb_source_open(PyObject *o, pl_flat *f, void **state, int *n_leaves)
+{
+    RowBatchesObject *rb = (RowBatchesObject *)o;
+    rb_reader *r = PyMem_RawMalloc(sizeof(rb_reader) + (size_t)rb->n_leaves * sizeof(pl_row_gather_leaf));
+    if (!r) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (pl_flat_reserve_rows(f, rb->n_leaves) < 0 || rb_adopt(o, n_leaves) < 0) {
+        PyMem_RawFree(r);
+        return -1;
+    }
+    r->n = rb->n_leaves;
+    *state = r;
+    return 0;
+}
+
+/* No GIL: batch b's leaves are the sources' layouts over its slice of the epoch table. */
+static int rb_source_next(PyObject *o, void *state, pl_flat *f, pl_source_ctx *ctx, char *why, size_t n_why)
+{
+    rb_reader *r = state;
+    int64_t t0 = pl_now_ns();
+    int rc = rb_next_leaves(o, r->out, why, n_why);
+    if (rc > 0) {
+        pl_flat_begin(f);
+        for (int i = 0; i < r->n && rc > 0; i++)
+            if (pl_flat_add_rows(f, &r->out[i], why, n_why) < 0)
+                rc = -1;
+        if (rc > 0)
+            pl_flat_finish_rows(f);
+    }
+    ctx->next_ns = pl_now_ns() - t0;
+    return rc > 0 ? PL_SOURCE_BATCH : rc == 0 ? PL_SOURCE_END : PL_SOURCE_ERROR;
+}
+
+static void rb_source_close(void *state)
+{
+    PyMem_RawFree(state);
+}
+
+static const pl_source_ops rb_source = {
+    .name = "an ArrayLoader epoch (RowBatches)",
+    .needs_gil = 0,
+    .open = rb_source_open,
+    .next = rb_source_next,
+    .close = rb_source_close,
+};
 
 static void rb_clear_leaves(RowBatchesObject *rb)
 {
@@ -420,7 +476,8 @@ int pl_gather_init(PyObject *m, pl_state *st)
     if (pl_row_gather_init(m, st) < 0 || pl_registration_init(m, st) < 0)
         return -1;
     st->RowBatches_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &rb_spec, NULL);
-    if (!st->RowBatches_Type || PyModule_AddObjectRef(m, "RowBatches", (PyObject *)st->RowBatches_Type) < 0)
+    if (!st->RowBatches_Type || PyModule_AddObjectRef(m, "RowBatches", (PyObject *)st->RowBatches_Type) < 0 ||
+        pl_source_register(st, st->RowBatches_Type, &rb_source) < 0)
         return -1;
     return pl_epoch_table_init(m);
 }

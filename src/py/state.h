@@ -10,6 +10,10 @@
 #include "backend.h"
 
 typedef struct pl_prefetcher_obj pl_prefetcher_obj;
+struct pl_source_ops;
+
+/* The native sources' types (Note [sources] in source.h); borrowed, the types are held above. */
+#define PL_MAX_SOURCE_TYPES 4
 
 /* A wait that blocks with the GIL released (a batch, a pool reservation, a host-backend copy)
  * runs in slices this long and checks for signals between them, so Ctrl-C is seen within one. */
@@ -31,6 +35,11 @@ typedef struct {
     PyTypeObject *RowGather_Type;
     PyTypeObject *Registration_Type;
     PyTypeObject *RowBatches_Type;
+    struct {
+        PyTypeObject *type;
+        const struct pl_source_ops *ops;
+    } sources[PL_MAX_SOURCE_TYPES];
+    int n_sources;
     PyObject *CudaError;
     PyObject *PoolExhausted;
     PyObject *numpy_dtype_fn; /* numpy.dtype */
