@@ -79,7 +79,11 @@ static int py_next(PyObject *it, void *state, pl_flat *f, pl_source_ctx *c, char
     int rc = c->structure_leaves ? walk_leaf_tuple(f, item, c->structure_leaves) : pl_flat_walk(f, item);
     Py_DECREF(item);
     if (rc < 0) {
+        /* the item's owners go now; their finalizers must not see (or clobber) the error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
         pl_flat_clear(f);
+        PyErr_Restore(type, value, tb);
         return PL_SOURCE_ERROR;
     }
     return PL_SOURCE_BATCH;
