@@ -42,7 +42,7 @@ def run(torch, pinloader, args, gather: str) -> list[dict]:
                 it = iter(L)
 
     done = torch.cuda.Event(blocking=True)
-    free0, pool0 = torch.cuda.mem_get_info(dev)[0], _C._device_pool_reserved(index)
+    free0, pool0 = torch.cuda.mem_get_info(dev)[0], _C._testing.device_pool_reserved(index)
     windows = []
     for w in range(args.windows):
         sync = w >= args.windows - args.device_syncs
@@ -58,7 +58,7 @@ def run(torch, pinloader, args, gather: str) -> list[dict]:
         dt = time.perf_counter() - t0
         cpu = cpu_by_thread_name(th0, thread_cpu_ns(), args.batches)
         rec = {"window": w, "end": "device synchronize" if sync else "event",
-               "pool_mib": (_C._device_pool_reserved(index) - pool0) / 2**20,
+               "pool_mib": (_C._testing.device_pool_reserved(index) - pool0) / 2**20,
                "in_use_mib": (free0 - torch.cuda.mem_get_info(dev)[0]) / 2**20,
                "gbps": args.batches * 256 * args.row_bytes / dt / 1e9,
                "producer_cpu_ms": cpu.get("pl-producer", 0.0), "main_cpu_ms": cpu.get("main", 0.0)}

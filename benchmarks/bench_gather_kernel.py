@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--blocks-per-sm", type=C.csv_list(int), default=[4, 8, 16, 32])
     ap.add_argument("--blocks", type=C.csv_list(int), default=[],
                     help="grids of at most this many blocks, in place of --blocks-per-sm (the "
-                         "launch's cap: pinloader._C._gather_grid)")
+                         "launch's cap: pinloader._C._testing.gather_grid)")
     ap.add_argument("--batch-bytes", type=C.parse_size, default=C.parse_size("8M"))
     ap.add_argument("--source-bytes", type=C.parse_size, default=C.parse_size("1G"))
     ap.add_argument("--launches", type=int, default=20)

@@ -555,7 +555,7 @@ def run_turn(row, trainer, args, dev):
     grid = row.info.get("gather_grid")
     if grid is not None:
         from pinloader import _C
-        _C._gather_grid(grid)
+        _C._testing.gather_grid(grid)
     try:
         take(row, args.drain)
         take(row, args.settle, trainer)
@@ -566,7 +566,7 @@ def run_turn(row, trainer, args, dev):
         dt, cpu, main = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
     finally:
         if grid is not None:
-            _C._gather_grid(0)
+            _C._testing.gather_grid(0)
     return {"seconds": dt, "steps": args.steps, "steps_per_s": args.steps / dt,
             "images_per_s": args.steps * trainer.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
             "main_cpu_ms_per_step": 1e3 * main / args.steps}
@@ -728,7 +728,7 @@ def build_parser():
     ap.add_argument("--depth", type=int, default=2, help="pinloader prefetch depth over the DataLoader (ArrayLoader rows use its own default)")
     ap.add_argument("--device-grids", type=C.csv_list(int), default=[],
                     help="extra arrayloader_device rows, arrayloader_device_gN, whose gather "
-                         "kernel launches use at most N blocks (pinloader._C._gather_grid)")
+                         "kernel launches use at most N blocks (pinloader._C._testing.gather_grid)")
     ap.add_argument("--gpt2-batch", type=int, default=16)
     ap.add_argument("--gpt2-block", type=int, default=GPT2_BLOCK)
     ap.add_argument("--gpt2-tokens", type=int, default=64 * 1024 * 1024)

@@ -169,7 +169,7 @@ class Ctx:
             return 0
         from pinloader import _C
         idx = int(self.device.split(":")[1]) if ":" in self.device else 0
-        return int(_C._device_pool_reserved(idx))
+        return int(_C._testing.device_pool_reserved(idx))
 
 
 def _producer(st0: dict, st: dict) -> dict:

@@ -16,7 +16,7 @@ Fixtures:
 
 * ``backend_device``: parametrizes a test over the backends: ``"cpu"`` (the host backend,
   always) and ``"cuda:0"`` (gpu-marked).
-* ``prim``: a ``pinloader._C._Prim`` for ``backend_device``.
+* ``prim``: a ``pinloader._C._testing.Prim`` for ``backend_device``.
 * ``make_pool``: ``make_pool(max_bytes, device="cpu")`` -> a PinnedPool closed at teardown.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def backend_device(request):
 
 @pytest.fixture
 def prim(backend_device):
-    p = _C._Prim(backend_device)
+    p = _C._testing.Prim(backend_device)
     assert p.backend == ("host" if backend_device == "cpu" else "cuda")
     return p
 

@@ -166,7 +166,7 @@ def count_fds():
 
 def live_blocks():
     """(count, bytes) of the host backend's live device blocks."""
-    return _C._live_device_blocks("host")
+    return _C._testing.live_device_blocks("host")
 
 
 def warm_up():

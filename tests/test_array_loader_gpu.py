@@ -96,11 +96,11 @@ def test_device_memory_stays_flat_without_a_device_synchronisation(gather):
     done = torch.cuda.Event(blocking=True)
     done.record()
     done.synchronize()  # an event, not a device-wide synchronisation
-    before = _C._device_pool_reserved(0)
+    before = _C._testing.device_pool_reserved(0)
     take(400)  # 3.2 GiB of batches
     done.record()
     done.synchronize()
-    grown = _C._device_pool_reserved(0) - before
+    grown = _C._testing.device_pool_reserved(0) - before
     L.close()
     assert grown <= 16 * row * bs, f"the device pool grew by {grown >> 20} MiB over 400 batches of 8 MiB"
 

@@ -246,11 +246,11 @@ def test_an_epochs_sources_live_until_its_last_device_gather_is_done():
     pf = AsyncPrefetcher(Src(), device="cpu", depth=2, structure=(np.empty((1, D), np.float32),))
     bad = 0
     for e in range(1, 9):
-        _C._debug_hold_copies(True)
+        _C._testing.debug_hold_copies(True)
         got = [next(pf) for _ in range(2)]
         iter(pf)  # the next epoch: the producer retires this one's RowBatches
         junk = [np.ones((N, D), np.float32) for _ in range(2)]
-        _C._debug_hold_copies(False)
+        _C._testing.debug_hold_copies(False)
         bad += sum(not (np.from_dlpack(b[0]) == e).all() for b in got)
         del junk, got
     pf.close()
@@ -263,7 +263,7 @@ def test_an_epochs_sources_live_until_its_last_device_gather_is_done():
 @pytest.mark.hostile
 def test_closing_the_registration_does_not_pull_the_range_from_under_an_epoch():
     a = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)
-    base = _C._registered_bytes("host")
+    base = _C._testing.registered_bytes("host")
     reg, why = _C.register_rows(a, None, "cpu")
     assert reg is not None, why
     rb = _C.RowBatches([("x", _C.RowGather(a, [], None, None, reg), False, None, 0, None)],
@@ -271,7 +271,7 @@ def test_closing_the_registration_does_not_pull_the_range_from_under_an_epoch():
     pf = pinloader.AsyncPrefetcher(rb, device="cpu", depth=1, structure=(np.empty((1, 1024), np.float32),))
     first = next(pf)
     reg.close()  # the epoch's probe still holds the range
-    assert _C._registered_bytes("host") > base
+    assert _C._testing.registered_bytes("host") > base
     junk = [bytearray(64) for _ in range(20000)]
     rest = list(pf)
     got = np.concatenate([np.from_dlpack(first[0])] + [np.from_dlpack(b[0]) for b in rest])
@@ -279,7 +279,7 @@ def test_closing_the_registration_does_not_pull_the_range_from_under_an_epoch():
     del rb, pf, rest, first, junk
     import gc
     gc.collect()
-    assert _C._registered_bytes("host") == base  # unregistered with the last holder
+    assert _C._testing.registered_bytes("host") == base  # unregistered with the last holder
 
 
 def test_a_source_cut_between_epochs_is_the_first_batchs_error_and_ends_the_epoch(tmp_path):

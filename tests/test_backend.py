@@ -1,4 +1,5 @@
-"""The backend primitives (src/core/backend_host.c, src/core/backend_cuda.c) through ``_C._Prim``.
+"""The backend primitives (src/core/backend_host.c, src/core/backend_cuda.c) through
+``pinloader._C._testing.Prim``.
 
 Every test runs on the host backend ("cpu") and, gpu-marked, on the CUDA backend ("cuda:0").
 Streams that tests hold with a gate are always released again (the ``res`` fixture opens every
@@ -437,7 +438,7 @@ def test_no_gpu_reports_host(monkeypatch):
     assert pinloader.device_count() == 0
     info = pinloader.cuda_info()
     assert info["usable"] is False and info["error"], info
-    assert _C._Prim().backend == "host"
+    assert _C._testing.Prim().backend == "host"
     assert pinloader.PinnedPool(max_bytes=MiB).backend == "host"
 
 
@@ -446,7 +447,7 @@ def test_forced_host_backend_in_subprocess():
 import json, pinloader
 from pinloader import _C
 out = {"backend": pinloader.backend(), "available": pinloader.cuda_available(),
-       "count": pinloader.device_count(), "prim": _C._Prim().backend,
+       "count": pinloader.device_count(), "prim": _C._testing.Prim().backend,
        "pool": pinloader.PinnedPool(max_bytes=1 << 20).backend}
 try:
     pinloader.AsyncPrefetcher([], device="cuda:0")
@@ -476,7 +477,7 @@ def test_cuda_device_without_cuda_raises_cuda_error(monkeypatch, make, device):
     monkeypatch.delenv("PINLOADER_BACKEND", raising=False)
     ctor = {"prefetcher": lambda: pinloader.AsyncPrefetcher([], device=device),
             "pool": lambda: pinloader.PinnedPool(device=device),
-            "prim": lambda: _C._Prim(device)}[make]
+            "prim": lambda: _C._testing.Prim(device)}[make]
     with pytest.raises(pinloader.CudaError) as ei:
         ctor()
     e = ei.value
@@ -519,7 +520,7 @@ LENIENT_DEVICES = ["cuda: 0", "cuda:+0"]
 def test_bad_device_string_raises_value_error(make, device):
     ctor = {"prefetcher": lambda: pinloader.AsyncPrefetcher([], device=device),
             "pool": lambda: pinloader.PinnedPool(device=device),
-            "prim": lambda: _C._Prim(device)}[make]
+            "prim": lambda: _C._testing.Prim(device)}[make]
     with pytest.raises(ValueError) as ei:
         ctor()
     assert repr(device) in str(ei.value)

@@ -37,7 +37,7 @@ for kwargs in ({}, {"pool": pool}, {"max_pinned_bytes": 1 << 20, "depth": 4}):
 held = None
 pool.close()
 gc.collect()
-print("VIOLATION", repr(_C._debug_violation()), flush=True)
+print("VIOLATION", repr(_C._testing.debug_violation()), flush=True)
 """
     p = run_py(code, timeout=60, env_extra={"PINLOADER_DEBUG": "1"})
     assert p.returncode == 0, describe(p)
@@ -50,10 +50,10 @@ def test_debug_mode_reports_a_write_past_a_pinned_region():
 import ctypes, pinloader
 pool = pinloader.PinnedPool(max_bytes=1 << 20, device="cpu")
 buf = pool.alloc(1000)
-assert pinloader._C._debug_violation() is None
+assert pinloader._C._testing.debug_violation() is None
 ctypes.memset(buf.ptr + 1000, 0x11, 4)   # 4 bytes past the end
 buf.release()
-print("VIOLATION", pinloader._C._debug_violation(), flush=True)
+print("VIOLATION", pinloader._C._testing.debug_violation(), flush=True)
 """
     p = run_py(code, timeout=60, env_extra={"PINLOADER_DEBUG": "1"})
     assert p.returncode == 0, describe(p)

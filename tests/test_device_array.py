@@ -3,7 +3,7 @@
 A batch handed out stays valid after close() and after the prefetcher is gone (a NumPy view keeps
 its block alive on its own); 1000 batches held at once are all intact while the pinned memory is
 recycled. Batches are handed out once their copy is queued, not finished: a DLPack export waits
-for the copy. The held-copy switch (pinloader._C._debug_hold_copies, Note [held copies] in
+for the copy. The held-copy switch (pinloader._C._testing.debug_hold_copies, Note [held copies] in
 src/core/backend_host.c) keeps copies queued, which makes that wait, or its absence, visible every
 time. (The export arguments, export_capsules and its once-per-batch wait: test_dlpack_export.py.)
 """
@@ -82,14 +82,11 @@ def test_holding_1000_batches_alive():
 # ---- the ready wait ------------------------------------------------------------------------------
 
 def test_dlpack_export_waits_for_the_held_copy():
-    # pinloader._C._debug_hold_copies(True) holds the host backend's copy streams: every copy
-    # issued after it stays queued until _debug_hold_copies(False). A batch handed out while its
+    # pinloader._C._testing.debug_hold_copies(True) holds the host backend's copy streams: every
+    # copy issued after it stays queued until debug_hold_copies(False). A batch handed out while its
     # copy is held has not been filled yet, so a consumer that skipped the ready-event wait
     # would read unfilled memory every time, not only when a race happens to go that way.
-    hold = getattr(pinloader._C, "_debug_hold_copies", None)
-    assert hold is not None, (
-        "pinloader._C._debug_hold_copies(flag) is missing: the host-backend debug switch that "
-        "holds the copy streams (this test needs it)")
+    hold = _C._testing.debug_hold_copies
     n = 1 << 20
     src = np.frombuffer(os.urandom(n), dtype=np.uint8)  # fresh bytes: no stale copy can match
     released = threading.Event()
@@ -128,7 +125,7 @@ def test_dlpack_export_waits_for_the_held_copy():
 def test_hold_switch_makes_a_missing_ready_wait_visible():
     n = 1 << 16
     src = [np.full(n, 7, np.uint8), np.full(n, 9, np.uint8)]
-    _C._debug_hold_copies(True)
+    _C._testing.debug_hold_copies(True)
     try:
         pf = pinloader.AsyncPrefetcher(src, device="cpu", depth=2)
         b = next(pf)
@@ -141,7 +138,7 @@ def test_hold_switch_makes_a_missing_ready_wait_visible():
         t.join(0.2)
         assert t.is_alive() and "x" not in got
     finally:
-        _C._debug_hold_copies(False)
+        _C._testing.debug_hold_copies(False)
     t.join(30)
     assert not t.is_alive()
     assert (got["x"] == 7).all()

@@ -156,22 +156,22 @@ def test_budget_refuses_what_does_not_fit(device):
 @pytest.mark.parametrize("device", BACKENDS)
 def test_registration_is_shared_counted_once_and_released_by_the_last_user(device):
     b = backend_name(device)
-    before = _C._registered_bytes(b)
+    before = _C._testing.registered_bytes(b)
     src = np.random.default_rng(0).random((4096, 16))
     A = pinloader.ArrayLoader(src, 64, device=device, gather="device", seed=1)
     B = pinloader.ArrayLoader(src[100:3000], 64, device=device, gather="device", seed=2)
     a0 = batches(A)
     b0 = batches(B)
-    held = _C._registered_bytes(b) - before
+    held = _C._testing.registered_bytes(b) - before
     assert A.stats()["registered_bytes"] == held > 0
     assert held < src.nbytes + 2 * 65536  # one page-rounded range, not two
     A.close()
-    assert _C._registered_bytes(b) - before == held  # B still uses it
+    assert _C._testing.registered_bytes(b) - before == held  # B still uses it
     for k, x in enumerate(batches(B)):
         np.testing.assert_array_equal(x, expected(src[100:3000], B, 1, k))
     B.close()
     gc.collect()
-    assert _C._registered_bytes(b) == before
+    assert _C._testing.registered_bytes(b) == before
     for k, x in enumerate(a0):
         np.testing.assert_array_equal(x, expected(src, A, 0, k))
     assert len(b0) == len(B)
@@ -197,13 +197,13 @@ def test_memory_flat_over_epochs(device):
     src = np.random.default_rng(0).random((2000, 32)).astype(np.float32)
     L = pinloader.ArrayLoader({"x": src, "y": np.arange(2000)}, 128, device=device, gather="device")
     batches(L)
-    reg = _C._registered_bytes(b)
-    blocks = _C._live_device_blocks(b)
+    reg = _C._testing.registered_bytes(b)
+    blocks = _C._testing.live_device_blocks(b)
     for _ in range(5):
         batches(L)
         gc.collect()
-        assert _C._registered_bytes(b) == reg
-        assert _C._live_device_blocks(b)[0] <= blocks[0] + 4
+        assert _C._testing.registered_bytes(b) == reg
+        assert _C._testing.live_device_blocks(b)[0] <= blocks[0] + 4
     L.close()
 
 
@@ -277,15 +277,15 @@ class _Tagged(np.ndarray):
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_registration_in_a_cycle_with_its_source_is_collected_and_unregistered(device):
     b = backend_name(device)
-    before = _C._registered_bytes(b)
+    before = _C._testing.registered_bytes(b)
     src = np.zeros((100_000, 4), np.float32).view(_Tagged)
     src.reg, why = _C.register_rows(src, device=device)  # source -> registration -> source
-    assert why == "" and _C._registered_bytes(b) > before
+    assert why == "" and _C._testing.registered_bytes(b) > before
     alive = weakref.ref(src)
     del src
     gc.collect()
     assert alive() is None
-    assert _C._registered_bytes(b) == before
+    assert _C._testing.registered_bytes(b) == before
 
 
 def test_register_rows_reasons():
@@ -399,10 +399,10 @@ def test_host_registration_is_refused_by_a_cuda_prefetcher():
 def test_cuda_gather_reads_memory_already_pinned_without_registering_it():
     torch = pytest.importorskip("torch")
     t = torch.arange(1000 * 4, dtype=torch.float32).reshape(1000, 4).pin_memory()
-    before = _C._registered_bytes("cuda")
+    before = _C._testing.registered_bytes("cuda")
     L = pinloader.ArrayLoader(t, 100, device="cuda:0", gather="device", seed=3)
     got = batches(L)
-    assert _C._registered_bytes("cuda") == before  # used as it is
+    assert _C._testing.registered_bytes("cuda") == before  # used as it is
     st = L.stats()
     assert st["gather"] == "device" and st["registered_bytes"] == 0
     src = t.numpy()

@@ -30,7 +30,7 @@ def capsule_name(cap):
 
 
 def counters():
-    c = _C._debug_counters()
+    c = _C._testing.debug_counters()
     return c["host_consumer_waits"], c["host_consumer_waits_skipped"]
 
 
@@ -225,9 +225,9 @@ def test_cuda_stream_argument_rules(stream, want):
     """How a CUDA DeviceArray reads stream= (the parser is shared; checked without a GPU)."""
     if isinstance(want, type):
         with pytest.raises(want):
-            _C._dlpack_stream(stream, True)
+            _C._testing.dlpack_stream(stream, True)
     else:
-        assert _C._dlpack_stream(stream, True) == want
+        assert _C._testing.dlpack_stream(stream, True) == want
 
 
 _scalars = st.one_of(
@@ -430,7 +430,7 @@ def test_export_capsules_outlive_the_prefetcher():
 
 
 def test_export_capsules_release_device_blocks():
-    before = _C._live_device_blocks("host")[0]
+    before = _C._testing.live_device_blocks("host")[0]
     item = make_batch(6, seed=3)
     pf = pinloader.AsyncPrefetcher([item], device="cpu")
     out = drain(pf)[0]
@@ -439,10 +439,10 @@ def test_export_capsules_release_device_blocks():
     pf.close()
     del out
     gc.collect()
-    assert _C._live_device_blocks("host")[0] == before + 1  # held by the exports
+    assert _C._testing.live_device_blocks("host")[0] == before + 1  # held by the exports
     del caps, consumed
     gc.collect()
-    assert _C._live_device_blocks("host")[0] == before
+    assert _C._testing.live_device_blocks("host")[0] == before
 
 
 def test_export_capsules_from_many_threads(batch):
@@ -482,7 +482,7 @@ def test_export_capsules_from_many_threads(batch):
 # ---- the same on CUDA (run on the GPU machine: pytest -m gpu tests/test_dlpack_export.py) ----
 
 def cuda_counters():
-    c = _C._debug_counters()
+    c = _C._testing.debug_counters()
     return c["cuda_consumer_waits"], c["cuda_consumer_waits_skipped"]
 
 

@@ -321,7 +321,7 @@ def fresh_pool_works():
     if os.environ.get("PL_TEST_CHILD_THREADS") == "0":
         return 0
     # The host backend's streams and events work in the child too (new worker threads).
-    p = _C._Prim("cpu")
+    p = _C._testing.Prim("cpu")
     s, e = p.stream(), p.event()
     p.record(e, s)
     p.event_synchronize(e)
@@ -359,7 +359,7 @@ def test_inherited_pool_buffer_and_device_array_fail_fast_fresh_ones_work():
 pool = pinloader.PinnedPool(max_bytes=1 << 22, device="cpu")
 buf = pool.alloc(4096)
 np.frombuffer(buf, np.uint8)[:] = 1
-_C._debug_hold_copies(True)            # the batch's copy is queued, not done, at fork time
+_C._testing.debug_hold_copies(True)            # the batch's copy is queued, not done, at fork time
 pf = pinloader.AsyncPrefetcher([np.full(1000, 3, np.int32)] * 3, device="cpu", depth=2)
 batch = next(pf)
 
@@ -370,7 +370,7 @@ def in_child():
     assert "fork" in repr(pool)
     pool.close()                        # no-op, no lock, no hang
     buf.release()
-    _C._debug_hold_copies(False)
+    _C._testing.debug_hold_copies(False)
     fresh_pool_works()
     return 0
 
@@ -378,7 +378,7 @@ pid = os.fork()
 if pid == 0:
     child(in_child)
 status = wait_child(pid)
-_C._debug_hold_copies(False)
+_C._testing.debug_hold_copies(False)
 print("CHILD", status, flush=True)
 print("PARENT", [int(np.from_dlpack(b)[0]) for b in [batch] + [next(pf) for _ in range(2)]],
       int(np.frombuffer(buf, np.uint8).sum()), flush=True)
@@ -413,7 +413,7 @@ def hammer_pool():
 def hammer_streams():
     # Host streams, events and the device-block cache: their worker threads take the host
     # backend's process-wide locks without the GIL, so a fork often lands while one is held.
-    p = _C._Prim("cpu")
+    p = _C._testing.Prim("cpu")
     s, e = p.stream(), p.event()
     while not stop.is_set():
         blocks = [p.device_alloc(n, s) for n in (4096, 100000, 4096)]

@@ -78,7 +78,7 @@ def test_pinned_buffer_source_direct_copy(torch):
     arrays = [np.frombuffer(b, dtype=np.float32) for b in bufs]
     for i, a in enumerate(arrays):
         a[:] = np.arange(a.size, dtype=np.float32) + i
-    attrs = pinloader._C._Prim("cuda:0")
+    attrs = pinloader._C._testing.Prim("cuda:0")
     assert attrs.is_pinned(bufs[0].ptr)
     with pinloader.AsyncPrefetcher([[a] for a in arrays], device="cuda:0") as pf:
         outs = [torch.from_dlpack(b[0]).cpu().numpy() for b in pf]
@@ -221,21 +221,21 @@ def test_cuda_array_interface(torch):
 
 def test_device_memory_flat_over_many_batches(torch):
     src = [np.ones((1024, 256), np.float32)] * 2000
-    base = pinloader._C._live_device_blocks("cuda")
+    base = pinloader._C._testing.live_device_blocks("cuda")
     with pinloader.AsyncPrefetcher(src, device="cuda:0", depth=2) as pf:
         peak = 0
         for i, b in enumerate(pf):
             t = torch.from_dlpack(b)
             t.add_(1)
             if i % 100 == 0:
-                peak = max(peak, pinloader._C._live_device_blocks("cuda")[0])
+                peak = max(peak, pinloader._C._testing.live_device_blocks("cuda")[0])
         st = pf.stats()
     del b, t
     gc.collect()
     torch.cuda.synchronize()
     assert peak <= base[0] + 2 + 3   # depth + the one in hand + slack for frees in flight
     assert st["pinned_bytes_peak"] <= st["pinned_cap"]
-    assert pinloader._C._live_device_blocks("cuda")[0] == base[0]
+    assert pinloader._C._testing.live_device_blocks("cuda")[0] == base[0]
 
 
 def test_big_batch_chunked_pipeline(torch):

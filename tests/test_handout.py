@@ -343,18 +343,18 @@ def test_static_array_loader_and_its_torch_door():
 
 
 def test_static_memory_is_one_block_across_epochs_and_freed_after_close():
-    before = _C._live_device_blocks("host")[0]
+    before = _C._testing.live_device_blocks("host")[0]
     src = [_rows(i) for i in range(3)]
     pf = AsyncPrefetcher(src, device="cpu", static=True, depth=1)
     counts = []
     for _ in range(5):
         drain(pf)
-        counts.append(_C._live_device_blocks("host")[0] - before)
+        counts.append(_C._testing.live_device_blocks("host")[0] - before)
         iter(pf)
     assert max(counts) == min(counts), counts  # nothing grows epoch over epoch
     pf.close()
     assert pf.static_arrays is None
-    assert _C._live_device_blocks("host")[0] - before <= 0
+    assert _C._testing.live_device_blocks("host")[0] - before <= 0
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -377,7 +377,7 @@ def test_a_convert_that_closes_the_prefetcher_gets_its_batch_and_then_a_clean_er
 
 
 def _host_waits():
-    c = _C._debug_counters()
+    c = _C._testing.debug_counters()
     return c["host_consumer_waits"], c["host_consumer_waits_skipped"]
 
 

@@ -507,7 +507,7 @@ def test_a_loader_over_a_slice_of_a_registered_source_charges_only_new_pages():
     L1 = pinloader.ArrayLoader(src, 64, device=DEVICE, gather="device")
     list(L1)
     assert L1.stats()["gather"] == "device"
-    budget = _C._registered_bytes("host")  # all this process holds registered now
+    budget = _C._testing.registered_bytes("host")  # all this process holds registered now
     L2 = pinloader.ArrayLoader(src[10:], 64, device=DEVICE, gather="device", max_registered_bytes=budget)
     got = np.concatenate([values(b) for b in L2])
     assert L2.stats()["gather"] == "device"
@@ -527,9 +527,9 @@ def test_row_gathers_stream_only_in_batches_of_one_chunk(monkeypatch):
     src = np.ones((8192, 1024), np.float32)  # rows of 4 KiB
     for rows, bs, streams in ((src, 1100, True), (src, 4200, False),
                               (np.ones((16384, 512), np.float32), 2200, False)):
-        before = _C._streamed_bytes()
+        before = _C._testing.streamed_bytes()
         L = pinloader.ArrayLoader(rows, bs, device=DEVICE, gather="host", drop_last=True)
         n = len([b for b in L])
         L.close()
-        streamed = _C._streamed_bytes() - before
+        streamed = _C._testing.streamed_bytes() - before
         assert streamed == (n * bs * rows.shape[1] * 4 if streams else 0), (bs, streamed)

@@ -175,7 +175,7 @@ def test_torch_door_resume_and_static(data, torch):
 
 
 def test_memory_flat_and_close_mid_epoch(data, torch):
-    blocks0 = _C._live_device_blocks("cuda")
+    blocks0 = _C._testing.live_device_blocks("cuda")
     # one batch of every image per epoch: the same batch for the decoder's workspace each time
     loader = ImageLoader(data["folder"], 18, size=32, device="cuda", decoder="gpu")
     ws = []
@@ -190,4 +190,4 @@ def test_memory_flat_and_close_mid_epoch(data, torch):
     loader.close()
     torch.cuda.synchronize()
     gc.collect()
-    assert _C._live_device_blocks("cuda") == blocks0
+    assert _C._testing.live_device_blocks("cuda") == blocks0

@@ -208,7 +208,7 @@ def test_memory_stays_flat_and_blocks_come_back(dec, torch):
     shapes = [(int(h), int(w)) for h, w in rng.integers(50, 400, size=(32, 2))]
     blobs = [_jpeg(_photo(h, w, i)) for i, (h, w) in enumerate(shapes)]
     base, offsets, lengths = _pack(blobs)
-    blocks0 = _C._live_device_blocks("cuda")
+    blocks0 = _C._testing.live_device_blocks("cuda")
     ws = []
     for r in range(30):
         params = _params(rng, shapes, (64, 64))
@@ -220,7 +220,7 @@ def test_memory_stays_flat_and_blocks_come_back(dec, torch):
     torch.cuda.synchronize()
     gc.collect()
     assert ws[5:] == [ws[5]] * len(ws[5:])
-    assert _C._live_device_blocks("cuda") == blocks0
+    assert _C._testing.live_device_blocks("cuda") == blocks0
 
 
 def test_hostile_arguments_are_clean_errors(dec):

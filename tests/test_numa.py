@@ -37,35 +37,35 @@ def sysroot(tmp_path, monkeypatch):
 
 def test_gpu_node_read_on_a_two_node_host(sysroot):
     fake_sysfs(sysroot, nodes=2, numa_node="1\n")
-    assert _C._numa_node_of_pci(BUS) == 1
-    assert _C._numa_node_of_pci(SYSFS_BUS) == 1
+    assert _C._testing.numa_node_of_pci(BUS) == 1
+    assert _C._testing.numa_node_of_pci(SYSFS_BUS) == 1
 
 
 def test_one_node_host_binds_nothing(sysroot):
     fake_sysfs(sysroot, nodes=1, numa_node="0\n")
-    assert _C._numa_node_of_pci(BUS) == -1
+    assert _C._testing.numa_node_of_pci(BUS) == -1
 
 
 @pytest.mark.parametrize("content", ["-1\n", "", "abc\n", "1x\n", "99999999999999999999\n", "4096\n"])
 def test_unknown_or_malformed_node_is_minus_one(sysroot, content):
     fake_sysfs(sysroot, nodes=4, numa_node=content)
-    assert _C._numa_node_of_pci(BUS) == -1
+    assert _C._testing.numa_node_of_pci(BUS) == -1
 
 
 def test_unknown_device_is_minus_one(sysroot):
     fake_sysfs(sysroot, nodes=2, numa_node=None)
-    assert _C._numa_node_of_pci(BUS) == -1
+    assert _C._testing.numa_node_of_pci(BUS) == -1
 
 
 @pytest.mark.parametrize("bus", ["", "../../../etc", "0000:3b:00.0/../x", "3b", "0000:3b:00.0\n",
                                  "x" * 200])
 def test_malformed_bus_ids_are_refused(sysroot, bus):
     fake_sysfs(sysroot, nodes=2)
-    assert _C._numa_node_of_pci(bus) == -1
+    assert _C._testing.numa_node_of_pci(bus) == -1
 
 
 def test_no_sysfs_is_minus_one(sysroot):
-    assert _C._numa_node_of_pci(BUS) == -1
+    assert _C._testing.numa_node_of_pci(BUS) == -1
 
 
 def test_host_backend_pool_reports_no_node():
@@ -79,7 +79,7 @@ def test_host_backend_pool_reports_no_node():
 def test_host_alloc_on_a_node_is_usable_memory():
     # Node 0 exists on every Linux host: the preference is accepted, and the slab, bound before
     # its prefault, is ordinary zeroed memory.
-    prim = _C._Prim("cpu")
+    prim = _C._testing.Prim("cpu")
     n = 3 << 20
     for node in (0, -1):
         ptr = prim.host_alloc(n, node)
@@ -95,7 +95,7 @@ def test_host_alloc_on_a_node_is_usable_memory():
 
 def test_host_alloc_with_a_node_that_does_not_exist_still_allocates():
     # mbind refuses a node the host lacks; the slab is made anyway (on any node).
-    prim = _C._Prim("cpu")
+    prim = _C._testing.Prim("cpu")
     n = 1 << 20
     ptr = prim.host_alloc(n, 1000)
     try:
@@ -109,4 +109,4 @@ def test_host_alloc_with_a_node_that_does_not_exist_still_allocates():
 
 @pytest.mark.skipif(not os.path.isdir("/sys/devices/system/node"), reason="no sysfs NUMA directory")
 def test_real_sysfs_reading_does_not_fail():
-    assert _C._numa_node_of_pci("0000:00:00.0") >= -1
+    assert _C._testing.numa_node_of_pci("0000:00:00.0") >= -1

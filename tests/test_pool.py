@@ -464,7 +464,7 @@ except KeyboardInterrupt:
 
 def test_pool_trim_frees_nothing_pending_and_pending_regions_are_not_reused():
     pool = pinloader.PinnedPool(max_bytes=2 * MiB, device="cpu")
-    _C._debug_hold_copies(True)
+    _C._testing.debug_hold_copies(True)
     try:
         pf = pinloader.AsyncPrefetcher([np.ones(MiB + MiB // 2, np.uint8)], device="cpu", pool=pool,
                                        depth=1)
@@ -481,7 +481,7 @@ def test_pool_trim_frees_nothing_pending_and_pending_regions_are_not_reused():
             pool.alloc(MiB, timeout=0.05)
         assert pool.stats()["pending"] == 1
     finally:
-        _C._debug_hold_copies(False)
+        _C._testing.debug_hold_copies(False)
     np.testing.assert_array_equal(values(batch), np.ones(MiB + MiB // 2, np.uint8))
     pf.close()
     assert wait_for(lambda: pool.stats()["pending"] == 0, timeout=30.0, step=0.005), (

@@ -286,7 +286,7 @@ def test_argument_checks():
 def test_cuda_pool_regions_are_pinned():
     from pinloader import _C
 
-    prim = _C._Prim("cuda:0")
+    prim = _C._testing.Prim("cuda:0")
     with PinnedPool(max_bytes=64 * MiB, device="cuda:0") as pool:
         assert pool.backend == "cuda"
         bufs = [pool.alloc(n) for n in (1, 4096, 3 * MiB + 7)]

@@ -389,12 +389,12 @@ def test_ctrl_c_during_the_handout_loses_no_batch(how):
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for _ in range(2):
-            pinloader._C._debug_signal_after_handout(signal.SIGINT)
+            pinloader._C._testing.debug_signal_after_handout(signal.SIGINT)
             with pytest.raises(KeyboardInterrupt):
                 next(it)
             got.append(int(np.from_dlpack(next(it))[0, 0]))  # the batch the signal interrupted
     finally:
-        pinloader._C._debug_signal_after_handout(0)
+        pinloader._C._testing.debug_signal_after_handout(0)
         signal.signal(signal.SIGINT, old)
     while True:  # next(), not a for loop: iter() on an ArrayLoader starts an epoch
         try:

@@ -203,7 +203,7 @@ with pinloader.AsyncPrefetcher([np.zeros(4)] * 2, device="cpu") as warm:
     list(warm)
 del warm
 gc.collect()
-base_tasks, base_blocks = tasks(), _C._live_device_blocks("host")
+base_tasks, base_blocks = tasks(), _C._testing.live_device_blocks("host")
 collected = []
 class Leaf:
     def __dlpack_device__(self):
@@ -225,19 +225,19 @@ s.pf = pf
 deadline = time.monotonic() + 20
 while pf.stats()["queued"] < 2 and time.monotonic() < deadline:
     time.sleep(0.01)
-busy = _C._live_device_blocks("host")[0]
+busy = _C._testing.live_device_blocks("host")[0]
 del s, pf
 deadline = time.monotonic() + 20
 while time.monotonic() < deadline:
     st = pool.stats()
-    if (sum(collected) and tasks() <= base_tasks and _C._live_device_blocks("host") == base_blocks
-            and st["in_use_bytes"] == 0):
+    if (sum(collected) and tasks() <= base_tasks
+            and _C._testing.live_device_blocks("host") == base_blocks and st["in_use_bytes"] == 0):
         break
     time.sleep(0.02)
 st = pool.stats()
 print("collected", sum(collected) > 0, flush=True)
 print("tasks", tasks(), base_tasks, flush=True)
-print("blocks", busy, _C._live_device_blocks("host")[0], base_blocks[0], flush=True)
+print("blocks", busy, _C._testing.live_device_blocks("host")[0], base_blocks[0], flush=True)
 print("pinned", st["in_use_bytes"], st["regions"], flush=True)
 print("survived", flush=True)
 """

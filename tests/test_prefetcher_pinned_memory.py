@@ -395,12 +395,12 @@ def test_stall_counters_count_only_this_prefetchers_waits_on_the_default_pool():
     b_items = batches(20, 1000, seed=3)
     # Copies held: A's first region stays pending, so its second reserve must wait (its bound
     # fits one region), deterministically.
-    pinloader._C._debug_hold_copies(True)
+    pinloader._C._testing.debug_hold_copies(True)
     try:
         a = pinloader.AsyncPrefetcher(a_items, device=DEVICE, depth=4, max_pinned_bytes=1 * MiB + 512)
         time.sleep(0.2)
     finally:
-        pinloader._C._debug_hold_copies(False)
+        pinloader._C._testing.debug_hold_copies(False)
     try:
         with pinloader.AsyncPrefetcher(b_items, device=DEVICE, depth=2) as b:
             check(drain(b), b_items)
@@ -445,7 +445,7 @@ def test_stall_counted_once_per_reserve_that_waited():
     big = [np.full(MiB, i, dtype=np.uint8) for i in range(2)]
     small = [np.full(16 << 10, 10 + i, dtype=np.uint8) for i in range(20)]
     items = big + small
-    _C._debug_hold_copies(True)
+    _C._testing.debug_hold_copies(True)
     try:
         pf = pinloader.AsyncPrefetcher(items, device="cpu", pool=pool, depth=2,
                                        max_pinned_bytes=3 * MiB // 2)
@@ -454,7 +454,7 @@ def test_stall_counted_once_per_reserve_that_waited():
             "timed out waiting for the second batch's reserve to wait")
         assert pf.stats()["pinned_stalls"] == 0
     finally:
-        _C._debug_hold_copies(False)
+        _C._testing.debug_hold_copies(False)
     out = [values(first)] + [values(b) for b in drain(pf)]
     assert [o[0] for o in out] == [0, 1] + [10 + i for i in range(20)]
     st = pf.stats()

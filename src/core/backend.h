@@ -141,7 +141,7 @@ const pl_backend *pl_backend_cuda(int *err, const char **detail);
 int pl_event_poll(int (*query)(pl_event *), pl_event *e, int64_t timeout_ns, int64_t expect_ns);
 
 /* The most blocks one gather kernel launch uses on any device; 0 restores the default (16 per
- * multiprocessor). A benchmark knob (pinloader._C._gather_grid): the previous value. */
+ * multiprocessor). A benchmark switch (pinloader._C._testing.gather_grid): the previous value. */
 unsigned pl_cuda_gather_grid(unsigned max_blocks);
 /* The bytes the CUDA backend's device pool of `device` holds (Note [device pool] in
  * backend_cuda.c): in use and kept for reuse. */

@@ -48,11 +48,11 @@ static void ev_init(void)
 }
 
 /* Note [held copies]
- * A test switch (pinloader._C._debug_hold_copies): while it is on, every host-backend stream's
- * worker holds before running its next queued operation, and fresh "device" blocks are filled
- * with HOLD_POISON. A batch handed out meanwhile has its copy queued but not run, so a consumer
- * that reads the memory without waiting for the ready event (DLPack's __dlpack__ waits) reads
- * the poison every time instead of racing the copy. Turning it off lets the streams run on.
+ * A test switch (pinloader._C._testing.debug_hold_copies): while it is on, every host-backend
+ * stream's worker holds before running its next queued operation, and fresh "device" blocks are
+ * filled with HOLD_POISON. A batch handed out meanwhile has its copy queued but not run, so a
+ * consumer that reads the memory without waiting for the ready event (DLPack's __dlpack__ waits)
+ * reads the poison every time instead of racing the copy. Turning it off lets the streams run on.
  * While it is on, anything that waits for a stream (close(), stream destruction, __dlpack__)
  * waits until it is turned off. Never on a data path. */
 #define HOLD_POISON 0xcd

@@ -360,34 +360,6 @@ int pl_device_array_view(pl_state *st, PyObject *o, pl_da_view *v)
     return 0;
 }
 
-static PyObject *debug_counters(PyObject *m, PyObject *noargs)
-{
-    (void)m;
-    (void)noargs;
-    unsigned long long hw, hs, cw, cs;
-    pl_block_consumer_counters(PL_BACKEND_HOST, &hw, &hs);
-    pl_block_consumer_counters(PL_BACKEND_CUDA, &cw, &cs);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K}", "host_consumer_waits", hw,
-                         "host_consumer_waits_skipped", hs, "cuda_consumer_waits", cw,
-                         "cuda_consumer_waits_skipped", cs);
-}
-
-/* _dlpack_stream(stream, cuda): how __dlpack__ reads a stream argument, for tests of the CUDA
- * rules on hosts without a GPU. Returns (synchronise, handle). */
-static PyObject *debug_dlpack_stream(PyObject *m, PyObject *args)
-{
-    (void)m;
-    PyObject *stream;
-    int cuda;
-    if (!PyArg_ParseTuple(args, "Op:_dlpack_stream", &stream, &cuda))
-        return NULL;
-    pl_dlpack_stream s;
-    if (pl_dlpack_parse_stream(stream, cuda, "this array", &s) < 0)
-        return NULL;
-    return Py_BuildValue("(ON)", s.kind == PL_DLPACK_SYNC ? Py_True : Py_False,
-                         PyLong_FromVoidPtr(s.handle));
-}
-
 static PyMethodDef da_module_methods[] = {
     {"export_capsules", (PyCFunction)(void (*)(void))export_capsules, METH_FASTCALL,
      "export_capsules(leaves, stream, /)\n--\n\n"
@@ -398,10 +370,6 @@ static PyMethodDef da_module_methods[] = {
      "on each distinct batch's copy once (later leaves find the wait already queued), and each\n"
      "capsule's memory is freed in stream order after that stream's use. Capsules never\n"
      "consumed release their references when they are dropped."},
-    {"_debug_counters", debug_counters, METH_NOARGS,
-     "_debug_counters()\n--\n\nProcess-wide counts of consumer waits issued and skipped (already\n"
-     "queued on the same stream for the same batch), per backend. For tests."},
-    {"_dlpack_stream", debug_dlpack_stream, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

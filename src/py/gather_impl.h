@@ -75,7 +75,7 @@ int64_t pl_advise_rows(const char *data, int nd, const npy_intp *shape, const np
 
 /* Take registration reg_obj for the device gather of g's rows, or -1 with an exception. */
 int pl_attach_registration(RowGatherObject *g, PyObject *reg_obj);
-/* The Registration type, register_rows and _registered_bytes, added to module m. */
+/* The Registration type and register_rows, added to module m. */
 int pl_registration_init(PyObject *m, pl_state *st);
 
 #endif

@@ -16,20 +16,17 @@
 #include "pinned.h"
 #include "prefetcher.h"
 #include "prim.h"
+#include "testing.h"
 
 #include "devgather.h"
 
 #include "block.h"
-#include "numa.h"
 #include "pool.h"
-#include "stager.h"
 #include "util.h"
 
 #include "pl_nvtx.h"
 
 #include <pthread.h>
-#include <stdlib.h>
-#include <string.h>
 
 /* ---- module functions ---- */
 
@@ -128,92 +125,6 @@ static PyObject *mod_default_pool_cap(PyObject *m, PyObject *noargs)
     return PyLong_FromSize_t(pl_pool_shared_cap());
 }
 
-static PyObject *mod_debug_violation(PyObject *m, PyObject *noargs)
-{
-    (void)m;
-    (void)noargs;
-    const char *v = pl_debug_first_violation();
-    if (!v)
-        Py_RETURN_NONE;
-    return PyUnicode_FromString(v);
-}
-
-static PyObject *mod_live_device_blocks(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    const char *name = PyUnicode_AsUTF8(arg);
-    if (!name)
-        return NULL;
-    const pl_backend *b = strcmp(name, "cuda") == 0 ? pl_backend_cuda(NULL, NULL) : pl_backend_host();
-    if (!b)
-        return Py_BuildValue("(in)", 0, (Py_ssize_t)0);
-    return Py_BuildValue("(ln)", pl_block_live_count(b), (Py_ssize_t)pl_block_live_bytes(b));
-}
-
-/* Test hook: bytes staged with streaming stores (Note [non-temporal staging stores]). */
-static PyObject *mod_streamed_bytes(PyObject *m, PyObject *noargs)
-{
-    (void)m;
-    (void)noargs;
-    return PyLong_FromUnsignedLongLong(pl_stager_streamed_bytes());
-}
-
-/* Test hook: the sysfs reading of Note [slabs on the GPU's node] in numa.c. */
-static PyObject *mod_numa_node_of_pci(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    const char *id = PyUnicode_AsUTF8(arg);
-    if (!id)
-        return NULL;
-    return PyLong_FromLong(pl_numa_node_of_pci(id));
-}
-
-static PyObject *mod_debug_hold_copies(PyObject *m, PyObject *on)
-{
-    (void)m;
-    int v = PyObject_IsTrue(on);
-    if (v < 0)
-        return NULL;
-    pl_host_hold_streams(v);
-    Py_RETURN_NONE;
-}
-
-static PyObject *mod_gather_grid(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    unsigned long v = PyLong_AsUnsignedLong(arg);
-    if (v == (unsigned long)-1 && PyErr_Occurred())
-        return NULL;
-    if (v > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "_gather_grid: max_blocks must be at most 2**31 - 1");
-        return NULL;
-    }
-    return PyLong_FromUnsignedLong(pl_cuda_gather_grid((unsigned)v));
-}
-
-static PyObject *mod_device_pool_reserved(PyObject *m, PyObject *arg)
-{
-    long device = PyLong_AsLong(arg);
-    if (device == -1 && PyErr_Occurred())
-        return NULL;
-    if (device < 0 || device > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "_device_pool_reserved: device must be >= 0");
-        return NULL;
-    }
-    const pl_backend *b = pl_backend_cuda(NULL, NULL);
-    if (!b) {
-        PyErr_SetString(PyExc_RuntimeError, "_device_pool_reserved: CUDA is not usable here");
-        return NULL;
-    }
-    size_t n = 0;
-    int rc = pl_cuda_device_pool_reserved((int)device, &n);
-    if (rc != PL_OK) {
-        pl_raise_backend(pl_state_of_module(m), b, rc, "cudaMemPoolGetAttribute");
-        return NULL;
-    }
-    return PyLong_FromSize_t(n);
-}
-
 static PyObject *mod_default_pinned_cap(PyObject *m, PyObject *noargs)
 {
     (void)m;
@@ -246,26 +157,6 @@ static PyMethodDef module_methods[] = {
      "at most half of RLIMIT_MEMLOCK where that binds."},
     {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
-    {"_debug_violation", mod_debug_violation, METH_NOARGS, NULL},
-    {"_live_device_blocks", mod_live_device_blocks, METH_O, NULL},
-    {"_streamed_bytes", mod_streamed_bytes, METH_NOARGS, NULL},
-    {"_numa_node_of_pci", mod_numa_node_of_pci, METH_O,
-     "_numa_node_of_pci(bus_id, /)\n--\n\nTest hook: the NUMA node pinned slabs of the GPU at this PCI "
-     "bus id would be placed on (-1: one node or unknown). PINLOADER_SYSFS_ROOT stands in for /."},
-    {"_debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
-     "_debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
-     "signal signum raised from C, as one that lands during the static copy would be (0: off)."},
-    {"_device_pool_reserved", mod_device_pool_reserved, METH_O,
-     "_device_pool_reserved(device, /)\n--\n\nTest hook: the bytes the device pool of CUDA device "
-     "`device` holds, in use and kept for reuse (Note [device pool] in src/core/backend_cuda.c)."},
-    {"_gather_grid", mod_gather_grid, METH_O,
-     "_gather_grid(max_blocks, /)\n--\n\nBenchmark knob: the most blocks one gather kernel launch "
-     "uses (0: the default, 16 per multiprocessor). Returns the previous value (0 for the default)."},
-    {"_debug_hold_copies", mod_debug_hold_copies, METH_O,
-     "_debug_hold_copies(on)\n--\n\nTest switch, host backend only: while on, every host stream holds "
-     "its queued work (copies included) and new device blocks are poisoned with 0xcd, so a reader "
-     "that skips the ready-event wait sees the poison. Anything that waits for a stream waits until "
-     "it is turned off."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -327,6 +218,7 @@ static int module_exec(PyObject *m)
 
     if (pl_pinned_init(m, st) < 0 || pl_device_array_init(m, st) < 0 ||
         pl_prefetcher_init(m, st) < 0 || pl_prim_init(m, st) < 0 ||
+        pl_testing_init(m, st) < 0 ||
         pl_gather_init(m, st) < 0 || pl_cpus_init(m) < 0 || pl_flatten_init(m) < 0 ||
         pl_jpeg_decoder_init(m) < 0 || pl_image_host_init(m) < 0)
         return -1;

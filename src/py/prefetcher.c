@@ -256,8 +256,8 @@ static batch *take_batch(pl_prefetcher_obj *self, int *waited)
  * CPython could close that window. The tests raise the signal from C where the check finds it
  * (the switch below) rather than by timer, which would hit the window now and then. */
 
-/* A test switch (pinloader._C._debug_signal_after_handout): the next handout ends with this
- * signal raised from C, as one that lands during the static copy would be, so the second case
+/* A test switch (pinloader._C._testing.debug_signal_after_handout): the next handout ends with
+ * this signal raised from C, as one that lands during the static copy would be, so the second case
  * above runs every time instead of by chance. 0: off. Never on a data path. */
 static atomic_int signal_after_handout;
 
@@ -268,7 +268,7 @@ PyObject *pl_pf_debug_signal_after_handout(PyObject *m, PyObject *arg)
     if (sig == -1 && PyErr_Occurred())
         return NULL;
     if (sig < 0 || sig >= NSIG)
-        return PyErr_Format(PyExc_ValueError, "_debug_signal_after_handout: %ld is not a signal number", sig);
+        return PyErr_Format(PyExc_ValueError, "debug_signal_after_handout: %ld is not a signal number", sig);
     atomic_store(&signal_after_handout, (int)sig);
     Py_RETURN_NONE;
 }

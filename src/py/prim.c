@@ -1,4 +1,4 @@
-/* _C._Prim: the backend primitives, one method each, for the test suite.
+/* _C._testing.Prim: the backend primitives, one method each, for the test suite.
  *
  * Handles are raw addresses as ints: this is a private testing facility for exercising
  * backend_host.c and backend_cuda.c directly (ordering, events, cross-stream waits, memory
@@ -17,7 +17,7 @@ static PyObject *prim_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"device", NULL};
     PyObject *device = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:_Prim", kwlist, &device))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Prim", kwlist, &device))
         return NULL;
     pl_state *st = pl_state_of_type(type);
     if (!st)
@@ -325,7 +325,7 @@ static PyType_Slot prim_slots[] = {
 };
 
 static PyType_Spec prim_spec = {
-    .name = "pinloader._C._Prim",
+    .name = "pinloader._C._testing.Prim",
     .basicsize = sizeof(PrimObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = prim_slots,
@@ -334,7 +334,7 @@ static PyType_Spec prim_spec = {
 int pl_prim_init(PyObject *m, pl_state *st)
 {
     st->Prim_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &prim_spec, NULL);
-    if (!st->Prim_Type || PyModule_AddObjectRef(m, "_Prim", (PyObject *)st->Prim_Type) < 0)
-        return -1;
-    return 0;
+    /* Made with m, pinloader._C, as its module (its methods find the module state through it);
+     * listed in _testing only (Note [the testing submodule] in testing.c). */
+    return st->Prim_Type ? 0 : -1;
 }

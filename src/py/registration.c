@@ -6,7 +6,6 @@
 
 #include "util.h"
 
-#include <string.h>
 
 /* ---- device gather eligibility (Note [device gather] in devgather.h) ---- */
 
@@ -359,21 +358,7 @@ refuse:
     return Py_BuildValue("(Os)", Py_None, why);
 }
 
-static PyObject *gather_registered_bytes(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    if (!name || (strcmp(name, "host") && strcmp(name, "cuda")))
-        return PyErr_Format(PyExc_ValueError, "backend must be 'host' or 'cuda'");
-    const pl_backend *b = pl_backend_host();
-    if (!strcmp(name, "cuda") && !(b = pl_backend_cuda(NULL, NULL)))
-        return PyLong_FromLong(0);
-    return PyLong_FromSize_t(pl_hostreg_total(b));
-}
-
 static PyMethodDef registration_functions[] = {
-    {"_registered_bytes", gather_registered_bytes, METH_O, "Bytes pinloader holds registered for the "
-     "device gather in this process, for backend 'host' or 'cuda'."},
     {"register_rows", (PyCFunction)(void (*)(void))gather_register_rows, METH_VARARGS | METH_KEYWORDS,
      register_rows_doc},
     {NULL, NULL, 0, NULL},
