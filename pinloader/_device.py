@@ -89,17 +89,29 @@ class Device:
         return "cuda" if self.index is None else f"cuda:{self.index}"
 
 
+def _shown(device: Any) -> str:
+    """``device`` for an error message: its repr, cut to 80 characters (an int of thousands of
+    digits has no repr, a hostile object's may raise)."""
+    if isinstance(device, int) and device.bit_length() > 64:
+        return f"an int of {device.bit_length()} bits"
+    try:
+        text = repr(device)
+    except Exception:
+        return f"a {type(device).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _refuse(who: str, door: str, device: Any, why: str = "") -> ValueError:
     tail = f" ({why})" if why else ""
-    return ValueError(f"{who}: device must be {ACCEPTED[door]}; got {device!r}{tail}")
+    return ValueError(f"{who}: device must be {ACCEPTED[door]}; got {_shown(device)}{tail}")
 
 
 def _index(text: str) -> int | None:
     """N of "cuda:N": decimal digits only (int() would take spaces, signs and underscores)."""
     if not text or not text.isascii() or not text.isdigit():
         return None
-    v = int(text)
-    return v if v <= _MAX_INDEX else None
+    # past the bound either way; int() of thousands of digits would be refused or slow
+    return int(text) if len(text) <= 20 else _MAX_INDEX + 1
 
 
 def parse(device: Any, who: str, door: str = "core", *, gpu_alias: bool = False) -> tuple[str, int | None] | None:
