@@ -5,8 +5,7 @@ The native AsyncPrefetcher reads ``device=`` itself (pl_resolve_device in src/py
 None, "cpu", "cpu:0", "host", "cuda", "cuda:N", an int N, or an object with ``type`` and
 ``index`` (a ``torch.device``). Every Python place that takes ``device=`` reads it here first,
 with the same grammar, so that a spelling means the same thing at every door, a bad one is
-refused where it is given (a loader's at its making, not at its first iteration) with one
-message naming the door and what it accepts, and what reaches the prefetcher is one canonical
+refused where it is given (a loader's where the loader is made) with one message naming the door and what it accepts, and what reaches the prefetcher is one canonical
 string: "cpu", "cuda:N", or "cuda" (the prefetcher's current CUDA device, or its error saying
 why CUDA is unusable).
 
@@ -20,7 +19,7 @@ the framework's idea of "current" is the one its user set (``torch.cuda.set_devi
 spelling                      core, loaders    torch door       CuPy door        JAX door
 ============================  ===============  ===============  ===============  ==============
 None                          CUDA's current   torch's current  CuPy's current   JAX's default
-                              device, else     device, else     device           device
+                              device, else     device, else     device [4]       device
                               the host         the host [1]                      (local_devices()[0])
 "cpu", "cpu:0", "host",       the host         the host         refused [2]      the host, JAX's
 torch.device("cpu")                                                              CPU device 0
@@ -28,7 +27,7 @@ torch.device("cpu")                                                             
                                                                                  CPU device N
 "cuda", torch.device("cuda")  CUDA's current   torch's current  CuPy's current   JAX's default
                               device [4]       device [4]       device [4]       GPU
-"cuda:N", int N,              CUDA device N    CUDA device N    CUDA device N    the JAX GPU of
+"cuda:N", int N [5],          CUDA device N    CUDA device N    CUDA device N    the JAX GPU of
 torch.device("cuda", N)                                                          CUDA ordinal N
 "gpu", "gpu:N"                refused          refused          refused          as "cuda[:N]"
 cupy.cuda.Device(N)           refused          refused          CUDA device N    refused
@@ -41,10 +40,11 @@ bool                          refused          refused          refused         
 [3] the host backend has one device.
 [4] when the framework cannot tell (no usable CUDA), "cuda" goes to the prefetcher as it is,
     which raises the CudaError saying why.
+[5] a NumPy integer too.
 
 A bool is refused (TypeError) because Python reads True as 1, and ``device=True`` would mean
-"cuda:1". A string is read exactly (no case folding, no spaces); N is decimal digits, at most
-2**20 (as the native reader). A value of another type is a TypeError, a value of an accepted
+"cuda:1". A string is read exactly (no case folding, no spaces); N is decimal digits; an
+index is at most 2**20 (the native reader's bound for "cuda:N"). A value of another type is a TypeError, a value of an accepted
 type that names no device here a ValueError.
 """
 from __future__ import annotations
