@@ -42,13 +42,6 @@ class _DoorDepth(int):
 DEFAULT_DEPTH: int = _DoorDepth(2)
 
 
-def refuse_bool_device(who: str, device: Any) -> None:
-    """bool is an int to Python, and True would name device 1 ('cuda:1'): refuse it."""
-    if isinstance(device, bool):
-        raise TypeError(f"{who}: device must be a str, an int, a device object or None, not bool "
-                        f"({device!r})")
-
-
 class FrameworkPrefetcher:
     """Wraps an :class:`AsyncPrefetcher` (or an ArrayLoader's, or a
     :class:`~pinloader.StatefulPrefetcher`) that delivers framework arrays: ``handout`` holds

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _resume
+from . import _device, _resume
 from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher
 from ._epoch_plan import _Plan, prepare_order
@@ -62,6 +62,9 @@ def _same_settings(a: tuple[Any, int, dict[str, Any]], b: tuple[Any, int, dict[s
 # loader keeps the same prefetcher, and the same static buffers, across epochs. A next() on
 # a door whose settings are not the running prefetcher's begins an epoch with them; a plain
 # next() continues whatever runs. A closed loader refuses new doors ("ArrayLoader is closed").
+# Devices are compared as read by pinloader/_device.py (Note [device spellings]): "cpu" and
+# torch.device("cpu") agree, and a loader made with "cuda" runs a door's "cuda:N" on device N,
+# the device the door's arrays are made for.
 # _EpochLoader below is that logic, shared by both loaders.
 
 
@@ -76,7 +79,7 @@ class _EpochLoader(ABC):
     _it: IterState
     _plan: _Plan
     _closed: bool
-    _device: Any
+    _device: str | None  # canonical (Note [device spellings] in pinloader/_device.py)
     _depth: int | None
     _opts: dict[str, Any]
 
@@ -188,12 +191,10 @@ class _EpochLoader(ABC):
         def clash(name: str, mine: Any, theirs: Any) -> ValueError:
             return ValueError(f"{self._NAME} was made with {name}={mine!r}, but the adapter asks for "
                               f"{name}={theirs!r}: pass it to one of them only")
-        want_device = self._device
-        if want_device is None:
-            want_device = device
-        elif device is not None and str(device) != str(want_device) and str(device) != "cuda" \
-                and str(want_device) != "cuda":
+        device = _device.canonical(device, f"{self._NAME} (through a framework door)")
+        if not _device.agree(self._device, device):
             raise clash("device", self._device, device)
+        want_device = _device.narrower(self._device, device)
         # the doors' default depth (that object, not any 2) means "not given": the loader's own
         # depth applies; an explicit depth wins
         given = depth is not _ADAPTER_DEFAULT_DEPTH

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _C, _resume
+from . import _C, _device, _resume
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
 from ._epoch_plan import _Epochs, _Plan, prepare_order
 # _order and _epoch_batches are read from here by tests and benchmarks as well
@@ -272,7 +272,7 @@ class ArrayLoader(_EpochLoader):
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        self._device = device
+        self._device = _device.canonical(device, "ArrayLoader")
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
         unknown = sorted(set(prefetch_opts) - _PREFETCH_OPTS)
         if unknown:

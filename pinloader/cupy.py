@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 import cupy as _cp  # type: ignore[import-not-found, unused-ignore]  # no typing: Any
 
-from . import _adapter
+from . import _adapter, _device
 from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "CupyPrefetcher"]
@@ -22,8 +22,10 @@ class CupyPrefetcher(FrameworkPrefetcher):
     Parameters
     ----------
     iterable : iterable
-    device : int or str, optional
-        CUDA device ordinal (default: CuPy's current device).
+    device : int, str or cupy.cuda.Device, optional
+        The CUDA device: N, "cuda:N", a ``cupy.cuda.Device``, or "cuda" or None (the default):
+        CuPy's current device. The spellings are every door's (Note [device spellings] in
+        pinloader/_device.py); "cpu" is refused, as a ``cupy.ndarray`` lives on a GPU.
     depth : int, default 2
         Batches in flight or waiting. Left out over an :class:`~pinloader.ArrayLoader`, the
         loader's depth applies (its default is 3); an explicit value, 2 included, wins.
@@ -40,19 +42,16 @@ class CupyPrefetcher(FrameworkPrefetcher):
 
     def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *,
                  static: bool = False, out: Any = None, **opts: Any) -> None:
-        _adapter.refuse_bool_device("pinloader.cupy.prefetch", device)
-        if device is None:
-            device = _cp.cuda.Device().id
-        if isinstance(device, int):
-            device = f"cuda:{device}"
-        dev_id = int(str(device).partition(":")[2] or 0)
-        stream, convert = _callables(dev_id)
+        dev = _device.for_cupy(device)
+        # CuPy's device (None only where CUDA is unusable: the prefetcher then says why)
+        self.device: Any = dev.native
+        stream, convert = _callables(0 if dev.index is None else dev.index)
         handout = dict(output="capsule", stream=stream, convert=convert)
         if static or out is not None:
             # one array is one leaf's buffer: list(array) would split it into its rows
             out = [out] if isinstance(out, _cp.ndarray) else out
             handout.update(static=True, out=None if out is None else list(out))
-        super().__init__(iterable, device, depth, handout, **opts)
+        super().__init__(iterable, dev.core, depth, handout, **opts)
 
 
 # The stream and convert callables per device (and per CuPy stream lookup and null stream): a

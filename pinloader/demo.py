@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import pinloader
+from pinloader import _device
 
 CALIBRATION_TRIALS = 12  # at most this many tries to reach the requested compute time
 CALIBRATION_REPEATS = 5  # each try, and the final measurement, is a median of this many runs
@@ -59,27 +59,29 @@ def _resolve_device(requested: str | None, have_torch: bool, torch_cuda: bool) -
     """(device, note): the device the demo runs on and, when it is not the one asked for, why.
 
     ``requested`` is ``None`` (the current GPU when pinloader and torch can use CUDA, else the
-    host backend), ``"cpu"``/``"cpu:0"``, ``"cuda"`` or ``"cuda:N"``; anything else raises
-    :class:`DeviceError`. CUDA asked for where it cannot be used (no usable GPU for pinloader,
+    host backend), ``"cpu"``/``"cpu:0"``/``"host"``, ``"cuda"`` or ``"cuda:N"``, read as every
+    door reads them (Note [device spellings] in pinloader/_device.py) after case and spaces are
+    dropped; anything else raises :class:`DeviceError`. CUDA asked for where it cannot be used (no usable GPU for pinloader,
     or a torch built without CUDA) falls back to the host backend, saying so.
     """
     text = None if requested is None else str(requested).strip().lower()
-    if text in ("cpu", "cpu:0"):
-        return "cpu", None
-    if text is not None and not re.fullmatch(r"cuda(:\d+)?", text):
+    try:
+        spec = _device.parse(text, "pinloader demo --device")
+    except (TypeError, ValueError):
         raise DeviceError(f"unknown device {requested!r}: use 'cpu', 'cuda' or 'cuda:N' (N a "
-                          f"device index)")
+                          f"device index)") from None
+    if spec is not None and spec[0] == "cpu":
+        return "cpu", None
+    index = None if spec is None else spec[1]
     if pinloader.backend() != "cuda":
         why = pinloader.cuda_info().get("error") or "no usable CUDA device"
         if text is None:
             return "cpu", None
         return "cpu", (f"{requested} was asked for, but pinloader cannot use CUDA here ({why}): "
                        f"running on the host backend instead")
-    if text is not None and text != "cuda":
-        index = int(text.split(":")[1])
-        if index >= pinloader.device_count():
-            raise DeviceError(f"{requested}: there are {pinloader.device_count()} CUDA device(s) "
-                              f"here (indices 0 to {pinloader.device_count() - 1})")
+    if index is not None and index >= pinloader.device_count():
+        raise DeviceError(f"{requested}: there are {pinloader.device_count()} CUDA device(s) "
+                          f"here (indices 0 to {pinloader.device_count() - 1})")
     if have_torch and not torch_cuda:
         note = ("torch is installed without CUDA (a CPU-only build), so the GPU demo cannot run: "
                 "running on the host backend instead (install a CUDA build of torch for the GPU "
@@ -88,7 +90,7 @@ def _resolve_device(requested: str | None, have_torch: bool, torch_cuda: bool) -
     if not have_torch:
         return "cpu", ("the GPU demo needs torch (pip install torch): running on the host "
                        "backend with NumPy instead")
-    return text or "cuda", None
+    return ("cuda" if index is None else f"cuda:{index}"), None
 
 
 class _Progress:
@@ -254,11 +256,9 @@ def _run_torch(args: Any, device_str: str, quiet: bool) -> dict[str, Any]:
 
     import pinloader.torch as pt
 
-    dev = torch.device(device_str)
+    dev = _device.for_torch(device_str).native  # "cuda": torch's current device
     cuda = dev.type == "cuda"
     if cuda:
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     compute_threads, staging = _threads(cuda, args.staging_threads)
     if not cuda:

@@ -43,7 +43,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import _C, _cudart, _resume
+from . import _C, _cudart, _device, _resume
 from ._C import AsyncPrefetcher
 from ._epoch_plan import _order, _Plan, prepare_order
 from ._iter_state import IterState
@@ -558,7 +558,7 @@ class ImageLoader(_EpochLoader):
                                  "with it)") from None
         self.decoder = decoder
         self.dtype, self.layout = dtype, layout
-        self._device = device
+        self._device = _device.canonical(device, "ImageLoader")
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
         self._opts = dict(prefetch_opts)
         if workers is None:
@@ -668,7 +668,7 @@ class ImageLoader(_EpochLoader):
             why = "static=/out= batches are filled by the prefetcher from host batches"
         elif device is None and not _C.cuda_available():
             why = "no CUDA device (the host backend)"
-        elif device is not None and str(device) in ("cpu", "cpu:0", "host"):
+        elif device == "cpu":  # canonical (Note [device spellings] in pinloader/_device.py)
             why = f"device={device!r}"
         if not why:
             try:

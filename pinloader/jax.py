@@ -10,25 +10,10 @@ from typing import Any, Iterable
 import jax as _jax  # type: ignore[import-not-found, unused-ignore]
 import jax.dlpack as _jdl  # type: ignore[import-not-found, unused-ignore]
 
-from . import _adapter
+from . import _adapter, _device
 from ._adapter import FrameworkPrefetcher
 
 __all__ = ["prefetch", "JaxPrefetcher"]
-
-
-def _resolve(device: Any) -> tuple[str, Any]:
-    _adapter.refuse_bool_device("pinloader.jax.prefetch", device)
-    if device is None:
-        device = _jax.devices()[0]
-    if isinstance(device, str):
-        platform, _, idx = device.partition(":")
-        platform = {"cuda": "gpu"}.get(platform, platform)
-        device = _jax.devices(platform)[int(idx or 0)]
-    if device.platform == "gpu":
-        return f"cuda:{device.id}", device
-    if device.platform == "cpu":
-        return "cpu", device
-    raise ValueError(f"pinloader.jax.prefetch: unsupported JAX device {device}")
 
 
 class JaxPrefetcher(FrameworkPrefetcher):
@@ -38,10 +23,12 @@ class JaxPrefetcher(FrameworkPrefetcher):
     ----------
     iterable : iterable
         Nested tuples, lists, dicts, namedtuples or dataclasses of NumPy/DLPack arrays.
-    device : jax.Device or str, optional
-        Default (None): JAX's default device, ``jax.devices()[0]``: its first GPU when JAX has
-        one, else the CPU (pinloader's host backend). "cuda:N"/"gpu:N", "cpu" or "cpu:0" are
-        accepted.
+    device : jax.Device, str or int, optional
+        Default (None): JAX's default device, ``jax.local_devices()[0]``: its first GPU when
+        JAX has one, else the CPU (pinloader's host backend). "cuda" or "gpu" (JAX's default
+        GPU), "cuda:N", "gpu:N" or N (the GPU of CUDA ordinal N), "cpu" or "cpu:N" (JAX's CPU
+        device N, on the host backend) are accepted too (Note [device spellings] in
+        pinloader/_device.py).
     depth : int, default 2
         Batches in flight or waiting. Left out over an :class:`~pinloader.ArrayLoader`, the
         loader's depth applies (its default is 3); an explicit value, 2 included, wins.
@@ -64,8 +51,9 @@ class JaxPrefetcher(FrameworkPrefetcher):
                              "(jax.jit(step, donate_argnums=...))")
         opts.pop("static", None)
         opts.pop("out", None)
-        pl_device, self.device = _resolve(device)
-        super().__init__(iterable, pl_device, depth, dict(convert=self._to_jax), **opts)
+        dev = _device.for_jax(device)
+        self.device: Any = dev.native
+        super().__init__(iterable, dev.core, depth, dict(convert=self._to_jax), **opts)
 
     def _to_jax(self, leaf: Any) -> Any:
         # JAX passes its own stream to __dlpack__ and accepts only legacy capsules, which

@@ -10,9 +10,8 @@ from typing import Any, Iterable
 import torch as _torch
 from torch.utils.dlpack import from_dlpack as _torch_from_dlpack
 
-from . import _adapter
+from . import _adapter, _device
 from ._adapter import FrameworkPrefetcher
-from ._C import backend as _pl_backend
 
 __all__ = ["prefetch", "TorchPrefetcher"]
 
@@ -22,23 +21,6 @@ _real_current_stream = _torch.cuda.current_stream
 # torch.from_dlpack of a capsule ends in torch._C._from_dlpack; calling it directly skips the
 # Python-level dispatch (the capsules come from pinloader, nothing else).
 _from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch_from_dlpack
-
-
-def _pinloader_device(device: Any) -> tuple[str, _torch.device]:
-    _adapter.refuse_bool_device("pinloader.torch.prefetch", device)
-    if device is None:  # pinloader's default: the current GPU if CUDA is usable, else the host
-        device = "cuda" if _pl_backend() == "cuda" else "cpu"
-    dev = _torch.device(device)
-    if dev.type == "cpu":
-        return "cpu", dev
-    if dev.type != "cuda":
-        raise ValueError(f"pinloader.torch.prefetch: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
-    if dev.index is None:
-        if not _torch.cuda.is_available():
-            # Let pinloader say why CUDA is unusable.
-            return "cuda", dev
-        dev = _torch.device("cuda", _torch.cuda.current_device())
-    return f"cuda:{dev.index}", dev
 
 
 class TorchPrefetcher(FrameworkPrefetcher):
@@ -54,9 +36,11 @@ class TorchPrefetcher(FrameworkPrefetcher):
     loader : iterable
         A ``torch.utils.data.DataLoader`` (use ``pin_memory=False``) or any iterable of nested
         tuples, lists, dicts, namedtuples or dataclasses of tensors and arrays.
-    device : str or torch.device, optional
-        Target device. Default (None): torch's current CUDA device when pinloader can use CUDA,
-        else "cpu" (pinloader's host backend), as for :class:`pinloader.AsyncPrefetcher`.
+    device : str, int or torch.device, optional
+        Target device: "cuda" (torch's current CUDA device), "cuda:N" or N, "cpu" (pinloader's
+        host backend), or a ``torch.device``. Default (None): torch's current CUDA device when
+        pinloader can use CUDA, else "cpu", as for :class:`pinloader.AsyncPrefetcher`. The
+        spellings are every door's (Note [device spellings] in pinloader/_device.py).
     depth : int, default 2
         Batches in flight or waiting. Left out over an :class:`~pinloader.ArrayLoader`, the
         loader's depth applies (its default is 3); an explicit value, 2 included, wins.
@@ -114,7 +98,8 @@ class TorchPrefetcher(FrameworkPrefetcher):
                 "pinloader.torch.prefetch: the DataLoader has pin_memory=True, so every batch is "
                 "pinned twice (once by the DataLoader's pin thread, once by pinloader). Pass "
                 "pin_memory=False to the DataLoader.", UserWarning, stacklevel=3)
-        pl_device, self.device = _pinloader_device(device)
+        dev = _device.for_torch(device)
+        self.device: _torch.device = dev.native
         self.loader = loader
         if isinstance(out, _torch.Tensor):
             # one tensor is one leaf's buffer: list(tensor) would split it into its rows
@@ -133,7 +118,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
         handout = dict(output="capsule", stream=stream, convert=convert)
         if static:
             handout.update(static=True, out=out)
-        super().__init__(loader, pl_device, depth, handout, **opts)
+        super().__init__(loader, dev.core, depth, handout, **opts)
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the loader's sampler (a DistributedSampler) when it has set_epoch."""
