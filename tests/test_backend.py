@@ -532,6 +532,33 @@ def test_negative_device_index_raises_value_error(device):
         pinloader.PinnedPool(device=device)
 
 
+class _TorchLikeDevice:
+    """A torch.device-like object: .type and .index."""
+
+    def __init__(self, type_, index):
+        self.type, self.index = type_, index
+
+    def __repr__(self):
+        return f"device(type={self.type!r}, index={self.index!r})"
+
+
+@pytest.mark.parametrize("make", ["prefetcher", "pool"])
+@pytest.mark.parametrize("device", [2**32, 2**64, 2**20 + 1, _TorchLikeDevice("cuda", 2**32),
+                                    _TorchLikeDevice("cuda", -1), _TorchLikeDevice("cpu", 2**63)])
+def test_device_index_out_of_range_is_refused_not_wrapped(make, device):
+    # a C int cast would wrap 2**32 to device 0: the index is checked whole
+    ctor = {"prefetcher": lambda: pinloader.AsyncPrefetcher([], device=device),
+            "pool": lambda: pinloader.PinnedPool(device=device)}[make]
+    with pytest.raises(ValueError, match="device index must be between 0 and 1048576"):
+        ctor()
+
+
+@pytest.mark.parametrize("index", [1.0, "0", True])
+def test_torch_like_device_index_of_wrong_type_raises_type_error(index):
+    with pytest.raises(TypeError, match="device index must be an int"):
+        pinloader.PinnedPool(device=_TorchLikeDevice("cuda", index))
+
+
 @pytest.mark.parametrize("device", [1.5, b"cuda", ["cuda"]])
 def test_device_of_wrong_type_raises_type_error(device):
     with pytest.raises(TypeError):

@@ -144,6 +144,27 @@ static int parse_index(const char *s, int *out)
     return 0;
 }
 
+/* A device index given as a Python int (of `device`, for the message): 0 <= N <= 2**20, the
+ * bound parse_index keeps too. 0, or -1 with an exception. */
+static int int_index(PyObject *v, PyObject *device, int *out)
+{
+    if (!PyLong_Check(v) || PyBool_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "device index must be an int, got %.100s (in %R)",
+                     Py_TYPE(v)->tp_name, device);
+        return -1;
+    }
+    int overflow = 0;
+    long long n = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || n < 0 || n > 1 << 20) {
+        PyErr_Format(PyExc_ValueError, "device index must be between 0 and %d, got %R", 1 << 20, v);
+        return -1;
+    }
+    *out = (int)n;
+    return 0;
+}
+
 int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int *dev)
 {
     int index = -1;
@@ -161,15 +182,9 @@ int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int 
         PyErr_Format(PyExc_TypeError, "device must be a str, an int or None, not bool (%R)", device);
         return -1;
     } else if (PyLong_Check(device)) {
-        long v = PyLong_AsLong(device);
-        if (v == -1 && PyErr_Occurred())
+        if (int_index(device, device, &index) < 0)
             return -1;
-        if (v < 0) {
-            PyErr_Format(PyExc_ValueError, "device index must be >= 0, got %ld", v);
-            return -1;
-        }
         kind = "cuda";
-        index = (int)v;
     } else if (PyUnicode_Check(device)) {
         const char *s = PyUnicode_AsUTF8(device);
         if (!s)
@@ -198,13 +213,13 @@ int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int 
             kind = "cpu";
         else if (ts && strcmp(ts, "cuda") == 0)
             kind = "cuda";
-        if (i != Py_None)
-            index = (int)PyLong_AsLong(i);
+        int bad = i != Py_None && int_index(i, device, &index) < 0;
         Py_DECREF(t);
         Py_DECREF(i);
-        if (!kind || PyErr_Occurred()) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "unsupported device %R", device);
+        if (bad)
+            return -1;
+        if (!kind) {
+            PyErr_Format(PyExc_ValueError, "unsupported device %R", device);
             return -1;
         }
     } else {
