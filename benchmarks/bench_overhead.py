@@ -265,7 +265,7 @@ def breakdown(kind, ring, args):
     torch.cuda.synchronize()
     # the structure is built in C with the leaves (Note [handout] in src/py/handout.h): no
     # separate flatten + rebuild any more
-    out["predicted_adapter_us_per_batch"] = (
+    out["predicted_door_us_per_batch"] = (
         out["current_stream_us_per_batch"]
         + n * (out["export_us_per_leaf"] + out["from_capsule_us_per_leaf"]))
     return out
@@ -322,8 +322,8 @@ def render_markdown(payload):
                            common.fmt_num(bd["from_capsule_us_per_leaf"], 2)],
                           ["(`torch.from_dlpack(DeviceArray)`, per leaf, for comparison)",
                            common.fmt_num(bd["from_dlpack_device_array_us_per_leaf"], 2)],
-                          ["sum for one batch (adapter only, prefetcher excluded)",
-                           common.fmt_num(bd["predicted_adapter_us_per_batch"], 1)],
+                          ["sum for one batch (door only, prefetcher excluded)",
+                           common.fmt_num(bd["predicted_door_us_per_batch"], 1)],
                       ], align="lr"), ""]
         elif bd:
             lines += [f"Breakdown failed: `{bd['error'][:200]}`", ""]

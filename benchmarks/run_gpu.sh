@@ -75,7 +75,7 @@ for stage in "$@"; do
       timeout 400 $py benchmarks/bench_gather.py --out "$out" ${GATHER_ARGS:-} 2>&1 | tail -40 || status=1 ;;
     handout)
       echo "== static batches and the handout: GPU tests =="
-      timeout 300 $py -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_static_cuda.py tests/test_static_batches.py tests/test_adapters.py 2>&1 \
+      timeout 300 $py -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_static_cuda.py tests/test_static_batches.py tests/test_doors.py 2>&1 \
         | tee "$out/handout_gpu_tests.log" | tail -15 || status=1
       echo "== compute-sanitizer memcheck over the static-batch tests =="
       timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import _device, _resume
-from ._adapter import DEFAULT_DEPTH as _ADAPTER_DEFAULT_DEPTH
+from ._door import DEFAULT_DEPTH as _DOOR_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher
 from ._epoch_plan import _Plan, prepare_order
 from ._iter_state import IterState
@@ -172,7 +172,7 @@ class _EpochLoader(ABC):
         """Batches per epoch on this rank."""
         return int(self._plan.n_batches)
 
-    # ---- the framework doors (pinloader/_adapter.py) ----
+    # ---- the framework doors (pinloader/_door.py) ----
 
     def _next_with(self, settings: Settings) -> Any:
         """A door's next(): begins an epoch with the door's settings unless they are the
@@ -189,7 +189,7 @@ class _EpochLoader(ABC):
         self._check_open()
 
         def clash(name: str, mine: Any, theirs: Any) -> ValueError:
-            return ValueError(f"{self._NAME} was made with {name}={mine!r}, but the adapter asks for "
+            return ValueError(f"{self._NAME} was made with {name}={mine!r}, but the door asks for "
                               f"{name}={theirs!r}: pass it to one of them only")
         device = _device.canonical(device, f"{self._NAME} (through a framework door)")
         if not _device.agree(self._device, device):
@@ -197,7 +197,7 @@ class _EpochLoader(ABC):
         want_device = _device.narrower(self._device, device)
         # the doors' default depth (that object, not any 2) means "not given": the loader's own
         # depth applies; an explicit depth wins
-        given = depth is not _ADAPTER_DEFAULT_DEPTH
+        given = depth is not _DOOR_DEFAULT_DEPTH
         want_depth = self._depth if self._depth is not None else depth if given else self._DEFAULT_DEPTH
         if self._depth is not None and given and depth != self._depth:
             raise clash("depth", self._depth, depth)

@@ -363,7 +363,7 @@ class ArrayLoader(_EpochLoader):
 
     def _register(self, device: Any) -> None:
         """Choose each leaf's gather for ``device`` and register the sources that the device
-        gather reads: at the first iteration, once the device is final (an adapter may set it),
+        gather reads: at the first iteration, once the device is final (a door may set it),
         and kept until :meth:`close`."""
         key = str(device)
         if self._reg_device == key:

@@ -10,13 +10,13 @@ from typing import Any, Iterable
 
 import cupy as _cp  # type: ignore[import-not-found, unused-ignore]  # no typing: Any
 
-from . import _adapter, _device
-from ._adapter import FrameworkPrefetcher
+from . import _door, _device
+from ._door import Door
 
 __all__ = ["prefetch", "CupyPrefetcher"]
 
 
-class CupyPrefetcher(FrameworkPrefetcher):
+class CupyPrefetcher(Door):
     """Iterate any iterable with array leaves delivered as ``cupy.ndarray`` s.
 
     Parameters
@@ -40,7 +40,7 @@ class CupyPrefetcher(FrameworkPrefetcher):
         Passed to :class:`pinloader.AsyncPrefetcher`.
     """
 
-    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *,
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _door.DEFAULT_DEPTH, *,
                  static: bool = False, out: Any = None, **opts: Any) -> None:
         dev = _device.for_cupy(device)
         # CuPy's device (None only where CUDA is unusable: the prefetcher then says why)
@@ -69,7 +69,7 @@ def _callables(dev_id: int) -> tuple[Any, Any]:
 
     def stream() -> int:
         # Once per batch: CuPy's current stream waits on the copy once (see Note
-        # [per-batch import] in pinloader/_adapter.py).
+        # [per-batch import] in pinloader/_door.py).
         return get_stream().ptr or null
 
     def convert(capsule: Any) -> Any:
@@ -111,7 +111,7 @@ class _Exported:
         return device
 
 
-def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *, static: bool = False,
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = _door.DEFAULT_DEPTH, *, static: bool = False,
              out: Any = None, **opts: Any) -> CupyPrefetcher:
     """Wrap ``iterable`` so that it yields the same structures with ``cupy.ndarray`` leaves;
     with ``static=True`` (or ``out=``) always the same arrays."""

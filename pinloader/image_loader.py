@@ -704,7 +704,7 @@ class ImageLoader(_EpochLoader):
     def _convert(self, arr: Any, opts: dict[str, Any]) -> Any:
         """A door's import applied to the GPU-decoded image (the prefetcher passed it through):
         as the door does for the leaves it copies (Note [per-batch import] in
-        pinloader/_adapter.py)."""
+        pinloader/_door.py)."""
         convert = opts["convert"]
         if opts.get("output") == "capsule":
             stream = opts.get("stream")

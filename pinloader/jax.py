@@ -10,13 +10,13 @@ from typing import Any, Iterable
 import jax as _jax  # type: ignore[import-not-found, unused-ignore]
 import jax.dlpack as _jdl  # type: ignore[import-not-found, unused-ignore]
 
-from . import _adapter, _device
-from ._adapter import FrameworkPrefetcher
+from . import _door, _device
+from ._door import Door
 
 __all__ = ["prefetch", "JaxPrefetcher"]
 
 
-class JaxPrefetcher(FrameworkPrefetcher):
+class JaxPrefetcher(Door):
     """Iterate any iterable with array leaves delivered as ``jax.Array`` s on ``device``.
 
     Parameters
@@ -43,7 +43,7 @@ class JaxPrefetcher(FrameworkPrefetcher):
     (``jax.jit(step, donate_argnums=...)``).
     """
 
-    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, **opts: Any) -> None:
+    def __init__(self, iterable: Iterable[Any], device: Any = None, depth: int = _door.DEFAULT_DEPTH, **opts: Any) -> None:
         if opts.get("static") or opts.get("out") is not None:
             raise ValueError("pinloader.jax.prefetch: static batches are not offered for JAX: a "
                              "jax.Array is immutable, so its memory cannot be refilled with the "
@@ -62,6 +62,6 @@ class JaxPrefetcher(FrameworkPrefetcher):
         return arr if arr.devices() == {self.device} else _jax.device_put(arr, self.device)
 
 
-def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, **opts: Any) -> JaxPrefetcher:
+def prefetch(iterable: Iterable[Any], device: Any = None, depth: int = _door.DEFAULT_DEPTH, **opts: Any) -> JaxPrefetcher:
     """Wrap ``iterable`` so that it yields the same structures with ``jax.Array`` leaves."""
     return JaxPrefetcher(iterable, device=device, depth=depth, **opts)

@@ -10,8 +10,8 @@ from typing import Any, Iterable
 import torch as _torch
 from torch.utils.dlpack import from_dlpack as _torch_from_dlpack
 
-from . import _adapter, _device
-from ._adapter import FrameworkPrefetcher
+from . import _door, _device
+from ._door import Door
 
 __all__ = ["prefetch", "TorchPrefetcher"]
 
@@ -23,7 +23,7 @@ _real_current_stream = _torch.cuda.current_stream
 _from_capsule = getattr(_torch._C, "_from_dlpack", None) or _torch_from_dlpack
 
 
-class TorchPrefetcher(FrameworkPrefetcher):
+class TorchPrefetcher(Door):
     """Iterate a DataLoader (or any iterable) with batches delivered as torch tensors on a device.
 
     Each batch is ready on ``torch.cuda.current_stream()`` as it is when the batch is handed out:
@@ -89,7 +89,7 @@ class TorchPrefetcher(FrameworkPrefetcher):
       ``batch_size`` rows, even when an epoch resumed near its end begins with a short batch.
     """
 
-    def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *,
+    def __init__(self, loader: Iterable[Any], device: Any = None, depth: int = _door.DEFAULT_DEPTH, *,
                  static: bool = False, out: Any = None, **opts: Any) -> None:
         global _warned_pin_memory
         if getattr(loader, "pin_memory", False) and not _warned_pin_memory:
@@ -174,7 +174,7 @@ def _from_capsule_static(capsule: Any) -> Any:
     return t
 
 
-def prefetch(loader: Iterable[Any], device: Any = None, depth: int = _adapter.DEFAULT_DEPTH, *, static: bool = False,
+def prefetch(loader: Iterable[Any], device: Any = None, depth: int = _door.DEFAULT_DEPTH, *, static: bool = False,
              out: Any = None, **opts: Any) -> TorchPrefetcher:
     """Wrap ``loader`` so that it yields the same structures with torch tensors on ``device``;
     with ``static=True`` (or ``out=``) always the same tensors, for CUDA graphs.

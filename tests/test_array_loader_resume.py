@@ -5,7 +5,7 @@ the checkpoint: every equivalence is of a whole batch sequence, an uninterrupted
 batches, state_dict, a new process, load_state_dict, the rest). The same across world sizes
 (elastic, within an epoch) and batch sizes; states that do not fit the loader are refused naming
 the field (or accepted when allow_changed names it); torch.save, torch.distributed.checkpoint and
-the torch adapter's door carry them.
+the torch door carry them.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import pinloader
-from pinloader import _adapter, _C, _device
+from pinloader import _door, _C, _device
 
 try:
     import torch
@@ -63,7 +63,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    monkeypatch.setattr(_adapter, "AsyncPrefetcher", Recorder)
+    monkeypatch.setattr(_door, "AsyncPrefetcher", Recorder)
 
 
 def _import_door(monkeypatch, name):
@@ -181,7 +181,7 @@ def test_a_loader_made_for_cuda_runs_a_doors_cuda_n_on_n(monkeypatch, pt):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     for other in ("cuda", "cuda:0", "cpu", 2):
         with pytest.raises(ValueError, match=r"ArrayLoader was made with device='cuda:1', but the "
-                           r"adapter asks for device="):
+                           r"door asks for device="):
             pt.prefetch(L, device=other)
     L.close()
 

@@ -403,7 +403,7 @@ def _from_capsule(cap):
        doors=st.lists(st.sampled_from(["plain", "static", "convert", "capsule"]), min_size=1, max_size=3))
 def test_resume_with_random_states_and_doors_per_epoch(n, batch_size, world, new_world, position, epoch,
                                                        drop_last, hostile, doors):
-    from pinloader._adapter import FrameworkPrefetcher
+    from pinloader._door import Door
     if LOG:
         with open(LOG, "w") as f:
             f.write(repr(("resume", n, batch_size, world, new_world, position, epoch, drop_last, hostile,
@@ -445,7 +445,7 @@ def test_resume_with_random_states_and_doors_per_epoch(n, batch_size, world, new
                            "convert": _from_capsule if door == "capsule" else np.from_dlpack}
                 if door == "static":
                     handout = {"static": True}
-                it = FrameworkPrefetcher(L, DEVICE, 2, handout)
+                it = Door(L, DEVICE, 2, handout)
             got = []
             for b in it:
                 x = np.from_dlpack(b).copy()

@@ -399,7 +399,7 @@ def test_a_door_over_a_closed_loader_says_closed():
 def test_a_door_with_contradicting_settings_is_refused_naming_them():
     pt = pytest.importorskip("pinloader.torch")
     L = pinloader.ArrayLoader(ids(10), 3, device=DEVICE, staging_threads=1)
-    with pytest.raises(ValueError, match="staging_threads=1, but the adapter asks for staging_threads=2"):
+    with pytest.raises(ValueError, match="staging_threads=1, but the door asks for staging_threads=2"):
         pt.prefetch(L, staging_threads=2)
     L.close()
 

@@ -8,7 +8,7 @@
  * __dlpack__ waits for the event (the copy is usually long finished: the pipeline runs ahead).
  * Either way the wait is issued once per (batch, consumer stream) while exports to that stream
  * are alive: see Note [consumer waits] in block.c. export_capsules exports a whole batch's
- * leaves for one stream in one call, for adapters that know the consumer stream once per
+ * leaves for one stream in one call, for doors that know the consumer stream once per
  * batch. The capsules themselves are made in dlpack.c. */
 #include "device_array.h"
 

@@ -1,5 +1,5 @@
-"""The framework front doors on the host backend (CI): the torch adapter (over any source and over
-an ArrayLoader), lazy imports of the CuPy and JAX adapters, and `import pinloader` importing no
+"""The framework front doors on the host backend (CI): the torch door (over any source and over
+an ArrayLoader), lazy imports of the CuPy and JAX doors, and `import pinloader` importing no
 framework.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_import_pinloader_imports_no_framework():
     assert out.stdout.strip() == "[]"
 
 
-# ---- the torch adapter ----
+# ---- the torch door ----
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -43,7 +43,7 @@ def _items(n):
              "sample": Sample(np.ones((2, 2), np.float16) * i, i)} for i in range(n)]
 
 
-def test_torch_adapter_yields_equal_tensors_with_same_structure():
+def test_torch_door_yields_equal_tensors_with_same_structure():
     torch = pytest.importorskip("torch")
     import pinloader.torch as pt
 
@@ -62,7 +62,7 @@ def test_torch_adapter_yields_equal_tensors_with_same_structure():
         assert b["sample"].image.dtype == torch.float16
 
 
-def test_torch_adapter_epochs_len_and_set_epoch():
+def test_torch_door_epochs_len_and_set_epoch():
     torch = pytest.importorskip("torch")
     import pinloader.torch as pt
 
@@ -94,7 +94,7 @@ def test_torch_adapter_epochs_len_and_set_epoch():
     batches.close()
 
 
-def test_torch_adapter_warns_once_about_pin_memory():
+def test_torch_door_warns_once_about_pin_memory():
     pytest.importorskip("torch")
     import pinloader.torch as pt
 
@@ -110,7 +110,7 @@ def test_torch_adapter_warns_once_about_pin_memory():
     assert len(msgs) == 1
 
 
-def test_torch_adapter_rejects_unknown_device():
+def test_torch_door_rejects_unknown_device():
     pytest.importorskip("torch")
     import pinloader.torch as pt
 
@@ -118,16 +118,16 @@ def test_torch_adapter_rejects_unknown_device():
         pt.prefetch([np.zeros(1)], device="meta")
 
 
-def test_bool_device_is_refused_by_the_torch_adapter():
+def test_bool_device_is_refused_by_the_torch_door():
     pytest.importorskip("torch")
     import pinloader.torch as pt
     with pytest.raises(TypeError, match=r"pinloader.torch.prefetch: device must be .* not bool"):
         pt.prefetch([np.arange(3)], device=True)
 
 
-# ---- the torch adapter over an ArrayLoader ----
+# ---- the torch door over an ArrayLoader ----
 
-def test_torch_adapter_wraps_the_loader_prefetcher():
+def test_torch_door_wraps_the_loader_prefetcher():
     pytest.importorskip("torch")
     import pinloader.torch as pt
     n = 50
@@ -168,7 +168,7 @@ def test_a_doors_explicit_depth_wins_over_the_loaders_default():
             pt.prefetch(L, depth=2)
 
 
-def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
+def test_door_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
     torch_ = pytest.importorskip("torch")
     import pinloader.torch as pt
     data = np.arange(40, dtype=np.float32).reshape(20, 2)
@@ -195,7 +195,7 @@ def test_adapter_adopts_a_loader_after_a_plain_epoch_with_equal_settings():
 # ---- CuPy and JAX ----
 
 @pytest.mark.parametrize("name,framework", [("pinloader.cupy", "cupy"), ("pinloader.jax", "jax")])
-def test_cuda_adapters_are_importable_lazily(name, framework):
+def test_cuda_doors_are_importable_lazily(name, framework):
     # pinloader.cupy and pinloader.jax import their framework; without it they fail cleanly
     # with an ImportError naming it, and `import pinloader` never tried to import it. The
     # framework is blocked in a fresh interpreter (a meta path finder that refuses it, and
@@ -229,7 +229,7 @@ print(json.dumps(out))
     assert out["result"] == "ImportError", out
     assert framework in out["msg"], out
     assert out["tried"] and out["tried"][0] == framework, out  # it did try to import it ...
-    assert not out["in_modules"], out  # ... and left no half-imported adapter behind
+    assert not out["in_modules"], out  # ... and left no half-imported door behind
 
     # and with the name mapped to None in sys.modules (the other way to make a module absent)
     p = run_py(f"import sys; sys.modules[{framework!r}] = None\n"

@@ -1,4 +1,4 @@
-"""The iterator shared by the framework adapters (torch, JAX, CuPy).
+"""The iterator shared by the framework doors (torch, JAX, CuPy).
 
 Note [per-batch import]
 A framework door is an :class:`AsyncPrefetcher` told how to deliver each array leaf (see Note
@@ -42,7 +42,7 @@ class _DoorDepth(int):
 DEFAULT_DEPTH: int = _DoorDepth(2)
 
 
-class FrameworkPrefetcher:
+class Door:
     """Wraps an :class:`AsyncPrefetcher` (or an ArrayLoader's, or a
     :class:`~pinloader.StatefulPrefetcher`) that delivers framework arrays: ``handout`` holds
     the prefetcher's ``output``, ``stream``, ``convert``, ``static`` and ``out`` (see Note
@@ -72,7 +72,7 @@ class FrameworkPrefetcher:
         a door over a door of a plain iterable has none (see _stateful.is_stateful)."""
         return callable(getattr(self._pf, "state_dict", None))
 
-    def __iter__(self) -> "FrameworkPrefetcher":
+    def __iter__(self) -> "Door":
         iter(self._pf)
         return self
 
@@ -119,7 +119,7 @@ class FrameworkPrefetcher:
         """Stop the producer and free what is not handed out. Idempotent."""
         self._pf.close()
 
-    def __enter__(self) -> "FrameworkPrefetcher":
+    def __enter__(self) -> "Door":
         return self
 
     def __exit__(self, *exc: Any) -> None:
