@@ -38,7 +38,7 @@ def test_producer_takes_the_gil_once_per_epoch(gather):
         st = L.stats()
     assert st["batches"] == 3 * 400
     assert st["epoch_source"] == "native" and st["epoch_source_reason"] == ""
-    # one hold per epoch (adopting its RowBatches), not one per batch (before: 1203)
+    # one hold per epoch (opening its RowBatches), not one per batch (1203 for a Python source)
     assert st["producer_gil_holds"] == 3
     assert st["gather"] == gather
 
