@@ -128,3 +128,68 @@ def test_a_type_error_raised_by_the_sources_own_iter_is_its_own():
 
     with pinloader.AsyncPrefetcher(Seq(), device=DEVICE) as pf:
         assert [host(b).tolist() for b in pf] == [[0, 0, 0], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("end", ["close", "drop"])
+def test_a_native_source_left_mid_epoch_is_released(end):
+    # the producer holds the opened RowBatches (and its reader's state) between batches; closing
+    # the prefetcher, or dropping it unclosed, mid-epoch releases it
+    d, L = loader(1000, 10)
+    rb = _epoch_batches(L._plan, 0)
+    pf = pinloader.AsyncPrefetcher(rb, device=DEVICE, structure=d, depth=2)
+    first = next(pf)
+    assert rb.adopted and np.array_equal(host(first["i"]), L.indices(0)[:10])
+    if end == "close":
+        pf.close()
+    del pf, first
+    gc.collect()
+    assert sys.getrefcount(rb) == 2  # the name here and getrefcount's argument
+    L.close()
+
+
+class _NoneIter:
+    __iter__ = None  # declared not iterable, though it has __getitem__
+
+    def __getitem__(self, i):
+        raise IndexError(i)
+
+
+class _NonIterator:
+    def __iter__(self):
+        return [np.zeros(2)]  # a list, not an iterator
+
+
+class _Meta(type):
+    def __iter__(cls):
+        return iter([np.zeros(2, np.float32)])
+
+
+class _ByMeta(metaclass=_Meta):
+    pass
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("source, refused", [
+    (3, "needs an iterable source, got int"),
+    (None, "needs an iterable source, got NoneType"),
+    (_ByMeta(), "needs an iterable source, got _ByMeta"),  # the metaclass's __iter__ is the class's
+    (_NoneIter(), "'_NoneIter' object is not iterable"),
+    (_NonIterator(), "iter\\(\\) returned non-iterator of type 'list'"),
+    (_ByMeta, None),
+    ({"a": 1}, None),
+    (b"ab", None),
+])
+def test_the_first_iterator_is_what_iter_gives_or_refuses(source, refused):
+    # AsyncPrefetcher accepts exactly what iter() accepts, and every refusal is a TypeError
+    # naming the source's type (its own __iter__'s TypeError as it raised it)
+    try:
+        iter(source)
+        iter_ok = True
+    except TypeError:
+        iter_ok = False
+    assert iter_ok == (refused is None)
+    if refused is None:
+        pinloader.AsyncPrefetcher(source, device=DEVICE).close()
+    else:
+        with pytest.raises(TypeError, match=refused):
+            pinloader.AsyncPrefetcher(source, device=DEVICE)

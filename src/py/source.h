@@ -53,11 +53,14 @@ typedef struct pl_source_ops {
     int needs_gil; /* next() runs with the GIL held (it calls Python) */
     /* GIL held: begin reading `obj` (its one reader). *state gets what next() needs (freed by
      * close), *n_leaves the leaves every batch has. f is the producer's, for reserving room.
-     * Returns 0, or -1 with an exception. NULL for a source that keeps no state. */
+     * Returns 0, or -1 with an exception. Every native source has one (the producer calls it
+     * for n_leaves); only pl_py_source, never opened, leaves it NULL. */
     int (*open)(PyObject *obj, pl_flat *f, void **state, int *n_leaves);
     /* The next batch into f (pl_flat_begin is the source's to call): PL_SOURCE_*. */
     int (*next)(PyObject *obj, void *state, pl_flat *f, pl_source_ctx *ctx, char *why, size_t n_why);
-    /* Free what open made (any thread, no GIL needed). NULL when open is. */
+    /* Free what open made (any thread, no GIL needed). It runs when the producer retires the
+     * source, before the copy of its last batch is done (only obj is held until then): the
+     * state must hold nothing a batch's copy reads. NULL when open makes no state. */
     void (*close)(void *state);
 } pl_source_ops;
 
