@@ -328,31 +328,35 @@ class _Runner:
         for k in np.flatnonzero(ok & (hw[:, 2] != 1) & (hw[:, 2] != 3)):
             self._raw(idx, base, offs, lens, int(k), hw, raw, whys, ok,
                       "not a JPEG" if hw[k, 2] == 0 else f"a JPEG of {hw[k, 2]} components")
-        image, status = self._decode(epoch, idx, base, offs, lens, hw, raw, ok)
+        # the GPU call takes the samples still good: one that could not be read or is not an
+        # image would make the batch decode a second time without it
+        sel = np.flatnonzero(ok)
+        image: Any = None
         retry = False
-        for k in np.flatnonzero(ok & (status != 0)):
-            k = int(k)
-            reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
-                      3: "nvJPEG does not support it", 4: "its size differs from its header's",
-                      5: "no end-of-image marker (cut short, or data after the image)"}.get(
-                          int(status[k]), f"status {int(status[k])}")
-            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
-            retry = True
+        if len(sel):
+            image, status = self._decode(epoch, idx[sel], base, offs[sel], lens[sel], hw[sel], _rows(raw, sel))
+            for j in np.flatnonzero(status != 0).tolist():
+                k = int(sel[j])
+                reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
+                          3: "nvJPEG does not support it", 4: "its size differs from its header's",
+                          5: "no end-of-image marker (cut short, or data after the image)"}.get(
+                              int(status[j]), f"status {int(status[j])}")
+                self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
+                retry = True
         for k in np.flatnonzero(~ok):
             self.bad(int(idx[k]), whys.get(int(k), "cannot be read"))
         keep = np.flatnonzero(ok)
-        if retry or len(keep) != n:
+        if retry or not len(keep):
             del image
             if not len(keep):
                 image = self._empty()
             else:
-                sub_raw = {j: raw[int(k)] for j, k in enumerate(keep) if int(k) in raw}
                 image, status = self._decode(epoch, idx[keep], base, offs[keep], lens[keep], hw[keep],
-                                             sub_raw, np.ones(len(keep), bool))
+                                             _rows(raw, keep))
                 if (status != 0).any():  # host-decoded samples cannot fail; nvJPEG's did not before
                     j = int(np.flatnonzero(status != 0)[0])
                     raise self.fail(int(idx[keep][j]), f"the GPU decoder failed on a retry (status {int(status[j])})")
-            idx = idx[keep]
+        idx = idx[keep]
         self.counts["samples"] += len(idx)
         return self.batch(image, self.labels(idx))
 
@@ -373,16 +377,12 @@ class _Runner:
         self.host_reason(reason)
 
     def _decode(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray,
-                hw: np.ndarray, raw: dict[int, np.ndarray], ok: np.ndarray) -> tuple[Any, np.ndarray]:
+                hw: np.ndarray, raw: dict[int, np.ndarray]) -> tuple[Any, np.ndarray]:
         cfg = self.cfg
-        safe = hw.copy()
-        safe[~ok] = (1, 1, 3)  # failed samples: any valid parameters (their status is ignored)
-        p = self.params(epoch, idx, safe)
-        o = np.where(ok, offs, 0).astype(np.int64)
-        ln = np.where(ok, lens, 0).astype(np.int64)
+        p = self.params(epoch, idx, hw)
         t0 = time.perf_counter()
         out: tuple[Any, np.ndarray] = self.decoder.decode(
-            base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
+            base, offs, lens, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
             cfg["channels_last"], raw or None)
         self.counts["decode_call_s"] += time.perf_counter() - t0
         return out
@@ -396,6 +396,11 @@ class _Runner:
             self.decoder.close()
             self.decoder = None
         self.src.close()
+
+
+def _rows(raw: dict[int, np.ndarray], rows: np.ndarray) -> dict[int, np.ndarray]:
+    """``raw`` for the samples ``rows`` of a batch, keyed by their positions among them."""
+    return {j: raw[int(k)] for j, k in enumerate(rows) if int(k) in raw}
 
 
 class _ImageEpochs(_resume.ResumableEpochs):

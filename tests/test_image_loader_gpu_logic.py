@@ -405,7 +405,8 @@ def test_same_batches_as_the_host_path(gpu, data, source, train):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_dtypes_as_the_host_path(gpu, data, dtype):
-    pytest.importorskip("torch") if dtype == "bfloat16" else None
+    if dtype == "bfloat16":
+        pytest.importorskip("torch")
     for layout in ("NCHW", "NHWC"):
         kw = dict(size=10, seed=2, dtype=dtype, layout=layout, mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25))
         want, _ = host_run(data["packed"], 6, **kw)
@@ -466,6 +467,12 @@ def test_mixed_images_skipped_as_on_the_host(gpu, mixed, source):
         assert why["s04_truncated.jpg"].startswith("no end-of-image marker") and "cannot decode" in why["s04_truncated.jpg"]
         assert why["s05_corrupt.jpg"].startswith("nvJPEG could not decode it, and cannot decode")
         assert "not an image Pillow recognizes" in why["s06_text.jpg"]
+        # the GPU calls: a sample that could not be read or is not an image is left out; a
+        # batch is decoded again only for the samples the host decoded after nvJPEG refused
+        # them (here the JPEG with a trailer, after the truncated and the corrupt one failed)
+        calls = [(c["n"], c["raw"], c["status"]) for c in gpu.made[-1].calls]
+        assert calls == [(4, [1, 3], [0] * 4), (3, [], [NO_END, BAD_DATA, NO_END]), (1, [0], [0]),
+                         (2, [], [0, 0])]
 
 
 @pytest.mark.parametrize("source", ["items", "tars", "packed"])
