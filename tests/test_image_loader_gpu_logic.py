@@ -667,3 +667,38 @@ def test_memory_stays_flat_over_epochs(gpu, data):
     assert max(peaks) <= 4 * 2048
     assert loader.stats()["gpu_decoder"]["batches"] == 15
     loader.close()
+
+
+def test_shards_and_drop_last_as_the_host_path(gpu, data):
+    for rank in (0, 1):
+        kw = dict(size=8, seed=4, rank=rank, world_size=2, drop_last=True, dtype="uint8")
+        want, _ = host_run(data["tars"], 4, **kw)
+        got, s = gpu_run(data["tars"], 4, **kw)
+        same(got, want)
+        assert [len(b["label"]) for b in got] == [4, 4] and s["samples"] == 8
+
+
+def test_errors_then_a_new_epoch(gpu, mixed, data, tmp_path):
+    """An epoch that raised leaves the loader usable: the next iteration begins that epoch again
+    and meets the same sample; a mapped file cut on disk between epochs is the read's error, as
+    on the host path."""
+    import shutil
+    src = mixed["pairs"]["packed"]["s05_corrupt.jpg"]
+    loader = ImageLoader(src, 2, size=8, shuffle=False)
+    for _ in range(2):
+        with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*s05_corrupt\.jpg\): nvJPEG could not decode it"):
+            collect(loader)
+        assert loader.stats()["epoch"] == 0 and loader.stats()["samples"] == 0
+    assert _image_threads() == ["pl-image-read_0"]
+    loader.close()
+    packed = str(tmp_path / "packed")
+    shutil.copytree(data["packed"], packed)
+    loader = ImageLoader(packed, 4, size=8)
+    assert len(collect(loader)) == 5  # a whole epoch: nothing is being read when the file is cut
+    with open(os.path.join(packed, "data.bin"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="data.bin was truncated on disk while loading"):
+        collect(loader)
+    assert loader.stats()["decoder"] == "gpu"
+    loader.close()
+    assert _image_threads() == []
