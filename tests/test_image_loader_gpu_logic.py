@@ -702,3 +702,22 @@ def test_errors_then_a_new_epoch(gpu, mixed, data, tmp_path):
     assert loader.stats()["decoder"] == "gpu"
     loader.close()
     assert _image_threads() == []
+
+
+def test_a_host_image_past_what_the_gpu_call_takes(gpu, tmp_path):
+    """decode() takes host-decoded images of at most 65535 a side (raw=, jpeg_decoder.c); a
+    wider PNG is cropped and resized on the host and handed over as its output window: the
+    host path's values, not an error for the whole batch."""
+    wide = np.ascontiguousarray(np.tile(photo(3, 100, 0), (1, 700, 1)))  # 3 x 70,000
+    (tmp_path / "wide.png").write_bytes(_png(wide))
+    (tmp_path / "tall.png").write_bytes(_png(np.ascontiguousarray(wide.transpose(1, 0, 2))))
+    (tmp_path / "good.jpg").write_bytes(jpeg(photo(30, 40, 1)))
+    items = [(str(tmp_path / n), k) for k, n in enumerate(("good.jpg", "wide.png", "tall.png"))]
+    for train in (True, False):
+        kw = dict(size=(8, 10), train=train, shuffle=False, dtype="uint8", on_error="skip")
+        want, hs = host_run(items, 3, **kw)
+        got, s = gpu_run(items, 3, **kw)
+        same(got, want)
+        assert got[0]["label"].tolist() == [0, 1, 2] and s["host_decoded_reasons"] == {"not a JPEG": 2}
+        (call,) = gpu.made[-1].calls
+        assert call["raw"] == [1, 2] and call["status"] == [0, 0, 0]
