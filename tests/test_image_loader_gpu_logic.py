@@ -441,6 +441,31 @@ def test_the_decoder_is_chosen_and_kept(gpu, data):
             iter(loader)
 
 
+
+def test_the_decoder_follows_the_settings(gpu, data):
+    """A static door's epoch is the host decoder's (the GPU decoder released), the plain
+    iteration after it the GPU decoder's again; each epoch the batches of its own number."""
+    pytest.importorskip("torch")
+    import pinloader.torch as pt
+    kw = dict(size=8, seed=3, dtype="uint8")
+    loader = ImageLoader(data["packed"], 5, **kw)
+    want = {}
+    for ep in range(3):
+        ref = ImageLoader(data["packed"], 5, device="cpu", **kw)
+        ref.set_epoch(ep)
+        want[ep] = collect(ref)
+        ref.close()
+    same(collect(loader), want[0])
+    assert loader.stats()["decoder"] == "gpu"
+    door = pt.prefetch(loader, static=True)
+    got = [{k: v[: door.valid_rows].numpy().copy() for k, v in b.items()} for b in door]
+    same(got, want[1])
+    assert loader.stats()["decoder"] == "host" and len(gpu.made) == 1 and gpu.made[0].closed
+    same(collect(loader), want[2])
+    assert loader.stats()["decoder"] == "gpu" and len(gpu.made) == 2 and not gpu.made[1].closed
+    loader.close()
+    assert gpu.made[1].closed
+
 # ---- images nvJPEG does not take, and bad ones ----
 
 @pytest.mark.parametrize("source", ["folder", "items", "tars", "packed"])
