@@ -349,9 +349,7 @@ def test_gpu_decoder_refused_without_a_gpu(data):
 
 
 def test_close_mid_epoch_and_memory_flat(data):
-    import gc
     import threading
-    before = threading.active_count()
     for _ in range(3):
         loader = ImageLoader(data["folder"], 2, size=8, device="cpu", workers=3)
         it = iter(loader)
@@ -360,8 +358,10 @@ def test_close_mid_epoch_and_memory_flat(data):
         assert loader.closed
         with pytest.raises(ValueError, match="closed"):
             next(loader)
-    gc.collect()
-    assert threading.active_count() <= before + 1
+    # the loader's decoder threads are gone (threading.active_count() would also count the
+    # entries Python 3.11 keeps for every native producer thread that ran Python code, one per
+    # thread id, never removed)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("pl-image")] == []
     loader = ImageLoader(data["packed"], 6, size=8, device="cpu")
     peaks = []
     for e in range(6):
