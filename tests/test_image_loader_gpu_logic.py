@@ -87,8 +87,7 @@ class FakeJpegDecoder:
     decode, standing in for what nvJPEG refuses and Pillow does not."""
 
     made: list = []       # every decoder made (the fixture gives each test its own list)
-    inject = None         # f(bytes, call number) -> status, or None
-    decode_entered = None  # a threading.Event set when decode() starts (close tests)
+    inject = None         # staticmethod(f(bytes, call number) -> status), or None
 
     def __init__(self, device, libraries=()):
         if device == "cpu":  # what pl_resolve_device finds for the host backend
@@ -230,7 +229,6 @@ def gpu(monkeypatch):
     """The GPU path with FakeJpegDecoder: each test its own list of decoders made."""
     monkeypatch.setattr(FakeJpegDecoder, "made", [])
     monkeypatch.setattr(FakeJpegDecoder, "inject", None)
-    monkeypatch.setattr(FakeJpegDecoder, "decode_entered", None)
     monkeypatch.setattr(_C, "JpegDecoder", FakeJpegDecoder)
     monkeypatch.setattr(_C, "cuda_available", lambda: True)
     return FakeJpegDecoder
