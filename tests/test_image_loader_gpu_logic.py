@@ -574,6 +574,8 @@ def test_a_batch_whose_every_sample_fails_is_empty(gpu, mixed):
         assert all(b["image"].shape == empty and b["image"].dtype == np.dtype(dtype) for b in got[1:6])
         assert all(b["label"].shape == (0,) and b["label"].dtype == np.int64 for b in got[1:6])
         assert loader.stats()["skipped"] == 5
+        # no GPU call for a batch of a file that is not an image or one that is missing
+        assert [c["n"] for c in gpu.made[-1].calls] == [1, 1, 1, 1, 1]
         loader.close()
         want, _ = host_run(src, 1, **kw)
         same(got, want)
@@ -582,6 +584,7 @@ def test_a_batch_whose_every_sample_fails_is_empty(gpu, mixed):
         got, s = gpu_run(src[1:6], 5, **kw)
         same(got, want)
         assert got[0]["image"].shape == empty and s["skipped"] == 5
+        assert [(c["n"], c["status"]) for c in gpu.made[-1].calls] == [(3, [NO_END, BAD_DATA, NO_END])]
 
 
 # ---- lifecycle ----
