@@ -62,6 +62,7 @@ _LAYOUTS = {"NCHW": False, "NHWC": True, "channels_last": True}
 _DEFAULT_DEPTH = 3
 _HOST_AHEAD = 2  # host batches decoding ahead of the one the producer waits for
 _SKIP_RECORDS = 16  # skipped samples kept in stats() (the count is exact)
+_RAW_SIDE = 65535  # the longest side of a host-decoded image JpegDecoder.decode takes (raw=)
 
 
 class ImageDecodeError(ValueError):
@@ -311,6 +312,7 @@ class _Runner:
         whys: dict[int, str] = dict(fails)
         ok[list(fails)] = False
         raw: dict[int, np.ndarray] = {}
+        fixed: dict[int, np.ndarray] = {}  # the parameters of raw images resampled already (_raw)
         hw = self.src.hw[idx].copy()
         unknown = np.flatnonzero(ok & (hw[:, 0] <= 0))
         if len(unknown):
@@ -326,39 +328,47 @@ class _Runner:
             self.src.hw[idx[good]] = hw[good]
         # what nvJPEG does not take goes to the host decoder (Note [host decode])
         for k in np.flatnonzero(ok & (hw[:, 2] != 1) & (hw[:, 2] != 3)):
-            self._raw(idx, base, offs, lens, int(k), hw, raw, whys, ok,
+            self._raw(epoch, idx, base, offs, lens, int(k), hw, raw, fixed, whys, ok,
                       "not a JPEG" if hw[k, 2] == 0 else f"a JPEG of {hw[k, 2]} components")
-        image, status = self._decode(epoch, idx, base, offs, lens, hw, raw, ok)
+        # the GPU call takes the samples still good: one that could not be read or is not an
+        # image would make the batch decode a second time without it
+        sel = np.flatnonzero(ok)
+        image: Any = None
         retry = False
-        for k in np.flatnonzero(ok & (status != 0)):
-            k = int(k)
-            reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
-                      3: "nvJPEG does not support it", 4: "its size differs from its header's",
-                      5: "no end-of-image marker (cut short, or data after the image)"}.get(
-                          int(status[k]), f"status {int(status[k])}")
-            self._raw(idx, base, offs, lens, k, hw, raw, whys, ok, reason)
-            retry = True
+        if len(sel):
+            image, status = self._decode(epoch, idx[sel], base, offs[sel], lens[sel], hw[sel], _rows(raw, sel),
+                                         _rows(fixed, sel))
+            for j in np.flatnonzero(status != 0).tolist():
+                k = int(sel[j])
+                reason = {1: "nvJPEG could not parse its header", 2: "nvJPEG could not decode it",
+                          3: "nvJPEG does not support it", 4: "its size differs from its header's",
+                          5: "no end-of-image marker (cut short, or data after the image)"}.get(
+                              int(status[j]), f"status {int(status[j])}")
+                self._raw(epoch, idx, base, offs, lens, k, hw, raw, fixed, whys, ok, reason)
+                retry = True
         for k in np.flatnonzero(~ok):
             self.bad(int(idx[k]), whys.get(int(k), "cannot be read"))
         keep = np.flatnonzero(ok)
-        if retry or len(keep) != n:
+        if retry or not len(keep):
             del image
             if not len(keep):
                 image = self._empty()
             else:
-                sub_raw = {j: raw[int(k)] for j, k in enumerate(keep) if int(k) in raw}
                 image, status = self._decode(epoch, idx[keep], base, offs[keep], lens[keep], hw[keep],
-                                             sub_raw, np.ones(len(keep), bool))
+                                             _rows(raw, keep), _rows(fixed, keep))
                 if (status != 0).any():  # host-decoded samples cannot fail; nvJPEG's did not before
                     j = int(np.flatnonzero(status != 0)[0])
                     raise self.fail(int(idx[keep][j]), f"the GPU decoder failed on a retry (status {int(status[j])})")
-            idx = idx[keep]
+        idx = idx[keep]
         self.counts["samples"] += len(idx)
         return self.batch(image, self.labels(idx))
 
-    def _raw(self, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray, k: int,
-             hw: np.ndarray, raw: dict[int, np.ndarray], whys: dict[int, str], ok: np.ndarray, reason: str) -> None:
-        """Decode sample k on the host for the GPU call's ``raw=``."""
+    def _raw(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray, k: int,
+             hw: np.ndarray, raw: dict[int, np.ndarray], fixed: dict[int, np.ndarray], whys: dict[int, str],
+             ok: np.ndarray, reason: str) -> None:
+        """Decode sample k on the host for the GPU call's ``raw=``; one with a side past what
+        the call takes (_RAW_SIDE) is cropped and resized here too, and ``fixed[k]`` is then the
+        parameters that hand it over as it is."""
         i = int(idx[k])
         try:
             img = ops.decode_rgb(base[int(offs[k]):int(offs[k]) + int(lens[k])])
@@ -369,20 +379,28 @@ class _Runner:
         if tuple(img.shape[:2]) != (int(hw[k, 0]), int(hw[k, 1])):
             hw[k, :2] = img.shape[:2]
             self.src.hw[i] = hw[k]
+        if max(img.shape[:2]) > _RAW_SIDE:
+            size = self.cfg["size"]
+            try:
+                p = self.params(epoch, idx[k:k + 1], hw[k:k + 1])[0]
+                img = np.ascontiguousarray(ops.resample(img, p, size))
+            except ValueError as e:
+                whys[k] = f"{reason}, and {e}"
+                ok[k] = False
+                return
+            fixed[k] = np.array([0, 0, size[0], size[1], size[0], size[1], 0, 0, 0], np.int32)
         raw[k] = img
         self.host_reason(reason)
 
     def _decode(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray,
-                hw: np.ndarray, raw: dict[int, np.ndarray], ok: np.ndarray) -> tuple[Any, np.ndarray]:
+                hw: np.ndarray, raw: dict[int, np.ndarray], fixed: dict[int, np.ndarray]) -> tuple[Any, np.ndarray]:
         cfg = self.cfg
-        safe = hw.copy()
-        safe[~ok] = (1, 1, 3)  # failed samples: any valid parameters (their status is ignored)
-        p = self.params(epoch, idx, safe)
-        o = np.where(ok, offs, 0).astype(np.int64)
-        ln = np.where(ok, lens, 0).astype(np.int64)
+        p = self.params(epoch, idx, hw)
+        for j, q in fixed.items():
+            p[j] = q
         t0 = time.perf_counter()
         out: tuple[Any, np.ndarray] = self.decoder.decode(
-            base, o, ln, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
+            base, offs, lens, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
             cfg["channels_last"], raw or None)
         self.counts["decode_call_s"] += time.perf_counter() - t0
         return out
@@ -396,6 +414,11 @@ class _Runner:
             self.decoder.close()
             self.decoder = None
         self.src.close()
+
+
+def _rows(raw: dict[int, np.ndarray], rows: np.ndarray) -> dict[int, np.ndarray]:
+    """``raw`` for the samples ``rows`` of a batch, keyed by their positions among them."""
+    return {j: raw[int(k)] for j, k in enumerate(rows) if int(k) in raw}
 
 
 class _ImageEpochs(_resume.ResumableEpochs):

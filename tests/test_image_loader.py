@@ -349,9 +349,7 @@ def test_gpu_decoder_refused_without_a_gpu(data):
 
 
 def test_close_mid_epoch_and_memory_flat(data):
-    import gc
     import threading
-    before = threading.active_count()
     for _ in range(3):
         loader = ImageLoader(data["folder"], 2, size=8, device="cpu", workers=3)
         it = iter(loader)
@@ -360,8 +358,10 @@ def test_close_mid_epoch_and_memory_flat(data):
         assert loader.closed
         with pytest.raises(ValueError, match="closed"):
             next(loader)
-    gc.collect()
-    assert threading.active_count() <= before + 1
+    # the loader's decoder threads are gone (threading.active_count() would also count the
+    # entries Python 3.11 keeps for every native producer thread that ran Python code, one per
+    # thread id, never removed)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("pl-image")] == []
     loader = ImageLoader(data["packed"], 6, size=8, device="cpu")
     peaks = []
     for e in range(6):
@@ -481,8 +481,9 @@ def test_gpu_path_sends_what_nvjpeg_refuses_to_the_host(tmp_path):
     s = g.stats()
     assert s["skipped"] == 4 and s["host_decoded"] == 2
     assert s["host_decoded_reasons"] == {"a JPEG of 4 components": 1, "not a JPEG": 1}
-    # the first call had the CMYK and PNG images as raw=, the second only the kept samples
-    assert fake.calls[0] == (8, [4, 5]) and fake.calls[1] == (4, [1, 2])
+    # the first call had the samples that read as images (the CMYK and PNG ones as raw=), the
+    # second only the kept samples
+    assert fake.calls == [(5, [2, 3]), (4, [1, 2])]
     g.close()
     g = ImageLoader(items, 8, **dict(kw, on_error="raise"))
     fake_gpu(g)

@@ -122,6 +122,25 @@ def test_every_kind_of_image(tmp_path, torch):
     h.close()
 
 
+
+def test_a_host_image_past_what_the_gpu_call_takes(tmp_path, torch):
+    """A PNG wider than decode()'s raw= limit (65535 a side) is cropped and resized on the host
+    and copied by the kernel as it is (a resize to its own size): the host path's pixels."""
+    wide = np.ascontiguousarray(np.tile(photo(3, 100, 0), (1, 700, 1)))  # 3 x 70,000
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, format="PNG")
+    (tmp_path / "wide.png").write_bytes(buf.getvalue())
+    items = [(str(tmp_path / "wide.png"), 0)]
+    for train in (True, False):
+        kw = dict(size=(8, 10), dtype="uint8", train=train)
+        g = ImageLoader(items, 1, device="cuda", decoder="gpu", **kw)
+        h = ImageLoader(items, 1, device="cpu", **kw)
+        ((gi, _),), ((hi, _),) = collect(g, torch), collect(h, torch)
+        np.testing.assert_array_equal(gi, hi)
+        assert g.stats()["host_decoded_reasons"] == {"not a JPEG": 1}
+        g.close()
+        h.close()
+
 def test_bad_samples_on_the_gpu(tmp_path, torch):
     good = jpeg(photo(30, 30, 0))
     items = []
