@@ -224,9 +224,19 @@ def image_info(data: Any) -> tuple[int, int, int]:
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             w, h = im.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ValueError(f"not an image Pillow recognizes ({e})") from None
+    except UnidentifiedImageError:
+        # Pillow's text names the BytesIO object it was given (an address): say what it means
+        raise ValueError("not an image Pillow recognizes (no image format's header matches its "
+                         f"first bytes, {_lead(data)})") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"not an image Pillow recognizes ({type(e).__name__}: {e})") from None
     return h, w, 0
+
+
+def _lead(data: Any) -> str:
+    """The first bytes of ``data`` for a message: "starting b'GIF8'", or "empty"."""
+    head = bytes(memoryview(data)[:8])
+    return f"starting {head!r}" if head else "empty"
 
 
 # ---- the host decoder ----

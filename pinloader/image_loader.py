@@ -60,6 +60,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = ("uint8", "float16", "bfloat16", "float32")
 _LAYOUTS = {"NCHW": False, "NHWC": True, "channels_last": True}
 _DEFAULT_DEPTH = 3
+# The most images a batch holds: what one call of the GPU decoder takes (src/py/jpeg_decoder.c).
+_MAX_BATCH = 65535
 _HOST_AHEAD = 2  # host batches decoding ahead of the one the producer waits for
 _SKIP_RECORDS = 16  # skipped samples kept in stats() (the count is exact)
 _RAW_SIDE = 65535  # the longest side of a host-decoded image JpegDecoder.decode takes (raw=)
@@ -476,7 +478,7 @@ class ImageLoader(_EpochLoader):
         (written by ``python -m pinloader pack``), a ``.tar`` shard or a list of them
         (WebDataset: ``key.jpg`` with ``key.cls``), or a list of ``(path, label)``.
     batch_size : int
-        Images per batch.
+        Images per batch, 1 to 65,535.
     train : bool, default True
         ``True``: torchvision's ``RandomResizedCrop(size, scale, ratio)`` and a random
         horizontal flip. ``False``: ``Resize(resize)`` then ``CenterCrop(size)``.
@@ -539,6 +541,10 @@ class ImageLoader(_EpochLoader):
         self._closed = False
         self._runner: _Runner | None = None
         self.batch_size = _int_arg("batch_size", batch_size, 1)
+        if self.batch_size > _MAX_BATCH:
+            # the GPU decoder's call takes this many; one limit whichever decoder runs, so a
+            # job made on a laptop does not fail on the GPU machine
+            raise ValueError(f"ImageLoader: batch_size must be at most {_MAX_BATCH}, got {self.batch_size}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"ImageLoader: seed must be an int, not {type(seed).__name__}")
         self.seed = int(seed)

@@ -276,6 +276,13 @@ def test_image_loader_refuses_bad_resize_mean_and_std(kw, err, match):
         ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
 
 
+@pytest.mark.parametrize("bs", [65536, 2**40])
+def test_a_batch_larger_than_one_gpu_decode_call_is_refused_on_every_backend(bs):
+    from pinloader import ImageLoader
+    with pytest.raises(ValueError, match=f"batch_size must be at most 65535, got {bs}"):
+        ImageLoader([("a.jpg", 0)], bs, device="cpu")
+
+
 class _ClearsTheList:
     """A path whose __fspath__ empties the list it is in (user code run while paths encode)."""
 
@@ -331,3 +338,13 @@ def test_a_member_with_an_empty_name_first():
     # its name field starts with NUL: no name bytes to copy before any were stored
     shard = header("\0x.jpg", 1) + data(b"z") + header("y.jpg", 1) + data(b"w") + END
     assert scan(shard) == [("", 512, 1), ("y.jpg", 1536, 1)]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("data", [b"plain text, not an image", b"", b"GIF89a"])
+def test_not_an_image_is_named_by_its_first_bytes_not_an_object_address(data):
+    from pinloader import _image_ops
+    with pytest.raises(ValueError, match="not an image Pillow recognizes") as ei:
+        _image_ops.image_info(data)
+    assert "object at 0x" not in str(ei.value) and "BytesIO" not in str(ei.value)
+    assert (repr(data[:8]) if data else "empty") in str(ei.value)
