@@ -8,8 +8,9 @@
 #   3. every GPU test (-m gpu), then the README's, docs' and CLI tests;
 #   4. compute-sanitizer memcheck over tests/test_image_loader_gpu.py and the decoder's tests;
 #   5. bench_jpeg_decode.py: the decoder alone on 1..3 threads against torchvision's decode;
-#   6. bench_images.py, loader-bound rows (ImageNet-like images), then ResNet-50 and ResNet-18
-#      fed by ImageLoader and by the DataLoader against the bound.
+#   6. bench_images.py, loader-bound rows (ImageNet-like images), the packed row again with 2 and
+#      3 GPU decoders on threads (PINLOADER_JPEG_DECODERS), then ResNet-50 and ResNet-18 fed by
+#      ImageLoader and by the DataLoader against the bound.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/images_gpu_out}"
@@ -38,6 +39,11 @@ timeout 150 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096
     --data-dir /tmp/pinloader_images --out "$R" --name images_loader \
     --rows imageloader_packed,imageloader_tar,imageloader_folder,dataloader,torchvision_gpu,decoder_alone \
     >"$R/images_loader.txt" 2>&1; step images_loader $?
+for k in 2 3; do  # Note [decoder threads] in pinloader/image_loader.py: K decoders on K threads
+    PINLOADER_JPEG_DECODERS=$k timeout 60 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 \
+        --rounds 3 --data-dir /tmp/pinloader_images --out "$R" --name "images_loader_decoders$k" \
+        --rows imageloader_packed >"$R/images_loader_decoders$k.txt" 2>&1; step "images_loader_decoders$k" $?
+done
 left=$(( 570 - SECONDS ))
 if [ "$left" -gt 30 ]; then
     timeout "$left" "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 3 \

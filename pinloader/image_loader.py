@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
@@ -65,6 +66,19 @@ _MAX_BATCH = 65535
 _HOST_AHEAD = 2  # host batches decoding ahead of the one the producer waits for
 _SKIP_RECORDS = 16  # skipped samples kept in stats() (the count is exact)
 _RAW_SIDE = 65535  # the longest side of a host-decoded image JpegDecoder.decode takes (raw=)
+_MAX_DECODERS = 8  # PINLOADER_JPEG_DECODERS's bound (Note [decoder threads])
+
+
+def _decoders_wanted() -> int:
+    """GPU decoders per loader, each on its own thread: PINLOADER_JPEG_DECODERS, default 1
+    (Note [decoder threads])."""
+    text = os.environ.get("PINLOADER_JPEG_DECODERS", "").strip()
+    if not text:
+        return 1
+    if not text.isdigit() or not 1 <= int(text) <= _MAX_DECODERS:
+        raise ValueError(f"PINLOADER_JPEG_DECODERS must be an integer from 1 to {_MAX_DECODERS}, "
+                         f"got {text!r}")
+    return int(text)
 
 
 class ImageDecodeError(ValueError):
@@ -90,6 +104,12 @@ class _Runner:
         self.src = src
         self.cfg = cfg
         self.decoder: Any = None     # a JpegDecoder on the GPU path
+        # more decoders for Note [decoder threads]: made by decoder_factory when an epoch wants them
+        self.decoder_factory: Any = None
+        self.extra_decoders: list[Any] = []
+        self.decode_pool: ThreadPoolExecutor | None = None
+        self.decode_pool_pid = self.decode_pool_k = 0
+        self.lock = threading.Lock()  # counts, from the decoder threads
         self.pool: ThreadPoolExecutor | None = None
         self.pool_pid = 0
         self.read_pool: ThreadPoolExecutor | None = None
@@ -111,11 +131,17 @@ class _Runner:
     def fail(self, i: int, why: str) -> ImageDecodeError:
         return ImageDecodeError(f"ImageLoader: sample {int(i)} ({self.src.name(i)}): {why}")
 
+    def count(self, key: str, value: float) -> None:
+        with self.lock:
+            self.counts[key] += value
+
     def skip(self, i: int, why: str) -> None:
-        c = self.counts
-        c["skipped"] += 1
-        if len(c["skipped_samples"]) < _SKIP_RECORDS:
-            c["skipped_samples"].append({"index": int(i), "name": self.src.name(i), "reason": why})
+        name = self.src.name(i)
+        with self.lock:
+            c = self.counts
+            c["skipped"] += 1
+            if len(c["skipped_samples"]) < _SKIP_RECORDS:
+                c["skipped_samples"].append({"index": int(i), "name": name, "reason": why})
 
     def bad(self, i: int, why: str) -> None:
         if self.cfg["on_error"] == "raise":
@@ -123,10 +149,11 @@ class _Runner:
         self.skip(i, why)
 
     def host_reason(self, why: str) -> None:
-        c = self.counts
-        c["host_decoded"] += 1
-        r = c["host_decoded_reasons"]
-        r[why] = r.get(why, 0) + 1
+        with self.lock:
+            c = self.counts
+            c["host_decoded"] += 1
+            r = c["host_decoded_reasons"]
+            r[why] = r.get(why, 0) + 1
 
     def params(self, epoch: int, idx: np.ndarray, hw: np.ndarray) -> np.ndarray:
         cfg = self.cfg
@@ -230,7 +257,7 @@ class _Runner:
         t0 = time.perf_counter()
         for f in futs:
             f.exception()  # waits (a worker's own exception is raised below, in order)
-        self.counts["wait_s"] += time.perf_counter() - t0
+        self.count("wait_s", time.perf_counter() - t0)
         for k, f in enumerate(futs):
             why = f.result()
             if why is None:
@@ -239,7 +266,7 @@ class _Runner:
                 self.bad(int(idx[k]), why)
         if len(keep) != len(idx):
             out, idx = out[keep], idx[keep]
-        self.counts["samples"] += len(idx)
+        self.count("samples", len(idx))
         return self.batch(self._final(out), self.labels(idx))
 
     def _final(self, out: np.ndarray) -> Any:
@@ -282,32 +309,86 @@ class _Runner:
             self.read_pool_pid = os.getpid()
         return self.read_pool
 
+    def decoders(self, want: int) -> list[Any]:
+        """The first decoder and as many more as the epoch wants (Note [decoder threads]); fewer
+        when no more can be made (no factory: a decoder given by hand; or one failed)."""
+        while len(self.extra_decoders) + 1 < want and self.decoder_factory is not None:
+            try:
+                self.extra_decoders.append(self.decoder_factory())
+            except (RuntimeError, ValueError, OSError, _C.CudaError):
+                break  # the first decoder still decodes everything
+        return [self.decoder, *self.extra_decoders[:want - 1]]
+
+    def decode_threads(self, k: int) -> ThreadPoolExecutor:
+        pool = self.decode_pool
+        if pool is None or self.decode_pool_pid != os.getpid() or self.decode_pool_k != k:
+            if pool is not None and self.decode_pool_pid == os.getpid():
+                pool.shutdown(wait=True)
+            self.decode_pool = pool = ThreadPoolExecutor(max_workers=k, thread_name_prefix="pl-image-decode")
+            self.decode_pool_pid, self.decode_pool_k = os.getpid(), k
+        return pool
+
+    # Note [decoder threads]
+    # One GPU decoder driven by one thread is bound by that thread: most of a batch's time is the
+    # host side of nvJPEG's batched calls. With PINLOADER_JPEG_DECODERS=K (default 1, until
+    # measurements on the GPU choose the default), batch b is decoded by decoder b % K on one of K
+    # threads, up to K batches at a time, each decoder with its own stream, workspace and lock; the
+    # batches are handed on in order, and a batch's error reaches the epoch when its turn comes.
+    # The reads stay on one thread, one batch ahead of the last decode begun. The crops depend on
+    # (seed, epoch, sample) only, so the batches are the same whatever K is.
     def _gpu_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
         bs = self.cfg["batch_size"]
+        decs = self.decoders(_decoders_wanted())
+        k = len(decs)
 
         def idx_of(b: int) -> np.ndarray:
             return np.asarray(order[b * bs:(b + 1) * bs], np.int64)
 
         # the reads (native threads without the GIL for files; a copy for batches over several
-        # tar shards) overlap the previous batch's decode
-        pool = self.reader()
-        nxt = pool.submit(self.src.read, idx_of(0)) if n_batches else None
+        # tar shards) overlap the decodes
+        reader = self.reader()
+        reads: dict[int, Future[Any]] = {}
+
+        def read(j: int) -> None:
+            if j < n_batches and j not in reads:
+                reads[j] = reader.submit(self.src.read, idx_of(j))
+
+        if k == 1:
+            read(0)
+            try:
+                for b in range(n_batches):
+                    t0 = time.perf_counter()
+                    got = reads.pop(b).result()
+                    self.count("wait_s", time.perf_counter() - t0)
+                    read(b + 1)
+                    yield (self._gpu_batch(epoch, idx_of(b), got, decs[0]), _Tag(b))
+            finally:
+                _abandon(reads.values())
+            return
+        pool = self.decode_threads(k)
+        decodes: collections.deque[Future[Any]] = collections.deque()
+        begun = 0
         try:
             for b in range(n_batches):
-                assert nxt is not None
+                while begun < n_batches and begun < b + k:
+                    read(begun)
+                    read(begun + 1)
+                    decodes.append(pool.submit(self._gpu_batch_read, epoch, idx_of(begun),
+                                               reads.pop(begun), decs[begun % k]))
+                    begun += 1
                 t0 = time.perf_counter()
-                got = nxt.result()
-                self.counts["wait_s"] += time.perf_counter() - t0
-                nxt = pool.submit(self.src.read, idx_of(b + 1)) if b + 1 < n_batches else None
-                yield (self._gpu_batch(epoch, idx_of(b), got), _Tag(b))
+                out = decodes.popleft().result()
+                self.count("wait_s", time.perf_counter() - t0)
+                yield (out, _Tag(b))
         finally:
-            if nxt is not None and not nxt.cancel():
-                try:
-                    nxt.result()
-                except BaseException:  # noqa: BLE001 -- the epoch is being abandoned
-                    pass
+            _abandon(decodes)
+            _abandon(reads.values())
 
-    def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any) -> dict[str, Any]:
+    def _gpu_batch_read(self, epoch: int, idx: np.ndarray, got: Future[Any], decoder: Any) -> dict[str, Any]:
+        """On a decoder thread: batch ``idx`` once its bytes are read."""
+        return self._gpu_batch(epoch, idx, got.result(), decoder)
+
+    def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any, decoder: Any) -> dict[str, Any]:
         base, offs, lens, fails = got
         n = len(idx)
         ok = np.ones(n, bool)
@@ -338,7 +419,7 @@ class _Runner:
         image: Any = None
         retry = False
         if len(sel):
-            image, status = self._decode(epoch, idx[sel], base, offs[sel], lens[sel], hw[sel], _rows(raw, sel),
+            image, status = self._decode(decoder, epoch, idx[sel], base, offs[sel], lens[sel], hw[sel], _rows(raw, sel),
                                          _rows(fixed, sel))
             for j in np.flatnonzero(status != 0).tolist():
                 k = int(sel[j])
@@ -356,13 +437,13 @@ class _Runner:
             if not len(keep):
                 image = self._empty()
             else:
-                image, status = self._decode(epoch, idx[keep], base, offs[keep], lens[keep], hw[keep],
+                image, status = self._decode(decoder, epoch, idx[keep], base, offs[keep], lens[keep], hw[keep],
                                              _rows(raw, keep), _rows(fixed, keep))
                 if (status != 0).any():  # host-decoded samples cannot fail; nvJPEG's did not before
                     j = int(np.flatnonzero(status != 0)[0])
                     raise self.fail(int(idx[keep][j]), f"the GPU decoder failed on a retry (status {int(status[j])})")
         idx = idx[keep]
-        self.counts["samples"] += len(idx)
+        self.count("samples", len(idx))
         return self.batch(image, self.labels(idx))
 
     def _raw(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray, k: int,
@@ -394,28 +475,62 @@ class _Runner:
         raw[k] = img
         self.host_reason(reason)
 
-    def _decode(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray,
-                hw: np.ndarray, raw: dict[int, np.ndarray], fixed: dict[int, np.ndarray]) -> tuple[Any, np.ndarray]:
+    def _decode(self, decoder: Any, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray,
+                lens: np.ndarray, hw: np.ndarray, raw: dict[int, np.ndarray],
+                fixed: dict[int, np.ndarray]) -> tuple[Any, np.ndarray]:
         cfg = self.cfg
         p = self.params(epoch, idx, hw)
         for j, q in fixed.items():
             p[j] = q
         t0 = time.perf_counter()
-        out: tuple[Any, np.ndarray] = self.decoder.decode(
+        out: tuple[Any, np.ndarray] = decoder.decode(
             base, offs, lens, p, cfg["size"], cfg["norm"][0], cfg["norm"][1], cfg["dtype"],
             cfg["channels_last"], raw or None)
-        self.counts["decode_call_s"] += time.perf_counter() - t0
+        self.count("decode_call_s", time.perf_counter() - t0)
         return out
 
+    def close_decoders(self) -> None:
+        """The GPU decoders closed (each waits for a decode in flight on it)."""
+        for dec in (self.decoder, *self.extra_decoders):
+            if dec is not None:
+                dec.close()
+        self.decoder = None
+        self.extra_decoders = []
+
     def close(self) -> None:
-        for pool, pid in ((self.pool, self.pool_pid), (self.read_pool, self.read_pool_pid)):
+        for pool, pid in ((self.pool, self.pool_pid), (self.read_pool, self.read_pool_pid),
+                          (self.decode_pool, self.decode_pool_pid)):
             if pool is not None and pid == os.getpid():
                 pool.shutdown(wait=True, cancel_futures=True)
-        self.pool = self.read_pool = None
-        if self.decoder is not None:
-            self.decoder.close()
-            self.decoder = None
+        self.pool = self.read_pool = self.decode_pool = None
+        self.close_decoders()
         self.src.close()
+
+
+def _decoder_info(decoders: list[Any]) -> dict[str, Any]:
+    """The decoders' info() as one: the counts summed over them (Note [decoder threads]), the
+    device and its engines as the first says, and ``decoders``, how many."""
+    out = dict(decoders[0].info())
+    for dec in decoders[1:]:
+        for key, v in dec.info().items():
+            if key in _SUMMED_INFO:
+                out[key] = out.get(key, 0) + v
+    out["decoders"] = len(decoders)
+    return out
+
+
+_SUMMED_INFO = frozenset({"batches", "hardware", "roi", "cuda", "raw", "failed", "workspace_bytes"})
+
+
+def _abandon(futures: Any) -> None:
+    """An epoch left early: its reads and decodes not begun are cancelled, those running are
+    waited for (they hold the batch's buffers and a decoder), their errors dropped."""
+    for f in list(futures):
+        if not f.cancel():
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 -- the epoch is being abandoned
+                pass
 
 
 def _rows(raw: dict[int, np.ndarray], rows: np.ndarray) -> dict[int, np.ndarray]:
@@ -541,6 +656,7 @@ class ImageLoader(_EpochLoader):
         self._closed = False
         self._runner: _Runner | None = None
         self.batch_size = _int_arg("batch_size", batch_size, 1)
+        _decoders_wanted()  # a bad PINLOADER_JPEG_DECODERS is refused here, not at the first batch
         if self.batch_size > _MAX_BATCH:
             # the GPU decoder's call takes this many; one limit whichever decoder runs, so a
             # job made on a laptop does not fail on the GPU machine
@@ -702,6 +818,7 @@ class ImageLoader(_EpochLoader):
         if not why:
             try:
                 runner.decoder = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates())
+                runner.decoder_factory = lambda: _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates())
             except (RuntimeError, ValueError, OSError, _C.CudaError) as e:
                 why = f"the GPU decoder is not available ({e})"
         if why and self.decoder == "gpu":
@@ -743,9 +860,9 @@ class ImageLoader(_EpochLoader):
 
     def _release_decoder(self) -> None:
         runner = self._runner
-        if runner is not None and runner.decoder is not None:
-            runner.decoder.close()
-            runner.decoder = None
+        if runner is not None:
+            runner.close_decoders()
+            runner.decoder_factory = None
         self._decoder_kind = ""
 
     # ---- the rest ----
@@ -777,7 +894,7 @@ class ImageLoader(_EpochLoader):
                      host_decoded=c["host_decoded"], host_decoded_reasons=dict(c["host_decoded_reasons"]))
             if runner.decoder is not None:
                 try:
-                    s["gpu_decoder"] = dict(runner.decoder.info())
+                    s["gpu_decoder"] = _decoder_info([runner.decoder, *runner.extra_decoders])
                 except ValueError:
                     pass
         return s

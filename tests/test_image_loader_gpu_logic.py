@@ -227,6 +227,7 @@ class FakeJpegDecoder:
 @pytest.fixture
 def gpu(monkeypatch):
     """The GPU path with FakeJpegDecoder: each test its own list of decoders made."""
+    monkeypatch.delenv("PINLOADER_JPEG_DECODERS", raising=False)  # one decoder unless a test says
     monkeypatch.setattr(FakeJpegDecoder, "made", [])
     monkeypatch.setattr(FakeJpegDecoder, "inject", None)
     monkeypatch.setattr(_C, "JpegDecoder", FakeJpegDecoder)
@@ -660,7 +661,9 @@ def test_close_mid_epoch_frees_everything(gpu, data):
     assert _settle(threads0) <= threads0
 
 
-def test_resume_mid_epoch_is_exact(gpu, data):
+@pytest.mark.parametrize("k", ["1", "3"])
+def test_resume_mid_epoch_is_exact(gpu, data, monkeypatch, k):
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", k)
     kw = dict(size=8, seed=9, dtype="uint8")
     for source in ("folder", "packed"):
         whole, _ = gpu_run(data[source], 4, **kw)
@@ -747,3 +750,80 @@ def test_a_host_image_past_what_the_gpu_call_takes(gpu, tmp_path):
         assert got[0]["label"].tolist() == [0, 1, 2] and s["host_decoded_reasons"] == {"not a JPEG": 2}
         (call,) = gpu.made[-1].calls
         assert call["raw"] == [1, 2] and call["status"] == [0, 0, 0]
+
+
+# ---- several decoders on threads (Note [decoder threads] in pinloader/image_loader.py) ----
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("source", ["folder", "tars", "packed"])
+def test_decoder_threads_give_the_host_paths_batches(gpu, data, monkeypatch, source, k):
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", str(k))
+    for train in (True, False):
+        kw = dict(size=(12, 14), seed=5, train=train, dtype="float32")
+        want, hs = host_run(data[source], 4, **kw)
+        got, s = gpu_run(data[source], 4, **kw)
+        same(got, want)
+        assert s["samples"] == hs["samples"] == 18 and s["skipped"] == 0
+        assert s["gpu_decoder"]["decoders"] == k
+        assert s["gpu_decoder"]["batches"] == 5 and s["gpu_decoder"]["cuda"] == 18
+        # batch b went to decoder b % k, and the loader's close() closed every one
+        assert len(gpu.made) == k and all(d.closed for d in gpu.made)
+        assert [len(d.calls) for d in gpu.made] == [len(range(j, 5, k)) for j in range(k)]
+        gpu.made.clear()
+
+
+def test_decoder_threads_skip_and_raise_as_one_decoder_does(gpu, mixed, monkeypatch):
+    """The same samples skipped, counted and host-decoded; with on_error='raise' the same first
+    error, after the same batches (a later batch's error, met first on another thread, waits
+    for its turn)."""
+    seen = {}
+    for k in ("1", "3"):
+        monkeypatch.setenv("PINLOADER_JPEG_DECODERS", k)
+        got, s = gpu_run(mixed["packed"], 2, size=(10, 12), seed=3, shuffle=False, on_error="skip")
+        names = sorted(_member(x["name"]) for x in s["skipped_samples"])
+        delivered, error = [], None
+        with ImageLoader(mixed["packed"], 2, size=8, shuffle=False) as loader:
+            try:
+                for b in loader:
+                    delivered.append(arrays(b)["label"].tolist())
+            except ImageDecodeError as e:
+                error = str(e)
+        seen[k] = (got, s["skipped"], names, s["host_decoded_reasons"], delivered, error)
+    same(seen["1"][0], seen["3"][0])
+    assert seen["1"][1:] == seen["3"][1:] and seen["1"][5] is not None
+
+
+def test_close_mid_epoch_with_decoder_threads(gpu, data, monkeypatch):
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "3")
+    threads0 = _baseline(data)
+    for k in range(4):
+        loader = ImageLoader(data["packed" if k % 2 else "folder"], 2, size=8, workers=2)
+        it = iter(loader)
+        next(it)  # the next batches' decodes are under way on the other threads
+        loader.close()
+        assert len(gpu.made) == 3 and all(d.closed for d in gpu.made)
+        gpu.made.clear()
+    assert _image_threads() == []
+    assert _settle(threads0) <= threads0
+
+
+def test_a_decoder_that_cannot_be_made_leaves_the_others(gpu, data, monkeypatch):
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "3")
+
+    def two_at_most(device, libraries=()):
+        if len(FakeJpegDecoder.made) >= 2:
+            raise RuntimeError("JpegDecoder: out of device memory for a workspace")
+        return FakeJpegDecoder(device, libraries=libraries)
+
+    monkeypatch.setattr(_C, "JpegDecoder", two_at_most)
+    want, _ = host_run(data["packed"], 4, size=8, seed=1)
+    got, s = gpu_run(data["packed"], 4, size=8, seed=1)
+    same(got, want)
+    assert s["gpu_decoder"]["decoders"] == 2 and s["gpu_decoder"]["batches"] == 5
+
+
+@pytest.mark.parametrize("text", ["0", "9", "two", "-1", "1.5", "2 3"])
+def test_a_bad_decoder_count_is_refused_where_the_loader_is_made(data, monkeypatch, text):
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", text)
+    with pytest.raises(ValueError, match="PINLOADER_JPEG_DECODERS must be an integer from 1 to 8"):
+        ImageLoader(data["packed"], 4, size=8, device="cpu")
