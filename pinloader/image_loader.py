@@ -75,10 +75,15 @@ def _decoders_wanted() -> int:
     text = os.environ.get("PINLOADER_JPEG_DECODERS", "").strip()
     if not text:
         return 1
-    if not text.isdigit() or not 1 <= int(text) <= _MAX_DECODERS:
+    # ASCII digits only: str.isdigit() also passes "²" and "３", which int() refuses or converts
+    try:
+        k = int(text) if text.isascii() and text.isdigit() else 0
+    except ValueError:  # past int()'s 4,300 digits
+        k = 0
+    if not 1 <= k <= _MAX_DECODERS:
         raise ValueError(f"PINLOADER_JPEG_DECODERS must be an integer from 1 to {_MAX_DECODERS}, "
-                         f"got {text!r}")
-    return int(text)
+                         f"got {text[:40]!r}")
+    return k
 
 
 class ImageDecodeError(ValueError):

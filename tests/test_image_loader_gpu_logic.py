@@ -822,8 +822,10 @@ def test_a_decoder_that_cannot_be_made_leaves_the_others(gpu, data, monkeypatch)
     assert s["gpu_decoder"]["decoders"] == 2 and s["gpu_decoder"]["batches"] == 5
 
 
-@pytest.mark.parametrize("text", ["0", "9", "two", "-1", "1.5", "2 3"])
+# digits other than ASCII's pass str.isdigit(): int() takes "٣" and "３" (refused: no silent
+# conversion) but not "²" or "⑦"; and past 4,300 digits int() refuses even ASCII ones
+@pytest.mark.parametrize("text", ["0", "9", "two", "-1", "1.5", "2 3", "²", "⑦", "٣", "３", "long"])
 def test_a_bad_decoder_count_is_refused_where_the_loader_is_made(data, monkeypatch, text):
-    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", text)
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "0" * 5000 + "2" if text == "long" else text)
     with pytest.raises(ValueError, match="PINLOADER_JPEG_DECODERS must be an integer from 1 to 8"):
         ImageLoader(data["packed"], 4, size=8, device="cpu")
