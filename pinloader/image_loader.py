@@ -115,6 +115,7 @@ class _Runner:
         self.decode_pool: ThreadPoolExecutor | None = None
         self.decode_pool_pid = self.decode_pool_k = 0
         self.lock = threading.Lock()  # counts, from the decoder threads
+        self.closed = False
         self.pool: ThreadPoolExecutor | None = None
         self.pool_pid = 0
         self.read_pool: ThreadPoolExecutor | None = None
@@ -312,16 +313,31 @@ class _Runner:
         if self.read_pool is None or self.read_pool_pid != os.getpid():
             self.read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pl-image-read")
             self.read_pool_pid = os.getpid()
+            self.check_open(self.read_pool)
         return self.read_pool
+
+    def check_open(self, made: Any) -> None:
+        """A pool or decoder just made by an epoch's generator: shut down, and the epoch ended,
+        when close() ran meanwhile on another thread (it detaches a producer inside the
+        generator: Note [stuck producers] in src/py/prefetcher.c), which then cannot free it.
+        close() sets ``closed`` before it frees what it finds."""
+        if self.closed:
+            if isinstance(made, ThreadPoolExecutor):
+                made.shutdown(wait=False, cancel_futures=True)
+            else:
+                made.close()
+            raise ValueError("ImageLoader: closed while an epoch began")
 
     def decoders(self, want: int) -> list[Any]:
         """The first decoder and as many more as the epoch wants (Note [decoder threads]); fewer
         when no more can be made (no factory: a decoder given by hand; or one failed)."""
         while len(self.extra_decoders) + 1 < want and self.decoder_factory is not None:
             try:
-                self.extra_decoders.append(self.decoder_factory())
+                dec = self.decoder_factory()
             except (RuntimeError, ValueError, OSError, _C.CudaError):
                 break  # the first decoder still decodes everything
+            self.extra_decoders.append(dec)
+            self.check_open(dec)
         return [self.decoder, *self.extra_decoders[:want - 1]]
 
     def decode_threads(self, k: int) -> ThreadPoolExecutor:
@@ -331,6 +347,7 @@ class _Runner:
                 pool.shutdown(wait=True)
             self.decode_pool = pool = ThreadPoolExecutor(max_workers=k, thread_name_prefix="pl-image-decode")
             self.decode_pool_pid, self.decode_pool_k = os.getpid(), k
+            self.check_open(pool)
         return pool
 
     # Note [decoder threads]
@@ -503,6 +520,7 @@ class _Runner:
         self.extra_decoders = []
 
     def close(self) -> None:
+        self.closed = True  # first: see check_open
         for pool, pid in ((self.pool, self.pool_pid), (self.read_pool, self.read_pool_pid),
                           (self.decode_pool, self.decode_pool_pid)):
             if pool is not None and pid == os.getpid():

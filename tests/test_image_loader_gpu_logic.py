@@ -829,3 +829,33 @@ def test_a_bad_decoder_count_is_refused_where_the_loader_is_made(data, monkeypat
     monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "0" * 5000 + "2" if text == "long" else text)
     with pytest.raises(ValueError, match="PINLOADER_JPEG_DECODERS must be an integer from 1 to 8"):
         ImageLoader(data["packed"], 4, size=8, device="cpu")
+
+
+def test_close_while_an_epoch_makes_its_decoders(gpu, data, monkeypatch, capfd):
+    """close() on another thread while the producer makes the epoch's extra decoders (slow on a
+    GPU, so close() detaches the producer): every decoder made is closed and no decoder or
+    reader thread is left, once the producer's epoch ends."""
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "3")
+    threads0 = _baseline(data)
+    gpu.made.clear()
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(device, libraries=()):
+        if len(FakeJpegDecoder.made) >= 1:  # the extra decoders, made on the producer thread
+            entered.set()
+            release.wait(20)
+        return FakeJpegDecoder(device, libraries=libraries)
+
+    monkeypatch.setattr(_C, "JpegDecoder", slow)
+    loader = ImageLoader(data["packed"], 2, size=8)
+    iter(loader)
+    assert entered.wait(20), "the producer never began the epoch"
+    timer = threading.Timer(0.5, release.set)  # the decoder is made while close() runs
+    timer.start()
+    loader.close()
+    timer.join()
+    assert _settle(threads0) <= threads0
+    assert _image_threads() == []
+    assert len(gpu.made) >= 2 and all(d.closed for d in gpu.made), [d.closed for d in gpu.made]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception" not in err, err
