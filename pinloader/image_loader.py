@@ -35,7 +35,9 @@ every backend, rank and resume.
 """
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import os
 import threading
 import time
@@ -115,6 +117,10 @@ class _Runner:
         self.decode_pool: ThreadPoolExecutor | None = None
         self.decode_pool_pid = self.decode_pool_k = 0
         self.lock = threading.Lock()  # counts, from the decoder threads
+        # each batch's number, taken on the producer in the batches' order: skipped samples are
+        # recorded in that order whatever thread skips them first (skip)
+        self.batch_seq = itertools.count()
+        self.skip_seqs: list[int] = []  # the batch numbers of counts["skipped_samples"]
         self.closed = False
         self.pool: ThreadPoolExecutor | None = None
         self.pool_pid = 0
@@ -141,18 +147,23 @@ class _Runner:
         with self.lock:
             self.counts[key] += value
 
-    def skip(self, i: int, why: str) -> None:
+    def skip(self, i: int, why: str, seq: int) -> None:
+        """Sample i of batch number ``seq`` (batch_seq) skipped: counted, and recorded when it is
+        among the first _SKIP_RECORDS in the batches' order (a batch's own in its order)."""
         name = self.src.name(i)
         with self.lock:
             c = self.counts
             c["skipped"] += 1
-            if len(c["skipped_samples"]) < _SKIP_RECORDS:
-                c["skipped_samples"].append({"index": int(i), "name": name, "reason": why})
+            at = bisect.bisect_right(self.skip_seqs, seq)
+            if at < _SKIP_RECORDS:
+                self.skip_seqs.insert(at, seq)
+                c["skipped_samples"].insert(at, {"index": int(i), "name": name, "reason": why})
+                del self.skip_seqs[_SKIP_RECORDS:], c["skipped_samples"][_SKIP_RECORDS:]
 
-    def bad(self, i: int, why: str) -> None:
+    def bad(self, i: int, why: str, seq: int) -> None:
         if self.cfg["on_error"] == "raise":
             raise self.fail(i, why)
-        self.skip(i, why)
+        self.skip(i, why, seq)
 
     def host_reason(self, why: str) -> None:
         with self.lock:
@@ -259,6 +270,7 @@ class _Runner:
 
     def _host_finish(self, started: tuple[np.ndarray, np.ndarray, list[Future[str | None]]]) -> dict[str, Any]:
         idx, out, futs = started
+        seq = next(self.batch_seq)
         keep = []
         t0 = time.perf_counter()
         for f in futs:
@@ -269,7 +281,7 @@ class _Runner:
             if why is None:
                 keep.append(k)
             else:
-                self.bad(int(idx[k]), why)
+                self.bad(int(idx[k]), why, seq)
         if len(keep) != len(idx):
             out, idx = out[keep], idx[keep]
         self.count("samples", len(idx))
@@ -383,7 +395,7 @@ class _Runner:
                     got = reads.pop(b).result()
                     self.count("wait_s", time.perf_counter() - t0)
                     read(b + 1)
-                    yield (self._gpu_batch(epoch, idx_of(b), got, decs[0]), _Tag(b))
+                    yield (self._gpu_batch(epoch, idx_of(b), got, decs[0], next(self.batch_seq)), _Tag(b))
             finally:
                 _abandon(reads.values())
             return
@@ -396,7 +408,7 @@ class _Runner:
                     read(begun)
                     read(begun + 1)
                     decodes.append(pool.submit(self._gpu_batch_read, epoch, idx_of(begun),
-                                               reads.pop(begun), decs[begun % k]))
+                                               reads.pop(begun), decs[begun % k], next(self.batch_seq)))
                     begun += 1
                 t0 = time.perf_counter()
                 out = decodes.popleft().result()
@@ -406,11 +418,13 @@ class _Runner:
             _abandon(decodes)
             _abandon(reads.values())
 
-    def _gpu_batch_read(self, epoch: int, idx: np.ndarray, got: Future[Any], decoder: Any) -> dict[str, Any]:
+    def _gpu_batch_read(self, epoch: int, idx: np.ndarray, got: Future[Any], decoder: Any,
+                        seq: int) -> dict[str, Any]:
         """On a decoder thread: batch ``idx`` once its bytes are read."""
-        return self._gpu_batch(epoch, idx, got.result(), decoder)
+        return self._gpu_batch(epoch, idx, got.result(), decoder, seq)
 
-    def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any, decoder: Any) -> dict[str, Any]:
+    def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any, decoder: Any, seq: int) -> dict[str, Any]:
+        """Batch ``idx`` (``seq``: its number, for skip) decoded by ``decoder``."""
         base, offs, lens, fails = got
         n = len(idx)
         ok = np.ones(n, bool)
@@ -452,7 +466,7 @@ class _Runner:
                 self._raw(epoch, idx, base, offs, lens, k, hw, raw, fixed, whys, ok, reason)
                 retry = True
         for k in np.flatnonzero(~ok):
-            self.bad(int(idx[k]), whys.get(int(k), "cannot be read"))
+            self.bad(int(idx[k]), whys.get(int(k), "cannot be read"), seq)
         keep = np.flatnonzero(ok)
         if retry or not len(keep):
             del image

@@ -859,3 +859,31 @@ def test_close_while_an_epoch_makes_its_decoders(gpu, data, monkeypatch, capfd):
     assert len(gpu.made) >= 2 and all(d.closed for d in gpu.made), [d.closed for d in gpu.made]
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception" not in err, err
+
+
+def test_decoder_threads_record_the_first_skipped_samples_in_order(gpu, mixed, monkeypatch):
+    """stats()["skipped_samples"] holds the first samples skipped in the batches' order, as one
+    decoder gives them, even when a later batch's decode, on another thread, skips first (here
+    batch 2's decode waits until batch 3 has skipped its sample)."""
+    kw = dict(size=8, shuffle=False, on_error="skip")
+    got = {}
+    for k in ("1", "3"):
+        monkeypatch.setenv("PINLOADER_JPEG_DECODERS", k)
+        with ImageLoader(mixed["packed"], 2, **kw) as loader:
+            runner = loader._runner
+            corrupt = next(i for i in range(len(loader.source))
+                           if loader.source.name(i).endswith("s05_corrupt.jpg"))
+            late = digest(loader.source.read_one(corrupt))
+
+            def after_batch_3(data, call):
+                if digest(data) == late:  # batch 2's: wait for batch 3's skip (s06_text.jpg)
+                    deadline = time.monotonic() + 20
+                    while runner.counts["skipped"] < 1 and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                return 0
+
+            gpu.inject = staticmethod(after_batch_3 if k == "3" else (lambda data, call: 0))
+            collect(loader)
+            got[k] = loader.stats()["skipped_samples"]
+    assert [_member(x["name"]) for x in got["1"]] == ["s04_truncated.jpg", "s05_corrupt.jpg", "s06_text.jpg"]
+    assert got["3"] == got["1"]
