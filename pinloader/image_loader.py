@@ -117,6 +117,7 @@ class _Runner:
         self.decode_pool: ThreadPoolExecutor | None = None
         self.decode_pool_pid = self.decode_pool_k = 0
         self.lock = threading.Lock()  # counts, from the decoder threads
+        self.lock_pid = os.getpid()
         # each batch's number, taken on the producer in the batches' order: skipped samples are
         # recorded in that order whatever thread skips them first (skip)
         self.batch_seq = itertools.count()
@@ -197,6 +198,10 @@ class _Runner:
         return {k_img: image, k_lab: labels}
 
     def epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
+        if self.lock_pid != os.getpid():
+            # a fork() since: a decoder thread of the parent may have held the lock then, and
+            # none of this process's threads counts before its first epoch begins here
+            self.lock, self.lock_pid = threading.Lock(), os.getpid()
         if self.decoder is not None:
             return self._gpu_epoch(epoch, order, n_batches)
         return self._host_epoch(epoch, order, n_batches)

@@ -23,6 +23,7 @@ import operator
 import os
 import re
 import tarfile
+import textwrap
 import threading
 import time
 
@@ -33,6 +34,7 @@ from pinloader import ImageDecodeError, ImageLoader, _C
 from pinloader import _image_ops as ops
 from pinloader._image_pack import pack
 
+from helpers import WAIT_CHILD, describe, run_py
 from image_helpers import folder_items, jpeg, make_folder, make_tars, photo
 
 Image = pytest.importorskip("PIL.Image")
@@ -887,3 +889,53 @@ def test_decoder_threads_record_the_first_skipped_samples_in_order(gpu, mixed, m
             got[k] = loader.stats()["skipped_samples"]
     assert [_member(x["name"]) for x in got["1"]] == ["s04_truncated.jpg", "s05_corrupt.jpg", "s06_text.jpg"]
     assert got["3"] == got["1"]
+
+
+def test_fork_while_a_decoder_thread_counts(data):
+    """fork() while a decoder thread of the parent holds the lock on the counts (it counts a
+    batch): the child's epoch, on its own threads, does not wait for ever on that lock."""
+    code = textwrap.dedent("""
+    import os, sys, threading, time, warnings
+    warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
+    sys.path.insert(0, "tests")
+    from pinloader import ImageLoader, _C
+    import test_image_loader_gpu_logic as T
+    _C.JpegDecoder, _C.cuda_available = T.FakeJpegDecoder, lambda: True
+    os.environ["PINLOADER_JPEG_DECODERS"] = "2"
+    """) + WAIT_CHILD.format(timeout=30.0, poll=0.01) + textwrap.dedent("""
+    L = ImageLoader(sys.argv[1], 4, size=8, seed=1)
+    want = [T.arrays(b)["label"].tolist() for b in L]
+    assert L.stats()["decoder"] == "gpu" and L.stats()["gpu_decoder"]["decoders"] == 2
+    held, done = threading.Event(), threading.Event()
+
+    def counting():  # as a decoder thread in _Runner.count() at the moment of fork
+        with L._runner.lock:
+            held.set()
+            done.wait(60)
+
+    t = threading.Thread(target=counting)
+    t.start()
+    assert held.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            L.set_epoch(0)
+            try:  # the parent's prefetcher refuses (tests/test_image_loader.py's fork test)
+                next(iter(L))
+            except RuntimeError as e:
+                assert "fork" in str(e), e
+            L.set_epoch(0)  # then a new one, and new decoder threads
+            got = [T.arrays(b)["label"].tolist() for b in L]
+            code = 0 if got == want else 3
+        finally:
+            os._exit(code)
+    status = wait_child(pid)
+    done.set()
+    t.join()
+    assert status == 0, status
+    L.close()
+    print("OK")
+    """)
+    p = run_py(code, timeout=120, argv=[data["packed"]])
+    assert p.returncode == 0 and "OK" in p.stdout, describe(p)
