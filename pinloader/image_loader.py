@@ -425,7 +425,10 @@ class _Runner:
 
     def _gpu_batch_read(self, epoch: int, idx: np.ndarray, got: Future[Any], decoder: Any,
                         seq: int) -> dict[str, Any]:
-        """On a decoder thread: batch ``idx`` once its bytes are read."""
+        """On a decoder thread: batch ``idx`` once its bytes are read. The thread's CUDA calls
+        ignore other threads' graph captures, as the producer's do (Note [the producer and graph
+        captures] in src/py/pf_producer.c): a training thread captures while batches decode."""
+        decoder.ignore_other_captures()
         return self._gpu_batch(epoch, idx, got.result(), decoder, seq)
 
     def _gpu_batch(self, epoch: int, idx: np.ndarray, got: Any, decoder: Any, seq: int) -> dict[str, Any]:

@@ -210,3 +210,47 @@ def test_memory_flat_and_close_mid_epoch(data, torch):
     torch.cuda.synchronize()
     gc.collect()
     assert _C._testing.live_device_blocks("cuda") == blocks0
+
+
+@pytest.mark.parametrize("k", ["1", "3"])
+def test_a_graph_captured_in_global_mode_while_decoder_threads_decode(data, torch, monkeypatch, k):
+    # Note [the producer and graph captures] in src/py/pf_producer.c: with
+    # PINLOADER_JPEG_DECODERS=K the batches are decoded on decoder threads (Note [decoder
+    # threads] in pinloader/image_loader.py), whose nvJPEG and kernel calls must ignore the
+    # training thread's captures in cudaStreamCaptureModeGlobal (torch's default), as the
+    # producer's do. Right after each next() the next batches decode while a graph is captured
+    # (capture_begin directly, as tests/test_static_cuda.py's test of the producer): no capture
+    # may be invalidated, and the batches are the host decoder's within the decoders' tolerance.
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", k)
+    kw = dict(size=32, seed=1, dtype="uint8", depth=1)
+    x = torch.ones(4096, device="cuda")
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    captured = 0
+    with ImageLoader(data["packed"], 2, device="cuda", decoder="gpu", **kw) as loader, \
+            ImageLoader(data["packed"], 2, device="cpu", **kw) as ref:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            ref.set_epoch(epoch)
+            got = []
+            for b in loader:
+                g = torch.cuda.CUDAGraph()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    g.capture_begin(capture_error_mode="global")
+                    y = x
+                    for _ in range(100):
+                        y = y * 1.0 + 0.0
+                    out.copy_(y)
+                    g.capture_end()
+                torch.cuda.current_stream().wait_stream(side)
+                g.replay()
+                captured += 1
+                got.append((torch.from_dlpack(b["image"]).float().cpu().numpy(),
+                            torch.from_dlpack(b["label"]).cpu().numpy()))
+                del b, g
+            compare(got, collect(ref, torch), MAX_LEVELS, MEAN_LEVELS)
+        assert loader.stats()["gpu_decoder"]["decoders"] == int(k)
+    torch.cuda.synchronize()
+    assert captured == 3 * 9
+    assert torch.equal(out, x)

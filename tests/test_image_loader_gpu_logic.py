@@ -100,11 +100,18 @@ class FakeJpegDecoder:
         self.device = device
         self.closed = False
         self.calls: list[dict] = []
+        self.capture_local: set = set()
         self.counts = dict(batches=0, hardware=0, roi=0, cuda=0, raw=0, failed=0)
         type(self).made.append(self)
 
     def close(self):
         self.closed = True
+
+    def ignore_other_captures(self):
+        """Records the threads that called it (the real one puts the calling thread's CUDA
+        calls in cudaStreamCaptureModeThreadLocal): each call of decode() says whether its
+        thread did."""
+        self.capture_local.add(threading.get_ident())
 
     def info(self):
         if self.closed:
@@ -167,6 +174,8 @@ class FakeJpegDecoder:
         self.counts["batches"] += 1
         self.counts["failed"] += int((status != 0).sum())
         self.calls.append(dict(n=n, raw=sorted(imgs), status=status.tolist(),
+                               thread=threading.current_thread().name,
+                               capture_local=threading.get_ident() in self.capture_local,
                                digests=[digest(buf[off[i]:off[i] + ln[i]]) if i not in imgs else None
                                         for i in range(n)]))
         return self._output(u8, status, scale, bias, dtype, channels_last), status
@@ -771,6 +780,11 @@ def test_decoder_threads_give_the_host_paths_batches(gpu, data, monkeypatch, sou
         # batch b went to decoder b % k, and the loader's close() closed every one
         assert len(gpu.made) == k and all(d.closed for d in gpu.made)
         assert [len(d.calls) for d in gpu.made] == [len(range(j, 5, k)) for j in range(k)]
+        # on the decoder threads, which call CUDA as the producer does: each ignores the graph
+        # captures other threads begin (Note [the producer and graph captures] in
+        # src/py/pf_producer.c), as the producer does for itself
+        calls = [c for d in gpu.made for c in d.calls]
+        assert all(c["thread"].startswith("pl-image-decode") and c["capture_local"] for c in calls)
         gpu.made.clear()
 
 

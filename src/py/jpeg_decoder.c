@@ -362,12 +362,26 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
                          c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
 }
 
+/* For ImageLoader's decoder threads (Note [decoder threads] in pinloader/image_loader.py):
+ * pinloader's own threads that call CUDA ignore the stream captures other threads begin (Note
+ * [the producer and graph captures] in pf_producer.c). Per thread, for good; cheap. */
+static PyObject *jd_ignore_other_captures(JpegDecoderObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (!pl_inherited(self->gen)) /* a fork child: the parent's CUDA, never touched */
+        (void)self->b->thread_ignore_other_captures();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef jd_methods[] = {
     {"decode", (PyCFunction)(void (*)(void))jd_decode, METH_VARARGS | METH_KEYWORDS,
      "decode($self, /, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
      "--\n\nDecode a batch on the GPU: (DeviceArray, status)."},
     {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nCounts: batches, images per decoder, engines."},
     {"close", (PyCFunction)jd_close, METH_NOARGS, "close($self)\n--\n\nFree the decoder's GPU resources (idempotent)."},
+    {"ignore_other_captures", (PyCFunction)jd_ignore_other_captures, METH_NOARGS,
+     "ignore_other_captures($self)\n--\n\nThe calling thread's CUDA calls ignore the stream captures other "
+     "threads begin (cudaStreamCaptureModeThreadLocal), for good: for pinloader's own decoder threads."},
     {NULL, NULL, 0, NULL},
 };
 
