@@ -449,3 +449,22 @@ def run_c_check(tmp_path, check, core_sources, link_flags=()):
         assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "bad=0", r.stdout + r.stderr
+
+
+def capture_and_replay(torch, x, out, side):
+    """A training step captured as a CUDA graph in global mode (torch's default, the mode that
+    forbids other threads' unsafe CUDA calls during the capture) on stream ``side``, then
+    replayed: 100 elementwise ops on ``x`` into ``out``. Returns the graph (the caller drops it
+    with the batch). Used by the tests that pinloader's own threads never invalidate a capture."""
+    g = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g.capture_begin(capture_error_mode="global")
+        y = x
+        for _ in range(100):
+            y = y * 1.0 + 0.0
+        out.copy_(y)
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    g.replay()
+    return g

@@ -14,6 +14,7 @@ import pinloader
 from pinloader import ImageDecodeError, ImageLoader, _C
 from pinloader._image_pack import pack
 
+from helpers import capture_and_replay
 from image_helpers import folder_items, jpeg, make_folder, make_tars, photo
 
 pytestmark = [
@@ -234,17 +235,7 @@ def test_a_graph_captured_in_global_mode_while_decoder_threads_decode(data, torc
             ref.set_epoch(epoch)
             got = []
             for b in loader:
-                g = torch.cuda.CUDAGraph()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    g.capture_begin(capture_error_mode="global")
-                    y = x
-                    for _ in range(100):
-                        y = y * 1.0 + 0.0
-                    out.copy_(y)
-                    g.capture_end()
-                torch.cuda.current_stream().wait_stream(side)
-                g.replay()
+                g = capture_and_replay(torch, x, out, side)
                 captured += 1
                 got.append((torch.from_dlpack(b["image"]).float().cpu().numpy(),
                             torch.from_dlpack(b["label"]).cpu().numpy()))

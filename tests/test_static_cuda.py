@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 torch = pytest.importorskip("torch")
 import pinloader.torch as pt  # noqa: E402
+from helpers import capture_and_replay  # noqa: E402
 
 
 def _source(n=10, rows=256, cols=64, seed=0):
@@ -262,17 +263,7 @@ def test_a_graph_captured_in_global_mode_while_the_producer_works(gather):
                                depth=4) as L:
         for _ in range(3):
             for b in L:
-                g = torch.cuda.CUDAGraph()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    g.capture_begin(capture_error_mode="global")
-                    y = x
-                    for _ in range(100):
-                        y = y * 1.0 + 0.0
-                    out.copy_(y)
-                    g.capture_end()
-                torch.cuda.current_stream().wait_stream(side)
-                g.replay()
+                g = capture_and_replay(torch, x, out, side)
                 captured += 1
                 i, rows = torch.from_dlpack(b[0]), torch.from_dlpack(b[1])
                 assert torch.equal(rows.cpu(), torch.from_numpy(data[i.cpu().numpy()]))
