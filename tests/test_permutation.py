@@ -26,7 +26,8 @@ def test_permutation_golden_vector():
 
 @pytest.mark.parametrize("n,seed,epoch,phase_range", [
     (0, 0, 0, 0), (1, 5, 0, 0), (2, 1, 1, 0), (17, 0, 0, 3), (1000, 123, 7, 100),
-    (257, -1, 3, 0), (100, 2**64 + 5, 2**70, 1), (64, -(2**63), -4, 2**40), (3000, 2**63 - 1, 0, 0),
+    (257, -1, 3, 0), (100, 2**64 + 5, 2**70, 1), (127, 9, 2, 0), (128, 9, 2, 0), (129, 9, 2, 1),
+    (130, 4, 0, 0), (2 * 128 + 1, 8, 8, 0), (64, -(2**63), -4, 2**40), (3000, 2**63 - 1, 0, 0),
 ])
 def test_permutation_matches_reference(n, seed, epoch, phase_range):
     phase, p = _C.permutation(n, seed, epoch, phase_range)
@@ -34,6 +35,20 @@ def test_permutation_matches_reference(n, seed, epoch, phase_range):
     assert (phase, p.tolist()) == ref_permutation(n, seed, epoch, phase_range)
     assert sorted(p.tolist()) == list(range(n))
     assert 0 <= phase <= phase_range
+
+
+@pytest.mark.parametrize("args,phase,digest", [
+    ((1 << 20, 12345, 6, 7), 4, "61bc7229c9fb57770d941a2566c1669d087caf7565c7fdf6535d519f4777a669"),
+    ((5_000_003, -3, 2**64 - 1, 0), 0, "6b8b023a1d63daddbac14ca4194c4abf36e6af631a645c596949c94023256e7b"),
+])
+def test_permutation_of_millions_is_the_specified_one(args, phase, digest):
+    # the tables of the plain loop of Note [epoch permutation] (its C, before the swap targets
+    # were drawn ahead: Note [permutation prefetch]), at sizes far past the draw-ahead window
+    # and past the caches, where a slip in the draw order would show
+    import hashlib
+    got_phase, p = _C.permutation(*args)
+    assert got_phase == phase
+    assert hashlib.sha256(p.tobytes()).hexdigest() == digest
 
 
 @settings(max_examples=60, deadline=None)

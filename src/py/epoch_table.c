@@ -184,6 +184,12 @@ static PyObject *gather_epoch_view(PyObject *m, PyObject *obj)
 
 #define GAMMA 0x9E3779B97F4A7C15ULL
 
+#if defined(__GNUC__) || defined(__clang__)
+#define PL_PREFETCH_WRITE(addr) __builtin_prefetch((addr), 1)
+#else
+#define PL_PREFETCH_WRITE(addr) ((void)(addr))
+#endif
+
 static inline uint64_t mix64(uint64_t z)
 {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -209,6 +215,38 @@ static inline uint64_t below(uint64_t *s, uint64_t n)
         }
     }
     return (uint64_t)(m >> 64);
+}
+
+/* Note [permutation prefetch]
+ * The shuffle's swaps land at random in a table of 8 bytes an item (32 MiB for 4 million rows):
+ * one cache miss each, and at tens of nanoseconds a miss, an epoch of small rows can be over
+ * before the next epoch's order is made (Note [orders made ahead] in pinloader/_epoch_plan.py).
+ * The swap targets depend on the random stream only, never on the table, so they are drawn
+ * SHUFFLE_AHEAD positions before their swap, in the same order as the Note specifies, and their
+ * cache lines fetched meanwhile: the misses overlap instead of queueing one behind the other.
+ * The table is the one the plain loop makes, bit for bit (tests/test_permutation.py). */
+#define SHUFFLE_AHEAD 128
+
+static void shuffle(int64_t *p, int64_t n, uint64_t *s)
+{
+    int64_t js[SHUFFLE_AHEAD]; /* js[i % SHUFFLE_AHEAD]: the swap target of position i */
+    for (int64_t i = 0; i < n; i++)
+        p[i] = i;
+    for (int64_t i = n - 1; i > 0 && i > n - 1 - SHUFFLE_AHEAD; i--) {
+        js[i % SHUFFLE_AHEAD] = (int64_t)below(s, (uint64_t)i + 1);
+        PL_PREFETCH_WRITE(&p[js[i % SHUFFLE_AHEAD]]);
+    }
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t *slot = &js[i % SHUFFLE_AHEAD];
+        int64_t j = *slot;
+        if (i > SHUFFLE_AHEAD) { /* position i - SHUFFLE_AHEAD's draw: the next in the stream */
+            *slot = (int64_t)below(s, (uint64_t)(i - SHUFFLE_AHEAD) + 1);
+            PL_PREFETCH_WRITE(&p[*slot]);
+        }
+        int64_t t = p[i];
+        p[i] = p[j];
+        p[j] = t;
+    }
 }
 
 static int as_u64(PyObject *o, const char *name, uint64_t *out)
@@ -263,12 +301,7 @@ static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
     phase = below(&s, (uint64_t)phase_range + 1);
     for (int64_t i = 0; i < n; i++)
         p[i] = i;
-    for (int64_t i = n - 1; i > 0; i--) {
-        int64_t j = (int64_t)below(&s, (uint64_t)i + 1);
-        int64_t t = p[i];
-        p[i] = p[j];
-        p[j] = t;
-    }
+    shuffle(p, n, &s);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(KN)", (unsigned long long)phase, arr);
 }
