@@ -444,6 +444,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                 continue
             gens[name] = g
             rec["rows"][name] = {"ips": [], "ratio": []}
+            C.log(f"[{mname}] {name} started")
         for r in range(args.rounds):
             names = list(gens) if r % 2 == 0 else list(gens)[::-1]
             got: dict[str, float] = {}
@@ -463,6 +464,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     torch.cuda.synchronize()
                 got[name] = steps * args.batch / (time.perf_counter() - t0)
                 rec["rows"][name]["ips"].append(got[name])
+                C.log(f"[{mname}] round {r} {name}: {got[name]:,.0f} img/s")
             for name in gens:
                 rec["rows"][name]["ratio"].append(C.ratio(got[name], got.get("bound")))
         for name, g in gens.items():

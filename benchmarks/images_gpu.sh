@@ -29,7 +29,7 @@ timeout 60 "$PY" -m pytest -q -p no:cacheprovider -s tests/test_jpeg_decoder_gpu
 PINLOADER_JPEG_REGION=1 timeout 60 "$PY" -m pytest -q -p no:cacheprovider -s tests/test_jpeg_decoder_gpu.py \
     >"$R/decoder_region.txt" 2>&1; step decoder_region $?
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests >"$R/gpu_tests.txt" 2>&1; step gpu_tests $?
-timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py tests/test_docs.py tests/test_cli.py \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py tests/test_docs.py tests/test_cli.py \
     >"$R/readme_docs_cli.txt" 2>&1; step readme_docs_cli $?
 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_image_loader_gpu.py tests/test_jpeg_decoder_gpu.py >"$R/memcheck.txt" 2>&1; step memcheck $?

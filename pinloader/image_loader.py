@@ -69,14 +69,15 @@ _HOST_AHEAD = 2  # host batches decoding ahead of the one the producer waits for
 _SKIP_RECORDS = 16  # skipped samples kept in stats() (the count is exact)
 _RAW_SIDE = 65535  # the longest side of a host-decoded image JpegDecoder.decode takes (raw=)
 _MAX_DECODERS = 8  # PINLOADER_JPEG_DECODERS's bound (Note [decoder threads])
+_DEFAULT_DECODERS = 2  # its default (Note [decoder threads])
 
 
 def _decoders_wanted() -> int:
-    """GPU decoders per loader, each on its own thread: PINLOADER_JPEG_DECODERS, default 1
-    (Note [decoder threads])."""
+    """GPU decoders per loader, each on its own thread: PINLOADER_JPEG_DECODERS, default
+    _DEFAULT_DECODERS (Note [decoder threads])."""
     text = os.environ.get("PINLOADER_JPEG_DECODERS", "").strip()
     if not text:
-        return 1
+        return _DEFAULT_DECODERS
     # ASCII digits only: str.isdigit() also passes "²" and "３", which int() refuses or converts
     try:
         k = int(text) if text.isascii() and text.isdigit() else 0
@@ -369,8 +370,9 @@ class _Runner:
 
     # Note [decoder threads]
     # One GPU decoder driven by one thread is bound by that thread: most of a batch's time is the
-    # host side of nvJPEG's batched calls. With PINLOADER_JPEG_DECODERS=K (default 1, until
-    # measurements on the GPU choose the default), batch b is decoded by decoder b % K on one of K
+    # host side of nvJPEG's batched calls. With PINLOADER_JPEG_DECODERS=K (default 2: on an H200,
+    # ImageNet-like images, two decoders gave 1.14x one, three no more than two, at 1.5x and 2x the
+    # CPU; benchmarks/results/h200_2026-12-05), batch b is decoded by decoder b % K on one of K
     # threads, up to K batches at a time, each decoder with its own stream, workspace and lock; the
     # batches are handed on in order, and a batch's error reaches the epoch when its turn comes.
     # The reads stay on one thread, one batch ahead of the last decode begun. The crops depend on

@@ -238,7 +238,7 @@ class FakeJpegDecoder:
 @pytest.fixture
 def gpu(monkeypatch):
     """The GPU path with FakeJpegDecoder: each test its own list of decoders made."""
-    monkeypatch.delenv("PINLOADER_JPEG_DECODERS", raising=False)  # one decoder unless a test says
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "1")  # one decoder unless a test says
     monkeypatch.setattr(FakeJpegDecoder, "made", [])
     monkeypatch.setattr(FakeJpegDecoder, "inject", None)
     monkeypatch.setattr(_C, "JpegDecoder", FakeJpegDecoder)
@@ -836,6 +836,13 @@ def test_a_decoder_that_cannot_be_made_leaves_the_others(gpu, data, monkeypatch)
     got, s = gpu_run(data["packed"], 4, size=8, seed=1)
     same(got, want)
     assert s["gpu_decoder"]["decoders"] == 2 and s["gpu_decoder"]["batches"] == 5
+
+
+def test_two_decoders_by_default(gpu, data, monkeypatch):
+    monkeypatch.delenv("PINLOADER_JPEG_DECODERS")
+    got, s = gpu_run(data["packed"], 4, size=8, seed=1)
+    assert s["gpu_decoder"]["decoders"] == 2 and s["gpu_decoder"]["batches"] == 5
+    assert len(gpu.made) == 2
 
 
 # digits other than ASCII's pass str.isdigit(): int() takes "٣" and "３" (refused: no silent
