@@ -227,6 +227,7 @@ static inline uint64_t below(uint64_t *s, uint64_t n)
  * The table is the one the plain loop makes, bit for bit (tests/test_permutation.py). */
 #define SHUFFLE_AHEAD 128
 
+/* p[0..n) = the permutation of Note [epoch permutation], drawn from stream s. */
 static void shuffle(int64_t *p, int64_t n, uint64_t *s)
 {
     int64_t js[SHUFFLE_AHEAD]; /* js[i % SHUFFLE_AHEAD]: the swap target of position i */
@@ -299,8 +300,6 @@ static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
     uint64_t s = mix64(seed) ^ mix64(epoch + GAMMA), phase;
     Py_BEGIN_ALLOW_THREADS
     phase = below(&s, (uint64_t)phase_range + 1);
-    for (int64_t i = 0; i < n; i++)
-        p[i] = i;
     shuffle(p, n, &s);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(KN)", (unsigned long long)phase, arr);
