@@ -369,9 +369,9 @@ class _Runner:
         return pool
 
     # Note [decoder threads]
-    # One GPU decoder driven by one thread is bound by that thread: most of a batch's time is the
-    # host side of nvJPEG's batched calls. With PINLOADER_JPEG_DECODERS=K (default 2: on an H200,
-    # ImageNet-like images, two decoders gave 1.14x one, three no more than two, at 1.5x and 2x the
+    # Most of a batch's time on one GPU decoder is the host side of nvJPEG's batched calls, on the
+    # one thread that drives it. With PINLOADER_JPEG_DECODERS=K (default 2: on an H200 with
+    # ImageNet-like images two decoders were faster than one, three no faster than two, at more
     # CPU; benchmarks/results/h200_2026-12-05), batch b is decoded by decoder b % K on one of K
     # threads, up to K batches at a time, each decoder with its own stream, workspace and lock; the
     # batches are handed on in order, and a batch's error reaches the epoch when its turn comes.
