@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from typing import Any, Iterator
 
 import numpy as np
 
-from ._C import Registration, RowBatches, RowGather, _epoch_table, permutation
+from ._C import Registration, RowBatches, RowGather, _EpochTables, _OrderJob
 from ._mapped import _file_mapping, _MappedName, _open_mapped_files
 
 
@@ -25,6 +24,9 @@ class _Plan:
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
     ahead: _AheadOrder | None = None  # the next epoch's order, being made (Note [orders made ahead])
+    # the blocks of orders no longer used, for the next (Note [epoch table reuse] in
+    # src/py/epoch_table.c); the loader makes one, and clears it when it closes
+    tables: _EpochTables | None = None
     native = True  # RowBatches where it can be (False: the generator; for tests)
     source_kind = ""  # the last epoch's: "native" (a RowBatches) or "generator"
     source_reason = ""  # why the generator, when it was
@@ -36,6 +38,17 @@ class _Plan:
     world_size = 1
     window: int | None = None
     shuffle = drop_last = False
+
+    def __init__(self) -> None:
+        self.tables = _EpochTables()
+
+    def release_orders(self) -> None:
+        """Drop the cached order, the job making the next one and the blocks kept for reuse
+        (the loader's close()); orders asked for later are made without reuse."""
+        self.cache = self.ahead = None
+        if self.tables is not None:
+            self.tables.clear()
+        self.tables = None
 
 
 def _order(plan: _Plan, epoch: int) -> np.ndarray:
@@ -50,53 +63,43 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
     return order
 
 
-def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
-    """The order _order caches, made from the plan's settings only (a thread of its own may
-    make it: Note [orders made ahead])."""
+def _order_job(plan: _Plan, epoch: int, start: bool) -> _OrderJob:
+    """The job that makes the order _order caches, from the plan's settings only (Note [epoch
+    orders] in src/py/epoch_order.c): on a thread of its own when ``start``, else in its
+    result()."""
     n, L = plan.num_items, plan.window
-    spare = 0 if L is None else plan.num_rows - n * L
-    if plan.shuffle:
-        phase, order = permutation(n, plan.seed, epoch, spare)
-    else:
-        phase, order = 0, np.arange(n, dtype=np.int64)
-    world, count = plan.world_size, plan.num_samples
-    if world > 1 and count:
-        # Items rank, rank + world, ... of the epoch's order padded by wrapping around to its
-        # start (or cut) to num_samples * world items: item j of that is order[j % n]. Only
-        # the rank's own num_samples positions are made, whatever world_size is.
-        if count == 1:
-            pos = np.array([plan.rank % n], dtype=np.int64)
-        else:  # world < n here, so the positions stay below 2 * n
-            pos = np.arange(count, dtype=np.int64) * world + plan.rank
-            if pos[-1] >= n:
-                pos %= n
-        order = order[pos]
-    else:
-        order = order[:count]
-    if L is not None:
-        order = phase + order * L
-    # read-only, and read in place by the batches' RowGathers (Note [epoch row tables] in
-    # src/py/epoch_table.c); the unsharded order of plain rows is permutation()'s own table
-    return _epoch_table(order)
+    return _OrderJob(n, plan.seed, epoch, shuffle=plan.shuffle,
+                     phase_range=0 if L is None else plan.num_rows - n * L,
+                     world_size=plan.world_size, rank=plan.rank, count=plan.num_samples,
+                     window=L or 0, tables=plan.tables, start=start)
+
+
+def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
+    """The order _order caches, made here: the rank's items, read-only, and read in place by
+    the batches' RowGathers (Note [epoch row tables] in src/py/epoch_table.c)."""
+    order: np.ndarray = _order_job(plan, epoch, False).result()
+    return order
 
 
 # Note [orders made ahead]
 # An epoch's order is a permutation of all its items (Note [epoch permutation] in
-# src/py/epoch_table.c), made when the epoch begins, in time linear in the items (tens of
-# milliseconds for millions of rows, one random access each). The prefetcher's producer stops at an epoch's end until the next iter() (Note [epochs] in
-# src/py/prefetcher.c), so a loop across epochs would wait that long for the next epoch's first
-# batch, every epoch: for a short epoch of small rows, longer than the batches themselves take.
-# So once an epoch has begun, the order of the epoch that follows it by default (the next one;
-# a set_epoch() to it, as DistributedSampler users call it, names the same) is made on a
-# thread of its own (permutation() releases the GIL), and _order takes it from there: at once
-# if it is done, else after waiting for the rest of it. The order is a pure function of the
-# plan's settings and the epoch; the job copies both (the settings, and _order_key to match
-# them by) and is used only by a plan of the same settings (the resumed epoch's plan, a copy with other sharding, makes its
-# own). Orders of fewer than _AHEAD_MIN_ITEMS items are made in place (a thread costs more
-# than they do). A forked child never waits for a thread of its parent (it does not exist
-# there): it makes the order itself. A job that failed (out of memory) leaves the order to be
-# made, and its error raised, where it is needed. Memory: while the next epoch's order is made
-# the current one is still read, two tables of 8 bytes an item.
+# src/py/epoch_table.c), made when the epoch begins, in time linear in the items (about 10 ms
+# for 4 million rows, one random access each). The prefetcher's producer stops at an epoch's
+# end until the next iter() (Note [epochs] in src/py/prefetcher.c), so a loop across epochs
+# would wait that long for the next epoch's first batch, every epoch: for a short epoch of
+# small rows, longer than the batches themselves take. So once an epoch has begun, the order of
+# the epoch that follows it by default (the next one; a set_epoch() to it, as
+# DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
+# own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
+# it from there: at once if it is done, else after waiting for the rest of it. The order is a
+# pure function of the plan's settings and the epoch; the job is made from them and matched by
+# _order_key, so only a plan of the same settings uses it (the resumed epoch's plan, a copy with
+# other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items are made in place
+# (a thread costs more than they do). A forked child never waits for a thread of its parent
+# (it does not exist there): it makes the order itself. A job that could not be made (out of
+# memory) leaves the order to be made, and its error raised, where it is needed. Memory: while
+# the next epoch's order is made the current one is still read, two tables of 8 bytes an item,
+# and the plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 
 
@@ -111,20 +114,7 @@ class _AheadOrder:
     def __init__(self, plan: _Plan, epoch: int) -> None:
         self.key = _order_key(plan, epoch)
         self.pid = os.getpid()
-        self.order: np.ndarray | None = None
-        # the settings _make_order reads, as they are now (no sources, no tables)
-        settings = _Plan()
-        for name in ("num_items", "num_rows", "window", "shuffle", "seed", "world_size", "rank",
-                     "num_samples"):
-            setattr(settings, name, getattr(plan, name))
-        self.thread = threading.Thread(target=self._run, args=(settings, epoch), name="pl-epoch-order",
-                                       daemon=True)
-
-    def _run(self, settings: _Plan, epoch: int) -> None:
-        try:
-            self.order = _make_order(settings, epoch)
-        except BaseException:  # noqa: BLE001 -- made again where it is needed, which raises
-            self.order = None
+        self.job = _order_job(plan, epoch, True)
 
 
 def prepare_order(plan: _Plan, epoch: int) -> None:
@@ -136,26 +126,25 @@ def prepare_order(plan: _Plan, epoch: int) -> None:
     if (job is not None and job.key == key and job.pid == os.getpid()) or \
             (plan.cache is not None and plan.cache[0] == epoch):
         return
-    job = _AheadOrder(plan, epoch)
+    plan.ahead = None  # another epoch's job, or the parent's: its blocks can serve this one
     try:
-        job.thread.start()
-    except RuntimeError:  # no thread to be had: the order is made when it is needed
-        return
-    plan.ahead = job
+        plan.ahead = _AheadOrder(plan, epoch)
+    except MemoryError:  # the order is made, or its error raised, when it is needed
+        pass
 
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None
-    when there is none (or it failed)."""
+    when there is none."""
     job = plan.ahead
     if job is None or job.key != _order_key(plan, epoch):
         return None
     if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
         plan.ahead = None
         return None
-    job.thread.join()  # interruptible: a Ctrl-C leaves the job for the next attempt
+    order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
     plan.ahead = None
-    return job.order
+    return order
 
 
 class _Epochs:

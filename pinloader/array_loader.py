@@ -500,7 +500,8 @@ class ArrayLoader(_EpochLoader):
         # files' descriptors. Settings stay: len(), indices(), state_dict() still answer.
         plan = self._plan
         plan.leaves = [(path, None, mapped, shape) for path, _, mapped, shape in plan.leaves]
-        plan.files = plan.cache = plan.ahead = None
+        plan.files = None
+        plan.release_orders()
         self._structure = None
         self._it.resume_run = None
 

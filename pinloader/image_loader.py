@@ -956,7 +956,7 @@ class ImageLoader(_EpochLoader):
         if self._runner is not None:
             self._runner.close()
         self._it.resume_run = None
-        self._plan.cache = self._plan.ahead = None
+        self._plan.release_orders()
 
     def __repr__(self) -> str:
         return (f"pinloader.ImageLoader({self.source.kind}, images={self.num_items}, "

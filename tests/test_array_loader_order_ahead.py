@@ -26,26 +26,28 @@ N = _epoch_plan._AHEAD_MIN_ITEMS + 123  # just enough items to be made ahead
 
 
 class Spy:
-    """permutation() wrapped: which epochs it drew, on which thread; `fail_off_main` makes the
-    draws on other threads raise MemoryError."""
+    """_order_job wrapped: which epochs' orders were made, and where: "main" (in place, on the
+    thread that asked) or "other" (ahead, by a job on a thread of its own); `fail_off_main`
+    makes the jobs made ahead fail to be made (MemoryError)."""
 
     def __init__(self, monkeypatch, fail_off_main=False):
         self.calls: list[tuple[int, bool]] = []
         self.fail_off_main = fail_off_main
-        self._real = _epoch_plan.permutation
+        self._real = _epoch_plan._order_job
         self._mu = threading.Lock()
-        monkeypatch.setattr(_epoch_plan, "permutation", self)
+        monkeypatch.setattr(_epoch_plan, "_order_job", self)
 
-    def __call__(self, n, seed, epoch, phase_range=0):
-        main = threading.current_thread() is threading.main_thread()
+    def __call__(self, plan, epoch, start):
         with self._mu:
-            self.calls.append((int(epoch), main))
-        if self.fail_off_main and not main:
+            self.calls.append((int(epoch), not start))
+        if self.fail_off_main and start:
             raise MemoryError("no memory for the order (test)")
-        return self._real(n, seed, epoch, phase_range)
+        job = self._real(plan, epoch, start)
+        assert job.threaded == start
+        return job
 
     def where(self, epoch):
-        """'main', 'other' or None: the thread epoch's order was drawn on (its first draw)."""
+        """'main', 'other' or None: where epoch's order was made (its first making)."""
         with self._mu:
             for e, main in self.calls:
                 if e == epoch:
@@ -66,8 +68,8 @@ def whole_batches(order, bs):
 def wait_ahead(loader):
     job = loader._plan.ahead
     if job is not None:
-        job.thread.join(timeout=60)
-        assert not job.thread.is_alive()
+        job.job.result()
+        assert job.job.done
 
 
 def test_the_next_epochs_order_is_drawn_off_the_training_thread(monkeypatch):
@@ -155,9 +157,9 @@ def test_close_drops_the_job():
     job = L._plan.ahead
     assert job is not None
     L.close()
-    assert L._plan.ahead is None
-    job.thread.join(timeout=60)
-    assert not job.thread.is_alive()
+    assert L._plan.ahead is None and L._plan.tables is None
+    # the job is the test's now: it still gives the order
+    assert np.array_equal(job.job.result(), ref_order(N, 4096, 0, 1))
 
 
 @pytest.mark.fork
@@ -171,28 +173,26 @@ def test_a_forked_child_draws_the_order_itself_while_the_parents_job_runs(tmp_pa
     from pinloader import _epoch_plan
     warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
     """) + WAIT_CHILD.format(timeout=30.0, poll=0.01) + textwrap.dedent("""
-    release = threading.Event()
-    real = _epoch_plan.permutation
-    def held(*a):
-        if threading.current_thread() is not threading.main_thread():
-            release.wait()
-        return real(*a)
-    _epoch_plan.permutation = held
+    from pinloader._C import _testing
+    _testing.debug_hold_order_jobs(True)    # the parent's job waits until the child is done
     n = _epoch_plan._AHEAD_MIN_ITEMS + 5
     L = pinloader.ArrayLoader(np.arange(n, dtype=np.int64), 4096, seed=4, device="cpu")
     next(iter(L))                           # epoch 0 begun: epoch 1's order is being made
-    assert L._plan.ahead is not None and L._plan.ahead.thread.is_alive()
+    job = L._plan.ahead.job
+    assert job.threaded and not job.done
     out = sys.argv[1]
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            np.save(out, L.indices(1))
+            mine = L.indices(1)             # made in place: the parent's thread is not here
+            assert np.array_equal(job.result(), mine)  # the job makes it here too
+            np.save(out, mine)
             code = 0
         finally:
             os._exit(code)
     status = wait_child(pid)
-    release.set()
+    _testing.debug_hold_order_jobs(False)
     assert status == 0, status
     want = L.indices(1)                      # the parent's, from its job
     assert np.array_equal(np.load(out), want)

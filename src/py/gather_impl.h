@@ -1,7 +1,8 @@
 /* RowGather's part, private header: the objects and the functions its files share.
  * row_batches.c holds RowBatches, one epoch's batches made without the GIL, and pl_gather_init;
  * row_gather.c RowGather (its source, its rows, read-ahead); epoch_table.c the epoch
- * tables and the epoch permutation; registration.c Registration, register_rows and what makes
+ * tables, their reuse and the epoch permutation; epoch_order.c the epoch's order (permutation,
+ * shards, windows) made on a thread of its own; registration.c Registration, register_rows and what makes
  * a source eligible for the device gather. The public header is gather.h. */
 #ifndef PL_GATHER_IMPL_H
 #define PL_GATHER_IMPL_H
@@ -47,6 +48,7 @@ typedef struct {
 /* The epoch table (Note [epoch row tables] in epoch_table.c). */
 typedef struct epoch_table {
     int64_t n, lo, hi; /* entries, and the smallest and largest of them (0, -1 when empty) */
+    int64_t cap;       /* entries the block has room for (>= n; a reused block's may be more) */
     int64_t data[];
 } epoch_table;
 
@@ -59,8 +61,34 @@ const epoch_table *pl_epoch_table_of(PyArrayObject *a, PyObject **cap);
  * (*owner: a new reference to the table's capsule). Returns 1 if borrowed, else 0. */
 int pl_borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out, Py_ssize_t *n_out,
                    PyObject **owner);
-/* permutation, _epoch_table and _epoch_view, added to module m. */
+/* o is an _EpochTables (Note [epoch table reuse] in epoch_table.c). */
+int pl_is_epoch_tables(PyObject *o);
+/* A block for an epoch table of n entries (n set, lo/hi not), taken from `tables` (an
+ * _EpochTables, Note [epoch table reuse]; NULL: none) when it has one big enough, else
+ * allocated. Any thread, but with `tables` only with the GIL. NULL with MemoryError (GIL held)
+ * or NULL alone (no GIL, no tables) when memory is short. */
+epoch_table *pl_epoch_table_take(PyObject *tables, int64_t n);
+/* GIL held (or tables NULL): block t back to `tables`, or freed when it keeps enough. */
+void pl_epoch_table_give(PyObject *tables, epoch_table *t);
+/* GIL held: a read-only int64 array over block t (n, lo and hi set), owned by a capsule that
+ * gives it back to `tables` when the last reference goes. On failure t is given back too and
+ * NULL returned with an exception. */
+PyObject *pl_epoch_table_array(epoch_table *t, PyObject *tables);
+/* p[0..n) = the permutation of Note [epoch permutation] for (seed, epoch); *phase gets the
+ * phase drawn first, in [0, phase_range]. No GIL needed. */
+void pl_permute(int64_t *p, int64_t n, uint64_t seed, uint64_t epoch, uint64_t phase_range,
+                uint64_t *phase);
+/* An int (not a bool) modulo 2**64 into *out, or -1 with TypeError naming `name`. */
+int pl_as_u64(PyObject *o, const char *name, uint64_t *out);
+/* permutation, _epoch_table, _epoch_view and _EpochTables, added to module m. */
 int pl_epoch_table_init(PyObject *m);
+
+/* ---- epoch_order.c ---- */
+
+/* _OrderJob (Note [epoch orders]), added to module m. */
+int pl_epoch_order_init(PyObject *m);
+/* The test switch: while on, order jobs' threads wait before they begin (testing.c). */
+void pl_epoch_order_hold(int on);
 
 /* ---- row_gather.c ---- */
 

@@ -3,6 +3,7 @@
 #include "testing.h"
 
 #include "dlpack.h"
+#include "gather_impl.h"
 #include "prefetcher.h"
 
 #include "block.h"
@@ -155,7 +156,20 @@ static PyObject *t_dlpack_stream(PyObject *m, PyObject *args)
                          PyLong_FromVoidPtr(s.handle));
 }
 
+static PyObject *t_debug_hold_order_jobs(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    pl_epoch_order_hold(on);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef testing_methods[] = {
+    {"debug_hold_order_jobs", t_debug_hold_order_jobs, METH_O,
+     "debug_hold_order_jobs(on, /)\n--\n\nTest switch: while on, the threads of epoch order jobs "
+     "(_OrderJob, Note [epoch orders] in src/py/epoch_order.c) wait before they begin."},
     {"debug_hold_copies", t_debug_hold_copies, METH_O,
      "debug_hold_copies(on, /)\n--\n\nTest switch, host backend only: while on, every host stream "
      "holds its queued work (copies included) and new device blocks are poisoned with 0xcd, so a "
