@@ -23,7 +23,10 @@ class _Plan:
 
     epoch = 0
     cache: tuple[int, np.ndarray] | None = None
-    ahead: _AheadOrder | None = None  # the next epoch's order, being made (Note [orders made ahead])
+    # the orders of the epochs that come next, being made, and how many epochs ahead they are
+    # made (Note [orders made ahead])
+    ahead: tuple[_AheadOrder, ...] = ()
+    ahead_depth = 1
     # the blocks of orders no longer used, for the next (Note [epoch table reuse] in
     # src/py/epoch_table.c); the loader makes one, and clears it when it closes
     tables: _EpochTables | None = None
@@ -45,7 +48,7 @@ class _Plan:
     def release_orders(self) -> None:
         """Drop the cached order, the job making the next one and the blocks kept for reuse
         (the loader's close()); orders asked for later are made without reuse."""
-        self.cache = self.ahead = None
+        self.cache, self.ahead = None, ()
         if self.tables is not None:
             self.tables.clear()
         self.tables = None
@@ -91,16 +94,20 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # the epoch that follows it by default (the next one; a set_epoch() to it, as
 # DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
 # own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
-# it from there: at once if it is done, else after waiting for the rest of it. The order is a
-# pure function of the plan's settings and the epoch; the job is made from them and matched by
-# _order_key, so only a plan of the same settings uses it (the resumed epoch's plan, a copy with
-# other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items are made in place
-# (a thread costs more than they do). A forked child never waits for a thread of its parent
-# (it does not exist there): it makes the order itself. A job that could not be made (out of
-# memory) leaves the order to be made, and its error raised, where it is needed. Memory: while
-# the next epoch's order is made the current one is still read, two tables of 8 bytes an item,
-# and the plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
+# it from there: at once if it is done, else after waiting for the rest of it. An epoch that
+# found its order not yet made is shorter than the making: from then on the orders of the next
+# _AHEAD_MAX epochs are made, each on its own thread, so that each has that many epochs' time.
+# The order is a pure function of the plan's settings and the epoch; a job is made from them
+# and matched by _order_key, so only a plan of the same settings uses it (the resumed epoch's
+# plan, a copy with other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items
+# are made in place (a thread costs more than they do). A forked child never waits for a
+# thread of its parent (it does not exist there): it makes the order itself. A job that could
+# not be made (out of memory) leaves the order to be made, and its error raised, where it is
+# needed. Memory: the current order and the ones being made, two tables of 8 bytes an item
+# (three once orders are made two epochs ahead), and the plan's _EpochTables keeps at most two
+# more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
+_AHEAD_MAX = 2
 
 
 def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
@@ -118,32 +125,40 @@ class _AheadOrder:
 
 
 def prepare_order(plan: _Plan, epoch: int) -> None:
-    """Start making ``epoch``'s order on a thread of its own (Note [orders made ahead])."""
+    """Start making the orders of ``epoch`` and of the epochs after it up to the plan's depth,
+    each on a thread of its own (Note [orders made ahead])."""
     if plan.num_items < _AHEAD_MIN_ITEMS:
         return
-    key = _order_key(plan, epoch)
-    job = plan.ahead
-    if (job is not None and job.key == key and job.pid == os.getpid()) or \
-            (plan.cache is not None and plan.cache[0] == epoch):
-        return
-    plan.ahead = None  # another epoch's job, or the parent's: its blocks can serve this one
-    try:
-        plan.ahead = _AheadOrder(plan, epoch)
-    except MemoryError:  # the order is made, or its error raised, when it is needed
-        pass
+    wanted = [_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)]
+    # jobs of other epochs or settings, or the parent's, go: their blocks can serve these
+    pid = os.getpid()
+    plan.ahead = tuple(j for j in plan.ahead if j.key in wanted and j.pid == pid)
+    have = {j.key for j in plan.ahead}
+    for key in wanted:
+        if key in have or (plan.cache is not None and plan.cache[0] == key[0]):
+            continue
+        try:
+            plan.ahead += (_AheadOrder(plan, key[0]),)
+        except MemoryError:  # the order is made, or its error raised, when it is needed
+            return
 
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None
     when there is none."""
-    job = plan.ahead
-    if job is None or job.key != _order_key(plan, epoch):
+    key = _order_key(plan, epoch)
+    job = next((j for j in plan.ahead if j.key == key), None)
+    if job is None:
         return None
+    # a new tuple, not the shared one changed: a copy of the plan (the resumed epoch's) holds it too
+    rest = tuple(j for j in plan.ahead if j is not job)
     if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
-        plan.ahead = None
+        plan.ahead = rest
         return None
+    if not job.job.done and plan.ahead_depth < _AHEAD_MAX:
+        plan.ahead_depth += 1  # the epochs are shorter than an order takes
     order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
-    plan.ahead = None
+    plan.ahead = rest
     return order
 
 

@@ -2,12 +2,13 @@
 ahead] in pinloader/_epoch_plan.py), and the batches stay exactly the documented ones (host
 backend).
 
-An epoch of many items begins by drawing a permutation of all of them (50 ms for 4 million
+An epoch of many items begins by drawing a permutation of all of them (10 ms for 4 million
 rows); made when the loop reaches the epoch's end, that stalls the pipeline once per epoch. The
-tests spy on the permutation to see which thread draws each epoch's order, and check the
-batches against the Python reference of the order: made ahead, made in place after set_epoch()
-to another epoch, after a failed job, with windows and shards, and in a forked child while the
-parent's job is still running.
+tests spy on the making of the orders to see which were made ahead (by a job's thread) and which
+in place, and check the batches against the Python reference of the order: made ahead, two
+epochs ahead once an epoch waited for its order, made in place after set_epoch() to another
+epoch, after a failed job, with windows and shards, and in a forked child while the parent's
+job is still running.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 import pinloader
 from pinloader import _epoch_plan
+from pinloader._C import _testing
 from helpers import WAIT_CHILD, describe, ids, ref_order, run_py
 
 DEVICE = "cpu"
@@ -66,8 +68,7 @@ def whole_batches(order, bs):
 
 
 def wait_ahead(loader):
-    job = loader._plan.ahead
-    if job is not None:
+    for job in loader._plan.ahead:
         job.job.result()
         assert job.job.done
 
@@ -88,6 +89,37 @@ def test_the_next_epochs_order_is_drawn_off_the_training_thread(monkeypatch):
         # each epoch's order was drawn once
         assert sorted(e for e, _ in spy.calls) == [0, 1, 2, 3]
         assert np.array_equal(L.indices(3), ref_order(N, bs, 3, 3))
+        assert L._plan.ahead_depth == 1  # no epoch waited for its order
+
+
+def test_an_epoch_that_waits_for_its_order_makes_orders_two_epochs_ahead(monkeypatch):
+    spy = Spy(monkeypatch)
+    bs = 8192
+    with pinloader.ArrayLoader(ids(N), bs, seed=6, device=DEVICE) as L:
+        _testing.debug_hold_order_jobs(True)  # epoch 1's job waits: as if the epoch were short
+        try:
+            assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 0)
+            release = threading.Timer(0.3, _testing.debug_hold_order_jobs, (False,))
+            release.start()
+            rows = epoch_rows(L)  # its first batch waited for the order
+            release.join()
+        finally:
+            _testing.debug_hold_order_jobs(False)
+        assert rows.tolist() == ref_order(N, bs, 6, 1)
+        assert L._plan.ahead_depth == 2
+        assert sorted(j.key[0] for j in L._plan.ahead) == [2, 3]  # both on their way
+        for epoch in (2, 3, 4):
+            assert epoch_rows(L).tolist() == ref_order(N, bs, 6, epoch)
+            assert sorted(j.key[0] for j in L._plan.ahead) == [epoch + 1, epoch + 2]
+        assert [spy.where(e) for e in range(6)] == ["main"] + ["other"] * 5
+        assert sorted(e for e, _ in spy.calls) == list(range(7))  # each epoch's order made once
+        # a set_epoch() elsewhere: made in place, the jobs of other epochs dropped
+        for job in L._plan.ahead:
+            job.job.result()
+        L.set_epoch(20)
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 20)
+        assert spy.where(20) == "main"
+        assert sorted(j.key[0] for j in L._plan.ahead) == [21, 22]
 
 
 def test_set_epoch_to_another_epoch_draws_that_one_in_place(monkeypatch):
@@ -154,10 +186,9 @@ def test_a_resumed_epoch_and_the_next_whole_one(monkeypatch):
 def test_close_drops_the_job():
     L = pinloader.ArrayLoader(ids(N), 4096, seed=0, device=DEVICE)
     next(iter(L))
-    job = L._plan.ahead
-    assert job is not None
+    (job,) = L._plan.ahead
     L.close()
-    assert L._plan.ahead is None and L._plan.tables is None
+    assert L._plan.ahead == () and L._plan.tables is None
     # the job is the test's now: it still gives the order
     assert np.array_equal(job.job.result(), ref_order(N, 4096, 0, 1))
 
@@ -178,7 +209,8 @@ def test_a_forked_child_draws_the_order_itself_while_the_parents_job_runs(tmp_pa
     n = _epoch_plan._AHEAD_MIN_ITEMS + 5
     L = pinloader.ArrayLoader(np.arange(n, dtype=np.int64), 4096, seed=4, device="cpu")
     next(iter(L))                           # epoch 0 begun: epoch 1's order is being made
-    job = L._plan.ahead.job
+    (ahead,) = L._plan.ahead
+    job = ahead.job
     assert job.threaded and not job.done
     out = sys.argv[1]
     pid = os.fork()
