@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# What the open issues still need from a GPU machine, in one call of at most ~9.5 minutes (steps in
+# order of need; each step is skipped when the time left is under its budget):
+#   1. build in place;
+#   2. every GPU test (-m gpu);
+#   3. compute-sanitizer memcheck over the image, decoder and ArrayLoader GPU tests;
+#   4. the user loop (bench_user_loop.py) at 64-byte and 512-byte rows: next(), the torch door and
+#      bench_gather's loop beside one DMA, 2 rounds (the 64-byte rows' wait for the next epoch's
+#      order, Note [orders made ahead] in pinloader/_epoch_plan.py);
+#   5. bench_orders.py: the next epoch's order made as before and now, on this host;
+#   6. bench_images.py: ResNet-50 and ResNet-18 fed by ImageLoader (packed) and by the DataLoader
+#      against pre-decoded crops on the GPU, and the loader-bound packed row beside the decoder
+#      alone.
+# Everything goes into one archive, $OUT/session_gpu.tgz; the step summary is printed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/session_gpu_out}"
+R="$OUT/session_gpu"
+mkdir -p "$R"
+PY="${PYTHON:-python3}"
+LIMIT="${LIMIT:-570}"
+SECONDS=0
+step() { echo "$1 rc=$2 t=${SECONDS}s" >>"$R/steps.txt"; }
+# run NAME BUDGET_S COMMAND...: the command under a timeout of what is left, if BUDGET_S is left
+run() {
+    local name=$1 budget=$2
+    shift 2
+    local left=$(( LIMIT - SECONDS ))
+    if [ "$left" -lt "$budget" ]; then
+        echo "$name skipped: ${left}s left, needs ${budget}s" >>"$R/steps.txt"
+        return
+    fi
+    timeout "$left" "$@" >"$R/$name.txt" 2>&1
+    step "$name" $?
+}
+{
+    nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
+    nproc
+    git log --oneline -1 2>/dev/null
+    "$PY" -c "import sys, numpy, torch, torchvision, PIL; print(sys.version.split()[0], numpy.__version__, torch.__version__, torchvision.__version__, PIL.__version__)"
+} >"$R/machine.txt" 2>&1
+run build 60 "$PY" setup.py -q build_ext --inplace -j 16
+run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests
+run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_image_loader_gpu.py tests/test_jpeg_decoder_gpu.py tests/test_array_loader_gpu.py
+run user_loop 60 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop --rounds 2 --rows 64,512 \
+    --sources numpy --loops next,door,bench
+run orders 20 "$PY" benchmarks/bench_orders.py --out "$R" --name orders --rounds 7
+run images_models 150 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 3 \
+    --data-dir /tmp/pinloader_images --out "$R" --name images_models --steps 20 --drain 20 \
+    --models resnet50,resnet18 --rows imageloader_packed,dataloader,decoder_alone
+tar -C "$OUT" -czf "$OUT/session_gpu.tgz" session_gpu && rm -rf "$R"
+tar -xzOf "$OUT/session_gpu.tgz" session_gpu/steps.txt
