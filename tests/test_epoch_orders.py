@@ -251,3 +251,33 @@ def test_a_thread_that_cannot_start_leaves_the_order_to_result():
     job = _OrderJob(3000, 4, 4, start=False)
     assert not job.threaded and not job.done
     assert job.result().tolist() == formula(3000, 4, 4).tolist()
+
+
+@pytest.mark.parametrize("start", [True, False], ids=["thread", "in-place"])
+def test_result_called_from_two_threads_at_once_gives_both_the_order(held, start):
+    # Two Python threads wait in result() for the same job (or make it in place at once): each
+    # gets the one table, and the job still gives it afterwards. A sharded order without tables
+    # frees its permutation's block when it is handed out: a second maker still writing it would
+    # write freed memory (ASan).
+    n, world = 2_000_000 if not start else 100_000, 2
+    job = _OrderJob(n, 5, 6, world_size=world, rank=1, count=n // world, start=start)
+    barrier = threading.Barrier(2)
+    got = [None, None]
+
+    def call(k):
+        barrier.wait()
+        try:
+            got[k] = job.result()
+        except BaseException as e:  # noqa: BLE001 -- reported by the assertion below
+            got[k] = e
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # both wait (or make it)
+    _testing.debug_hold_order_jobs(False)
+    for t in threads:
+        t.join()
+    assert all(isinstance(g, np.ndarray) for g in got), got
+    assert got[0] is got[1] and job.result() is got[0]
+    assert got[0].tolist() == formula(n, 5, 6, world=world, rank=1, count=n // world).tolist()
