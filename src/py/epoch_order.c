@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
 
 /* Note [epoch orders]
  * A loader's epoch order (pinloader/_epoch_plan.py) is the epoch permutation of its n items
@@ -27,7 +28,10 @@
  * result(), on the calling thread with the GIL released.
  *
  * result() waits for the thread in slices of WAIT_SLICE_NS, taking the GIL between them to run
- * signal handlers: a Ctrl-C is a KeyboardInterrupt, and the job is there for the next call. The
+ * signal handlers: a Ctrl-C is a KeyboardInterrupt, and the job is there for the next call.
+ * result() may be called from several Python threads at once: the first to find the order made
+ * hands it out and the others return that same table, and while one makes it in place (GIL
+ * released) the others wait for it rather than write the same blocks. The
  * work (its parameters, its blocks, its lock) is shared by the job and its thread and freed by
  * whichever lets go last: a job dropped while its thread runs is freed by the thread, its blocks
  * freed rather than kept (keeping them needs the GIL). In a process forked while the thread
@@ -35,6 +39,7 @@
  * the order itself, on the calling thread, without touching the lock, and the job is freed
  * without waiting. */
 #define WAIT_SLICE_NS 50000000 /* 50 ms */
+#define MAKING_SLICE_NS 1000000 /* 1 ms: a second caller polls the first one's in-place making */
 
 typedef struct {
     /* set before the thread starts, read only after */
@@ -57,6 +62,7 @@ typedef struct {
     uint32_t gen;     /* Note [fork generations] */
     int threaded;     /* a thread makes the order */
     int handed;       /* result() took the blocks */
+    int making;       /* a result() call makes the order in place now (GIL released) */
 } OrderJobObject;
 
 /* ---- the test switch: jobs' threads wait before they begin (testing.c) ---- */
@@ -295,34 +301,51 @@ static PyObject *job_result(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     OrderJobObject *self = (OrderJobObject *)op;
-    if (self->result)
-        return Py_NewRef(self->result);
-    if (self->handed)
-        return PyErr_Format(PyExc_RuntimeError, "_OrderJob: the order could not be handed out");
     order_work *w = self->w;
-    if (!self->threaded || pl_inherited(self->gen)) {
-        /* no thread makes it (here): make it now */
-        Py_BEGIN_ALLOW_THREADS
-        order_make(w);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (;;) {
-            int done;
+    /* Each pass starts with the GIL held: another Python thread in result() may have handed the
+     * table out, or be making it in place, while this one waited without the GIL. */
+    for (;;) {
+        if (self->result)
+            return Py_NewRef(self->result);
+        if (self->handed)
+            return PyErr_Format(PyExc_RuntimeError, "_OrderJob: the order could not be handed out");
+        if (self->making) {
+            /* another Python thread makes it in place, in these blocks: wait for it */
             Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&w->mu);
-            if (!w->done) {
-                struct timespec ts;
-                pl_deadline(&ts, WAIT_SLICE_NS);
-                pthread_cond_timedwait(&w->cv, &w->mu, &ts);
-            }
-            done = w->done;
-            pthread_mutex_unlock(&w->mu);
+            struct timespec ts = {0, MAKING_SLICE_NS};
+            nanosleep(&ts, NULL);
             Py_END_ALLOW_THREADS
-            if (done)
-                break;
             if (PyErr_CheckSignals() < 0)
-                return NULL; /* the job is still there */
+                return NULL;
+            continue;
         }
+        if (!self->threaded || pl_inherited(self->gen)) {
+            /* no thread makes it (here): make it now */
+            self->making = 1;
+            Py_BEGIN_ALLOW_THREADS
+            order_make(w);
+            Py_END_ALLOW_THREADS
+            self->making = 0;
+            break;
+        }
+        int done;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&w->mu);
+        if (!w->done) {
+            struct timespec ts;
+            pl_deadline(&ts, WAIT_SLICE_NS);
+            pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        }
+        done = w->done;
+        pthread_mutex_unlock(&w->mu);
+        Py_END_ALLOW_THREADS
+        if (done) {
+            if (self->result || self->handed)
+                continue; /* handed out by another caller meanwhile */
+            break;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return NULL; /* the job is still there */
     }
     self->handed = 1;
     pl_epoch_table_give(self->tables, w->perm);
