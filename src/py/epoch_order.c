@@ -37,7 +37,8 @@
  * freed rather than kept (keeping them needs the GIL). In a process forked while the thread
  * ran, the thread does not exist (Note [fork generations] in src/core/util.h): result() makes
  * the order itself, on the calling thread, without touching the lock, and the job is freed
- * without waiting. */
+ * without waiting; nor does it wait for a Python thread of the parent that was making the order
+ * in place at the fork. */
 #define WAIT_SLICE_NS 50000000 /* 50 ms */
 #define MAKING_SLICE_NS 1000000 /* 1 ms: a second caller polls the first one's in-place making */
 
@@ -63,6 +64,7 @@ typedef struct {
     int threaded;     /* a thread makes the order */
     int handed;       /* result() took the blocks */
     int making;       /* a result() call makes the order in place now (GIL released) */
+    uint32_t making_gen; /* the generation of that call's process: a parent's never ends here */
 } OrderJobObject;
 
 /* ---- the test switch: jobs' threads wait before they begin (testing.c) ---- */
@@ -309,7 +311,7 @@ static PyObject *job_result(PyObject *op, PyObject *noargs)
             return Py_NewRef(self->result);
         if (self->handed)
             return PyErr_Format(PyExc_RuntimeError, "_OrderJob: the order could not be handed out");
-        if (self->making) {
+        if (self->making && !pl_inherited(self->making_gen)) {
             /* another Python thread makes it in place, in these blocks: wait for it */
             Py_BEGIN_ALLOW_THREADS
             struct timespec ts = {0, MAKING_SLICE_NS};
@@ -322,6 +324,7 @@ static PyObject *job_result(PyObject *op, PyObject *noargs)
         if (!self->threaded || pl_inherited(self->gen)) {
             /* no thread makes it (here): make it now */
             self->making = 1;
+            self->making_gen = pl_generation();
             Py_BEGIN_ALLOW_THREADS
             order_make(w);
             Py_END_ALLOW_THREADS
