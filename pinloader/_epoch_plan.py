@@ -96,8 +96,9 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # _order_key, so only a plan of the same settings uses it (the resumed epoch's plan, a copy with
 # other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items are made in place
 # (a thread costs more than they do). A forked child never waits for a thread of its parent
-# (it does not exist there): it makes the order itself. A job that could not be made (out of
-# memory) leaves the order to be made, and its error raised, where it is needed. Memory: while
+# (it does not exist there): it makes the order itself. A job that could not be made, or whose
+# table could not be handed out (out of memory), leaves the order to be made, and its error
+# raised, where it is needed. Memory: while
 # the next epoch's order is made the current one is still read, two tables of 8 bytes an item,
 # and the plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
@@ -135,14 +136,18 @@ def prepare_order(plan: _Plan, epoch: int) -> None:
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None
-    when there is none."""
+    when there is none, or its table could not be handed out."""
     job = plan.ahead
     if job is None or job.key != _order_key(plan, epoch):
         return None
     if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
         plan.ahead = None
         return None
-    order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
+    try:
+        order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
+    except Exception:  # noqa: BLE001 -- its table could not be handed out (out of memory): the
+        plan.ahead = None  # job is spent; the order is made where it is needed, which raises
+        return None
     plan.ahead = None
     return order
 
