@@ -98,9 +98,9 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # (a thread costs more than they do). A forked child never waits for a thread of its parent
 # (it does not exist there): it makes the order itself. A job that could not be made, or whose
 # table could not be handed out (out of memory), leaves the order to be made, and its error
-# raised, where it is needed. Memory: while
-# the next epoch's order is made the current one is still read, two tables of 8 bytes an item,
-# and the plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
+# raised, where it is needed. Memory: while the next epoch's order is made the current one is
+# still read, two tables of 8 bytes an item, and the plan's _EpochTables keeps at most two more
+# for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 
 
