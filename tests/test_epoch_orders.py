@@ -163,6 +163,9 @@ def test_a_shard_returns_its_permutation_block():
     (dict(n=2**59), MemoryError),
     (dict(tables=object()), TypeError),
     (dict(tables=np.arange(3)), TypeError),
+    (dict(shuffle=None), TypeError),  # not silently False
+    (dict(shuffle="no"), TypeError),  # not silently True
+    (dict(start=1), TypeError),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, err):
     args = dict(n=10, seed=0, epoch=0)
