@@ -198,12 +198,17 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"n", "seed", "epoch", "shuffle", "phase_range", "world_size", "rank",
                              "count", "window", "tables", "start", NULL};
     PyObject *n_o, *seed_o, *epoch_o, *phase_o = NULL, *world_o = NULL, *rank_o = NULL, *count_o = Py_None,
-             *window_o = NULL, *tables = Py_None;
-    int shuffle = 1, start = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$pOOOOOOp:_OrderJob", kwlist, &n_o, &seed_o, &epoch_o,
-                                     &shuffle, &phase_o, &world_o, &rank_o, &count_o, &window_o, &tables,
-                                     &start))
+             *window_o = NULL, *tables = Py_None, *shuffle_o = Py_True, *start_o = Py_True;
+    /* shuffle and start: bools only, not any object's truth (None is not False) */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOO:_OrderJob", kwlist, &n_o, &seed_o, &epoch_o,
+                                     &shuffle_o, &phase_o, &world_o, &rank_o, &count_o, &window_o, &tables,
+                                     &start_o))
         return NULL;
+    if (!PyBool_Check(shuffle_o) || !PyBool_Check(start_o))
+        return PyErr_Format(PyExc_TypeError, "_OrderJob: %s must be a bool, not %.100s",
+                            PyBool_Check(shuffle_o) ? "start" : "shuffle",
+                            Py_TYPE(PyBool_Check(shuffle_o) ? start_o : shuffle_o)->tp_name);
+    const int shuffle = shuffle_o == Py_True, start = start_o == Py_True;
     uint64_t seed, epoch;
     /* n entries of 8 bytes fit the address space (and every product below fits int64) */
     const int64_t n_max = (int64_t)(((uint64_t)PY_SSIZE_T_MAX - sizeof(epoch_table)) / sizeof(int64_t));
