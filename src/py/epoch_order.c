@@ -52,7 +52,8 @@ typedef struct {
     atomic_int refs;   /* the job's and the thread's */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int done; /* under mu */
+    atomic_int done; /* set once, under mu for the waiters on cv; read atomically: with the GIL
+                      * held, the job never blocks on mu (the order's thread may hold it) */
 } order_work;
 
 typedef struct {
@@ -166,7 +167,7 @@ static void *order_main(void *arg)
     hold_wait();
     order_make(w);
     pthread_mutex_lock(&w->mu);
-    w->done = 1;
+    atomic_store(&w->done, 1);
     pthread_cond_broadcast(&w->cv);
     pthread_mutex_unlock(&w->mu);
     work_release(w);
@@ -293,15 +294,12 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-/* The order is made (or being made) and not yet handed out: 1 if made, with the GIL held. */
+/* The job's thread has made the order: 1 if so (its writes to the blocks are then visible). */
 static int job_done(OrderJobObject *self)
 {
     if (!self->threaded || pl_inherited(self->gen))
         return 0;
-    pthread_mutex_lock(&self->w->mu);
-    int done = self->w->done;
-    pthread_mutex_unlock(&self->w->mu);
-    return done;
+    return atomic_load(&self->w->done);
 }
 
 static PyObject *job_result(PyObject *op, PyObject *noargs)
@@ -339,12 +337,12 @@ static PyObject *job_result(PyObject *op, PyObject *noargs)
         int done;
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&w->mu);
-        if (!w->done) {
+        if (!atomic_load(&w->done)) {
             struct timespec ts;
             pl_deadline(&ts, WAIT_SLICE_NS);
             pthread_cond_timedwait(&w->cv, &w->mu, &ts);
         }
-        done = w->done;
+        done = atomic_load(&w->done);
         pthread_mutex_unlock(&w->mu);
         Py_END_ALLOW_THREADS
         if (done) {
