@@ -102,10 +102,10 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # plan, a copy with other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items
 # are made in place (a thread costs more than they do). A forked child never waits for a
 # thread of its parent (it does not exist there): it makes the order itself. A job that could
-# not be made (out of memory) leaves the order to be made, and its error raised, where it is
-# needed. Memory: the current order and the ones being made, two tables of 8 bytes an item
-# (three once orders are made two epochs ahead), and the plan's _EpochTables keeps at most two
-# more for reuse (Note [epoch table reuse]).
+# not be made, or whose table could not be handed out (out of memory), leaves the order to be
+# made, and its error raised, where it is needed. Memory: the current order and the ones being
+# made, two tables of 8 bytes an item (three once orders are made two epochs ahead), and the
+# plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 _AHEAD_MAX = 2
 
@@ -145,7 +145,7 @@ def prepare_order(plan: _Plan, epoch: int) -> None:
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None
-    when there is none."""
+    when there is none, or its table could not be handed out."""
     key = _order_key(plan, epoch)
     job = next((j for j in plan.ahead if j.key == key), None)
     if job is None:
@@ -157,7 +157,11 @@ def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
         return None
     if not job.job.done and plan.ahead_depth < _AHEAD_MAX:
         plan.ahead_depth += 1  # the epochs are shorter than an order takes
-    order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
+    try:
+        order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
+    except Exception:  # noqa: BLE001 -- its table could not be handed out (out of memory): the
+        plan.ahead = rest  # job is spent; the order is made where it is needed, which raises
+        return None
     plan.ahead = rest
     return order
 

@@ -234,3 +234,25 @@ def test_a_forked_child_draws_the_order_itself_while_the_parents_job_runs(tmp_pa
     """)
     p = run_py(code, timeout=120, argv=[str(tmp_path / "child_order.npy")])
     assert p.returncode == 0 and "OK" in p.stdout, describe(p)
+
+
+def test_a_job_whose_hand_out_failed_leaves_the_order_to_be_made_in_place():
+    # result() can fail once the order is made (its table's array or capsule could not be
+    # allocated); the job then only says so (RuntimeError) on every later call. The epoch must
+    # not be stuck on that job: its order is made again where it is needed.
+    class Failing:
+        threaded = True
+        done = True
+
+        def result(self):
+            raise MemoryError("no memory for the table's array (test)")
+
+    bs = 4096
+    with pinloader.ArrayLoader(ids(N), bs, seed=6, device=DEVICE) as L:
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 0)
+        (ahead,) = L._plan.ahead
+        ahead.job.result()
+        ahead.job = Failing()
+        assert L.indices(1).tolist() == ref_order(N, bs, 6, 1)
+        assert L._plan.ahead == ()
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 1)

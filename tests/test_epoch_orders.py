@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 
@@ -20,7 +21,7 @@ import pytest
 
 from pinloader import _C
 from pinloader._C import _EpochTables, _OrderJob, _testing
-from helpers import ref_order
+from helpers import WAIT_CHILD, describe, ref_order, run_py
 
 
 def formula(n, seed, epoch, shuffle=True, phase_range=0, world=1, rank=0, count=None, window=0):
@@ -162,6 +163,9 @@ def test_a_shard_returns_its_permutation_block():
     (dict(n=2**59), MemoryError),
     (dict(tables=object()), TypeError),
     (dict(tables=np.arange(3)), TypeError),
+    (dict(shuffle=None), TypeError),  # not silently False
+    (dict(shuffle="no"), TypeError),  # not silently True
+    (dict(start=1), TypeError),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, err):
     args = dict(n=10, seed=0, epoch=0)
@@ -251,3 +255,74 @@ def test_a_thread_that_cannot_start_leaves_the_order_to_result():
     job = _OrderJob(3000, 4, 4, start=False)
     assert not job.threaded and not job.done
     assert job.result().tolist() == formula(3000, 4, 4).tolist()
+
+
+@pytest.mark.parametrize("start", [True, False], ids=["thread", "in-place"])
+def test_result_called_from_two_threads_at_once_gives_both_the_order(held, start):
+    # Two Python threads wait in result() for the same job (or make it in place at once): each
+    # gets the one table, and the job still gives it afterwards. A sharded order without tables
+    # frees its permutation's block when it is handed out: a second maker still writing it would
+    # write freed memory (ASan).
+    n, world = 2_000_000 if not start else 100_000, 2
+    job = _OrderJob(n, 5, 6, world_size=world, rank=1, count=n // world, start=start)
+    barrier = threading.Barrier(2)
+    got = [None, None]
+
+    def call(k):
+        barrier.wait()
+        try:
+            got[k] = job.result()
+        except BaseException as e:  # noqa: BLE001 -- reported by the assertion below
+            got[k] = e
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # both wait (or make it)
+    _testing.debug_hold_order_jobs(False)
+    for t in threads:
+        t.join()
+    assert all(isinstance(g, np.ndarray) for g in got), got
+    assert got[0] is got[1] and job.result() is got[0]
+    assert got[0].tolist() == formula(n, 5, 6, world=world, rank=1, count=n // world).tolist()
+
+
+@pytest.mark.fork
+def test_a_child_forked_while_another_thread_makes_the_order_in_place_makes_it_itself():
+    # A Python thread of the parent is inside result() of an in-place job (start=False) when the
+    # main thread forks: in the child that thread does not exist, and result() there must make
+    # the order itself, not wait for a maker that will never finish.
+    code = textwrap.dedent("""
+    import os, sys, threading, time, warnings
+    import numpy as np
+    from pinloader import _C
+    from pinloader._C import _OrderJob
+    warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
+    """) + WAIT_CHILD.format(timeout=60.0, poll=0.01) + textwrap.dedent("""
+    n = 8_000_000
+    job = _OrderJob(n, 1, 2, world_size=2, rank=1, count=n // 2, start=False)
+    go = threading.Barrier(2)
+    def make():
+        go.wait()
+        job.result()
+    t = threading.Thread(target=make)
+    t.start()
+    go.wait()
+    time.sleep(0.05)                         # the thread is inside its making
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            got = job.result()
+            phase, perm = _C.permutation(n, 1, 2)
+            want = np.asarray(perm)[(np.arange(n // 2) * 2 + 1) % n]
+            code = 0 if np.array_equal(got, want) else 2
+        finally:
+            os._exit(code)
+    status = wait_child(pid)
+    t.join()
+    assert status == 0, status
+    print("OK")
+    """)
+    p = run_py(code, timeout=150)
+    assert p.returncode == 0 and "OK" in p.stdout, describe(p)

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
 
 /* Note [epoch orders]
  * A loader's epoch order (pinloader/_epoch_plan.py) is the epoch permutation of its n items
@@ -27,14 +28,19 @@
  * result(), on the calling thread with the GIL released.
  *
  * result() waits for the thread in slices of WAIT_SLICE_NS, taking the GIL between them to run
- * signal handlers: a Ctrl-C is a KeyboardInterrupt, and the job is there for the next call. The
+ * signal handlers: a Ctrl-C is a KeyboardInterrupt, and the job is there for the next call.
+ * result() may be called from several Python threads at once: the first to find the order made
+ * hands it out and the others return that same table, and while one makes it in place (GIL
+ * released) the others wait for it rather than write the same blocks. The
  * work (its parameters, its blocks, its lock) is shared by the job and its thread and freed by
  * whichever lets go last: a job dropped while its thread runs is freed by the thread, its blocks
  * freed rather than kept (keeping them needs the GIL). In a process forked while the thread
  * ran, the thread does not exist (Note [fork generations] in src/core/util.h): result() makes
  * the order itself, on the calling thread, without touching the lock, and the job is freed
- * without waiting. */
+ * without waiting; nor does it wait for a Python thread of the parent that was making the order
+ * in place at the fork. */
 #define WAIT_SLICE_NS 50000000 /* 50 ms */
+#define MAKING_SLICE_NS 1000000 /* 1 ms: a second caller polls the first one's in-place making */
 
 typedef struct {
     /* set before the thread starts, read only after */
@@ -46,7 +52,8 @@ typedef struct {
     atomic_int refs;   /* the job's and the thread's */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int done; /* under mu */
+    atomic_int done; /* set once, under mu for the waiters on cv; read atomically: with the GIL
+                      * held, the job never blocks on mu (the order's thread may hold it) */
 } order_work;
 
 typedef struct {
@@ -57,6 +64,8 @@ typedef struct {
     uint32_t gen;     /* Note [fork generations] */
     int threaded;     /* a thread makes the order */
     int handed;       /* result() took the blocks */
+    int making;       /* a result() call makes the order in place now (GIL released) */
+    uint32_t making_gen; /* the generation of that call's process: a parent's never ends here */
 } OrderJobObject;
 
 /* ---- the test switch: jobs' threads wait before they begin (testing.c) ---- */
@@ -158,7 +167,7 @@ static void *order_main(void *arg)
     hold_wait();
     order_make(w);
     pthread_mutex_lock(&w->mu);
-    w->done = 1;
+    atomic_store(&w->done, 1);
     pthread_cond_broadcast(&w->cv);
     pthread_mutex_unlock(&w->mu);
     work_release(w);
@@ -190,12 +199,17 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"n", "seed", "epoch", "shuffle", "phase_range", "world_size", "rank",
                              "count", "window", "tables", "start", NULL};
     PyObject *n_o, *seed_o, *epoch_o, *phase_o = NULL, *world_o = NULL, *rank_o = NULL, *count_o = Py_None,
-             *window_o = NULL, *tables = Py_None;
-    int shuffle = 1, start = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$pOOOOOOp:_OrderJob", kwlist, &n_o, &seed_o, &epoch_o,
-                                     &shuffle, &phase_o, &world_o, &rank_o, &count_o, &window_o, &tables,
-                                     &start))
+             *window_o = NULL, *tables = Py_None, *shuffle_o = Py_True, *start_o = Py_True;
+    /* shuffle and start: bools only, not any object's truth (None is not False) */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOO:_OrderJob", kwlist, &n_o, &seed_o, &epoch_o,
+                                     &shuffle_o, &phase_o, &world_o, &rank_o, &count_o, &window_o, &tables,
+                                     &start_o))
         return NULL;
+    if (!PyBool_Check(shuffle_o) || !PyBool_Check(start_o))
+        return PyErr_Format(PyExc_TypeError, "_OrderJob: %s must be a bool, not %.100s",
+                            PyBool_Check(shuffle_o) ? "start" : "shuffle",
+                            Py_TYPE(PyBool_Check(shuffle_o) ? start_o : shuffle_o)->tp_name);
+    const int shuffle = shuffle_o == Py_True, start = start_o == Py_True;
     uint64_t seed, epoch;
     /* n entries of 8 bytes fit the address space (and every product below fits int64) */
     const int64_t n_max = (int64_t)(((uint64_t)PY_SSIZE_T_MAX - sizeof(epoch_table)) / sizeof(int64_t));
@@ -280,49 +294,64 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-/* The order is made (or being made) and not yet handed out: 1 if made, with the GIL held. */
+/* The job's thread has made the order: 1 if so (its writes to the blocks are then visible). */
 static int job_done(OrderJobObject *self)
 {
     if (!self->threaded || pl_inherited(self->gen))
         return 0;
-    pthread_mutex_lock(&self->w->mu);
-    int done = self->w->done;
-    pthread_mutex_unlock(&self->w->mu);
-    return done;
+    return atomic_load(&self->w->done);
 }
 
 static PyObject *job_result(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     OrderJobObject *self = (OrderJobObject *)op;
-    if (self->result)
-        return Py_NewRef(self->result);
-    if (self->handed)
-        return PyErr_Format(PyExc_RuntimeError, "_OrderJob: the order could not be handed out");
     order_work *w = self->w;
-    if (!self->threaded || pl_inherited(self->gen)) {
-        /* no thread makes it (here): make it now */
-        Py_BEGIN_ALLOW_THREADS
-        order_make(w);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (;;) {
-            int done;
+    /* Each pass starts with the GIL held: another Python thread in result() may have handed the
+     * table out, or be making it in place, while this one waited without the GIL. */
+    for (;;) {
+        if (self->result)
+            return Py_NewRef(self->result);
+        if (self->handed)
+            return PyErr_Format(PyExc_RuntimeError, "_OrderJob: the order could not be handed out");
+        if (self->making && !pl_inherited(self->making_gen)) {
+            /* another Python thread makes it in place, in these blocks: wait for it */
             Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&w->mu);
-            if (!w->done) {
-                struct timespec ts;
-                pl_deadline(&ts, WAIT_SLICE_NS);
-                pthread_cond_timedwait(&w->cv, &w->mu, &ts);
-            }
-            done = w->done;
-            pthread_mutex_unlock(&w->mu);
+            struct timespec ts = {0, MAKING_SLICE_NS};
+            nanosleep(&ts, NULL);
             Py_END_ALLOW_THREADS
-            if (done)
-                break;
             if (PyErr_CheckSignals() < 0)
-                return NULL; /* the job is still there */
+                return NULL;
+            continue;
         }
+        if (!self->threaded || pl_inherited(self->gen)) {
+            /* no thread makes it (here): make it now */
+            self->making = 1;
+            self->making_gen = pl_generation();
+            Py_BEGIN_ALLOW_THREADS
+            order_make(w);
+            Py_END_ALLOW_THREADS
+            self->making = 0;
+            break;
+        }
+        int done;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&w->mu);
+        if (!atomic_load(&w->done)) {
+            struct timespec ts;
+            pl_deadline(&ts, WAIT_SLICE_NS);
+            pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        }
+        done = atomic_load(&w->done);
+        pthread_mutex_unlock(&w->mu);
+        Py_END_ALLOW_THREADS
+        if (done) {
+            if (self->result || self->handed)
+                continue; /* handed out by another caller meanwhile */
+            break;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return NULL; /* the job is still there */
     }
     self->handed = 1;
     pl_epoch_table_give(self->tables, w->perm);
