@@ -263,7 +263,10 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyMem_RawFree(w);
         return NULL;
     }
-    if (pthread_mutex_init(&w->mu, NULL) != 0 || pl_cond_init(&w->cv) != 0) {
+    int mu_ok = pthread_mutex_init(&w->mu, NULL) == 0;
+    if (!mu_ok || pl_cond_init(&w->cv) != 0) {
+        if (mu_ok)
+            pthread_mutex_destroy(&w->mu);
         pl_epoch_table_give(tables, w->out);
         pl_epoch_table_give(tables, w->perm);
         PyMem_RawFree(w);
