@@ -39,7 +39,7 @@ timeout 150 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096
     --data-dir /tmp/pinloader_images --out "$R" --name images_loader \
     --rows imageloader_packed,imageloader_tar,imageloader_folder,dataloader,torchvision_gpu,decoder_alone \
     >"$R/images_loader.txt" 2>&1; step images_loader $?
-for k in 2 3; do  # Note [decoder threads] in pinloader/image_loader.py: K decoders on K threads
+for k in 2 3; do  # Note [decoder threads] in pinloader/_image_epochs.py: K decoders on K threads
     PINLOADER_JPEG_DECODERS=$k timeout 60 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 \
         --rounds 3 --data-dir /tmp/pinloader_images --out "$R" --name "images_loader_decoders$k" \
         --rows imageloader_packed >"$R/images_loader_decoders$k.txt" 2>&1; step "images_loader_decoders$k" $?

@@ -619,3 +619,11 @@ def test_epochs_out_of_range_are_refused(data):
     with pytest.raises(TypeError, match="epoch must be an int"):
         loader.set_epoch(1.0)
     loader.close()
+
+
+def test_the_decode_error_is_named_by_its_public_module_and_pickles():
+    import pickle
+    err = pinloader.ImageDecodeError("ImageLoader: sample 3 (a.jpg): not an image")
+    assert type(err).__module__ == "pinloader.image_loader"
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is pinloader.ImageDecodeError and back.args == err.args

@@ -219,7 +219,7 @@ def test_memory_flat_and_close_mid_epoch(data, torch):
 def test_a_graph_captured_in_global_mode_while_decoder_threads_decode(data, torch, monkeypatch, k):
     # Note [the producer and graph captures] in src/py/pf_producer.c: with
     # PINLOADER_JPEG_DECODERS=K the batches are decoded on decoder threads (Note [decoder
-    # threads] in pinloader/image_loader.py), whose nvJPEG and kernel calls must ignore the
+    # threads] in pinloader/_image_epochs.py), whose nvJPEG and kernel calls must ignore the
     # training thread's captures in cudaStreamCaptureModeGlobal (torch's default), as the
     # producer's do. Right after each next() the next batches decode while a graph is captured
     # (capture_begin directly, as tests/test_static_cuda.py's test of the producer): no capture

@@ -1,4 +1,4 @@
-"""ImageLoader's GPU path (pinloader/image_loader.py: _Runner._gpu_epoch, _gpu_batch, _raw,
+"""ImageLoader's GPU path (pinloader/_image_epochs.py: _Runner._gpu_epoch, _gpu_batch, _raw,
 _decode) on the host backend, against FakeJpegDecoder: a stand-in for ``_C.JpegDecoder`` that
 keeps ``decode()``'s contract (src/py/jpeg_decoder.c: its arguments as the C code checks them,
 the per-sample statuses of src/core/jpeg_cuda.h, a failed sample's output zero, the shape,
@@ -763,7 +763,7 @@ def test_a_host_image_past_what_the_gpu_call_takes(gpu, tmp_path):
         assert call["raw"] == [1, 2] and call["status"] == [0, 0, 0]
 
 
-# ---- several decoders on threads (Note [decoder threads] in pinloader/image_loader.py) ----
+# ---- several decoders on threads (Note [decoder threads] in pinloader/_image_epochs.py) ----
 
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("source", ["folder", "tars", "packed"])

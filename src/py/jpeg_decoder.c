@@ -362,7 +362,7 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
                          c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
 }
 
-/* For ImageLoader's decoder threads (Note [decoder threads] in pinloader/image_loader.py):
+/* For ImageLoader's decoder threads (Note [decoder threads] in pinloader/_image_epochs.py):
  * pinloader's own threads that call CUDA ignore the stream captures other threads begin (Note
  * [the producer and graph captures] in pf_producer.c). Per thread, for good; cheap. */
 static PyObject *jd_ignore_other_captures(JpegDecoderObject *self, PyObject *noargs)
