@@ -508,7 +508,5 @@ int pl_epoch_table_init(PyObject *m)
         return -1;
     }
     Py_XSETREF(EpochTables_Type, tp); /* the module's reference, for is_tables */
-    if (PyModule_AddFunctions(m, epoch_table_functions) < 0)
-        return -1;
-    return pl_epoch_order_init(m);
+    return PyModule_AddFunctions(m, epoch_table_functions);
 }

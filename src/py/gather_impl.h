@@ -85,7 +85,7 @@ int pl_epoch_table_init(PyObject *m);
 
 /* ---- epoch_order.c ---- */
 
-/* _OrderJob (Note [epoch orders]), added to module m. */
+/* _OrderJob (Note [epoch orders]), added to module m (by pl_gather_init, after the tables). */
 int pl_epoch_order_init(PyObject *m);
 /* The test switch: while on, order jobs' threads wait before they begin (testing.c). */
 void pl_epoch_order_hold(int on);

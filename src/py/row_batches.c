@@ -479,5 +479,7 @@ int pl_gather_init(PyObject *m, pl_state *st)
     if (!st->RowBatches_Type || PyModule_AddObjectRef(m, "RowBatches", (PyObject *)st->RowBatches_Type) < 0 ||
         pl_source_register(st, st->RowBatches_Type, &rb_source) < 0)
         return -1;
-    return pl_epoch_table_init(m);
+    if (pl_epoch_table_init(m) < 0)
+        return -1;
+    return pl_epoch_order_init(m);
 }
