@@ -96,7 +96,8 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
 # it from there: at once if it is done, else after waiting for the rest of it. An epoch that
 # found its order not yet made is shorter than the making: from then on the orders of the next
-# _AHEAD_MAX epochs are made, each on its own thread, so that each has that many epochs' time.
+# _AHEAD_MAX epochs are made, each on its own thread, so that each has that many epochs' time
+# (for orders of up to _AHEAD_EXTRA_BYTES: the extra table is bounded).
 # The order is a pure function of the plan's settings and the epoch; a job is made from them
 # and matched by _order_key, so only a plan of the same settings uses it (the resumed epoch's
 # plan, a copy with other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items
@@ -108,6 +109,7 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 _AHEAD_MAX = 2
+_AHEAD_EXTRA_BYTES = 512 << 20  # the largest table made two epochs ahead (64 million items)
 
 
 def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
@@ -155,7 +157,7 @@ def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
         plan.ahead = rest
         return None
-    if not job.job.done and plan.ahead_depth < _AHEAD_MAX:
+    if not job.job.done and plan.ahead_depth < _AHEAD_MAX and plan.num_samples * 8 <= _AHEAD_EXTRA_BYTES:
         plan.ahead_depth += 1  # the epochs are shorter than an order takes
     try:
         order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt

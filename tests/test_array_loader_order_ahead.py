@@ -122,6 +122,25 @@ def test_an_epoch_that_waits_for_its_order_makes_orders_two_epochs_ahead(monkeyp
         assert sorted(j.key[0] for j in L._plan.ahead) == [21, 22]
 
 
+def test_a_large_order_stays_one_epoch_ahead(monkeypatch):
+    # past _AHEAD_EXTRA_BYTES a third table is not worth its memory: the epoch waits instead
+    monkeypatch.setattr(_epoch_plan, "_AHEAD_EXTRA_BYTES", N * 8 - 1)
+    bs = 8192
+    with pinloader.ArrayLoader(ids(N), bs, seed=6, device=DEVICE) as L:
+        _testing.debug_hold_order_jobs(True)
+        try:
+            assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 0)
+            release = threading.Timer(0.3, _testing.debug_hold_order_jobs, (False,))
+            release.start()
+            rows = epoch_rows(L)  # waited for its order
+            release.join()
+        finally:
+            _testing.debug_hold_order_jobs(False)
+        assert rows.tolist() == ref_order(N, bs, 6, 1)
+        assert L._plan.ahead_depth == 1
+        assert [j.key[0] for j in L._plan.ahead] == [2]
+
+
 def test_set_epoch_to_another_epoch_draws_that_one_in_place(monkeypatch):
     spy = Spy(monkeypatch)
     bs = 8192
