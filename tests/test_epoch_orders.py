@@ -369,3 +369,38 @@ def test_any_order_is_the_formulas_and_its_range_is_exact(case):
         _C.RowGather(np.zeros((end, 1), np.uint8), got, c["window"] or None)
         with pytest.raises((IndexError, ValueError)):  # ValueError: a window past a source of no rows
             _C.RowGather(np.zeros((end - 1, 1), np.uint8), got, c["window"] or None)
+
+
+@pytest.mark.fork
+def test_a_child_forked_while_the_test_switch_holds_jobs_runs_its_own():
+    # The switch is process state: in the child the parent's held threads do not exist, the
+    # switch is off and its lock re-made, so a job made there runs; the parent's is held still.
+    import textwrap
+    from helpers import WAIT_CHILD, describe, run_py
+    code = textwrap.dedent("""
+    import os, sys, time, warnings
+    warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
+    import numpy as np
+    from pinloader._C import _OrderJob, _testing
+    """) + WAIT_CHILD.format(timeout=60.0, poll=0.01) + textwrap.dedent("""
+    _testing.debug_hold_order_jobs(True)
+    held = _OrderJob(5000, 1, 1)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            mine = _OrderJob(3000, 2, 2).result()          # its thread runs: the switch is off
+            assert sorted(mine.tolist()) == list(range(3000))
+            assert sorted(held.result().tolist()) == list(range(5000))  # made here, in place
+            code = 0
+        finally:
+            os._exit(code)
+    status = wait_child(pid)
+    assert status == 0, status
+    assert not held.done                                  # the parent's is still held
+    _testing.debug_hold_order_jobs(False)
+    assert sorted(held.result().tolist()) == list(range(5000))
+    print("OK")
+    """)
+    p = run_py(code, timeout=120)
+    assert p.returncode == 0 and "OK" in p.stdout, describe(p)

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 #include <time.h>
 
 /* Note [epoch orders]
@@ -80,6 +81,16 @@ void pl_epoch_order_hold(int on)
     hold_on = on;
     pthread_cond_broadcast(&hold_cv);
     pthread_mutex_unlock(&hold_mu);
+}
+
+void pl_epoch_order_atfork_child(void)
+{
+    /* the parent's job threads do not exist here: the switch's lock and condition are re-made
+     * (a waiter of the parent may have held the lock) and the switch is off */
+    static const pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
+    pl_mutex_reset_in_child(&hold_mu);
+    memcpy(&hold_cv, &fresh_cv, sizeof fresh_cv);
+    hold_on = 0;
 }
 
 static void hold_wait(void)

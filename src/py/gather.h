@@ -28,6 +28,8 @@ typedef struct pl_row_gather_leaf {
 int pl_row_gather_check(pl_state *st, PyObject *o);
 
 int pl_gather_init(PyObject *m, pl_state *st);
+/* The fork child handler's part (module.c): epoch_order.c's test switch re-made, off. */
+void pl_epoch_order_atfork_child(void);
 
 /* RowBatches, one epoch of an ArrayLoader, is a native source (Note [sources] in source.h,
  * Note [native epochs] in row_batches.c): the producer reads it through the ops it registers. */

@@ -172,6 +172,7 @@ static void at_fork_child(void)
     pl_block_atfork_child();
     pl_pool_atfork_child();
     pl_hostreg_atfork_child();
+    pl_epoch_order_atfork_child();
 }
 
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
