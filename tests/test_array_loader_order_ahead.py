@@ -73,6 +73,36 @@ def wait_ahead(loader):
         assert job.job.done
 
 
+class ReleasedByResult:
+    """An _AheadOrder's job whose result() turns the test switch off first: with the switch on
+    when the next epoch begins, that epoch finds its order not yet made (done is False, the
+    thread is held), whatever the timing, and then waits for it."""
+
+    def __init__(self, job):
+        self._job = job
+        self.asked = 0
+
+    @property
+    def done(self):
+        return self._job.done
+
+    def result(self):
+        self.asked += 1
+        _testing.debug_hold_order_jobs(False)
+        return self._job.result()
+
+
+def epoch_that_waits(loader):
+    """One epoch of `loader` whose order (made ahead, its job held by the test switch, which
+    this turns off) was not made yet when the epoch began."""
+    (ahead,) = [j for j in loader._plan.ahead if j.key[0] == loader.epoch + 1]
+    ahead.job = ReleasedByResult(ahead.job)
+    assert not ahead.job.done
+    rows = epoch_rows(loader)
+    assert ahead.job.asked == 1
+    return rows
+
+
 def test_the_next_epochs_order_is_drawn_off_the_training_thread(monkeypatch):
     spy = Spy(monkeypatch)
     bs = 4096
@@ -99,10 +129,7 @@ def test_an_epoch_that_waits_for_its_order_makes_orders_two_epochs_ahead(monkeyp
         _testing.debug_hold_order_jobs(True)  # epoch 1's job waits: as if the epoch were short
         try:
             assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 0)
-            release = threading.Timer(0.3, _testing.debug_hold_order_jobs, (False,))
-            release.start()
-            rows = epoch_rows(L)  # its first batch waited for the order
-            release.join()
+            rows = epoch_that_waits(L)  # its first batch waited for the order
         finally:
             _testing.debug_hold_order_jobs(False)
         assert rows.tolist() == ref_order(N, bs, 6, 1)
@@ -130,10 +157,7 @@ def test_a_large_order_stays_one_epoch_ahead(monkeypatch):
         _testing.debug_hold_order_jobs(True)
         try:
             assert epoch_rows(L).tolist() == ref_order(N, bs, 6, 0)
-            release = threading.Timer(0.3, _testing.debug_hold_order_jobs, (False,))
-            release.start()
-            rows = epoch_rows(L)  # waited for its order
-            release.join()
+            rows = epoch_that_waits(L)  # waited for its order
         finally:
             _testing.debug_hold_order_jobs(False)
         assert rows.tolist() == ref_order(N, bs, 6, 1)
