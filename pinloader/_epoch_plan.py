@@ -97,7 +97,7 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # it from there: at once if it is done, else after waiting for the rest of it. An epoch that
 # found its order not yet made is shorter than the making: from then on the orders of the next
 # _AHEAD_MAX epochs are made, each on its own thread, so that each has that many epochs' time
-# (for orders of up to _AHEAD_EXTRA_BYTES: the extra table is bounded).
+# (for jobs of up to _AHEAD_EXTRA_BYTES, _job_bytes: the extra job's memory is bounded).
 # The order is a pure function of the plan's settings and the epoch; a job is made from them
 # and matched by _order_key, so only a plan of the same settings uses it (the resumed epoch's
 # plan, a copy with other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items
@@ -109,7 +109,14 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 _AHEAD_MAX = 2
-_AHEAD_EXTRA_BYTES = 512 << 20  # the largest table made two epochs ahead (64 million items)
+_AHEAD_EXTRA_BYTES = 512 << 20  # the most a job two epochs ahead holds (64 million items)
+
+
+def _job_bytes(plan: _Plan) -> int:
+    """What a job holds until its order is handed out: the order's block, and for a shard the
+    whole permutation's block beside it (Note [epoch orders] in src/py/epoch_order.c)."""
+    sharded = plan.world_size > 1 and plan.num_samples > 0
+    return 8 * (plan.num_items + (plan.num_samples if sharded else 0))
 
 
 def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
@@ -157,7 +164,7 @@ def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
         plan.ahead = rest
         return None
-    if not job.job.done and plan.ahead_depth < _AHEAD_MAX and plan.num_samples * 8 <= _AHEAD_EXTRA_BYTES:
+    if not job.job.done and plan.ahead_depth < _AHEAD_MAX and _job_bytes(plan) <= _AHEAD_EXTRA_BYTES:
         plan.ahead_depth += 1  # the epochs are shorter than an order takes
     try:
         order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt

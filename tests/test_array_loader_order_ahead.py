@@ -165,6 +165,26 @@ def test_a_large_order_stays_one_epoch_ahead(monkeypatch):
         assert [j.key[0] for j in L._plan.ahead] == [2]
 
 
+def test_a_large_sharded_order_counts_its_permutation_too(monkeypatch):
+    # A shard's job holds the whole permutation (num_items) beside the shard (num_samples) until
+    # its order is handed out: that is what a job two epochs ahead adds, not the shard alone.
+    world = 8
+    items = N + 5
+    monkeypatch.setattr(_epoch_plan, "_AHEAD_EXTRA_BYTES", items * 8)  # a shard fits, not both
+    bs = 1024
+    with pinloader.ArrayLoader(ids(items), bs, seed=6, device=DEVICE, rank=3, world_size=world) as L:
+        assert L._plan.num_samples * 8 < _epoch_plan._AHEAD_EXTRA_BYTES
+        _testing.debug_hold_order_jobs(True)
+        try:
+            assert epoch_rows(L).tolist() == ref_order(items, bs, 6, 0, rank=3, world=world)
+            rows = epoch_that_waits(L)
+        finally:
+            _testing.debug_hold_order_jobs(False)
+        assert rows.tolist() == ref_order(items, bs, 6, 1, rank=3, world=world)
+        assert L._plan.ahead_depth == 1
+        assert [j.key[0] for j in L._plan.ahead] == [2]
+
+
 def test_set_epoch_to_another_epoch_draws_that_one_in_place(monkeypatch):
     spy = Spy(monkeypatch)
     bs = 8192
