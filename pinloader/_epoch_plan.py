@@ -95,9 +95,11 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
 # own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
 # it from there: at once if it is done, else after waiting for the rest of it. An epoch that
-# found its order not yet made is shorter than the making: from then on the orders of the next
-# _AHEAD_MAX epochs are made, each on its own thread, so that each has that many epochs' time
-# (for jobs of up to _AHEAD_EXTRA_BYTES, _job_bytes: the extra job's memory is bounded).
+# found its order not yet made is shorter than the making (an epoch that began with it, after
+# a whole one: not indices() asking for it, nor the rest of a resumed epoch before it): from
+# then on the orders of the next _AHEAD_MAX epochs are made, each on its own thread, so that
+# each has that many epochs' time (for jobs of up to _AHEAD_EXTRA_BYTES, _job_bytes: the extra
+# job's memory is bounded).
 # The order is a pure function of the plan's settings and the epoch; a job is made from them
 # and matched by _order_key, so only a plan of the same settings uses it (the resumed epoch's
 # plan, a copy with other sharding, makes its own). Orders of fewer than _AHEAD_MIN_ITEMS items
@@ -127,15 +129,17 @@ def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
 class _AheadOrder:
     """An epoch's order being made on a thread of its own (Note [orders made ahead])."""
 
-    def __init__(self, plan: _Plan, epoch: int) -> None:
+    def __init__(self, plan: _Plan, epoch: int, whole: bool) -> None:
         self.key = _order_key(plan, epoch)
         self.pid = os.getpid()
+        self.whole = whole  # made as a whole epoch began: a wait for it says epochs are short
         self.job = _order_job(plan, epoch, True)
 
 
-def prepare_order(plan: _Plan, epoch: int) -> None:
+def prepare_order(plan: _Plan, epoch: int, whole: bool = True) -> None:
     """Start making the orders of ``epoch`` and of the epochs after it up to the plan's depth,
-    each on a thread of its own (Note [orders made ahead])."""
+    each on a thread of its own (Note [orders made ahead]); ``whole``: the epoch that began is
+    a whole one (not the rest of a resumed epoch)."""
     if plan.num_items < _AHEAD_MIN_ITEMS:
         return
     wanted = [_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)]
@@ -147,7 +151,7 @@ def prepare_order(plan: _Plan, epoch: int) -> None:
         if key in have or (plan.cache is not None and plan.cache[0] == key[0]):
             continue
         try:
-            plan.ahead += (_AheadOrder(plan, key[0]),)
+            plan.ahead += (_AheadOrder(plan, key[0], whole),)
         except MemoryError:  # the order is made, or its error raised, when it is needed
             return
 
@@ -164,8 +168,9 @@ def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     if job.pid != os.getpid():  # the thread was the parent's (a fork() since)
         plan.ahead = rest
         return None
-    if not job.job.done and plan.ahead_depth < _AHEAD_MAX and _job_bytes(plan) <= _AHEAD_EXTRA_BYTES:
-        plan.ahead_depth += 1  # the epochs are shorter than an order takes
+    if (not job.job.done and job.whole and epoch == plan.epoch and plan.ahead_depth < _AHEAD_MAX
+            and _job_bytes(plan) <= _AHEAD_EXTRA_BYTES):
+        plan.ahead_depth += 1  # the epoch beginning waits: epochs are shorter than an order takes
     try:
         order: np.ndarray = job.job.result()  # a Ctrl-C leaves the job for the next attempt
     except Exception:  # noqa: BLE001 -- its table could not be handed out (out of memory): the

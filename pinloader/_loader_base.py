@@ -148,7 +148,7 @@ class _EpochLoader(ABC):
         it.epoch, it.consumed, it.done = epoch, 0, False
         # the order of the epoch that comes next by default, made while this one runs (Note
         # [orders made ahead] in pinloader/_epoch_plan.py)
-        prepare_order(self._plan, epoch + 1)
+        prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
         return self
 
     def _take(self) -> Any:

@@ -185,6 +185,41 @@ def test_a_large_sharded_order_counts_its_permutation_too(monkeypatch):
         assert [j.key[0] for j in L._plan.ahead] == [2]
 
 
+def test_only_a_whole_epoch_that_waits_makes_orders_two_epochs_ahead(monkeypatch):
+    # What waits for the next epoch's order before a whole epoch ran says nothing of how long
+    # epochs take: indices() of the next epoch asked mid-epoch, or the rest of a resumed epoch
+    # (however short). Neither makes orders two epochs ahead (a third table, kept for good).
+    spy = Spy(monkeypatch)
+    bs = 4096
+    with pinloader.ArrayLoader(ids(N), bs, seed=2, device=DEVICE) as L:
+        _testing.debug_hold_order_jobs(True)
+        try:
+            it = iter(L)
+            first = [np.from_dlpack(next(it)).copy() for _ in range(3)]
+            (ahead,) = L._plan.ahead
+            ahead.job = ReleasedByResult(ahead.job)
+            assert not ahead.job.done
+            assert L.indices(1).tolist() == ref_order(N, bs, 2, 1)  # waited for the job
+            assert ahead.job.asked == 1
+        finally:
+            _testing.debug_hold_order_jobs(False)
+        assert L._plan.ahead_depth == 1
+        state = L.state_dict()
+    with pinloader.ArrayLoader(ids(N), bs, seed=2, device=DEVICE) as R:
+        R.load_state_dict(state)
+        _testing.debug_hold_order_jobs(True)
+        try:
+            rest = epoch_rows(R)  # the resumed epoch: epoch 1's job is held
+            assert np.concatenate(first + [rest]).tolist() == ref_order(N, bs, 2, 0)
+            rows = epoch_that_waits(R)
+        finally:
+            _testing.debug_hold_order_jobs(False)
+        assert rows.tolist() == ref_order(N, bs, 2, 1)
+        assert spy.where(1) == "other"
+        assert R._plan.ahead_depth == 1
+        assert [j.key[0] for j in R._plan.ahead] == [2]
+
+
 def test_set_epoch_to_another_epoch_draws_that_one_in_place(monkeypatch):
     spy = Spy(monkeypatch)
     bs = 8192
