@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pinloader import _C
 from pinloader._C import _EpochTables, _OrderJob, _testing
@@ -326,10 +327,6 @@ def test_a_child_forked_while_another_thread_makes_the_order_in_place_makes_it_i
     """)
     p = run_py(code, timeout=150)
     assert p.returncode == 0 and "OK" in p.stdout, describe(p)
-
-
-hypothesis = pytest.importorskip("hypothesis", reason="the property test needs hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @st.composite
