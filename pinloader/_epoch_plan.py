@@ -107,8 +107,10 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # thread of its parent (it does not exist there): it makes the order itself. A job that could
 # not be made, or whose table could not be handed out (out of memory), leaves the order to be
 # made, and its error raised, where it is needed. Memory: the current order and the ones being
-# made, two tables of 8 bytes an item (three once orders are made two epochs ahead), and the
-# plan's _EpochTables keeps at most two more for reuse (Note [epoch table reuse]).
+# made, 8 bytes an item of the rank's shard each (two tables; three once orders are made two
+# epochs ahead), a sharded job also the whole permutation's 8 bytes an item until its order is
+# handed out (_job_bytes), and the plan's _EpochTables keeps at most two blocks more for reuse
+# (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 _AHEAD_MAX = 2
 _AHEAD_EXTRA_BYTES = 512 << 20  # the most a job two epochs ahead holds (64 million items)
