@@ -1,5 +1,5 @@
 """benchmarks/bench_orders.py: the --smoke run times every row with the main thread idle and
-busy, each order the right length, and writes its tables."""
+busy, each order the right length, and the sharded loader both ways, and writes its tables."""
 from __future__ import annotations
 
 import json
@@ -32,3 +32,9 @@ def test_smoke_run_times_every_row(tmp_path):
         assert data["summary"][name]["n"] == 2
     for row in ("python_thread", "job_fresh", "job_reuse"):
         assert f"| {row} | idle |" in md and f"| {row} | busy |" in md
+    # the sharded loader, orders one epoch ahead and as made now
+    assert set(data["loader"]) == {"loader_one_ahead", "loader_adaptive"}
+    for name, rec in data["loader"].items():
+        assert len(rec["batches_per_s"]) == 2 and all(v > 0 for v in rec["batches_per_s"]), name
+        assert len(rec["first_next_ms"]) == 2 and all(v > 0 for v in rec["first_next_ms"]), name
+        assert f"| {name} |" in md
