@@ -266,10 +266,7 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->out = pl_epoch_table_take(tables, sharded ? count : (m ? n : 0));
     if (w->out && sharded)
         w->perm = pl_epoch_table_take(tables, n);
-    if (!w->out || (sharded && !w->perm)) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_MemoryError, "an epoch order of %lld items%s could not be allocated "
-                         "(8 bytes an item)", (long long)n, sharded ? " and its shard" : "");
+    if (!w->out || (sharded && !w->perm)) { /* MemoryError set */
         pl_epoch_table_give(tables, w->out);
         PyMem_RawFree(w);
         return NULL;

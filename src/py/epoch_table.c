@@ -98,7 +98,9 @@ epoch_table *pl_epoch_table_take(PyObject *tables, int64_t n)
         }
     }
     if (!t && !(t = table_alloc(n))) {
-        if (tables)
+        if ((uint64_t)n > ((uint64_t)PY_SSIZE_T_MAX - sizeof(epoch_table)) / sizeof(int64_t))
+            PyErr_Format(PyExc_MemoryError, "an epoch order of %lld items is too large", (long long)n);
+        else
             PyErr_Format(PyExc_MemoryError, "an epoch order of %lld items (%lld bytes) could not be "
                          "allocated", (long long)n, (long long)n * 8);
         return NULL;
@@ -165,17 +167,8 @@ PyObject *pl_epoch_table_array(epoch_table *t, PyObject *tables)
  * filled, then epoch_table_range), or NULL with an exception. */
 static PyObject *epoch_table_new(int64_t n, epoch_table **out)
 {
-    epoch_table *t = table_alloc(n);
-    if (!t) {
-        if ((uint64_t)n > ((uint64_t)PY_SSIZE_T_MAX - sizeof(epoch_table)) / sizeof(int64_t))
-            return PyErr_Format(PyExc_MemoryError, "an epoch order of %lld items is too large", (long long)n);
-        return PyErr_Format(PyExc_MemoryError, "an epoch order of %lld items (%lld bytes) could not be "
-                            "allocated", (long long)n, (long long)n * 8);
-    }
-    t->n = n;
-    t->lo = 0;
-    t->hi = -1;
-    PyObject *arr = pl_epoch_table_array(t, NULL);
+    epoch_table *t = pl_epoch_table_take(NULL, n);
+    PyObject *arr = t ? pl_epoch_table_array(t, NULL) : NULL;
     if (arr)
         *out = t;
     return arr;

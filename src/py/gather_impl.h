@@ -63,10 +63,9 @@ int pl_borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out, Py
                    PyObject **owner);
 /* o is an _EpochTables (Note [epoch table reuse] in epoch_table.c). */
 int pl_is_epoch_tables(PyObject *o);
-/* A block for an epoch table of n entries (n set, lo/hi not), taken from `tables` (an
- * _EpochTables, Note [epoch table reuse]; NULL: none) when it has one big enough, else
- * allocated. Any thread, but with `tables` only with the GIL. NULL with MemoryError (GIL held)
- * or NULL alone (no GIL, no tables) when memory is short. */
+/* GIL held: a block for an epoch table of n entries (n set, lo/hi not), taken from `tables`
+ * (an _EpochTables, Note [epoch table reuse]; NULL: none) when it has one big enough, else
+ * allocated; NULL with MemoryError when memory is short. */
 epoch_table *pl_epoch_table_take(PyObject *tables, int64_t n);
 /* GIL held (or tables NULL): block t back to `tables`, or freed when it keeps enough. */
 void pl_epoch_table_give(PyObject *tables, epoch_table *t);
