@@ -21,7 +21,7 @@ from pinloader import ImageLoader, _C
 from pinloader import _image_ops as ops
 from pinloader._image_pack import pack
 
-from image_helpers import folder_items, jpeg, make_folder, make_tars, photo
+from image_helpers import folder_items, jpeg, make_sources, photo
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -236,13 +236,7 @@ def gpu(monkeypatch):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_logic")
-    folder = make_folder(str(root / "folder"), n_per_class=6)
-    items = folder_items(folder)
-    tars = make_tars(items, str(root), per_shard=7)
-    packed = str(root / "packed")
-    pack(folder, packed, quiet=True)
-    return {"folder": folder, "items": items, "tars": tars, "packed": packed}
+    return make_sources(str(tmp_path_factory.mktemp("gpu_logic")), per_shard=7)
 
 
 def _cmyk(a):

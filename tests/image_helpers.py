@@ -72,6 +72,19 @@ def make_tars(items: list[tuple[str, int]], dest: str, per_shard: int) -> list[s
     return shards
 
 
+def make_sources(root: str, per_shard: int, n_per_class: int = 6) -> dict:
+    """The same images as every kind of ImageLoader source under ``root``: an ImageFolder tree
+    (``folder``, with its ``items``), tar shards of ``per_shard`` members (``tars``) and a packed
+    dataset (``packed``)."""
+    from pinloader._image_pack import pack
+    folder = make_folder(os.path.join(root, "folder"), n_per_class=n_per_class)
+    items = folder_items(folder)
+    tars = make_tars(items, root, per_shard=per_shard)
+    packed = os.path.join(root, "packed")
+    pack(folder, packed, quiet=True)
+    return {"folder": folder, "items": items, "tars": tars, "packed": packed}
+
+
 def reference(data: bytes, p, size, dtype="float32", mean=MEAN, std=STD) -> np.ndarray:
     """Pillow's path for one sample, written out independently of pinloader: decode, RGB, crop
     the box, bilinear resize, window, flip, normalize; (3, H, W)."""

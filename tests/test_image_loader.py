@@ -12,22 +12,15 @@ import pytest
 
 import pinloader
 from pinloader import ImageDecodeError, ImageLoader
-from pinloader._image_pack import pack
 
-from image_helpers import folder_items, jpeg, make_folder, make_tars, photo, reference
+from image_helpers import jpeg, make_sources, photo, reference
 
 Image = pytest.importorskip("PIL.Image")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    folder = make_folder(str(root / "folder"))
-    items = folder_items(folder)
-    tars = make_tars(items, str(root), per_shard=7)
-    packed = str(root / "packed")
-    pack(folder, packed, quiet=True)
-    return {"folder": folder, "items": items, "tars": tars, "packed": packed}
+    return make_sources(str(tmp_path_factory.mktemp("images")), per_shard=7)
 
 
 def host(loader):

@@ -12,10 +12,9 @@ import pytest
 
 import pinloader
 from pinloader import ImageDecodeError, ImageLoader, _C
-from pinloader._image_pack import pack
 
 from helpers import capture_and_replay
-from image_helpers import folder_items, jpeg, make_folder, make_tars, photo
+from image_helpers import jpeg, make_sources, photo
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,13 +42,7 @@ def torch():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_images")
-    folder = make_folder(str(root / "folder"), n_per_class=6)
-    items = folder_items(folder)
-    tars = make_tars(items, str(root), per_shard=5)
-    packed = str(root / "packed")
-    pack(folder, packed, quiet=True)
-    return {"folder": folder, "items": items, "tars": tars, "packed": packed}
+    return make_sources(str(tmp_path_factory.mktemp("gpu_images")), per_shard=5)
 
 
 def collect(loader, torch):
