@@ -11,7 +11,9 @@
 #   6. bench_images.py: ResNet-50 and ResNet-18 fed by ImageLoader (packed) and by the DataLoader
 #      against pre-decoded crops on the GPU, and the loader-bound packed row beside the decoder
 #      alone.
-# Everything goes into one archive, $OUT/session_gpu.tgz; the step summary is printed.
+# SKIP="name ..." leaves those steps out (for instance images_models when benchmarks/dali_gpu.sh runs
+# the model rows with DALI beside them in a later call). Everything goes into one archive,
+# $OUT/session_gpu.tgz; the step summary is printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/session_gpu_out}"
@@ -25,6 +27,7 @@ step() { echo "$1 rc=$2 t=${SECONDS}s" >>"$R/steps.txt"; }
 run() {
     local name=$1 budget=$2
     shift 2
+    case " ${SKIP:-} " in *" $name "*) echo "$name skipped: SKIP" >>"$R/steps.txt"; return ;; esac
     local left=$(( LIMIT - SECONDS ))
     if [ "$left" -lt "$budget" ]; then
         echo "$name skipped: ${left}s left, needs ${budget}s" >>"$R/steps.txt"
