@@ -71,6 +71,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
+from _peers import AsyncGPUDataLoader, SideStreamPrefetcher  # noqa: E402
 
 torch = None  # imported by main() once the arguments are parsed
 
@@ -101,74 +102,6 @@ ROW_LABELS = {
 NOT_APPLICABLE = {(src, "pinloader_pinned"):
                   "batches are collated in worker processes, which cannot write into this "
                   "process's PinnedBuffers" for src in ("dataset", "crops")}
-
-
-# --------------------------------------------------------------------------- loaders under test
-
-class AsyncGPUDataLoader:
-    """The seed write-up's loader, as published: a priority -1 side stream, the next batch's
-    copies issued on it, and the compute stream made to wait for that stream before the
-    previous batch is yielded. It never calls record_stream."""
-
-    def __init__(self, dataloader, device):
-        self.loader = dataloader
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device, priority=-1)
-
-    def __iter__(self):
-        first = True
-        for next_inputs, next_targets in self.loader:
-            with torch.cuda.stream(self.stream):
-                next_inputs = next_inputs.to(self.device, non_blocking=True)
-                next_targets = next_targets.to(self.device, non_blocking=True)
-            if not first:
-                torch.cuda.current_stream().wait_stream(self.stream)
-                yield current_inputs, current_targets  # noqa: F821
-            else:
-                first = False
-            current_inputs = next_inputs
-            current_targets = next_targets
-        torch.cuda.current_stream().wait_stream(self.stream)
-        yield current_inputs, current_targets
-
-    def __len__(self):
-        return len(self.loader)
-
-
-class SideStreamPrefetcher:
-    """A correct side-stream prefetcher in the style of NVIDIA Apex's data_prefetcher.
-
-    The copy of batch i+1 is issued after the compute stream was told to wait for batch i, so
-    compute never waits for a copy it does not need, and record_stream keeps the caching
-    allocator from reusing a batch's memory while the compute stream may still read it."""
-
-    def __init__(self, loader, device):
-        self.loader = loader
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-
-    def _preload(self, it):
-        try:
-            inputs, targets = next(it)
-        except StopIteration:
-            return None
-        with torch.cuda.stream(self.stream):
-            return (inputs.to(self.device, non_blocking=True),
-                    targets.to(self.device, non_blocking=True))
-
-    def __iter__(self):
-        it = iter(self.loader)
-        pending = self._preload(it)
-        while pending is not None:
-            current = torch.cuda.current_stream()
-            current.wait_stream(self.stream)
-            for t in pending:
-                t.record_stream(current)
-            batch, pending = pending, self._preload(it)
-            yield batch
-
-    def __len__(self):
-        return len(self.loader)
 
 
 # --------------------------------------------------------------------------- sources
@@ -481,10 +414,10 @@ def loader_factory(row, source, ctx):
             _tensor(y).pin_memory().to(dev, non_blocking=True)))
     if row == "seed":
         src = source.pinned()
-        return lambda: AsyncGPUDataLoader(src, torch.device(dev))
+        return lambda: AsyncGPUDataLoader(src, torch.device(dev), torch)
     if row == "apex":
         src = source.pinned()
-        return lambda: SideStreamPrefetcher(src, torch.device(dev))
+        return lambda: SideStreamPrefetcher(src, torch.device(dev), torch)
     if row in ("pinloader", "pinloader_pinned"):
         common.require_pinloader_cuda()
         import pinloader.torch as pt
