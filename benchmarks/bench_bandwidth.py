@@ -584,11 +584,7 @@ def staging_sweep(args):
         "elapsed_s": time.perf_counter() - started,
     }
     name = args.name if args.name != "bandwidth" else "bandwidth_staging"
-    jpath = common.write_json(args.out, name, payload)
-    text = render_staging_markdown(payload)
-    mpath = common.write_markdown(args.out, name, text)
-    common.log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
-    print(text)
+    common.publish_timed(args.out, name, payload, render_staging_markdown(payload))
     return 0
 
 
@@ -915,11 +911,7 @@ def main(argv=None):
         "ratios": ratios,
         "elapsed_s": time.perf_counter() - started,
     }
-    jpath = common.write_json(args.out, args.name, payload)
-    text = render_markdown(payload)
-    mpath = common.write_markdown(args.out, args.name, text)
-    common.log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
-    print(text)
+    common.publish_timed(args.out, args.name, payload, render_markdown(payload))
     return 0
 
 

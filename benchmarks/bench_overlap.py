@@ -704,10 +704,7 @@ def main(argv=None):
         "targets": targets_out,
         "elapsed_s": time.perf_counter() - started,
     }
-    jpath = common.write_json(args.out, args.name, payload)
-    mpath = common.write_markdown(args.out, args.name, render_markdown(payload))
-    common.log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
-    print(render_markdown(payload))
+    common.publish_timed(args.out, args.name, payload, render_markdown(payload))
     return 0
 
 
