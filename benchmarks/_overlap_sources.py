@@ -31,20 +31,22 @@ WORKER_COLLATED = ("batches are collated in worker processes, which cannot write
                    "process's PinnedBuffers")
 
 
-class InRamSamples:
-    """Map-style dataset of single samples held in RAM; index i reads sample i mod n."""
+class InRamPairs:
+    """Map-style dataset of (x, y) pairs held in RAM; index i reads pair i mod n. The pairs are
+    single samples (the per-sample sources) or whole batches (the collated source's
+    DataLoader, batch_size=None)."""
 
-    def __init__(self, images, labels, length):
-        self.images = images
-        self.labels = labels
+    def __init__(self, xs, ys, length):
+        self.xs = xs
+        self.ys = ys
         self.length = length
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, index):
-        j = index % len(self.images)
-        return self.images[j], self.labels[j]
+        j = index % len(self.xs)
+        return self.xs[j], self.ys[j]
 
 
 class RandomCrops:
@@ -90,22 +92,6 @@ class Epochs:
             yield items[i % len(items)]
 
 
-class CollatedBatches:
-    """Map-style dataset whose items are whole batches (for DataLoader(batch_size=None))."""
-
-    def __init__(self, xs, ys, length):
-        self.xs = xs
-        self.ys = ys
-        self.length = length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        j = index % len(self.xs)
-        return self.xs[j], self.ys[j]
-
-
 def _loader_kwargs(workers, prefetch_factor, pin):
     kw = dict(num_workers=workers, pin_memory=pin)
     if workers > 0:
@@ -129,7 +115,7 @@ class DatasetSource:
         gen = torch.Generator().manual_seed(1)
         images = torch.rand((args.dataset_samples, *IMAGE_SHAPE), generator=gen)
         labels = torch.randint(0, 1000, (args.dataset_samples,), generator=gen)
-        self.dataset = InRamSamples(images, labels, epoch_batches * args.batch_size)
+        self.dataset = InRamPairs(images, labels, epoch_batches * args.batch_size)
         self._loaders = {}
 
     def _loader(self, pin):
@@ -229,7 +215,7 @@ class CollatedSource:
             if self.args.collated_workers:
                 xs = [t.clone().share_memory_() for t in xs]
                 ys = [t.clone().share_memory_() for t in ys]
-            dataset = CollatedBatches(xs, ys, self.epoch_batches)
+            dataset = InRamPairs(xs, ys, self.epoch_batches)
             self._loader = torch.utils.data.DataLoader(
                 dataset, batch_size=None, shuffle=False,
                 **_loader_kwargs(self.args.collated_workers, self.args.prefetch_factor, True))
