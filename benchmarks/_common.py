@@ -366,6 +366,15 @@ def publish(out_dir: Path, name: str, payload: dict, text: str) -> None:
     write_markdown(out_dir, name, text)
 
 
+def publish_timed(out_dir: Path, name: str, payload: dict, text: str) -> None:
+    """Write a run's JSON and Markdown (<out_dir>/<name>.{json,md}), log both paths with the
+    run's time (``payload["elapsed_s"]``), then print the Markdown."""
+    jpath = write_json(out_dir, name, payload)
+    mpath = write_markdown(out_dir, name, text)
+    log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
+    print(text)
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
     """Render a Markdown table; ``align`` is one character per column from 'l', 'r', 'c'."""
     headers = [str(h) for h in headers]

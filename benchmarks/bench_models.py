@@ -13,8 +13,8 @@ Rows (--rows), each a way of feeding the same training step:
                       CPU (numpy), --workers (8) worker processes, pin_memory=True, persistent
                       workers, prefetch_factor --prefetch-factor (2), shuffle, drop_last;
                       .to(device, non_blocking=True)
-  two_stream          the seed write-up's two-stream AsyncGPUDataLoader (copied unchanged from
-                      bench_overlap.py) over a second such DataLoader
+  two_stream          the seed write-up's two-stream AsyncGPUDataLoader (_peers.py, the one
+                      bench_overlap.py runs) over a second such DataLoader
   pinloader_dl        pinloader.torch.prefetch over a third such DataLoader, pin_memory=False
   arrayloader_host    pinloader.torch.prefetch(pinloader.ArrayLoader((images, labels), batch,
                       gather="host", drop_last=True)): full uint8 128x128 images reach the GPU,
@@ -62,8 +62,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import math
-import os
 import random
 import shutil
 import sys
@@ -74,8 +72,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _peers import AsyncGPUDataLoader  # noqa: E402
 
-torch = None  # imported in main(); read by AsyncGPUDataLoader as in bench_overlap.py
+torch = None  # imported in main() (a stand-in without CUDA in --smoke)
 
 IMAGE_ROWS = ["dataloader", "two_stream", "pinloader_dl", "arrayloader_host",
               "arrayloader_device", "on_gpu"]
@@ -104,37 +103,7 @@ GPT2_BLOCK = 1024
 GPT2_VOCAB = 50304
 
 
-# --------------------------------------------------------------------------- the write-up's loader
-
-class AsyncGPUDataLoader:
-    """The seed write-up's loader, as published: a priority -1 side stream, the next batch's
-    copies issued on it, and the compute stream made to wait for that stream before the
-    previous batch is yielded. It never calls record_stream."""
-
-    def __init__(self, dataloader, device):
-        self.loader = dataloader
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device, priority=-1)
-
-    def __iter__(self):
-        first = True
-        for next_inputs, next_targets in self.loader:
-            with torch.cuda.stream(self.stream):
-                next_inputs = next_inputs.to(self.device, non_blocking=True)
-                next_targets = next_targets.to(self.device, non_blocking=True)
-            if not first:
-                torch.cuda.current_stream().wait_stream(self.stream)
-                yield current_inputs, current_targets  # noqa: F821
-            else:
-                first = False
-            current_inputs = next_inputs
-            current_targets = next_targets
-        torch.cuda.current_stream().wait_stream(self.stream)
-        yield current_inputs, current_targets
-
-    def __len__(self):
-        return len(self.loader)
-
+# --------------------------------------------------------------------------- host stand-ins
 
 class _HostStream:
     def __init__(self, device=None, priority=0):
@@ -329,7 +298,7 @@ def build_image_rows(args, images, labels, dev, pinloader):
             return Row(name, endless(Moved(dl, dev)), cpu_cropped, [], {"pin_memory": cuda})
         if name == "two_stream":
             dl = dataloader(dataset, args, pin=cuda)
-            return Row(name, endless(AsyncGPUDataLoader(dl, dev)), cpu_cropped, [],
+            return Row(name, endless(AsyncGPUDataLoader(dl, dev, torch)), cpu_cropped, [],
                        {"pin_memory": cuda})
         if name == "pinloader_dl":
             dl = dataloader(dataset, args, pin=False)

@@ -401,11 +401,7 @@ def main(argv=None):
         "results": results,
         "elapsed_s": time.perf_counter() - started,
     }
-    jpath = common.write_json(args.out, args.name, payload)
-    text = render_markdown(payload)
-    mpath = common.write_markdown(args.out, args.name, text)
-    common.log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
-    print(text)
+    common.publish_timed(args.out, args.name, payload, render_markdown(payload))
     return 0
 
 

@@ -61,7 +61,6 @@ Columns, per step and as the median over repeats (min-max in brackets):
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import sys
 import time
@@ -71,21 +70,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
+from _overlap_sources import IMAGE_SHAPE, SOURCE_KINDS, SOURCE_LABELS, SOURCES  # noqa: E402
+from _overlap_sources import WORKER_COLLATED, Epochs  # noqa: E402
+from _peers import AsyncGPUDataLoader, SideStreamPrefetcher  # noqa: E402
 
 torch = None  # imported by main() once the arguments are parsed
 
-IMAGE_SHAPE = (3, 224, 224)
 DIM = 8192
 
-SOURCES = ("dataset", "crops", "collated")
-SOURCE_LABELS = {
-    "dataset": "per-sample in-RAM Dataset through torch DataLoader worker processes",
-    "crops": "per-sample uint8 random crops + flips through torch DataLoader worker processes",
-    "collated": "pre-collated numpy batches in RAM",
-}
 LOOPS = ("reused", "per_epoch")
 LOOP_LABELS = {"reused": "loader reused across epochs", "per_epoch": "loader created per epoch"}
-CROP_SOURCE_HW = (256, 256)
 ROWS = ("pageable", "dl_pinned", "pin_inline", "seed", "apex",
         "pinloader", "pinloader_pinned", "on_gpu")
 ROW_LABELS = {
@@ -98,313 +92,7 @@ ROW_LABELS = {
     "pinloader_pinned": "pinloader, PinnedBuffer source",
     "on_gpu": "data already on the GPU (upper bound)",
 }
-NOT_APPLICABLE = {(src, "pinloader_pinned"):
-                  "batches are collated in worker processes, which cannot write into this "
-                  "process's PinnedBuffers" for src in ("dataset", "crops")}
-
-
-# --------------------------------------------------------------------------- loaders under test
-
-class AsyncGPUDataLoader:
-    """The seed write-up's loader, as published: a priority -1 side stream, the next batch's
-    copies issued on it, and the compute stream made to wait for that stream before the
-    previous batch is yielded. It never calls record_stream."""
-
-    def __init__(self, dataloader, device):
-        self.loader = dataloader
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device, priority=-1)
-
-    def __iter__(self):
-        first = True
-        for next_inputs, next_targets in self.loader:
-            with torch.cuda.stream(self.stream):
-                next_inputs = next_inputs.to(self.device, non_blocking=True)
-                next_targets = next_targets.to(self.device, non_blocking=True)
-            if not first:
-                torch.cuda.current_stream().wait_stream(self.stream)
-                yield current_inputs, current_targets  # noqa: F821
-            else:
-                first = False
-            current_inputs = next_inputs
-            current_targets = next_targets
-        torch.cuda.current_stream().wait_stream(self.stream)
-        yield current_inputs, current_targets
-
-    def __len__(self):
-        return len(self.loader)
-
-
-class SideStreamPrefetcher:
-    """A correct side-stream prefetcher in the style of NVIDIA Apex's data_prefetcher.
-
-    The copy of batch i+1 is issued after the compute stream was told to wait for batch i, so
-    compute never waits for a copy it does not need, and record_stream keeps the caching
-    allocator from reusing a batch's memory while the compute stream may still read it."""
-
-    def __init__(self, loader, device):
-        self.loader = loader
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-
-    def _preload(self, it):
-        try:
-            inputs, targets = next(it)
-        except StopIteration:
-            return None
-        with torch.cuda.stream(self.stream):
-            return (inputs.to(self.device, non_blocking=True),
-                    targets.to(self.device, non_blocking=True))
-
-    def __iter__(self):
-        it = iter(self.loader)
-        pending = self._preload(it)
-        while pending is not None:
-            current = torch.cuda.current_stream()
-            current.wait_stream(self.stream)
-            for t in pending:
-                t.record_stream(current)
-            batch, pending = pending, self._preload(it)
-            yield batch
-
-    def __len__(self):
-        return len(self.loader)
-
-
-# --------------------------------------------------------------------------- sources
-
-class InRamSamples:
-    """Map-style dataset of single samples held in RAM; index i reads sample i mod n."""
-
-    def __init__(self, images, labels, length):
-        self.images = images
-        self.labels = labels
-        self.length = length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        j = index % len(self.images)
-        return self.images[j], self.labels[j]
-
-
-class RandomCrops:
-    """Map-style dataset of uint8 HWC images held in RAM; each item is a random crop of
-    IMAGE_SHAPE[1:] with a random horizontal flip, as a contiguous CHW uint8 tensor."""
-
-    def __init__(self, images, labels, length):
-        self.images = images
-        self.labels = labels
-        self.length = length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        j = index % len(self.images)
-        img = self.images[j]
-        h, w = IMAGE_SHAPE[1:]
-        top = int(torch.randint(0, img.shape[0] - h + 1, ()))
-        left = int(torch.randint(0, img.shape[1] - w + 1, ()))
-        crop = img[top:top + h, left:left + w]
-        if bool(torch.randint(0, 2, ())):
-            crop = crop.flip(1)
-        return crop.permute(2, 0, 1).contiguous(), self.labels[j]
-
-
-class Epochs:
-    """A re-iterable epoch: every iteration yields ``n`` items of ``items`` (cycled)."""
-
-    def __init__(self, items, n):
-        self.items = items
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        items, n = self.items, self.n
-        for i in range(n):
-            yield items[i % len(items)]
-
-
-class CollatedBatches:
-    """Map-style dataset whose items are whole batches (for DataLoader(batch_size=None))."""
-
-    def __init__(self, xs, ys, length):
-        self.xs = xs
-        self.ys = ys
-        self.length = length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        j = index % len(self.xs)
-        return self.xs[j], self.ys[j]
-
-
-def _loader_kwargs(workers, prefetch_factor, pin):
-    kw = dict(num_workers=workers, pin_memory=pin)
-    if workers > 0:
-        kw.update(persistent_workers=True, prefetch_factor=prefetch_factor,
-                  multiprocessing_context="fork")
-    return kw
-
-
-class DatasetSource:
-    """Per-sample dataset read through DataLoaders with worker processes.
-
-    One DataLoader per pin_memory setting, created on first use and kept (persistent workers)
-    for all runs. An epoch holds exactly the batches one run consumes plus a small slack, so
-    that workers go quiet soon after a run ends."""
-
-    name = "dataset"
-
-    def __init__(self, args, epoch_batches):
-        self.args = args
-        gen = torch.Generator().manual_seed(1)
-        images = torch.rand((args.dataset_samples, *IMAGE_SHAPE), generator=gen)
-        labels = torch.randint(0, 1000, (args.dataset_samples,), generator=gen)
-        self.dataset = InRamSamples(images, labels, epoch_batches * args.batch_size)
-        self._loaders = {}
-
-    def _loader(self, pin):
-        if pin not in self._loaders:
-            self._loaders[pin] = torch.utils.data.DataLoader(
-                self.dataset, batch_size=self.args.batch_size, shuffle=True, drop_last=True,
-                **_loader_kwargs(self.args.workers, self.args.prefetch_factor, pin))
-        return self._loaders[pin]
-
-    def pageable(self):
-        return self._loader(False)
-
-    def pinned(self):
-        return self._loader(True)
-
-    def pinned_buffers(self):
-        raise RuntimeError(NOT_APPLICABLE[(self.name, "pinloader_pinned")])
-
-    def gpu_ring(self, device):
-        return [(torch.rand((self.args.batch_size, *IMAGE_SHAPE), device=device),
-                 torch.randint(0, 1000, (self.args.batch_size,), device=device))
-                for _ in range(2)]
-
-    def describe(self):
-        a = self.args
-        return (f"{a.dataset_samples} distinct samples in RAM, batch {a.batch_size}, "
-                f"{a.workers} workers, prefetch_factor {a.prefetch_factor}, persistent workers, "
-                f"shuffle, {len(self.dataset) // a.batch_size} batches per epoch")
-
-    def close(self):
-        self._loaders.clear()
-        gc.collect()
-
-
-class CropsSource(DatasetSource):
-    """uint8 images (CROP_SOURCE_HW), random crops and flips in the DataLoader's workers."""
-
-    name = "crops"
-
-    def __init__(self, args, epoch_batches):
-        self.args = args
-        gen = torch.Generator().manual_seed(3)
-        images = torch.randint(0, 256, (args.dataset_samples, *CROP_SOURCE_HW, IMAGE_SHAPE[0]),
-                               dtype=torch.uint8, generator=gen)
-        labels = torch.randint(0, 1000, (args.dataset_samples,), generator=gen)
-        self.dataset = RandomCrops(images, labels, epoch_batches * args.batch_size)
-        self._loaders = {}
-
-    def gpu_ring(self, device):
-        return [(torch.randint(0, 256, (self.args.batch_size, *IMAGE_SHAPE), dtype=torch.uint8,
-                               device=device),
-                 torch.randint(0, 1000, (self.args.batch_size,), device=device))
-                for _ in range(2)]
-
-    def describe(self):
-        return (f"uint8 {CROP_SOURCE_HW[0]}x{CROP_SOURCE_HW[1]} images, random "
-                f"{IMAGE_SHAPE[1]}x{IMAGE_SHAPE[2]} crop + flip per sample; " + super().describe())
-
-
-class CollatedSource:
-    """A ring of pre-collated batches: numpy arrays (pageable), a pin_memory DataLoader over
-    them (over shared-memory copies when it has workers), and PinnedBuffer views for pinloader."""
-
-    name = "collated"
-
-    def __init__(self, args, epoch_batches):
-        self.args = args
-        self.epoch_batches = epoch_batches
-        rng = np.random.default_rng(2)
-        shape = (args.batch_size, *IMAGE_SHAPE)
-        self.xs = [rng.random(shape, dtype=np.float32) for _ in range(args.ring)]
-        self.ys = [rng.integers(0, 1000, size=args.batch_size, dtype=np.int64)
-                   for _ in range(args.ring)]
-        self._loader = None
-        self._pool = None
-        self._buffers = []
-        self._pinned_views = None
-
-    def pageable(self):
-        return Epochs(list(zip(self.xs, self.ys)), self.epoch_batches)
-
-    def gpu_ring(self, device):
-        return [(torch.rand((self.args.batch_size, *IMAGE_SHAPE), device=device),
-                 torch.randint(0, 1000, (self.args.batch_size,), device=device))
-                for _ in range(2)]
-
-    def pinned(self):
-        if self._loader is None:
-            xs = [torch.from_numpy(x) for x in self.xs]
-            ys = [torch.from_numpy(y) for y in self.ys]
-            if self.args.collated_workers:
-                xs = [t.clone().share_memory_() for t in xs]
-                ys = [t.clone().share_memory_() for t in ys]
-            dataset = CollatedBatches(xs, ys, self.epoch_batches)
-            self._loader = torch.utils.data.DataLoader(
-                dataset, batch_size=None, shuffle=False,
-                **_loader_kwargs(self.args.collated_workers, self.args.prefetch_factor, True))
-        return self._loader
-
-    def pinned_buffers(self):
-        if self._pinned_views is None:
-            pinloader = common.require_pinloader_cuda()
-            total = sum(x.nbytes + y.nbytes for x, y in zip(self.xs, self.ys))
-            self._pool = pinloader.PinnedPool(max_bytes=2 * total + 256 * common.MiB)
-            views = []
-            for x, y in zip(self.xs, self.ys):
-                pair = []
-                for arr in (x, y):
-                    buf = self._pool.alloc(arr.nbytes)
-                    self._buffers.append(buf)
-                    view = np.frombuffer(buf, dtype=arr.dtype, count=arr.size).reshape(arr.shape)
-                    np.copyto(view, arr)
-                    pair.append(view)
-                views.append(tuple(pair))
-            self._pinned_views = views
-        return Epochs(self._pinned_views, self.epoch_batches)
-
-    def describe(self):
-        a = self.args
-        how = (f"{a.collated_workers} worker process(es) reading them from shared memory, "
-               f"prefetch_factor {a.prefetch_factor}, and its pin thread"
-               if a.collated_workers else "no worker processes (it pins in the main thread)")
-        return (f"ring of {a.ring} distinct batches of {a.batch_size}; the pin_memory DataLoader "
-                f"(batch_size=None) has {how}")
-
-    def close(self):
-        self._loader = None
-        self._pinned_views = None
-        gc.collect()
-        for buf in self._buffers:
-            try:
-                buf.release()
-            except Exception as exc:
-                common.log(f"  PinnedBuffer.release() failed: {type(exc).__name__}: {exc}")
-        self._buffers.clear()
-        self._pool = None
-        gc.collect()
+NOT_APPLICABLE = {(src, "pinloader_pinned"): WORKER_COLLATED for src in ("dataset", "crops")}
 
 
 # --------------------------------------------------------------------------- feeds (rows)
@@ -481,10 +169,10 @@ def loader_factory(row, source, ctx):
             _tensor(y).pin_memory().to(dev, non_blocking=True)))
     if row == "seed":
         src = source.pinned()
-        return lambda: AsyncGPUDataLoader(src, torch.device(dev))
+        return lambda: AsyncGPUDataLoader(src, torch.device(dev), torch)
     if row == "apex":
         src = source.pinned()
-        return lambda: SideStreamPrefetcher(src, torch.device(dev))
+        return lambda: SideStreamPrefetcher(src, torch.device(dev), torch)
     if row in ("pinloader", "pinloader_pinned"):
         common.require_pinloader_cuda()
         import pinloader.torch as pt
@@ -954,8 +642,7 @@ def main(argv=None):
         sc = steps_cfg[source_name]
         epoch_batches = args.epoch_steps or sc["warmup"] + sc["steps"] + slack
         common.log(f"source {source_name}: preparing")
-        kind = {"dataset": DatasetSource, "crops": CropsSource, "collated": CollatedSource}
-        source = kind[source_name](args, epoch_batches)
+        source = SOURCE_KINDS[source_name](torch, args, epoch_batches)
         descriptions[source_name] = source.describe()
         ctx = {"device": args.device, "step": step, "max_ahead": args.max_ahead,
                "batch_size": args.batch_size, "pinloader_opts": pinloader_opts,
@@ -1017,10 +704,7 @@ def main(argv=None):
         "targets": targets_out,
         "elapsed_s": time.perf_counter() - started,
     }
-    jpath = common.write_json(args.out, args.name, payload)
-    mpath = common.write_markdown(args.out, args.name, render_markdown(payload))
-    common.log(f"wrote {jpath} and {mpath} in {payload['elapsed_s']:.0f} s")
-    print(render_markdown(payload))
+    common.publish_timed(args.out, args.name, payload, render_markdown(payload))
     return 0
 
 
