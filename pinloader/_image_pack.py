@@ -40,7 +40,12 @@ def _info(data: Any) -> tuple[int, int, int]:
 
 
 def _read(src: Any, i: int) -> tuple[bytes, tuple[int, int, int]]:
-    data = bytes(src.read_one(i))
+    try:
+        data = bytes(src.read_one(i))
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(f"{src.name(i)}: {e}") from None
     return data, _info(data)
 
 

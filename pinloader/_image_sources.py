@@ -76,8 +76,14 @@ class FileSource:
         return self.paths[int(i)]
 
     def read_one(self, i: int) -> bytes:
-        with open(self.paths[int(i)], "rb") as f:
-            return f.read()
+        """Sample i's file, read as ``read`` reads it: a FIFO or a device under an image's name
+        is an OSError, never a blocking open."""
+        path = self.paths[int(i)]
+        data, _, lengths, errs = _C._read_files([path], 1)
+        e = int(errs[0])
+        if e:
+            raise OSError(e, os.strerror(e), path) if e > 0 else OSError("not a regular file")
+        return data[:int(lengths[0])].tobytes()
 
     def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         """The files of ``idx`` in one buffer, read by native threads without the GIL (Note

@@ -1,0 +1,62 @@
+"""ImageLoader as a demanding user meets it on the host backend: odd files and folders, argument
+mistakes, and the promises of the issue and the images guide (docs/guides/images.rst) that the
+other image test modules do not hold it to."""
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from pinloader import ImageDecodeError, ImageLoader
+
+from image_helpers import jpeg, photo
+
+Image = pytest.importorskip("PIL.Image")
+
+
+def labels(loader):
+    return [np.from_dlpack(b["label"]).tolist() for b in loader]
+
+
+@pytest.mark.hostile
+def test_a_fifo_among_the_files_is_not_a_regular_file_and_never_blocks(tmp_path):
+    # the host decoder and pack read each file alone: a FIFO without a writer under an image's
+    # name must not block them (as the native reader of the GPU path does not)
+    good = tmp_path / "a.jpg"
+    good.write_bytes(jpeg(photo(20, 20, 0)))
+    fifo = str(tmp_path / "f.jpg")
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def unblock():  # a reader blocked in open() is let go after a while: the test fails, not hangs
+        if not done.wait(3):
+            os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+    t = threading.Thread(target=unblock, daemon=True)
+    t.start()
+    try:
+        with ImageLoader([(str(good), 0), (fifo, 1)], 2, size=8, device="cpu", shuffle=False,
+                         on_error="skip") as loader:
+            assert labels(loader) == [[0]]
+            (rec,) = loader.stats()["skipped_samples"]
+        assert rec["index"] == 1 and rec["reason"] == "cannot be read (not a regular file)"
+        with ImageLoader([(str(good), 0), (fifo, 1)], 2, size=8, device="cpu", shuffle=False) as loader:
+            with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*f\.jpg\): cannot be read \(not a regular file\)"):
+                labels(loader)
+            with pytest.raises(OSError, match="not a regular file"):
+                loader.source.read_one(1)
+    finally:
+        done.set()
+        t.join()
+
+
+@pytest.mark.hostile
+def test_pack_names_a_fifo_it_cannot_read(tmp_path):
+    from pinloader._image_pack import pack
+    (tmp_path / "src" / "cls").mkdir(parents=True)
+    (tmp_path / "src" / "cls" / "a.jpg").write_bytes(jpeg(photo(20, 20, 0)))
+    os.mkfifo(str(tmp_path / "src" / "cls" / "b.jpg"))
+    with pytest.raises(OSError, match=r"b\.jpg: not a regular file"):
+        pack(str(tmp_path / "src"), str(tmp_path / "dest"), quiet=True)
