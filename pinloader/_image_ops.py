@@ -228,7 +228,9 @@ def image_info(data: Any) -> tuple[int, int, int]:
         # Pillow's text names the BytesIO object it was given (an address): say what it means
         raise ValueError("not an image Pillow recognizes (no image format's header matches its "
                          f"first bytes, {_lead(data)})") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- see Note [Pillow's exceptions]
         raise ValueError(f"not an image Pillow recognizes ({type(e).__name__}: {e})") from None
     return h, w, 0
 
@@ -251,16 +253,24 @@ def _pil() -> Any:
     return Image
 
 
+# Note [Pillow's exceptions]
+# Pillow's format readers raise more than OSError, ValueError and SyntaxError on damaged bytes
+# (the DDS reader NotImplementedError, others TypeError, AttributeError, EOFError, struct.error):
+# any exception but MemoryError from opening or decoding one sample's bytes is that sample's
+# error (its ImageDecodeError, or a counted skip), never an exception of the whole loader
+# without the sample's name. A MemoryError is the process's, not the sample's.
+
 def decode_rgb(data: Any) -> np.ndarray:
-    """The whole image as (h, w, 3) uint8 (Note [host decode])."""
+    """The whole image as (h, w, 3) uint8 (Note [host decode], Note [Pillow's exceptions])."""
     Image = _pil()
-    from PIL import UnidentifiedImageError
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             im.load()
             rgb = im.convert("RGB") if im.mode != "RGB" else im
             arr = np.asarray(rgb)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- see Note [Pillow's exceptions]
         raise ValueError(f"cannot decode ({type(e).__name__}: {e})") from None
     return arr
 

@@ -60,3 +60,33 @@ def test_pack_names_a_fifo_it_cannot_read(tmp_path):
     os.mkfifo(str(tmp_path / "src" / "cls" / "b.jpg"))
     with pytest.raises(OSError, match=r"b\.jpg: not a regular file"):
         pack(str(tmp_path / "src"), str(tmp_path / "dest"), quiet=True)
+
+
+def _dds_of_an_unknown_pixel_format() -> bytes:
+    # a DDS file whose pixel format flags were damaged: Pillow's DDS reader raises
+    # NotImplementedError, not the OSError or ValueError of other damaged files
+    buf = io.BytesIO()
+    Image.fromarray(photo(24, 30, 0)).save(buf, format="DDS")
+    data = bytearray(buf.getvalue())
+    data[80] = 5
+    return bytes(data)
+
+
+@pytest.mark.hostile
+def test_any_exception_of_pillows_readers_is_a_named_bad_sample(tmp_path):
+    from pinloader import _image_ops as ops
+    bad = _dds_of_an_unknown_pixel_format()
+    for read in (ops.image_info, ops.decode_rgb):
+        with pytest.raises(ValueError, match="NotImplementedError"):
+            read(bad)
+    good = tmp_path / "a.jpg"
+    good.write_bytes(jpeg(photo(20, 20, 0)))
+    odd = tmp_path / "b.jpg"
+    odd.write_bytes(bad)
+    items = [(str(good), 0), (str(odd), 1)]
+    with ImageLoader(items, 2, size=8, device="cpu", shuffle=False) as loader:
+        with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*b\.jpg\): .*NotImplementedError"):
+            labels(loader)
+    with ImageLoader(items, 2, size=8, device="cpu", shuffle=False, on_error="skip") as loader:
+        assert labels(loader) == [[0]]
+        assert loader.stats()["skipped"] == 1
