@@ -171,6 +171,8 @@ class ImageLoader(_EpochLoader):
         self.train = bool(train)
         self.shuffle = self.train if shuffle is None else bool(shuffle)
         self.drop_last = bool(drop_last)
+        if not isinstance(dtype, str):  # np.dtype("uint8") == "uint8", but is no key of a dict of str
+            raise TypeError(f"ImageLoader: dtype must be one of the str {_DTYPES}, got {dtype!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"ImageLoader: dtype must be one of {_DTYPES}, got {dtype!r}")
         if layout not in _LAYOUTS:

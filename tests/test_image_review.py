@@ -90,3 +90,10 @@ def test_any_exception_of_pillows_readers_is_a_named_bad_sample(tmp_path):
     with ImageLoader(items, 2, size=8, device="cpu", shuffle=False, on_error="skip") as loader:
         assert labels(loader) == [[0]]
         assert loader.stats()["skipped"] == 1
+
+
+@pytest.mark.parametrize("dtype", [np.dtype("uint8"), np.dtype("float16"), np.float32])
+def test_a_numpy_dtype_is_refused_not_made_float32(dtype):
+    # np.dtype("uint8") == "uint8" is True: it passed the check and then gave float32 batches
+    with pytest.raises(TypeError, match=r"ImageLoader: dtype must be one of the str .*'uint8'"):
+        ImageLoader([("a.jpg", 0)], 1, device="cpu", dtype=dtype)
