@@ -77,6 +77,8 @@ def _pair(name: str, v: Any) -> tuple[int, int]:
 
 def _range(name: str, v: Any, lo: float) -> tuple[float, float]:
     try:
+        if isinstance(v, (str, bytes)):  # "12" is no (1.0, 2.0)
+            raise TypeError
         a, b = (float(x) for x in v)
     except (TypeError, ValueError):
         raise TypeError(f"ImageLoader: {name} must be two numbers, got {v!r}") from None
@@ -181,6 +183,8 @@ class ImageLoader(_EpochLoader):
             raise ValueError(f"ImageLoader: decoder must be 'auto', 'gpu' or 'host', got {decoder!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"ImageLoader: on_error must be 'raise' or 'skip', got {on_error!r}")
+        if isinstance(keys, (str, bytes)):  # "il" is no ("i", "l")
+            raise TypeError(f"ImageLoader: keys must be two different str, got {keys!r}")
         keys = tuple(keys)
         if len(keys) != 2 or not all(isinstance(k, str) for k in keys) or keys[0] == keys[1]:
             raise ValueError(f"ImageLoader: keys must be two different str, got {keys!r}")
@@ -194,6 +198,8 @@ class ImageLoader(_EpochLoader):
             raise ValueError("ImageLoader: give both mean and std, or neither")
         if mean is not None and std is not None:
             try:
+                if isinstance(mean, (str, bytes)) or isinstance(std, (str, bytes)):
+                    raise TypeError
                 m3, s3 = tuple(float(x) for x in mean), tuple(float(x) for x in std)
             except (TypeError, ValueError):
                 raise TypeError(f"ImageLoader: mean and std must be three numbers each, got {mean!r:.60} "

@@ -97,3 +97,15 @@ def test_a_numpy_dtype_is_refused_not_made_float32(dtype):
     # np.dtype("uint8") == "uint8" is True: it passed the check and then gave float32 batches
     with pytest.raises(TypeError, match=r"ImageLoader: dtype must be one of the str .*'uint8'"):
         ImageLoader([("a.jpg", 0)], 1, device="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"keys": "il"}, r"keys must be two different str"),
+    ({"mean": "123", "std": "111"}, r"mean and std must be three numbers each"),
+    ({"scale": "01"}, r"scale must be two numbers"),
+    ({"ratio": "12"}, r"ratio must be two numbers"),
+])
+def test_a_str_is_not_taken_for_a_sequence_of_its_characters(kw, match):
+    # keys="il" gave batches keyed "i" and "l"; ratio="12" was (1.0, 2.0)
+    with pytest.raises(TypeError, match=match):
+        ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
