@@ -48,7 +48,8 @@ from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
 from ._loader_base import _EpochLoader, _epoch_arg
-from .array_loader import _default_rank_world, _int_arg
+from .array_loader import _default_rank_world
+from .array_loader import _int_arg as _loader_int_arg
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
 
@@ -60,6 +61,10 @@ _LAYOUTS = {"NCHW": False, "NHWC": True, "channels_last": True}
 _DEFAULT_DEPTH = 3
 # The most images a batch holds: what one call of the GPU decoder takes (src/py/jpeg_decoder.c).
 _MAX_BATCH = 65535
+
+
+def _int_arg(name: str, value: Any, lo: int) -> int:
+    return _loader_int_arg(name, value, lo, who="ImageLoader")
 
 
 def _pair(name: str, v: Any) -> tuple[int, int]:

@@ -109,3 +109,21 @@ def test_a_str_is_not_taken_for_a_sequence_of_its_characters(kw, match):
     # keys="il" gave batches keyed "i" and "l"; ratio="12" was (1.0, 2.0)
     with pytest.raises(TypeError, match=match):
         ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    ({"batch_size": True}, TypeError, r"^ImageLoader: batch_size must be an int, not bool$"),
+    ({"batch_size": 0}, ValueError, r"^ImageLoader: batch_size must be >= 1, got 0$"),
+    ({"size": (True, 4)}, TypeError, r"^ImageLoader: size must be an int, not bool$"),
+    ({"size": -3}, ValueError, r"^ImageLoader: size must be >= 1, got -3$"),
+    ({"resize": 1.5, "train": False}, TypeError, r"^ImageLoader: resize must be an int, not float$"),
+    ({"workers": 0}, ValueError, r"^ImageLoader: workers must be >= 1, got 0$"),
+    ({"depth": True}, TypeError, r"^ImageLoader: depth must be an int, not bool$"),
+    ({"world_size": 0}, ValueError, r"^ImageLoader: world_size must be >= 1, got 0$"),
+    ({"rank": -1, "world_size": 2}, ValueError, r"^ImageLoader: rank must be >= 0, got -1$"),
+])
+def test_argument_errors_name_the_image_loader_and_the_argument(kw, err, match):
+    # they said "ArrayLoader: ..." (the shared check's name)
+    kw = {"batch_size": 1, **kw}
+    with pytest.raises(err, match=match):
+        ImageLoader([("a.jpg", 0)], kw.pop("batch_size"), device="cpu", **kw)
