@@ -14,7 +14,8 @@ decoder and the host decoder take the same nine, so the two backends crop alike:
   output size, and a flip with probability 1/2.
 * ``train=False``: torchvision's ``Resize(resize)`` (the shorter side to ``resize``, the longer
   to ``int(resize * long / short)``) then ``CenterCrop(size)`` (the corner
-  ``int(round((resized - size) / 2))``): the whole image is the box.
+  ``int(round((resized - size) / 2))``): the whole image is the box. With ``flip=True`` the
+  window is flipped as a training crop is, by the same draw.
 
 Note [counter-based draws]
 The random numbers come from SplitMix64 keyed by (seed, epoch, sample index): the key is mixed

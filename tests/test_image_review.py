@@ -127,3 +127,27 @@ def test_argument_errors_name_the_image_loader_and_the_argument(kw, err, match):
     kw = {"batch_size": 1, **kw}
     with pytest.raises(err, match=match):
         ImageLoader([("a.jpg", 0)], kw.pop("batch_size"), device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from image_helpers import make_folder
+    return make_folder(str(tmp_path_factory.mktemp("review") / "folder"), n_per_class=4)
+
+
+def images(loader):
+    return np.concatenate([np.from_dlpack(b["image"]) for b in loader])
+
+
+def test_flip_true_flips_evaluation_crops_too(folder):
+    # flip=True with train=False was ignored without a word
+    kw = dict(train=False, size=8, device="cpu", dtype="uint8")
+    with ImageLoader(folder, 4, flip=True, **kw) as flipped, ImageLoader(folder, 4, **kw) as plain:
+        f = flipped.params(0, range(12))[:, 8]
+        assert 0 < f.sum() < 12
+        assert (plain.params(0, range(12))[:, 8] == 0).all()
+        a, b = images(flipped), images(plain)
+        np.testing.assert_array_equal(a[f == 1], b[f == 1][..., ::-1])
+        np.testing.assert_array_equal(a[f == 0], b[f == 0])
+        # the same flips in another epoch's draws differ, as the training crops' do
+        assert (flipped.params(1, range(12))[:, 8] != f).any()
