@@ -370,16 +370,34 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
                         mapping=(region, starts, sizes))
 
 
+def _is_packed(root: str) -> bool:
+    """A folder is a packed dataset when it holds a meta.json, unless it is an ImageFolder tree
+    with a meta.json of its own: one that does not say it is a packed dataset's, beside class
+    folders."""
+    path = os.path.join(root, "meta.json")
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if isinstance(meta, dict) and meta.get("format") == PACKED_FORMAT:
+            return True
+    except (OSError, ValueError):
+        pass
+    with os.scandir(root) as entries:
+        return not any(e.is_dir() for e in entries)
+
+
 def make_source(source: Any) -> Any:
     """The source object for ImageLoader's ``source`` argument: a folder (ImageFolder layout,
-    or a packed dataset when it holds meta.json), a tar shard or a list of them, or a list of
+    or a packed dataset when it holds meta.json: _is_packed), a tar shard or a list of them, or a list of
     (path, label) pairs."""
     if isinstance(source, (FileSource, MappedSource)):
         return source
     if isinstance(source, (str, os.PathLike)):
         p = os.fspath(source)
         if os.path.isdir(p):
-            if os.path.exists(os.path.join(p, "meta.json")):
+            if _is_packed(p):
                 return packed_source(p)
             return folder_source(p)
         if p.endswith(".tar") and os.path.isfile(p):

@@ -151,3 +151,22 @@ def test_flip_true_flips_evaluation_crops_too(folder):
         np.testing.assert_array_equal(a[f == 0], b[f == 0])
         # the same flips in another epoch's draws differ, as the training crops' do
         assert (flipped.params(1, range(12))[:, 8] != f).any()
+
+
+def test_an_image_folder_may_hold_a_meta_json_of_its_own(folder, tmp_path):
+    # a meta.json that is not a packed dataset's, beside class folders: an ImageFolder tree, as
+    # torchvision reads it (it was refused as "not a pinloader.packed file")
+    import shutil
+    root = tmp_path / "withmeta"
+    shutil.copytree(folder, root)
+    for text in ('{"name": "my photos"}', "not json"):
+        (root / "meta.json").write_text(text)
+        with ImageLoader(str(root), 4, size=8, device="cpu") as loader, \
+                ImageLoader(folder, 4, size=8, device="cpu") as plain:
+            assert loader.source.kind == "files" and loader.classes == plain.classes
+            assert labels(loader) == labels(plain)
+    # without class folders, it is still a packed dataset's meta.json, named as such
+    (tmp_path / "nopack").mkdir()
+    (tmp_path / "nopack" / "meta.json").write_text('{"name": "x"}')
+    with pytest.raises(ValueError, match="meta.json is not a pinloader.packed file"):
+        ImageLoader(str(tmp_path / "nopack"), 4, device="cpu")
