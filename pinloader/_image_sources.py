@@ -110,6 +110,9 @@ def folder_source(root: str) -> FileSource:
         raise ImageSourceError(f"ImageLoader: {root} is not a folder")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
+        if os.path.exists(os.path.join(root, "progress.txt")):  # Note [resumable pack]
+            raise ImageSourceError(f"ImageLoader: {root} is an unfinished pack (progress.txt, no "
+                                   "meta.json): run `python -m pinloader pack` again to finish it")
         raise ImageSourceError(f"ImageLoader: {root} has no class folders (ImageFolder layout: "
                                "root/<class>/<image>)")
     paths: list[str] = []

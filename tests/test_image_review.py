@@ -170,3 +170,18 @@ def test_an_image_folder_may_hold_a_meta_json_of_its_own(folder, tmp_path):
     (tmp_path / "nopack" / "meta.json").write_text('{"name": "x"}')
     with pytest.raises(ValueError, match="meta.json is not a pinloader.packed file"):
         ImageLoader(str(tmp_path / "nopack"), 4, device="cpu")
+
+
+def test_an_unfinished_pack_is_named_as_one(folder, tmp_path, monkeypatch):
+    # it was "has no class folders (ImageFolder layout ...)"
+    from pinloader import _image_pack
+
+    def dies(src, i):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_image_pack, "_read", dies)
+    dest = str(tmp_path / "packed")
+    with pytest.raises(KeyboardInterrupt):
+        _image_pack.pack(folder, dest, quiet=True, workers=1)
+    with pytest.raises(ValueError, match=r"packed is an unfinished pack \(progress.txt, no meta.json\): run "
+                                         r"`python -m pinloader pack` again to finish it"):
+        ImageLoader(dest, 4, device="cpu")
