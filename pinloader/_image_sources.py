@@ -110,7 +110,8 @@ def folder_source(root: str) -> FileSource:
         raise ImageSourceError(f"ImageLoader: {root} is not a folder")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
-        if os.path.exists(os.path.join(root, "progress.txt")):  # Note [resumable pack]
+        # Note [resumable pack] in pinloader/_image_pack.py
+        if os.path.exists(os.path.join(root, "progress.txt")):
             raise ImageSourceError(f"ImageLoader: {root} is an unfinished pack (progress.txt, no "
                                    "meta.json): run `python -m pinloader pack` again to finish it")
         raise ImageSourceError(f"ImageLoader: {root} has no class folders (ImageFolder layout: "
@@ -314,7 +315,8 @@ def _wds_key(name: str) -> tuple[str, str]:
 
 def tar_source(shards: Sequence[str]) -> MappedSource:
     """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
-    ``key.cls`` (its label as decimal text). The shards are mapped as one region and each one's
+    ``key.cls`` (its label as decimal text); a ``key.cls`` without an image member is an
+    error, other keys' members are not samples. The shards are mapped as one region and each one's
     headers are read in place, once, in C (``_C._tar_scan``: ustar, pax and GNU long names)."""
     names_f = [os.fspath(x) for x in shards]
     try:
@@ -348,7 +350,12 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
         for key, s in samples.items():
             img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
             if img is None:
-                continue
+                if "cls" in s:  # a labelled sample the loader would leave out without a word
+                    raise ImageSourceError(
+                        f"ImageLoader: {shard}: {key}.cls labels no image (its members: "
+                        f"{', '.join(sorted(m[2] for m in s.values()))}; images are "
+                        f"{', '.join('.' + e for e in TAR_IMAGE_EXTS)})")
+                continue  # not a sample: a shard's other members
             if "cls" not in s:
                 raise ImageSourceError(f"ImageLoader: {shard}: {img[2]} has no label ({key}.cls)")
             o, n, _ = s["cls"]

@@ -185,3 +185,27 @@ def test_an_unfinished_pack_is_named_as_one(folder, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"packed is an unfinished pack \(progress.txt, no meta.json\): run "
                                          r"`python -m pinloader pack` again to finish it"):
         ImageLoader(dest, 4, device="cpu")
+
+
+def _shard(path, members):
+    import tarfile
+    with tarfile.open(path, "w") as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_a_labelled_shard_sample_without_an_image_member_is_refused_not_dropped(tmp_path):
+    # k3.gif with k3.cls: the sample was left out of the dataset without a word
+    gif = io.BytesIO()
+    Image.fromarray(photo(20, 20, 2)).save(gif, format="GIF")
+    ok = [("dir/k1.jpg", jpeg(photo(20, 20, 1))), ("dir/k1.cls", b"3"), ("dir/k1.json", b"{}"),
+          ("meta.json", b"{}")]  # extra members and keys without a label are not samples
+    with ImageLoader(_shard(tmp_path / "ok.tar", ok), 4, size=8, device="cpu") as loader:
+        assert labels(loader) == [[3]]
+    bad = ok + [("k3.gif", gif.getvalue()), ("k3.cls", b"5")]
+    with pytest.raises(ValueError, match=r"bad\.tar: k3\.cls labels no image \(its members: k3\.cls, k3\.gif; "
+                                         r"images are \.jpg, \.jpeg, \.png"):
+        ImageLoader(_shard(tmp_path / "bad.tar", bad), 4, device="cpu")
