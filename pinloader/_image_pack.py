@@ -123,6 +123,13 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     if isinstance(src, MappedSource) and src.kind == "packed":
         raise ValueError(f"pack: {src_path} is already a packed dataset")
     n = len(src)
+    if isinstance(src, FileSource) and isinstance(src_path, (str, os.PathLike)):
+        # a folder made there would be a class of the tree (with no images) for every later read
+        top, where = os.path.realpath(src_path), os.path.realpath(dest)
+        if os.path.commonpath([top, where]) == top:
+            src.close()
+            raise ValueError(f"pack: {dest} is inside the image folder {src_path}: choose a folder "
+                             "outside it")
     os.makedirs(dest, exist_ok=True)
     if os.path.exists(os.path.join(dest, "meta.json")):
         raise ValueError(f"pack: {dest} already holds a packed dataset (meta.json); choose another "

@@ -209,3 +209,19 @@ def test_a_labelled_shard_sample_without_an_image_member_is_refused_not_dropped(
     with pytest.raises(ValueError, match=r"bad\.tar: k3\.cls labels no image \(its members: k3\.cls, k3\.gif; "
                                          r"images are \.jpg, \.jpeg, \.png"):
         ImageLoader(_shard(tmp_path / "bad.tar", bad), 4, device="cpu")
+
+
+def test_pack_refuses_a_destination_inside_the_image_folder(folder, tmp_path):
+    # DEST inside SRC made a class folder of it: every later ImageFolder read of SRC (ours and
+    # torchvision's) had one class more, and labels shifted when its name sorts first
+    import shutil
+
+    from pinloader._image_pack import pack
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    before = sorted(os.listdir(src))
+    for dest in (src / "_packed", src, src / "a_cat" / "p"):
+        with pytest.raises(ValueError, match=r"pack: .* is inside the image folder .*src"):
+            pack(str(src), str(dest), quiet=True)
+        assert sorted(os.listdir(src)) == before
+        assert not os.path.exists(src / "a_cat" / "p")
