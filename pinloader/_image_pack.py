@@ -16,6 +16,7 @@ loader reports it when it meets it.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -119,6 +120,11 @@ class _Progress:
 def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet: bool = False) -> int:
     """Pack ``src_path`` (an ImageFolder tree or tar shard(s)) into the folder ``dest``;
     resumable (Note [resumable pack]). Returns the number of samples."""
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise TypeError(f"pack: workers must be an int >= 1, got {workers!r}")
+        if workers < 1:
+            raise ValueError(f"pack: workers must be an int >= 1, got {workers!r}")
     src = make_source(src_path)
     if isinstance(src, MappedSource) and src.kind == "packed":
         raise ValueError(f"pack: {src_path} is already a packed dataset")
@@ -216,6 +222,16 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     return n
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
 def add_parser(sub: Any, fmt: Any) -> None:
     p = sub.add_parser("pack", formatter_class=fmt,
                        help="pack an image folder or tar shards into one file for ImageLoader",
@@ -225,7 +241,7 @@ def add_parser(sub: Any, fmt: Any) -> None:
                                    "where it stopped when run again.")
     p.add_argument("src", nargs="+", help="the folder, or the .tar shard(s)")
     p.add_argument("dest", help="the packed dataset's folder (created)")
-    p.add_argument("--workers", type=int, default=None, help="reader threads (default: the CPUs)")
+    p.add_argument("--workers", type=_positive, default=None, help="reader threads (default: the CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

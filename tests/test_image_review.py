@@ -225,3 +225,18 @@ def test_pack_refuses_a_destination_inside_the_image_folder(folder, tmp_path):
             pack(str(src), str(dest), quiet=True)
         assert sorted(os.listdir(src)) == before
         assert not os.path.exists(src / "a_cat" / "p")
+
+
+def test_pack_refuses_a_worker_count_below_one(folder, tmp_path, capsys):
+    # --workers -1 said "max_workers must be greater than 0"; --workers 0 took the default
+    from pinloader.__main__ import main
+    from pinloader._image_pack import pack
+    for bad in (0, -1, True):
+        with pytest.raises((ValueError, TypeError), match=r"^pack: workers must be an int >= 1, got"):
+            pack(folder, str(tmp_path / "p"), workers=bad, quiet=True)
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["pack", folder, str(tmp_path / "q"), "--workers", bad])
+        assert e.value.code == 2
+        assert "argument --workers: must be an integer >= 1" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "p") and not os.path.exists(tmp_path / "q")
