@@ -152,7 +152,8 @@ def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarra
     wide = np.floor(resize * w.astype(np.float64) / h).astype(np.int64)
     rh = np.where(h <= w, resize, tall)
     rw = np.where(h <= w, wide, resize)
-    # never smaller than the window (an image more than resize/size times wider than tall)
+    # never smaller than the window: ImageLoader refuses a resize below the window's sides (where
+    # torchvision would pad), and any other caller still gets parameters the resampling takes
     rh, rw = np.maximum(rh, size[0]), np.maximum(rw, size[1])
     p[:, 2], p[:, 3], p[:, 4], p[:, 5] = h, w, rh, rw
     # int(round((resized - size) / 2.0)): Python's round halves to even, as np.rint does

@@ -112,7 +112,7 @@ class ImageLoader(_EpochLoader):
         The output images' size.
     resize : int, optional
         ``train=False``: the shorter side before the center crop (default
-        ``round(max(size) / 0.875)``, 256 for 224).
+        ``round(max(size) / 0.875)``, 256 for 224), at least ``max(size)``.
     scale, ratio : (float, float)
         ``RandomResizedCrop``'s (defaults ``(0.08, 1.0)``, ``(3/4, 4/3)``).
     flip : bool, optional
@@ -199,6 +199,12 @@ class ImageLoader(_EpochLoader):
         resize = _int_arg("resize", resize, 1)
         if resize > 16384:  # as size: the crop parameters are int32, resized sides bounded
             raise ValueError(f"ImageLoader: resize must be at most 16384, got {resize}")
+        if not train and resize < max(size_hw):
+            # the resized image could be smaller than the crop, which torchvision's CenterCrop
+            # pads with zeros and the resampling kernel cannot
+            raise ValueError(f"ImageLoader: resize ({resize}) must be at least the larger side of size "
+                             f"{size_hw} when train=False (torchvision's CenterCrop would pad the "
+                             "resized image)")
         if (mean is None) != (std is None):
             raise ValueError("ImageLoader: give both mean and std, or neither")
         if mean is not None and std is not None:

@@ -240,3 +240,16 @@ def test_pack_refuses_a_worker_count_below_one(folder, tmp_path, capsys):
         assert e.value.code == 2
         assert "argument --workers: must be an integer >= 1" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "p") and not os.path.exists(tmp_path / "q")
+
+
+def test_an_evaluation_resize_smaller_than_the_crop_is_refused(folder):
+    # torchvision's CenterCrop pads such an image with zeros; the loader stretched it to the
+    # crop's size instead, without a word
+    with pytest.raises(ValueError, match=r"ImageLoader: resize \(200\) must be at least the larger "
+                                         r"side of size \(224, 224\) when train=False"):
+        ImageLoader(folder, 4, train=False, size=224, resize=200, device="cpu")
+    with pytest.raises(ValueError, match=r"resize \(300\) .* size \(100, 320\)"):
+        ImageLoader(folder, 4, train=False, size=(100, 320), resize=300, device="cpu")
+    # where the crop fits (or resize is not used) it is taken
+    ImageLoader(folder, 4, train=False, size=224, resize=224, device="cpu").close()
+    ImageLoader(folder, 4, train=True, size=224, resize=200, device="cpu").close()
