@@ -112,7 +112,7 @@ class ImageLoader(_EpochLoader):
         The output images' size.
     resize : int, optional
         ``train=False``: the shorter side before the center crop (default
-        ``round(max(size) / 0.875)``, 256 for 224), at least ``max(size)``.
+        ``round(max(size) / 0.875)``, 256 for 224, at most 16,384), at least ``max(size)``.
     scale, ratio : (float, float)
         ``RandomResizedCrop``'s (defaults ``(0.08, 1.0)``, ``(3/4, 4/3)``).
     flip : bool, optional
@@ -194,8 +194,8 @@ class ImageLoader(_EpochLoader):
         if len(keys) != 2 or not all(isinstance(k, str) for k in keys) or keys[0] == keys[1]:
             raise ValueError(f"ImageLoader: keys must be two different str, got {keys!r}")
         size_hw = _pair("size", size)
-        if resize is None:
-            resize = int(round(max(size_hw) / 0.875))
+        if resize is None:  # no more than the largest resize taken (size is at most that)
+            resize = min(16384, int(round(max(size_hw) / 0.875)))
         resize = _int_arg("resize", resize, 1)
         if resize > 16384:  # as size: the crop parameters are int32, resized sides bounded
             raise ValueError(f"ImageLoader: resize must be at most 16384, got {resize}")

@@ -253,3 +253,10 @@ def test_an_evaluation_resize_smaller_than_the_crop_is_refused(folder):
     # where the crop fits (or resize is not used) it is taken
     ImageLoader(folder, 4, train=False, size=224, resize=224, device="cpu").close()
     ImageLoader(folder, 4, train=True, size=224, resize=200, device="cpu").close()
+
+
+def test_a_large_size_without_resize_is_not_refused_for_the_default_resize():
+    # size=15000 made the default resize 17143, refused as "resize must be at most 16384"
+    # although no resize was given (and a training crop does not use it)
+    for train in (True, False):
+        ImageLoader([("a.jpg", 0)], 1, size=15000, train=train, device="cpu").close()
