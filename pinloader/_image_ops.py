@@ -139,6 +139,9 @@ def train_params(hw: np.ndarray, u: np.ndarray, size: tuple[int, int], scale: Se
     return p.astype(np.int32)
 
 
+_I32 = 2**31 - 1
+
+
 def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarray:
     """int32 (B, 9) parameters of evaluation crops: Resize(resize) then CenterCrop(size)."""
     hw = np.asarray(hw, dtype=np.int64).reshape(-1, 2)
@@ -155,6 +158,9 @@ def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarra
     # never smaller than the window: ImageLoader refuses a resize below the window's sides (where
     # torchvision would pad), and any other caller still gets parameters the resampling takes
     rh, rw = np.maximum(rh, size[0]), np.maximum(rw, size[1])
+    # at most int32's largest, never wrapped: only an image too large to resize anyway (a
+    # non-JPEG thousands of times wider than tall) gets there, and resample() refuses it
+    rh, rw = np.minimum(rh, _I32), np.minimum(rw, _I32)
     p[:, 2], p[:, 3], p[:, 4], p[:, 5] = h, w, rh, rw
     # int(round((resized - size) / 2.0)): Python's round halves to even, as np.rint does
     p[:, 6] = np.rint((rh - size[0]) / 2.0)
@@ -287,8 +293,9 @@ def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, in
                          f"{H} x {W} image")
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and rh * rw > 2 * limit:  # an image hundreds of times wider than tall
-        raise ValueError(f"resizing the {H} x {W} image to {rh} x {rw} is past Pillow's image size "
-                         f"limit ({2 * limit} pixels)")
+        more = " or more" if max(rh, rw) >= _I32 else ""  # (eval_params' bound)
+        raise ValueError(f"resizing the {H} x {W} image to {rh} x {rw}{more} is past Pillow's image "
+                         f"size limit ({2 * limit} pixels)")
     box = np.ascontiguousarray(img[top:top + h, left:left + w])
     if (h, w) == (rh, rw):
         out = box

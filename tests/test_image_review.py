@@ -260,3 +260,18 @@ def test_a_large_size_without_resize_is_not_refused_for_the_default_resize():
     # although no resize was given (and a training crop does not use it)
     for train in (True, False):
         ImageLoader([("a.jpg", 0)], 1, size=15000, train=train, device="cpu").close()
+
+
+@pytest.mark.hostile
+def test_an_evaluation_resize_past_int32_is_not_wrapped():
+    # a 1 x 9,000,000 PNG (26 KB) resized to a short side of 256 is 2.3 billion pixels wide: the
+    # parameters wrapped around int32 (a negative width) and Pillow said "height and width must
+    # be > 0"
+    from pinloader import _image_ops as ops
+    p = ops.eval_params(np.array([[1, 9_000_000]]), (224, 224), 256)[0]
+    assert p[4] == 256 and p[5] == 2**31 - 1 and p[7] >= 0
+    buf = io.BytesIO()
+    Image.new("RGB", (9_000_000, 1)).save(buf, format="PNG")
+    with pytest.raises(ValueError, match=r"resizing the 1 x 9000000 image to 256 x 2147483647 or more is past "
+                                         r"Pillow's image size limit"):
+        ops.host_decode(buf.getvalue(), p, (224, 224), (1, 9_000_000))
