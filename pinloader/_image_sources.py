@@ -104,7 +104,8 @@ class FileSource:
 
 def folder_source(root: str) -> FileSource:
     """torchvision's ImageFolder: class folders sorted by name, labels their positions, files
-    with IMG_EXTENSIONS (any case) found recursively, sorted, symlinks followed."""
+    with IMG_EXTENSIONS (any case) found recursively, sorted, symlinks followed; a class folder
+    without such files is an error, as there."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         raise ImageSourceError(f"ImageLoader: {root} is not a folder")
@@ -127,6 +128,13 @@ def folder_source(root: str) -> FileSource:
     if not paths:
         raise ImageSourceError(f"ImageLoader: no image files ({', '.join(IMG_EXTENSIONS)}) under "
                                f"{root}'s class folders")
+    # a class without images would be a label no sample has, and would shift the labels of the
+    # classes after it: torchvision's ImageFolder refuses it (allow_empty=False)
+    empty = sorted(set(classes) - {classes[c] for c in set(labels)})
+    if empty:
+        raise ImageSourceError(f"ImageLoader: no image files in the class folders {', '.join(empty)} of "
+                               f"{root} (torchvision's ImageFolder refuses them too; image files end with "
+                               f"{', '.join(IMG_EXTENSIONS)})")
     return FileSource(paths, np.array(labels, np.int64), classes)
 
 

@@ -275,3 +275,17 @@ def test_an_evaluation_resize_past_int32_is_not_wrapped():
     with pytest.raises(ValueError, match=r"resizing the 1 x 9000000 image to 256 x 2147483647 or more is past "
                                          r"Pillow's image size limit"):
         ops.host_decode(buf.getvalue(), p, (224, 224), (1, 9_000_000))
+
+
+def test_an_empty_class_folder_is_refused_as_torchvision_refuses_it(folder, tmp_path):
+    # it was taken as a class with no images: a label no sample has, and a shift of every label
+    # after it (".ipynb_checkpoints" sorts first) that torchvision's ImageFolder would have refused
+    import shutil
+    root = tmp_path / "tree"
+    shutil.copytree(folder, root)
+    (root / ".ipynb_checkpoints").mkdir()
+    (root / "d_notes").mkdir()
+    (root / "d_notes" / "readme.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"no image files in the class folders \.ipynb_checkpoints, d_notes of .*tree "
+                                         r"\(torchvision's ImageFolder refuses them too"):
+        ImageLoader(str(root), 4, device="cpu")
