@@ -304,9 +304,21 @@ class ImageLoader(_EpochLoader):
         idx = np.asarray(indices, np.int64).reshape(-1)
         runner = self._runner
         assert runner is not None
-        hw = np.stack([runner.header(int(i), runner.src.read_one(int(i))) for i in idx]) if len(idx) \
-            else np.zeros((0, 3), np.int32)
-        return runner.params(_epoch_arg("ImageLoader", epoch), idx, hw)
+        epoch = _epoch_arg("ImageLoader", epoch)
+
+        def size(i: int) -> np.ndarray:
+            if not 0 <= i < self.num_items:  # (a negative index would name another sample)
+                raise IndexError(f"ImageLoader.params: sample {i} is not in 0..{self.num_items - 1}")
+            try:
+                data = runner.src.read_one(i)
+            except OSError as e:
+                raise runner.fail(i, f"cannot be read ({e})") from None
+            try:
+                return runner.header(i, data)
+            except ValueError as e:
+                raise runner.fail(i, str(e)) from None
+        hw = np.stack([size(int(i)) for i in idx]) if len(idx) else np.zeros((0, 3), np.int32)
+        return runner.params(epoch, idx, hw)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""

@@ -289,3 +289,21 @@ def test_an_empty_class_folder_is_refused_as_torchvision_refuses_it(folder, tmp_
     with pytest.raises(ValueError, match=r"no image files in the class folders \.ipynb_checkpoints, d_notes of .*tree "
                                          r"\(torchvision's ImageFolder refuses them too"):
         ImageLoader(str(root), 4, device="cpu")
+
+
+def test_params_names_the_sample_it_cannot_size(tmp_path):
+    # params() raised the file's own FileNotFoundError, or "not an image Pillow recognizes"
+    # without the sample, and an IndexError for an index past the end
+    good = tmp_path / "a.jpg"
+    good.write_bytes(jpeg(photo(20, 20, 0)))
+    (tmp_path / "b.jpg").write_bytes(b"not an image")
+    items = [(str(good), 0), (str(tmp_path / "b.jpg"), 1), (str(tmp_path / "gone.jpg"), 2)]
+    with ImageLoader(items, 2, size=8, device="cpu") as loader:
+        assert loader.params(0, [0]).shape == (1, 9)
+        with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*b\.jpg\): not an image"):
+            loader.params(0, [0, 1])
+        with pytest.raises(ImageDecodeError, match=r"sample 2 \(.*gone\.jpg\): cannot be read \(\[Errno 2\]"):
+            loader.params(0, [2])
+        for bad in (3, -1):
+            with pytest.raises(IndexError, match=rf"ImageLoader.params: sample {bad} is not in 0\.\.2"):
+                loader.params(0, [bad])
