@@ -31,6 +31,9 @@ from . import _image_ops as ops
 from ._image_sources import PACKED_FORMAT, FileSource, MappedSource, make_source
 
 CHUNK = 256
+# what a pack writes in its folder before meta.json, source.json first (Note [resumable pack])
+_OWN_FILES = frozenset({"data.bin", "progress.txt", "source.json", "offsets.npy", "labels.npy",
+                        "sizes.npy", "names.txt", "meta.json.tmp"})
 
 
 def _info(data: Any) -> tuple[int, int, int]:
@@ -140,6 +143,14 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     if os.path.exists(os.path.join(dest, "meta.json")):
         raise ValueError(f"pack: {dest} already holds a packed dataset (meta.json); choose another "
                          "folder or remove it")
+    entries = set(os.listdir(dest))
+    # a stopped pack's folder holds its source.json or progress.txt; anything else there is not
+    # the pack's, and its files would replace any of the same name
+    stopped = bool(entries & {"source.json", "progress.txt"})
+    others = sorted(entries - _OWN_FILES if stopped else entries)
+    if others:
+        raise ValueError(f"pack: {dest} holds other files than a stopped pack's ({', '.join(others[:5])}"
+                         f"{', ...' if len(others) > 5 else ''}): choose an empty or new folder")
     data_path = os.path.join(dest, "data.bin")
     prog_path = os.path.join(dest, "progress.txt")
     # the source as this pack saw it: a resumed pack must see the same samples in the same order

@@ -307,3 +307,20 @@ def test_params_names_the_sample_it_cannot_size(tmp_path):
         for bad in (3, -1):
             with pytest.raises(IndexError, match=rf"ImageLoader.params: sample {bad} is not in 0\.\.2"):
                 loader.params(0, [bad])
+
+
+def test_pack_refuses_a_destination_holding_other_files(folder, tmp_path):
+    # it wrote data.bin, labels.npy, ... among them, replacing any of the same name
+    from pinloader._image_pack import pack
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    np.save(dest / "labels.npy", np.arange(3))
+    (dest / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"pack: .*mine holds other files than a stopped pack's "
+                                         r"\(labels\.npy, notes\.txt\): choose an empty or new folder"):
+        pack(folder, str(dest), quiet=True)
+    assert sorted(os.listdir(dest)) == ["labels.npy", "notes.txt"]
+    assert np.load(dest / "labels.npy").tolist() == [0, 1, 2]
+    # an empty folder is taken
+    (tmp_path / "empty").mkdir()
+    assert pack(folder, str(tmp_path / "empty"), quiet=True) == 12
