@@ -324,3 +324,77 @@ def test_pack_refuses_a_destination_holding_other_files(folder, tmp_path):
     # an empty folder is taken
     (tmp_path / "empty").mkdir()
     assert pack(folder, str(tmp_path / "empty"), quiet=True) == 12
+
+
+# ---- promises held (no defect found; kept so that they stay held) ----
+
+def test_exif_orientation_is_ignored_as_the_guide_says(tmp_path):
+    # a 20 x 40 image stored with EXIF orientation 6 ("rotate 90 on display"): the pixels are
+    # used as stored, 20 x 40, as torchvision.io.decode_jpeg and ImageFolder's PIL loader do
+    from image_helpers import reference
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    p = tmp_path / "rot.jpg"
+    blob = jpeg(photo(20, 40, 3), exif=exif.tobytes())
+    p.write_bytes(blob)
+    assert Image.open(io.BytesIO(blob)).getexif()[0x0112] == 6
+    with ImageLoader([(str(p), 0)], 1, train=False, size=(8, 16), resize=16, device="cpu",
+                     dtype="uint8") as loader:
+        params = loader.params(0, [0])
+        assert params[0, 2:4].tolist() == [20, 40]  # the box is the stored image
+        (got,) = images(loader)
+    np.testing.assert_array_equal(got, reference(blob, params[0], (8, 16), dtype="uint8"))
+
+
+def test_ctrl_c_while_a_batch_decodes_stays_a_keyboard_interrupt_and_loses_nothing(folder, monkeypatch):
+    import signal
+
+    from pinloader import _image_ops as ops
+    kw = dict(size=8, device="cpu", seed=4, depth=1, workers=2)
+    with ImageLoader(folder, 3, **kw) as plain:
+        want, want1 = labels(plain), labels(plain)
+    real = ops.host_decode
+    asked, sent = threading.Event(), []
+
+    def decode(*a, **k):  # every decode waits until the test asks; the first then sends Ctrl-C
+        asked.wait(30)
+        if not sent:
+            sent.append(True)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return real(*a, **k)
+    monkeypatch.setattr(ops, "host_decode", decode)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with ImageLoader(folder, 3, **kw) as loader:
+            it = iter(loader)
+            with pytest.raises(KeyboardInterrupt):
+                asked.set()
+                next(it)
+            got = [np.from_dlpack(b["label"]).tolist() for b in it]  # the batch interrupted included
+            assert got == want and sent
+            monkeypatch.setattr(ops, "host_decode", real)
+            assert labels(loader) == want1  # and the loader goes on
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_memory_is_flat_over_epochs(folder):
+    import gc
+    import tracemalloc
+    with ImageLoader(folder, 5, size=8, device="cpu") as loader:
+        for _ in range(3):
+            labels(loader)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(20):
+                labels(loader)
+                loader.state_dict()
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    # 20 epochs of 12 images: Python's and Pillow's caches settle within tens of KB; a batch
+    # (5 x 3 x 8 x 8 float32, 3.8 KB) kept per epoch would fail it
+    assert grown < 64 * 1024
