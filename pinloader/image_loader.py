@@ -247,7 +247,8 @@ class ImageLoader(_EpochLoader):
             raise ValueError(f"ImageLoader: rank must be < world_size, got rank={self.rank}, "
                              f"world_size={self.world_size}")
 
-        src = make_source(source)
+        scale_r, ratio_r = _range("scale", scale, 0.0), _range("ratio", ratio, 0.0)
+        src = make_source(source)  # last: a large tree takes a while to walk
         self.source = src
         self.num_rows = self.num_items = len(src)
         self.classes = getattr(src, "classes", None)
@@ -268,7 +269,7 @@ class ImageLoader(_EpochLoader):
         plan.shuffle, plan.drop_last = self.shuffle, self.drop_last
         self._plan = plan
         cfg = dict(batch_size=self.batch_size, train=self.train, size=size_hw, resize=resize,
-                   scale=_range("scale", scale, 0.0), ratio=_range("ratio", ratio, 0.0),
+                   scale=scale_r, ratio=ratio_r,
                    flip=self.train if flip is None else bool(flip), seed=self.seed,
                    dtype=dtype, channels_last=_LAYOUTS[layout], keys=keys,
                    norm=ops.norm_constants(mean, std, dtype), workers=workers, on_error=on_error)

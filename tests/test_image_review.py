@@ -398,3 +398,10 @@ def test_memory_is_flat_over_epochs(folder):
     # 20 epochs of 12 images: Python's and Pillow's caches settle within tens of KB; a batch
     # (5 x 3 x 8 x 8 float32, 3.8 KB) kept per epoch would fail it
     assert grown < 64 * 1024
+
+
+@pytest.mark.parametrize("kw, match", [({"scale": (0.5, 0.1)}, "scale must be"), ({"ratio": (2, 1)}, "ratio must be")])
+def test_bad_arguments_are_refused_before_the_source_is_read(tmp_path, kw, match):
+    # scale= and ratio= were checked after the ImageFolder tree was walked (minutes for a large one)
+    with pytest.raises(ValueError, match=match):
+        ImageLoader(str(tmp_path / "nowhere"), 4, device="cpu", **kw)
