@@ -35,6 +35,7 @@ every backend, rank and resume.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Sequence
 
@@ -48,7 +49,7 @@ from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
 from ._loader_base import _EpochLoader, _epoch_arg
-from .array_loader import _default_rank_world
+from .array_loader import _PREFETCH_OPTS, _default_rank_world
 from .array_loader import _int_arg as _loader_int_arg
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
@@ -59,6 +60,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = ("uint8", "float16", "bfloat16", "float32")
 _LAYOUTS = {"NCHW": False, "NHWC": True, "channels_last": True}
 _DEFAULT_DEPTH = 3
+_KEYWORDS = ("batch_size", "train", "size", "resize", "scale", "ratio", "flip", "mean", "std", "dtype",
+             "layout", "keys", "shuffle", "seed", "drop_last", "device", "depth", "rank", "world_size",
+             "decoder", "workers", "on_error")
 # The most images a batch holds: what one call of the GPU decoder takes (src/py/jpeg_decoder.c).
 _MAX_BATCH = 65535
 
@@ -142,7 +146,9 @@ class ImageLoader(_EpochLoader):
         file or shard member, or skipped (its batch is one image shorter) and counted in
         ``stats()["skipped"]``.
     **prefetch_opts
-        Passed to :class:`pinloader.AsyncPrefetcher`. ``static=True`` or ``out=`` batches are
+        Passed to :class:`pinloader.AsyncPrefetcher`: those ArrayLoader takes (``pool``,
+        ``max_pinned_bytes``, ``staging_threads``, ``copy_stream_priority``, ``output``,
+        ``stream``, ``convert``, ``static``, ``out``); another is a TypeError. ``static=True`` or ``out=`` batches are
         made by the host decoder (the prefetcher copies them into its static buffers).
 
     The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
@@ -228,6 +234,12 @@ class ImageLoader(_EpochLoader):
         self.dtype, self.layout = dtype, layout
         self._device = _device.canonical(device, "ImageLoader")
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
+        unknown = sorted(set(prefetch_opts) - _PREFETCH_OPTS)
+        if unknown:  # as ArrayLoader: here, not at the first iteration
+            name = unknown[0]
+            near = difflib.get_close_matches(name, _KEYWORDS + tuple(sorted(_PREFETCH_OPTS)), 1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"ImageLoader() got an unexpected keyword argument {name!r}{hint}")
         self._opts = dict(prefetch_opts)
         if workers is None:
             try:

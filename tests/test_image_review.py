@@ -405,3 +405,15 @@ def test_bad_arguments_are_refused_before_the_source_is_read(tmp_path, kw, match
     # scale= and ratio= were checked after the ImageFolder tree was walked (minutes for a large one)
     with pytest.raises(ValueError, match=match):
         ImageLoader(str(tmp_path / "nowhere"), 4, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"shufle": True}, r"^ImageLoader\(\) got an unexpected keyword argument 'shufle' \(did you mean 'shuffle'\?\)$"),
+    ({"stattic": True}, r"'stattic' \(did you mean 'static'\?\)$"),
+    ({"structure": 1}, r"unexpected keyword argument 'structure'$"),
+])
+def test_an_unknown_keyword_is_refused_where_the_loader_is_made(kw, match):
+    # it went to the prefetcher and failed at the first iteration ("'shufle' is an invalid
+    # keyword argument for AsyncPrefetcher()"), or was taken (structure=), as ArrayLoader refuses it
+    with pytest.raises(TypeError, match=match):
+        ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
