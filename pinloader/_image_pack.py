@@ -260,7 +260,7 @@ def run(args: Any) -> int:
     src = args.src[0] if len(args.src) == 1 else list(args.src)
     try:
         n = pack(src, args.dest, workers=args.workers, quiet=args.quiet)
-    except (ValueError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:  # the sources' and the folder's errors
         print(f"pinloader pack: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

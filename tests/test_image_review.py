@@ -417,3 +417,10 @@ def test_an_unknown_keyword_is_refused_where_the_loader_is_made(kw, match):
     # keyword argument for AsyncPrefetcher()"), or was taken (structure=), as ArrayLoader refuses it
     with pytest.raises(TypeError, match=match):
         ImageLoader([("a.jpg", 0)], 1, device="cpu", **kw)
+
+
+def test_pack_of_two_folders_is_a_message_not_a_traceback(folder, tmp_path, capsys):
+    from pinloader.__main__ import main
+    assert main(["pack", folder, folder, str(tmp_path / "p")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pinloader pack: ") and "must be .tar shards" in err and "Traceback" not in err
