@@ -83,7 +83,8 @@ class FileSource:
         e = int(errs[0])
         if e:
             raise OSError(e, os.strerror(e), path) if e > 0 else OSError("not a regular file")
-        return data[:int(lengths[0])].tobytes()
+        out: bytes = data[:int(lengths[0])].tobytes()
+        return out
 
     def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         """The files of ``idx`` in one buffer, read by native threads without the GIL (Note
