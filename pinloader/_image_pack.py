@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import _image_ops as ops
-from ._image_sources import PACKED_FORMAT, FileSource, MappedSource, make_source
+from ._image_sources import PACKED_FORMAT, PACKED_VERSION, FileSource, MappedSource, make_source
 
 CHUNK = 256
 # what a pack writes in its folder before meta.json, source.json first (Note [resumable pack])
@@ -218,7 +218,7 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     np.save(os.path.join(dest, "sizes.npy"), table[:, 3:6].astype(np.int32))
     with open(os.path.join(dest, "names.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(_name(src, root, i).replace("\n", " ") for i in range(n)))
-    meta = {"format": PACKED_FORMAT, "version": 1, "count": n,
+    meta = {"format": PACKED_FORMAT, "version": PACKED_VERSION, "count": n,
             "classes": list(src.classes) if getattr(src, "classes", None) else None,
             "source": os.path.abspath(os.fspath(src_path)) if isinstance(src_path, (str, os.PathLike)) else None}
     tmp = os.path.join(dest, "meta.json.tmp")

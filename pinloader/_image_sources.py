@@ -33,6 +33,7 @@ from . import _C
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 TAR_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
 PACKED_FORMAT = "pinloader.packed"
+PACKED_VERSION = 1
 
 
 class ImageSourceError(ValueError):
@@ -283,6 +284,10 @@ def packed_source(root: str) -> MappedSource:
         raise ImageSourceError(f"ImageLoader: {root} is not a packed dataset (meta.json: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != PACKED_FORMAT:
         raise ImageSourceError(f"ImageLoader: {root}/meta.json is not a {PACKED_FORMAT} file")
+    version = meta.get("version", 1)  # (written since the first version; hand-made folders may lack it)
+    if version != PACKED_VERSION or isinstance(version, bool):
+        raise ImageSourceError(f"ImageLoader: {root}/meta.json: format version {version!r}, this "
+                               f"pinloader reads version {PACKED_VERSION}")
     classes = meta.get("classes")
     if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
         raise ImageSourceError(f"ImageLoader: {root}/meta.json: classes must be a list of names, got {classes!r:.80}")

@@ -424,3 +424,20 @@ def test_pack_of_two_folders_is_a_message_not_a_traceback(folder, tmp_path, caps
     assert main(["pack", folder, folder, str(tmp_path / "p")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pinloader pack: ") and "must be .tar shards" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("version", [2, 99, "1", None])
+def test_a_packed_dataset_of_another_format_version_is_refused(folder, tmp_path, version):
+    # meta.json's version was never read: a later format would be read as this one
+    import json
+    import shutil
+
+    from pinloader._image_pack import pack
+    dest = tmp_path / "p"
+    pack(folder, str(dest), quiet=True)
+    meta = json.loads((dest / "meta.json").read_text())
+    meta["version"] = version
+    (dest / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"meta.json: format version {version!r}, this pinloader reads version 1"):
+        ImageLoader(str(dest), 4, device="cpu")
+    shutil.rmtree(dest)
