@@ -306,10 +306,11 @@ def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, in
 
 
 def host_decode(data: Any, p: Sequence[int] | np.ndarray, size: tuple[int, int], expect: tuple[int, int] | None = None) -> np.ndarray:
-    """Decode one sample and resample it: (H, W, 3) uint8. ``expect``: the (h, w) its header
-    gave, which the crop was drawn for."""
+    """Decode one sample and resample it: (H, W, 3) uint8. ``expect``: the (h, w) the crop was
+    drawn for (the loader's size cache: a packed sizes.npy, or the header when first read)."""
     img = decode_rgb(data)
     if expect is not None and tuple(img.shape[:2]) != tuple(expect):
-        raise ValueError(f"decoded to {img.shape[0]} x {img.shape[1]}, its header said "
-                         f"{expect[0]} x {expect[1]}")
+        raise ValueError(f"decoded to {img.shape[0]} x {img.shape[1]}, not the {expect[0]} x {expect[1]} "
+                         "its crop was drawn for (the packed sizes.npy's, or its header's when the "
+                         "file was first read)")
     return resample(img, p, size)

@@ -441,3 +441,17 @@ def test_a_packed_dataset_of_another_format_version_is_refused(folder, tmp_path,
     with pytest.raises(ValueError, match=rf"meta.json: format version {version!r}, this pinloader reads version 1"):
         ImageLoader(str(dest), 4, device="cpu")
     shutil.rmtree(dest)
+
+
+def test_a_size_that_does_not_match_the_image_says_where_it_came_from(folder, tmp_path):
+    # "decoded to 43 x 68, its header said 5 x 5": the 5 x 5 was sizes.npy's (or the size read
+    # when the file was first met, before it was replaced), not the header's
+    from pinloader._image_pack import pack
+    dest = tmp_path / "p"
+    pack(folder, str(dest), quiet=True)
+    np.save(dest / "sizes.npy", np.full((12, 3), 5, np.int32))
+    with ImageLoader(str(dest), 4, size=8, device="cpu", shuffle=False) as loader:
+        with pytest.raises(ImageDecodeError, match=r"sample 0 .*: decoded to \d+ x \d+, not the 5 x 5 its "
+                                                   r"crop was drawn for \(the packed sizes.npy's, or its "
+                                                   r"header's when the file was first read\)"):
+            labels(loader)
