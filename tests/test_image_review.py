@@ -225,6 +225,7 @@ def test_pack_refuses_a_destination_inside_the_image_folder(folder, tmp_path):
             pack(str(src), str(dest), quiet=True)
         assert sorted(os.listdir(src)) == before
         assert not os.path.exists(src / "a_cat" / "p")
+    assert pack(str(src), str(tmp_path / "src_packed"), quiet=True) == 12  # beside it, a shared prefix
 
 
 def test_pack_refuses_a_worker_count_below_one(folder, tmp_path, capsys):
