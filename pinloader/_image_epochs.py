@@ -134,11 +134,16 @@ class _Runner:
             r[why] = r.get(why, 0) + 1
 
     def params(self, epoch: int, idx: np.ndarray, hw: np.ndarray) -> np.ndarray:
+        """The samples' parameters (Note [image parameters]): the one place they are made, for
+        every backend and batch."""
         cfg = self.cfg
         if cfg["train"]:
             u = ops.draws(cfg["seed"], epoch, idx)
             return ops.train_params(hw[:, :2], u, cfg["size"], cfg["scale"], cfg["ratio"], cfg["flip"])
-        return ops.eval_params(hw[:, :2], cfg["size"], cfg["resize"])
+        p = ops.eval_params(hw[:, :2], cfg["size"], cfg["resize"])
+        if cfg["flip"] and len(idx):  # the flip draw of a training crop (Note [counter-based draws])
+            p[:, 8] = ops.draws(cfg["seed"], epoch, idx)[:, ops.DRAWS - 1] < 0.5
+        return p
 
     def header(self, i: int, data: Any) -> np.ndarray:
         """The sample's (h, w, components), from the cache or its header (then cached)."""
@@ -168,11 +173,10 @@ class _Runner:
 
     # ---- host ----
 
-    def _host_sample(self, epoch: int, i: int, u: np.ndarray | None, p: np.ndarray | None,
-                     out: np.ndarray) -> str | None:
+    def _host_sample(self, epoch: int, i: int, p: np.ndarray | None, out: np.ndarray) -> str | None:
         """Decode sample i into ``out`` (its row of the batch, in the output dtype and layout);
         an error's text, or None. ``p``: its parameters when its size was known, else they are
-        made here from its header (``u``: its draws)."""
+        made here from its header."""
         cfg = self.cfg
         try:
             data = self.src.read_one(i)
@@ -180,13 +184,8 @@ class _Runner:
             return f"cannot be read ({e})"
         try:
             hw = self.header(i, data)
-            if p is not None:
-                pass
-            elif u is not None:
-                p = ops.train_params(hw[None, :2], u[None], cfg["size"], cfg["scale"], cfg["ratio"],
-                                     cfg["flip"])[0]
-            else:
-                p = ops.eval_params(hw[None, :2], cfg["size"], cfg["resize"])[0]
+            if p is None:
+                p = self.params(epoch, np.array([i], np.int64), hw[None])[0]
             px = ops.host_decode(data, p, cfg["size"], (int(hw[0]), int(hw[1])))
         except ValueError as e:
             return str(e)
@@ -213,14 +212,13 @@ class _Runner:
 
     def _host_start(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Future[str | None]]]:
         out = self._alloc(len(idx))
-        u = ops.draws(self.cfg["seed"], epoch, idx) if self.cfg["train"] else None
         # the parameters of the images whose sizes are known (a packed dataset's, or met
         # before), for the whole batch at once; the others' are made from their headers
         hw = self.src.hw[idx]
         known = hw[:, 0] > 0
         params = self.params(epoch, idx, np.where(known[:, None], hw, 1)) if known.any() else None
         pool = self.workers()
-        futs = [pool.submit(self._host_sample, epoch, int(i), None if u is None else u[k],
+        futs = [pool.submit(self._host_sample, epoch, int(i),
                             params[k] if params is not None and known[k] else None, out[k])
                 for k, i in enumerate(idx)]
         return idx, out, futs

@@ -14,7 +14,8 @@ decoder and the host decoder take the same nine, so the two backends crop alike:
   output size, and a flip with probability 1/2.
 * ``train=False``: torchvision's ``Resize(resize)`` (the shorter side to ``resize``, the longer
   to ``int(resize * long / short)``) then ``CenterCrop(size)`` (the corner
-  ``int(round((resized - size) / 2))``): the whole image is the box.
+  ``int(round((resized - size) / 2))``): the whole image is the box. With ``flip=True`` the
+  window is flipped as a training crop is, by the same draw.
 
 Note [counter-based draws]
 The random numbers come from SplitMix64 keyed by (seed, epoch, sample index): the key is mixed
@@ -138,6 +139,9 @@ def train_params(hw: np.ndarray, u: np.ndarray, size: tuple[int, int], scale: Se
     return p.astype(np.int32)
 
 
+_I32 = 2**31 - 1
+
+
 def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarray:
     """int32 (B, 9) parameters of evaluation crops: Resize(resize) then CenterCrop(size)."""
     hw = np.asarray(hw, dtype=np.int64).reshape(-1, 2)
@@ -151,8 +155,12 @@ def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarra
     wide = np.floor(resize * w.astype(np.float64) / h).astype(np.int64)
     rh = np.where(h <= w, resize, tall)
     rw = np.where(h <= w, wide, resize)
-    # never smaller than the window (an image more than resize/size times wider than tall)
+    # never smaller than the window: ImageLoader refuses a resize below the window's sides (where
+    # torchvision would pad), and any other caller still gets parameters the resampling takes
     rh, rw = np.maximum(rh, size[0]), np.maximum(rw, size[1])
+    # at most int32's largest, never wrapped: only an image too large to resize anyway (a
+    # non-JPEG thousands of times wider than tall) gets there, and resample() refuses it
+    rh, rw = np.minimum(rh, _I32), np.minimum(rw, _I32)
     p[:, 2], p[:, 3], p[:, 4], p[:, 5] = h, w, rh, rw
     # int(round((resized - size) / 2.0)): Python's round halves to even, as np.rint does
     p[:, 6] = np.rint((rh - size[0]) / 2.0)
@@ -228,7 +236,9 @@ def image_info(data: Any) -> tuple[int, int, int]:
         # Pillow's text names the BytesIO object it was given (an address): say what it means
         raise ValueError("not an image Pillow recognizes (no image format's header matches its "
                          f"first bytes, {_lead(data)})") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- see Note [Pillow's exceptions]
         raise ValueError(f"not an image Pillow recognizes ({type(e).__name__}: {e})") from None
     return h, w, 0
 
@@ -251,16 +261,24 @@ def _pil() -> Any:
     return Image
 
 
+# Note [Pillow's exceptions]
+# Pillow's format readers raise more than OSError, ValueError and SyntaxError on damaged bytes
+# (the DDS reader NotImplementedError, others TypeError, AttributeError, EOFError, struct.error):
+# any exception but MemoryError from opening or decoding one sample's bytes is that sample's
+# error (its ImageDecodeError, or a counted skip), never an exception of the whole loader
+# without the sample's name. A MemoryError is the process's, not the sample's.
+
 def decode_rgb(data: Any) -> np.ndarray:
-    """The whole image as (h, w, 3) uint8 (Note [host decode])."""
+    """The whole image as (h, w, 3) uint8 (Note [host decode], Note [Pillow's exceptions])."""
     Image = _pil()
-    from PIL import UnidentifiedImageError
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             im.load()
             rgb = im.convert("RGB") if im.mode != "RGB" else im
             arr = np.asarray(rgb)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- see Note [Pillow's exceptions]
         raise ValueError(f"cannot decode ({type(e).__name__}: {e})") from None
     return arr
 
@@ -275,8 +293,9 @@ def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, in
                          f"{H} x {W} image")
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and rh * rw > 2 * limit:  # an image hundreds of times wider than tall
-        raise ValueError(f"resizing the {H} x {W} image to {rh} x {rw} is past Pillow's image size "
-                         f"limit ({2 * limit} pixels)")
+        more = " or more" if max(rh, rw) >= _I32 else ""  # (eval_params' bound)
+        raise ValueError(f"resizing the {H} x {W} image to {rh} x {rw}{more} is past Pillow's image "
+                         f"size limit ({2 * limit} pixels)")
     box = np.ascontiguousarray(img[top:top + h, left:left + w])
     if (h, w) == (rh, rw):
         out = box
@@ -287,10 +306,11 @@ def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, in
 
 
 def host_decode(data: Any, p: Sequence[int] | np.ndarray, size: tuple[int, int], expect: tuple[int, int] | None = None) -> np.ndarray:
-    """Decode one sample and resample it: (H, W, 3) uint8. ``expect``: the (h, w) its header
-    gave, which the crop was drawn for."""
+    """Decode one sample and resample it: (H, W, 3) uint8. ``expect``: the (h, w) the crop was
+    drawn for (the loader's size cache: a packed sizes.npy, or the header when first read)."""
     img = decode_rgb(data)
     if expect is not None and tuple(img.shape[:2]) != tuple(expect):
-        raise ValueError(f"decoded to {img.shape[0]} x {img.shape[1]}, its header said "
-                         f"{expect[0]} x {expect[1]}")
+        raise ValueError(f"decoded to {img.shape[0]} x {img.shape[1]}, not the {expect[0]} x {expect[1]} "
+                         "its crop was drawn for (the packed sizes.npy's, or its header's when the "
+                         "file was first read)")
     return resample(img, p, size)

@@ -16,6 +16,7 @@ loader reports it when it meets it.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -27,9 +28,12 @@ from typing import Any
 import numpy as np
 
 from . import _image_ops as ops
-from ._image_sources import PACKED_FORMAT, FileSource, MappedSource, make_source
+from ._image_sources import PACKED_FORMAT, PACKED_VERSION, FileSource, MappedSource, make_source
 
 CHUNK = 256
+# what a pack writes in its folder before meta.json, source.json first (Note [resumable pack])
+_OWN_FILES = frozenset({"data.bin", "progress.txt", "source.json", "offsets.npy", "labels.npy",
+                        "sizes.npy", "names.txt", "meta.json.tmp"})
 
 
 def _info(data: Any) -> tuple[int, int, int]:
@@ -40,7 +44,12 @@ def _info(data: Any) -> tuple[int, int, int]:
 
 
 def _read(src: Any, i: int) -> tuple[bytes, tuple[int, int, int]]:
-    data = bytes(src.read_one(i))
+    try:
+        data = bytes(src.read_one(i))
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(f"{src.name(i)}: {e}") from None
     return data, _info(data)
 
 
@@ -114,14 +123,34 @@ class _Progress:
 def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet: bool = False) -> int:
     """Pack ``src_path`` (an ImageFolder tree or tar shard(s)) into the folder ``dest``;
     resumable (Note [resumable pack]). Returns the number of samples."""
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise TypeError(f"pack: workers must be an int >= 1, got {workers!r}")
+        if workers < 1:
+            raise ValueError(f"pack: workers must be an int >= 1, got {workers!r}")
     src = make_source(src_path)
     if isinstance(src, MappedSource) and src.kind == "packed":
         raise ValueError(f"pack: {src_path} is already a packed dataset")
     n = len(src)
+    if isinstance(src, FileSource) and isinstance(src_path, (str, os.PathLike)):
+        # a folder made there would be a class of the tree (with no images) for every later read
+        top, where = os.path.realpath(src_path), os.path.realpath(dest)
+        if os.path.commonpath([top, where]) == top:
+            src.close()
+            raise ValueError(f"pack: {dest} is inside the image folder {src_path}: choose a folder "
+                             "outside it")
     os.makedirs(dest, exist_ok=True)
     if os.path.exists(os.path.join(dest, "meta.json")):
         raise ValueError(f"pack: {dest} already holds a packed dataset (meta.json); choose another "
                          "folder or remove it")
+    entries = set(os.listdir(dest))
+    # a stopped pack's folder holds its source.json or progress.txt; anything else there is not
+    # the pack's, and its files would replace any of the same name
+    stopped = bool(entries & {"source.json", "progress.txt"})
+    others = sorted(entries - _OWN_FILES if stopped else entries)
+    if others:
+        raise ValueError(f"pack: {dest} holds other files than a stopped pack's ({', '.join(others[:5])}"
+                         f"{', ...' if len(others) > 5 else ''}): choose an empty or new folder")
     data_path = os.path.join(dest, "data.bin")
     prog_path = os.path.join(dest, "progress.txt")
     # the source as this pack saw it: a resumed pack must see the same samples in the same order
@@ -189,7 +218,7 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     np.save(os.path.join(dest, "sizes.npy"), table[:, 3:6].astype(np.int32))
     with open(os.path.join(dest, "names.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(_name(src, root, i).replace("\n", " ") for i in range(n)))
-    meta = {"format": PACKED_FORMAT, "version": 1, "count": n,
+    meta = {"format": PACKED_FORMAT, "version": PACKED_VERSION, "count": n,
             "classes": list(src.classes) if getattr(src, "classes", None) else None,
             "source": os.path.abspath(os.fspath(src_path)) if isinstance(src_path, (str, os.PathLike)) else None}
     tmp = os.path.join(dest, "meta.json.tmp")
@@ -204,6 +233,16 @@ def pack(src_path: str | list[str], dest: str, workers: int | None = None, quiet
     return n
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
 def add_parser(sub: Any, fmt: Any) -> None:
     p = sub.add_parser("pack", formatter_class=fmt,
                        help="pack an image folder or tar shards into one file for ImageLoader",
@@ -213,7 +252,7 @@ def add_parser(sub: Any, fmt: Any) -> None:
                                    "where it stopped when run again.")
     p.add_argument("src", nargs="+", help="the folder, or the .tar shard(s)")
     p.add_argument("dest", help="the packed dataset's folder (created)")
-    p.add_argument("--workers", type=int, default=None, help="reader threads (default: the CPUs)")
+    p.add_argument("--workers", type=_positive, default=None, help="reader threads (default: the CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -221,7 +260,7 @@ def run(args: Any) -> int:
     src = args.src[0] if len(args.src) == 1 else list(args.src)
     try:
         n = pack(src, args.dest, workers=args.workers, quiet=args.quiet)
-    except (ValueError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:  # the sources' and the folder's errors
         print(f"pinloader pack: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

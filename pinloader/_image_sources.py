@@ -33,6 +33,7 @@ from . import _C
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 TAR_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
 PACKED_FORMAT = "pinloader.packed"
+PACKED_VERSION = 1
 
 
 class ImageSourceError(ValueError):
@@ -76,8 +77,15 @@ class FileSource:
         return self.paths[int(i)]
 
     def read_one(self, i: int) -> bytes:
-        with open(self.paths[int(i)], "rb") as f:
-            return f.read()
+        """Sample i's file, read as ``read`` reads it: a FIFO or a device under an image's name
+        is an OSError, never a blocking open."""
+        path = self.paths[int(i)]
+        data, _, lengths, errs = _C._read_files([path], 1)
+        e = int(errs[0])
+        if e:
+            raise OSError(e, os.strerror(e), path) if e > 0 else OSError("not a regular file")
+        out: bytes = data[:int(lengths[0])].tobytes()
+        return out
 
     def read(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
         """The files of ``idx`` in one buffer, read by native threads without the GIL (Note
@@ -98,12 +106,17 @@ class FileSource:
 
 def folder_source(root: str) -> FileSource:
     """torchvision's ImageFolder: class folders sorted by name, labels their positions, files
-    with IMG_EXTENSIONS (any case) found recursively, sorted, symlinks followed."""
+    with IMG_EXTENSIONS (any case) found recursively, sorted, symlinks followed; a class folder
+    without such files is an error, as there."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         raise ImageSourceError(f"ImageLoader: {root} is not a folder")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
+        # Note [resumable pack] in pinloader/_image_pack.py
+        if os.path.exists(os.path.join(root, "progress.txt")):
+            raise ImageSourceError(f"ImageLoader: {root} is an unfinished pack (progress.txt, no "
+                                   "meta.json): run `python -m pinloader pack` again to finish it")
         raise ImageSourceError(f"ImageLoader: {root} has no class folders (ImageFolder layout: "
                                "root/<class>/<image>)")
     paths: list[str] = []
@@ -117,6 +130,13 @@ def folder_source(root: str) -> FileSource:
     if not paths:
         raise ImageSourceError(f"ImageLoader: no image files ({', '.join(IMG_EXTENSIONS)}) under "
                                f"{root}'s class folders")
+    # a class without images would be a label no sample has, and would shift the labels of the
+    # classes after it: torchvision's ImageFolder refuses it (allow_empty=False)
+    empty = sorted(set(classes) - {classes[c] for c in set(labels)})
+    if empty:
+        raise ImageSourceError(f"ImageLoader: no image files in the class folders {', '.join(empty)} of "
+                               f"{root} (torchvision's ImageFolder refuses them too; image files end with "
+                               f"{', '.join(IMG_EXTENSIONS)})")
     return FileSource(paths, np.array(labels, np.int64), classes)
 
 
@@ -264,6 +284,10 @@ def packed_source(root: str) -> MappedSource:
         raise ImageSourceError(f"ImageLoader: {root} is not a packed dataset (meta.json: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != PACKED_FORMAT:
         raise ImageSourceError(f"ImageLoader: {root}/meta.json is not a {PACKED_FORMAT} file")
+    version = meta.get("version", 1)  # (written since the first version; hand-made folders may lack it)
+    if version != PACKED_VERSION or isinstance(version, bool):
+        raise ImageSourceError(f"ImageLoader: {root}/meta.json: format version {version!r}, this "
+                               f"pinloader reads version {PACKED_VERSION}")
     classes = meta.get("classes")
     if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
         raise ImageSourceError(f"ImageLoader: {root}/meta.json: classes must be a list of names, got {classes!r:.80}")
@@ -305,7 +329,8 @@ def _wds_key(name: str) -> tuple[str, str]:
 
 def tar_source(shards: Sequence[str]) -> MappedSource:
     """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
-    ``key.cls`` (its label as decimal text). The shards are mapped as one region and each one's
+    ``key.cls`` (its label as decimal text); a ``key.cls`` without an image member is an
+    error, other keys' members are not samples. The shards are mapped as one region and each one's
     headers are read in place, once, in C (``_C._tar_scan``: ustar, pax and GNU long names)."""
     names_f = [os.fspath(x) for x in shards]
     try:
@@ -339,7 +364,12 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
         for key, s in samples.items():
             img = next((s[e] for e in TAR_IMAGE_EXTS if e in s), None)
             if img is None:
-                continue
+                if "cls" in s:  # a labelled sample the loader would leave out without a word
+                    raise ImageSourceError(
+                        f"ImageLoader: {shard}: {key}.cls labels no image (its members: "
+                        f"{', '.join(sorted(m[2] for m in s.values()))}; images are "
+                        f"{', '.join('.' + e for e in TAR_IMAGE_EXTS)})")
+                continue  # not a sample: a shard's other members
             if "cls" not in s:
                 raise ImageSourceError(f"ImageLoader: {shard}: {img[2]} has no label ({key}.cls)")
             o, n, _ = s["cls"]
@@ -364,16 +394,34 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
                         mapping=(region, starts, sizes))
 
 
+def _is_packed(root: str) -> bool:
+    """A folder is a packed dataset when it holds a meta.json, unless it is an ImageFolder tree
+    with a meta.json of its own: one that does not say it is a packed dataset's, beside class
+    folders."""
+    path = os.path.join(root, "meta.json")
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if isinstance(meta, dict) and meta.get("format") == PACKED_FORMAT:
+            return True
+    except (OSError, ValueError):
+        pass
+    with os.scandir(root) as entries:
+        return not any(e.is_dir() for e in entries)
+
+
 def make_source(source: Any) -> Any:
     """The source object for ImageLoader's ``source`` argument: a folder (ImageFolder layout,
-    or a packed dataset when it holds meta.json), a tar shard or a list of them, or a list of
+    or a packed dataset when it holds meta.json: _is_packed), a tar shard or a list of them, or a list of
     (path, label) pairs."""
     if isinstance(source, (FileSource, MappedSource)):
         return source
     if isinstance(source, (str, os.PathLike)):
         p = os.fspath(source)
         if os.path.isdir(p):
-            if os.path.exists(os.path.join(p, "meta.json")):
+            if _is_packed(p):
                 return packed_source(p)
             return folder_source(p)
         if p.endswith(".tar") and os.path.isfile(p):

@@ -138,13 +138,13 @@ def _default_rank_world() -> tuple[int, int]:
 _UNSET: Any = object()
 
 
-def _int_arg(name: str, value: Any, lo: int) -> int:
+def _int_arg(name: str, value: Any, lo: int, who: str = "ArrayLoader") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"ArrayLoader: {name} must be an int, not {type(value).__name__}")
+        raise TypeError(f"{who}: {name} must be an int, not {type(value).__name__}")
     if value < lo:
-        raise ValueError(f"ArrayLoader: {name} must be >= {lo}, got {value}")
+        raise ValueError(f"{who}: {name} must be >= {lo}, got {value}")
     if value >= 1 << 63:
-        raise ValueError(f"ArrayLoader: {name} must be < 2**63, got {value}")
+        raise ValueError(f"{who}: {name} must be < 2**63, got {value}")
     return int(value)
 
 

@@ -35,6 +35,7 @@ every backend, rank and resume.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Sequence
 
@@ -48,7 +49,8 @@ from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
 from ._loader_base import _EpochLoader, _epoch_arg
-from .array_loader import _default_rank_world, _int_arg
+from .array_loader import _PREFETCH_OPTS, _default_rank_world
+from .array_loader import _int_arg as _loader_int_arg
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
 
@@ -58,8 +60,15 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = ("uint8", "float16", "bfloat16", "float32")
 _LAYOUTS = {"NCHW": False, "NHWC": True, "channels_last": True}
 _DEFAULT_DEPTH = 3
+_KEYWORDS = ("batch_size", "train", "size", "resize", "scale", "ratio", "flip", "mean", "std", "dtype",
+             "layout", "keys", "shuffle", "seed", "drop_last", "device", "depth", "rank", "world_size",
+             "decoder", "workers", "on_error")
 # The most images a batch holds: what one call of the GPU decoder takes (src/py/jpeg_decoder.c).
 _MAX_BATCH = 65535
+
+
+def _int_arg(name: str, value: Any, lo: int) -> int:
+    return _loader_int_arg(name, value, lo, who="ImageLoader")
 
 
 def _pair(name: str, v: Any) -> tuple[int, int]:
@@ -77,6 +86,8 @@ def _pair(name: str, v: Any) -> tuple[int, int]:
 
 def _range(name: str, v: Any, lo: float) -> tuple[float, float]:
     try:
+        if isinstance(v, (str, bytes)):  # "12" is no (1.0, 2.0)
+            raise TypeError
         a, b = (float(x) for x in v)
     except (TypeError, ValueError):
         raise TypeError(f"ImageLoader: {name} must be two numbers, got {v!r}") from None
@@ -105,7 +116,7 @@ class ImageLoader(_EpochLoader):
         The output images' size.
     resize : int, optional
         ``train=False``: the shorter side before the center crop (default
-        ``round(max(size) / 0.875)``, 256 for 224).
+        ``round(max(size) / 0.875)``, 256 for 224, at most 16,384), at least ``max(size)``.
     scale, ratio : (float, float)
         ``RandomResizedCrop``'s (defaults ``(0.08, 1.0)``, ``(3/4, 4/3)``).
     flip : bool, optional
@@ -135,7 +146,9 @@ class ImageLoader(_EpochLoader):
         file or shard member, or skipped (its batch is one image shorter) and counted in
         ``stats()["skipped"]``.
     **prefetch_opts
-        Passed to :class:`pinloader.AsyncPrefetcher`. ``static=True`` or ``out=`` batches are
+        Passed to :class:`pinloader.AsyncPrefetcher`: those ArrayLoader takes (``pool``,
+        ``max_pinned_bytes``, ``staging_threads``, ``copy_stream_priority``, ``output``,
+        ``stream``, ``convert``, ``static``, ``out``); another is a TypeError. ``static=True`` or ``out=`` batches are
         made by the host decoder (the prefetcher copies them into its static buffers).
 
     The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
@@ -171,6 +184,8 @@ class ImageLoader(_EpochLoader):
         self.train = bool(train)
         self.shuffle = self.train if shuffle is None else bool(shuffle)
         self.drop_last = bool(drop_last)
+        if not isinstance(dtype, str):  # np.dtype("uint8") == "uint8", but is no key of a dict of str
+            raise TypeError(f"ImageLoader: dtype must be one of the str {_DTYPES}, got {dtype!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"ImageLoader: dtype must be one of {_DTYPES}, got {dtype!r}")
         if layout not in _LAYOUTS:
@@ -179,19 +194,29 @@ class ImageLoader(_EpochLoader):
             raise ValueError(f"ImageLoader: decoder must be 'auto', 'gpu' or 'host', got {decoder!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"ImageLoader: on_error must be 'raise' or 'skip', got {on_error!r}")
+        if isinstance(keys, (str, bytes)):  # "il" is no ("i", "l")
+            raise TypeError(f"ImageLoader: keys must be two different str, got {keys!r}")
         keys = tuple(keys)
         if len(keys) != 2 or not all(isinstance(k, str) for k in keys) or keys[0] == keys[1]:
             raise ValueError(f"ImageLoader: keys must be two different str, got {keys!r}")
         size_hw = _pair("size", size)
-        if resize is None:
-            resize = int(round(max(size_hw) / 0.875))
+        if resize is None:  # no more than the largest resize taken (size is at most that)
+            resize = min(16384, int(round(max(size_hw) / 0.875)))
         resize = _int_arg("resize", resize, 1)
         if resize > 16384:  # as size: the crop parameters are int32, resized sides bounded
             raise ValueError(f"ImageLoader: resize must be at most 16384, got {resize}")
+        if not train and resize < max(size_hw):
+            # the resized image could be smaller than the crop, which torchvision's CenterCrop
+            # pads with zeros and the resampling kernel cannot
+            raise ValueError(f"ImageLoader: resize ({resize}) must be at least the larger side of size "
+                             f"{size_hw} when train=False (torchvision's CenterCrop would pad the "
+                             "resized image)")
         if (mean is None) != (std is None):
             raise ValueError("ImageLoader: give both mean and std, or neither")
         if mean is not None and std is not None:
             try:
+                if isinstance(mean, (str, bytes)) or isinstance(std, (str, bytes)):
+                    raise TypeError
                 m3, s3 = tuple(float(x) for x in mean), tuple(float(x) for x in std)
             except (TypeError, ValueError):
                 raise TypeError(f"ImageLoader: mean and std must be three numbers each, got {mean!r:.60} "
@@ -209,6 +234,12 @@ class ImageLoader(_EpochLoader):
         self.dtype, self.layout = dtype, layout
         self._device = _device.canonical(device, "ImageLoader")
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
+        unknown = sorted(set(prefetch_opts) - _PREFETCH_OPTS)
+        if unknown:  # as ArrayLoader: here, not at the first iteration
+            name = unknown[0]
+            near = difflib.get_close_matches(name, _KEYWORDS + tuple(sorted(_PREFETCH_OPTS)), 1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"ImageLoader() got an unexpected keyword argument {name!r}{hint}")
         self._opts = dict(prefetch_opts)
         if workers is None:
             try:
@@ -228,7 +259,8 @@ class ImageLoader(_EpochLoader):
             raise ValueError(f"ImageLoader: rank must be < world_size, got rank={self.rank}, "
                              f"world_size={self.world_size}")
 
-        src = make_source(source)
+        scale_r, ratio_r = _range("scale", scale, 0.0), _range("ratio", ratio, 0.0)
+        src = make_source(source)  # last: a large tree takes a while to walk
         self.source = src
         self.num_rows = self.num_items = len(src)
         self.classes = getattr(src, "classes", None)
@@ -249,7 +281,7 @@ class ImageLoader(_EpochLoader):
         plan.shuffle, plan.drop_last = self.shuffle, self.drop_last
         self._plan = plan
         cfg = dict(batch_size=self.batch_size, train=self.train, size=size_hw, resize=resize,
-                   scale=_range("scale", scale, 0.0), ratio=_range("ratio", ratio, 0.0),
+                   scale=scale_r, ratio=ratio_r,
                    flip=self.train if flip is None else bool(flip), seed=self.seed,
                    dtype=dtype, channels_last=_LAYOUTS[layout], keys=keys,
                    norm=ops.norm_constants(mean, std, dtype), workers=workers, on_error=on_error)
@@ -285,9 +317,21 @@ class ImageLoader(_EpochLoader):
         idx = np.asarray(indices, np.int64).reshape(-1)
         runner = self._runner
         assert runner is not None
-        hw = np.stack([runner.header(int(i), runner.src.read_one(int(i))) for i in idx]) if len(idx) \
-            else np.zeros((0, 3), np.int32)
-        return runner.params(_epoch_arg("ImageLoader", epoch), idx, hw)
+        epoch = _epoch_arg("ImageLoader", epoch)
+
+        def size(i: int) -> np.ndarray:
+            if not 0 <= i < self.num_items:  # (a negative index would name another sample)
+                raise IndexError(f"ImageLoader.params: sample {i} is not in 0..{self.num_items - 1}")
+            try:
+                data = runner.src.read_one(i)
+            except OSError as e:
+                raise runner.fail(i, f"cannot be read ({e})") from None
+            try:
+                return runner.header(i, data)
+            except ValueError as e:
+                raise runner.fail(i, str(e)) from None
+        hw = np.stack([size(int(i)) for i in idx]) if len(idx) else np.zeros((0, 3), np.int32)
+        return runner.params(epoch, idx, hw)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""

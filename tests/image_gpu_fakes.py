@@ -328,7 +328,7 @@ def mixed(tmp_path_factory):
             (d / f"c{k}").mkdir(parents=True)
             (d / f"c{k}" / os.path.basename(path)).write_bytes(open(path, "rb").read())
         pairs["tars"][bad] = _tars(folder_items(str(d)), str(d), 4)
-        pairs["packed"][bad] = str(d / "packed")
+        pairs["packed"][bad] = str(root / f"packed_{bad}")  # outside the folder it packs
         pack(str(d), pairs["packed"][bad], quiet=True)
     return {"folder": str(folder), "items": listed, "tars": tars, "packed": packed, "pairs": pairs}
 

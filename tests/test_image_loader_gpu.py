@@ -80,6 +80,16 @@ def test_gpu_matches_host_uint8(data, torch, source, train):
     h.close()
 
 
+def test_gpu_flips_evaluation_crops_as_the_host(data, torch):
+    kw = dict(size=(32, 40), seed=7, train=False, flip=True, dtype="uint8", resize=48)
+    g = ImageLoader(data["packed"], 5, device="cuda", decoder="gpu", **kw)
+    h = ImageLoader(data["packed"], 5, device="cpu", **kw)
+    assert 0 < g.params(0, range(18))[:, 8].sum() < 18
+    compare(collect(g, torch), collect(h, torch), MAX_LEVELS, MEAN_LEVELS)
+    g.close()
+    h.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_gpu_matches_host_normalized(data, torch, dtype, layout):

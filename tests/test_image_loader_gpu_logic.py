@@ -53,6 +53,15 @@ def test_same_batches_as_the_host_path(gpu, data, source, train):
             assert dec.closed  # the loader's close() closed it
 
 
+def test_flipped_evaluation_crops_as_the_host_path(gpu, data):
+    kw = dict(size=(12, 14), seed=5, train=False, flip=True, dtype="uint8", resize=16)
+    want, _ = host_run(data["packed"], 5, **kw)
+    got, _ = gpu_run(data["packed"], 5, **kw)
+    same(got, want)
+    with ImageLoader(data["packed"], 5, **kw) as loader:  # and some of them are flipped
+        assert 0 < loader.params(0, range(18))[:, 8].sum() < 18
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_dtypes_as_the_host_path(gpu, data, dtype):
     if dtype == "bfloat16":
