@@ -542,5 +542,51 @@ def close_quietly(obj: Any) -> dict | None:
     return None
 
 
+_last_log = [0.0]
+
+
 def log(message: str) -> None:
+    _last_log[0] = time.monotonic()
     print(message, file=sys.stderr, flush=True)
+
+
+def watch_for_stalls(seconds: float, path: Path | None = None) -> None:
+    """When nothing is logged for ``seconds``, write what this process is doing, once, to
+    ``path`` (or stderr): every thread's Python stack (faulthandler: this process
+    only, not its DataLoader workers), the native stacks from ``py-spy dump --native`` when
+    py-spy is installed, and the GPU's memory from nvidia-smi (a CUDA call from here could
+    block on whatever the stall holds). A daemon thread; the run goes on."""
+    import faulthandler
+    import shutil
+    import threading
+    if seconds <= 0:
+        return
+    _last_log[0] = time.monotonic()
+
+    def watch() -> None:
+        while time.monotonic() - _last_log[0] < seconds:
+            time.sleep(min(5.0, seconds / 4))
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "w") if path is not None else sys.stderr
+        try:
+            f.write(f"no progress logged for {seconds:.0f} s; Python stacks:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            for cmd in (["py-spy", "dump", "--native", "--pid", str(os.getpid())],
+                        ["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu",
+                         "--format=csv"]):
+                if shutil.which(cmd[0]):
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+                    f.write(f"\n$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
+                else:
+                    f.write(f"\n{cmd[0]} is not installed\n")
+            f.flush()
+        except Exception as e:  # a diagnostic: it must not end the run
+            print(f"watch_for_stalls: {e!r}", file=sys.stderr)
+        finally:
+            if path is not None:
+                f.close()
+        log(f"stalled: no progress logged for {seconds:.0f} s (stacks in {path or 'stderr'})")
+
+    threading.Thread(target=watch, name="stall-watch", daemon=True).start()

@@ -428,7 +428,8 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
             it = dali_iter(ds, args, torch, 0.9)
             while True:
                 for b in it:
-                    yield b[0]["image"].permute(0, 3, 1, 2), b[0]["label"].reshape(-1).long()
+                    # the reader's labels stay on the host: the step wants them on the device
+                    yield b[0]["image"].permute(0, 3, 1, 2), b[0]["label"].reshape(-1).long().to(dev, non_blocking=True)
 
         feeds = {"bound": feed_bound, "imageloader_packed": feed_imageloader, "dataloader": feed_dataloader,
                  "dali_best": feed_dali}
@@ -528,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=None, help="keep the generated datasets here")
     ap.add_argument("--smoke", action="store_true",
                     help="a few small images on the host backend, the ImageLoader rows and the tiny model")
+    ap.add_argument("--stall-s", type=float, default=120,
+                    help="when nothing is logged for this long, write the process's stacks to "
+                         "<out>/<name>_stall.txt (0: off)")
     C.add_output_args(ap, "images")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -541,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     else:
         torch = C.require_cuda(args.device)
+    if not args.smoke:
+        C.watch_for_stalls(args.stall_s, Path(args.out) / f"{args.name}_stall.txt")
     info = C.machine_info(torch if not args.smoke else None, args.device)
     tmp = None
     root = args.data_dir

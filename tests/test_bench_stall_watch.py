@@ -1,0 +1,74 @@
+"""benchmarks/_common.py's watch_for_stalls: a GPU run that stops making progress leaves the
+process's stacks behind (the runs are bounded by a timeout that kills them, and then nothing
+else would say where they were)."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+# benchmarks/ stays in the repository: the sdist (whose tests CI also runs) does not carry it.
+pytestmark = pytest.mark.skipif(not (BENCH / "_common.py").is_file(),
+                                reason="benchmarks/ is not in the sdist")
+
+
+def _run(tmp_path, body):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(BENCH)!r})
+        import _common as C
+        from pathlib import Path
+        out = Path({str(tmp_path)!r}) / "sub" / "run_stall.txt"
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+def test_a_stall_writes_every_threads_stack_once_and_the_run_goes_on(tmp_path):
+    r = _run(tmp_path, """
+        def stuck_in_a_named_place():
+            deadline = time.monotonic() + 60
+            while not out.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # the file is complete once the watch has logged
+        C.watch_for_stalls(0.3, out)
+        stuck_in_a_named_place()
+        print("went on")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "went on" in r.stdout
+    text = (tmp_path / "sub" / "run_stall.txt").read_text()
+    assert "no progress logged for 0 s" in text
+    assert "stuck_in_a_named_place" in text  # the main thread's frame
+    assert "in watch" in text  # every thread's
+    assert r.stderr.count("stalled: no progress logged") == 1
+
+
+def test_logging_holds_the_watch_off(tmp_path):
+    r = _run(tmp_path, """
+        C.watch_for_stalls(1.0, out)
+        for _ in range(12):
+            C.log("progress")
+            time.sleep(0.2)
+        print("exists" if out.exists() else "absent")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "absent"
+
+
+def test_zero_seconds_is_off():
+    sys.path.insert(0, str(BENCH))
+    try:
+        C = importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(BENCH))
+    import threading
+    before = {t.name for t in threading.enumerate()}
+    C.watch_for_stalls(0)
+    assert "stall-watch" not in {t.name for t in threading.enumerate()} - before
