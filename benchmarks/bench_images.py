@@ -480,6 +480,27 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
 
 # ---- main ----
 
+def ratio_lines(rows: dict[str, Any], first: str = "imageloader_packed") -> list[str]:
+    """The first ImageLoader row against each other row, round by round (the rows of a round
+    ran one after the other): images/s and CPU per image, median (range) over the rounds."""
+    ran = [n for n in rows if rows[n].get("ips")]
+    name = first if first in ran else next((n for n in ran if n.startswith("imageloader")), None)
+    if name is None:
+        return []
+    mine = rows[name]
+    table = []
+    for other, v in rows.items():
+        if other == name or len(v.get("ips", [])) != len(mine["ips"]):
+            continue
+        speed = C.summarize([a / b for a, b in zip(mine["ips"], v["ips"]) if b > 0])
+        cpu = C.summarize([a / b for a, b in zip(mine["cpu_per_1000"], v["cpu_per_1000"]) if b > 0])
+        table.append([other, C.fmt_summary(speed, 2), C.fmt_summary(cpu, 2)])
+    if not table:
+        return []
+    return ["", f"Per round, {name} over each row of the same round:", "",
+            C.md_table(["row", "images/s ratio", "CPU per image ratio"], table, "lrr")]
+
+
 def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: Any) -> str:
     lines = ["# ImageLoader benchmark (bench_images.py)", ""]
     lines += C.machine_summary_lines(info) if not args.smoke else ["(smoke run on the host backend)"]
@@ -493,6 +514,7 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
             else:
                 table.append([name, f"not run: {v.get('skipped') or v.get('error')}", ""])
         lines.append(C.md_table(["row", "images/s", "CPU-s per 1,000 images"], table, "lrr"))
+        lines += ratio_lines(rows)
     for mname, rec in models.items():
         lines += ["", f"## {mname} ({rec['size_class']} images), batch {args.batch}, {args.steps} steps "
                   f"per row per round", ""]

@@ -61,6 +61,7 @@ Columns, per step and as the median over repeats (min-max in brackets):
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import sys
 import time
@@ -382,6 +383,12 @@ def run_row(row, source, ctx, steps, warmup, loop):
             err = feed.close()
             if err and "error" not in record:
                 record["close_error"] = err["error"]
+        # The row's garbage goes now: a cycle holding CUDA tensors (a side-stream prefetcher's
+        # batches, record_stream'd) left for later would be inherited by the DataLoader workers
+        # that a later row forks, and a collection there frees them in a process that cannot
+        # use CUDA (the worker aborts; benchmarks/results/h100_2026-12-05/README.md).
+        feed = None
+        gc.collect()
         try:
             torch.cuda.synchronize()
         except Exception as exc:
