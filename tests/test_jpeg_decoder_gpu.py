@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import io
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -300,3 +301,39 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
     print("region vs whole decode: max", d.max(), "share equal", (d == 0).mean())
     assert d.max() <= 4
     assert (d == 0).mean() >= 0.99
+
+
+def test_the_engines_never_write_over_a_batch_still_being_resampled(dec, torch):
+    """Note [engines write at once] in src/core/jpeg_cuda.c: nvJPEG's hardware decode writes when
+    it is called, whatever is queued before it on the decoder's stream. Batch A's kernels are
+    held back on that stream (a stream hold), batch B of the same sizes (so the same workspace)
+    is decoded meanwhile, then the hold opens: A must come out as A decoded alone, and B as B."""
+    if dec.info()["engines"] == 0:
+        pytest.skip("this GPU has no JPEG engines: its CUDA decoder keeps stream order")
+    size = (64, 64)
+    blobs_a = [_jpeg(_photo(128, 160, s)) for s in range(8)]
+    blobs_b = [_jpeg(_photo(128, 160, 100 + s)) for s in range(8)]
+    p = np.array([[0, 0, 128, 160, 64, 64, 0, 0, 0]] * 8, np.int32)
+    a, b = _pack(blobs_a), _pack(blobs_b)
+    want_a, st = _run(dec, torch, *a, p, size)
+    want_b, st_b = _run(dec, torch, *b, p, size)
+    assert (st == 0).all() and (st_b == 0).all()
+    assert not np.array_equal(want_a.numpy(), want_b.numpy())
+    hardware = dec.info()["hardware"]
+    prim = _C._testing.Prim("cuda:0")
+    gate = prim.hold(_C._testing.jpeg_decoder_stream(dec))
+    # B's call waits for A's kernels, so for the hold: another thread opens it (started first,
+    # so that no call here can wait for it forever)
+    opener = threading.Timer(1.0, prim.open_gate, (gate,))
+    opener.start()
+    try:
+        arr_a, st = dec.decode(*a, p, size, (1, 1, 1), (0, 0, 0), "uint8", True, None)  # queued
+        arr_b, st_b = dec.decode(*b, p, size, (1, 1, 1), (0, 0, 0), "uint8", True, None)
+    finally:
+        opener.cancel()
+        prim.open_gate(gate)
+        opener.join()
+    assert (st == 0).all() and (st_b == 0).all()
+    assert dec.info()["hardware"] == hardware + 16  # both batches went to the engines
+    assert np.array_equal(torch.from_dlpack(arr_a).cpu().numpy(), want_a.numpy())
+    assert np.array_equal(torch.from_dlpack(arr_b).cpu().numpy(), want_b.numpy())

@@ -21,9 +21,25 @@
  *      tells which image is bad; host-decoded images are copied in;
  *   4. the samples' descriptors go to the device from a pinned ring slot, the two image kernels
  *      run, and the block's ready event is recorded.
- * Everything is queued on the decoder's own stream, so a batch's decode never overwrites the
- * workspace while the previous batch's kernels still read it, and nothing here waits for the
- * GPU except a ring slot whose copy has not finished (Note [descriptor ring]). */
+ * Everything is queued on the decoder's own stream, except what the hardware engines write (Note
+ * [engines write at once]): before they write, the host waits for the previous batch's kernels.
+ * Nothing else here waits for the GPU except a ring slot whose copy has not finished (Note
+ * [descriptor ring]).
+ *
+ * Note [engines write at once]
+ * nvjpegDecodeBatched on the hardware backend writes its output when it is called, whatever is
+ * queued before it on the stream it is given: a device-side dependency (the stream's own queue,
+ * or a cudaStreamWaitEvent) does not hold the write back, only a host wait does (reported on
+ * H100 with nvJPEG 12.3 to 13.2; nvJPEG's CUDA decoder and its single-image call keep stream
+ * order). The engines write into the workspace, which the previous batch's two kernels read:
+ * on a GPU busy with training those kernels can still be queued when the next batch's decode is
+ * called, and they would resample the next batch's pixels. So the decoder records `ws_free`
+ * after each batch's kernels and the host waits for it before the engines' call. A workspace
+ * that grew in this batch is new memory from the stream-ordered pool, which may hand over memory
+ * whose last readers on other streams the pool orders only on the GPU: the host then waits for
+ * the whole stream, the pool's inserted waits included, before the engines write. With two
+ * decoders (Note [decoder threads] in pinloader/_image_epochs.py) the other decoder keeps the
+ * engines busy during such a wait. */
 #include "jpeg_cuda.h"
 
 #include "nvjpeg_api.h"
@@ -162,6 +178,9 @@ struct pl_jpeg {
     pl_nvjpegDecodeParams_t *params; /* one per hardware sample, grown to the largest batch */
     int params_cap;
     int region; /* Note [region decode] on */
+    pl_event *ws_free;    /* recorded after a batch's kernels: Note [engines write at once] */
+    int ws_free_recorded;
+    int ws_grown;         /* the workspace was reallocated in this batch (same Note) */
     pl_jpeg_counts counts;
 };
 
@@ -194,6 +213,8 @@ void pl_jpeg_destroy(pl_jpeg *j)
         b->device_free(j->device, j->ws, j->stream);
     if (j->stream)
         b->stream_synchronize(j->stream);
+    if (j->ws_free)
+        b->event_destroy(j->ws_free);
     for (int i = 0; i < j->params_cap; i++)
         if (j->params[i])
             nj.nvjpegDecodeParamsDestroy(j->params[i]);
@@ -250,6 +271,11 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
             *why = "cudaEventCreate failed";
             goto error;
         }
+    if ((rc = b->event_create(&j->ws_free)) != PL_OK) {
+        j->ws_free = NULL;
+        *why = "cudaEventCreate failed";
+        goto error;
+    }
     /* The hardware backend exists only on GPUs with JPEG engines (A100, H100, H200, ...):
      * elsewhere its creation fails and the CUDA decoder takes every image. */
     if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, 0, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
@@ -289,6 +315,11 @@ error:
     pl_device_pop(b, device, prev);
     pl_jpeg_destroy(j);
     return rc;
+}
+
+pl_stream *pl_jpeg_stream(const pl_jpeg *j)
+{
+    return j->stream;
 }
 
 void pl_jpeg_get_counts(const pl_jpeg *j, pl_jpeg_counts *c)
@@ -433,7 +464,27 @@ static int ensure_workspace(pl_jpeg *j, size_t need, const char **why)
     }
     j->ws = p;
     j->ws_cap = cap;
+    j->ws_grown = 1;
     return PL_OK;
+}
+
+/* Before the engines write into the workspace (Note [engines write at once]): the host waits for
+ * the previous batch's kernels, or for the whole stream when the workspace is new memory. */
+static int engines_may_write(pl_jpeg *j, const char **why)
+{
+    const pl_backend *b = j->b;
+    int rc = PL_OK;
+    if (j->ws_grown) {
+        if ((rc = b->stream_synchronize(j->stream)) != PL_OK)
+            *why = "cudaStreamSynchronize before the hardware decode failed";
+        else
+            j->ws_grown = 0;
+    } else if (j->ws_free_recorded) {
+        /* polled with naps (Note [expected waits] in backend_cuda.c): no spinning core */
+        if ((rc = b->event_wait(j->ws_free, INT64_MAX / 2, 0)) != PL_OK)
+            *why = "waiting for the previous batch's kernels failed";
+    }
+    return rc;
 }
 
 static int ring_slot(pl_jpeg *j, int n, int *slot, const char **why)
@@ -626,6 +677,8 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         hw_params[n_hw] = j->params[i];
         n_hw++;
     }
+    if (n_hw && (rc = engines_may_write(j, why)) != PL_OK)
+        goto done;
     if (n_hw) {
         pl_nvjpegStatus_t s = nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
         if (s == pl_NVJPEG_STATUS_SUCCESS)
@@ -734,6 +787,11 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         goto done;
     }
     blk->ready_recorded = 1;
+    if ((rc = b->event_record(j->ws_free, j->stream)) != PL_OK) {
+        *why = "cudaEventRecord after the batch's kernels failed";
+        goto done;
+    }
+    j->ws_free_recorded = 1;
     j->counts.batches++;
 done:
     if (pushed)

@@ -68,6 +68,8 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
                    pl_block *blk, int32_t *status, const char **why);
 
 void pl_jpeg_get_counts(const pl_jpeg *j, pl_jpeg_counts *c);
+/* The decoder's own stream (for the test suite's stream holds). */
+pl_stream *pl_jpeg_stream(const pl_jpeg *j);
 
 /* The image kernels (image_kernel.cu), launched by backend_cuda.c: which = 0 the horizontal
  * pass, 1 + PL_IMG_* the vertical pass for that dtype. args as cudaLaunchKernel takes them. */

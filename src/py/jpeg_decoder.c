@@ -409,3 +409,17 @@ int pl_jpeg_decoder_init(PyObject *m)
     Py_DECREF(tp);
     return r;
 }
+
+PyObject *pl_jpeg_decoder_stream(PyObject *m, PyObject *decoder)
+{
+    (void)m;
+    if (Py_TYPE(decoder)->tp_dealloc != (destructor)jd_dealloc) /* this module's JpegDecoder type */
+        return PyErr_Format(PyExc_TypeError, "jpeg_decoder_stream: a JpegDecoder is needed, not %s",
+                            Py_TYPE(decoder)->tp_name);
+    JpegDecoderObject *self = (JpegDecoderObject *)decoder;
+    if (!self->j || pl_inherited(self->gen)) {
+        PyErr_SetString(PyExc_ValueError, "jpeg_decoder_stream: the JpegDecoder is closed");
+        return NULL;
+    }
+    return PyLong_FromVoidPtr((void *)pl_jpeg_stream(self->j));
+}

@@ -5,5 +5,8 @@
 #include "state.h"
 
 int pl_jpeg_decoder_init(PyObject *m);
+/* The test suite's probe (pinloader._C._testing.jpeg_decoder_stream): an open JpegDecoder's own
+ * stream as an int, for a stream hold that keeps its kernels queued. */
+PyObject *pl_jpeg_decoder_stream(PyObject *m, PyObject *decoder);
 
 #endif

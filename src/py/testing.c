@@ -4,6 +4,7 @@
 
 #include "dlpack.h"
 #include "gather_impl.h"
+#include "jpeg_decoder.h"
 #include "prefetcher.h"
 
 #include "block.h"
@@ -167,6 +168,9 @@ static PyObject *t_debug_hold_order_jobs(PyObject *m, PyObject *arg)
 }
 
 static PyMethodDef testing_methods[] = {
+    {"jpeg_decoder_stream", pl_jpeg_decoder_stream, METH_O,
+     PyDoc_STR("jpeg_decoder_stream(decoder) -> int: an open JpegDecoder's own stream, for "
+               "Prim.hold (tests/test_jpeg_decoder_gpu.py)")},
     {"debug_hold_order_jobs", t_debug_hold_order_jobs, METH_O,
      "debug_hold_order_jobs(on, /)\n--\n\nTest switch: while on, the threads of epoch order jobs "
      "(_OrderJob, Note [epoch orders] in src/py/epoch_order.c) wait before they begin."},
