@@ -385,8 +385,9 @@ def run_row(row, source, ctx, steps, warmup, loop):
                 record["close_error"] = err["error"]
         # The row's garbage goes now: a cycle holding CUDA tensors (a side-stream prefetcher's
         # batches, record_stream'd) left for later would be inherited by the DataLoader workers
-        # that a later row forks, and a collection there frees them in a process that cannot
-        # use CUDA (the worker aborts; benchmarks/results/h100_2026-12-05/README.md).
+        # that a later row forks, and a collection there would free them in a process that
+        # cannot use CUDA (a suspected cause of the aborted workers in
+        # benchmarks/results/h100_2026-12-05/README.md).
         feed = None
         gc.collect()
         try:
