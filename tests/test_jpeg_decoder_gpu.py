@@ -303,11 +303,11 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
     assert (d == 0).mean() >= 0.99
 
 
-def test_the_engines_never_write_over_a_batch_still_being_resampled(dec, torch):
-    """Note [engines write at once] in src/core/jpeg_cuda.c: nvJPEG's hardware decode writes when
-    it is called, whatever is queued before it on the decoder's stream. Batch A's kernels are
-    held back on that stream (a stream hold), batch B of the same sizes (so the same workspace)
-    is decoded meanwhile, then the hold opens: A must come out as A decoded alone, and B as B."""
+
+def _overlap_a_and_b(dec, torch):
+    """Batch A's kernels held back on the decoder's stream (a stream hold), batch B of the same
+    sizes (so the same workspace) decoded meanwhile, then the hold opened: (A as it came out,
+    A alone, B as it came out, B alone)."""
     if dec.info()["engines"] == 0:
         pytest.skip("this GPU has no JPEG engines: its CUDA decoder keeps stream order")
     size = (64, 64)
@@ -322,12 +322,20 @@ def test_the_engines_never_write_over_a_batch_still_being_resampled(dec, torch):
     hardware = dec.info()["hardware"]
     prim = _C._testing.Prim("cuda:0")
     gate = prim.hold(_C._testing.jpeg_decoder_stream(dec))
+    opened = threading.Event()
+
+    def open_gate():
+        opened.set()
+        prim.open_gate(gate)
+
     # B's call waits for A's kernels, so for the hold: another thread opens it (started first,
     # so that no call here can wait for it forever)
-    opener = threading.Timer(1.0, prim.open_gate, (gate,))
+    opener = threading.Timer(5.0, open_gate)
     opener.start()
     try:
-        arr_a, st = dec.decode(*a, p, size, (1, 1, 1), (0, 0, 0), "uint8", True, None)  # queued
+        arr_a, st = dec.decode(*a, p, size, (1, 1, 1), (0, 0, 0), "uint8", True, None)
+        # A's call returned with its kernels still held: otherwise nothing below is tested
+        assert not opened.is_set()
         arr_b, st_b = dec.decode(*b, p, size, (1, 1, 1), (0, 0, 0), "uint8", True, None)
     finally:
         opener.cancel()
@@ -335,5 +343,26 @@ def test_the_engines_never_write_over_a_batch_still_being_resampled(dec, torch):
         opener.join()
     assert (st == 0).all() and (st_b == 0).all()
     assert dec.info()["hardware"] == hardware + 16  # both batches went to the engines
-    assert np.array_equal(torch.from_dlpack(arr_a).cpu().numpy(), want_a.numpy())
-    assert np.array_equal(torch.from_dlpack(arr_b).cpu().numpy(), want_b.numpy())
+    return (torch.from_dlpack(arr_a).cpu().numpy(), want_a.numpy(),
+            torch.from_dlpack(arr_b).cpu().numpy(), want_b.numpy())
+
+
+def test_the_engines_never_write_over_a_batch_still_being_resampled(dec, torch):
+    """Note [engines write at once] in src/core/jpeg_cuda.c: nvJPEG's hardware decode writes when
+    it is called, whatever is queued before it on the decoder's stream; the decoder waits for the
+    previous batch's kernels first, so A and B both come out as decoded alone."""
+    got_a, want_a, got_b, want_b = _overlap_a_and_b(dec, torch)
+    assert np.array_equal(got_a, want_a)
+    assert np.array_equal(got_b, want_b)
+
+
+def test_without_the_wait_the_engines_overwrite_the_held_batch(dec, torch):
+    """The premise of the test above, so that it can fail: with the decoder's wait switched off,
+    the engines write B into the workspace while A's kernels are held, and A comes out wrong."""
+    _C._testing.debug_jpeg_engine_waits(False)
+    try:
+        got_a, want_a, got_b, want_b = _overlap_a_and_b(dec, torch)
+    finally:
+        _C._testing.debug_jpeg_engine_waits(True)
+    assert not np.array_equal(got_a, want_a)
+    assert np.array_equal(got_b, want_b)

@@ -30,16 +30,17 @@
  * nvjpegDecodeBatched on the hardware backend writes its output when it is called, whatever is
  * queued before it on the stream it is given: a device-side dependency (the stream's own queue,
  * or a cudaStreamWaitEvent) does not hold the write back, only a host wait does (reported on
- * H100 with nvJPEG 12.3 to 13.2; nvJPEG's CUDA decoder and its single-image call keep stream
- * order). The engines write into the workspace, which the previous batch's two kernels read:
- * on a GPU busy with training those kernels can still be queued when the next batch's decode is
- * called, and they would resample the next batch's pixels. So the decoder records `ws_free`
- * after each batch's kernels and the host waits for it before the engines' call. A workspace
- * that grew in this batch is new memory from the stream-ordered pool, which may hand over memory
- * whose last readers on other streams the pool orders only on the GPU: the host then waits for
- * the whole stream, the pool's inserted waits included, before the engines write. With two
- * decoders (Note [decoder threads] in pinloader/_image_epochs.py) the other decoder keeps the
- * engines busy during such a wait. */
+ * H100 with nvJPEG 12.3.5, 12.4, 13.0.1 and 13.2.1; nvJPEG's CUDA decoder and its single-image
+ * call keep stream order). The engines write into the workspace, which the previous batch's two
+ * kernels read: on a GPU busy with training those kernels can still be queued when the next
+ * batch's decode is called, and they would resample the next batch's pixels. So the decoder
+ * records `ws_free` after each batch's kernels and the host waits for it before the engines'
+ * call. The host waits for the whole stream instead (`ws_sync_all`) when the workspace is new
+ * memory (the pool, Note [device pool] in backend_cuda.c, reuses at once what was freed on this
+ * stream: the old workspace, ring slots, deferred blocks, whose readers are queued here) and
+ * after a batch that failed part way (its writes into the workspace may be queued after the
+ * last `ws_free`). With two decoders (Note [decoder threads] in pinloader/_image_epochs.py) the
+ * other decoder keeps the engines busy during such a wait. */
 #include "jpeg_cuda.h"
 
 #include "nvjpeg_api.h"
@@ -48,6 +49,7 @@
 #include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,7 +182,7 @@ struct pl_jpeg {
     int region; /* Note [region decode] on */
     pl_event *ws_free;    /* recorded after a batch's kernels: Note [engines write at once] */
     int ws_free_recorded;
-    int ws_grown;         /* the workspace was reallocated in this batch (same Note) */
+    int ws_sync_all;      /* the next engines' call waits for the whole stream (same Note) */
     pl_jpeg_counts counts;
 };
 
@@ -272,7 +274,6 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
             goto error;
         }
     if ((rc = b->event_create(&j->ws_free)) != PL_OK) {
-        j->ws_free = NULL;
         *why = "cudaEventCreate failed";
         goto error;
     }
@@ -464,21 +465,30 @@ static int ensure_workspace(pl_jpeg *j, size_t need, const char **why)
     }
     j->ws = p;
     j->ws_cap = cap;
-    j->ws_grown = 1;
+    j->ws_sync_all = 1;
     return PL_OK;
 }
 
+static atomic_int engine_waits_off; /* the test suite's switch: pl_jpeg_debug_engine_waits */
+
+void pl_jpeg_debug_engine_waits(int on)
+{
+    atomic_store(&engine_waits_off, !on);
+}
+
 /* Before the engines write into the workspace (Note [engines write at once]): the host waits for
- * the previous batch's kernels, or for the whole stream when the workspace is new memory. */
+ * the previous batch's kernels, or for the whole stream (ws_sync_all). */
 static int engines_may_write(pl_jpeg *j, const char **why)
 {
     const pl_backend *b = j->b;
     int rc = PL_OK;
-    if (j->ws_grown) {
+    if (atomic_load(&engine_waits_off))
+        return PL_OK;
+    if (j->ws_sync_all) {
         if ((rc = b->stream_synchronize(j->stream)) != PL_OK)
             *why = "cudaStreamSynchronize before the hardware decode failed";
         else
-            j->ws_grown = 0;
+            j->ws_sync_all = 0;
     } else if (j->ws_free_recorded) {
         /* polled with naps (Note [expected waits] in backend_cuda.c): no spinning core */
         if ((rc = b->event_wait(j->ws_free, INT64_MAX / 2, 0)) != PL_OK)
@@ -794,6 +804,8 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     j->ws_free_recorded = 1;
     j->counts.batches++;
 done:
+    if (rc != PL_OK)
+        j->ws_sync_all = 1; /* writes of this batch may be queued after ws_free (the Note) */
     if (pushed)
         pl_device_pop(b, j->device, prev);
     free(sm);

@@ -70,6 +70,9 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
 void pl_jpeg_get_counts(const pl_jpeg *j, pl_jpeg_counts *c);
 /* The decoder's own stream (for the test suite's stream holds). */
 pl_stream *pl_jpeg_stream(const pl_jpeg *j);
+/* The test suite's switch: with on = 0, no decoder waits before the engines write (Note
+ * [engines write at once] in jpeg_cuda.c), to show what the waits prevent. On by default. */
+void pl_jpeg_debug_engine_waits(int on);
 
 /* The image kernels (image_kernel.cu), launched by backend_cuda.c: which = 0 the horizontal
  * pass, 1 + PL_IMG_* the vertical pass for that dtype. args as cudaLaunchKernel takes them. */

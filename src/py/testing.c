@@ -4,6 +4,7 @@
 
 #include "dlpack.h"
 #include "gather_impl.h"
+#include "jpeg_cuda.h"
 #include "jpeg_decoder.h"
 #include "prefetcher.h"
 
@@ -167,7 +168,20 @@ static PyObject *t_debug_hold_order_jobs(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *t_debug_jpeg_engine_waits(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    pl_jpeg_debug_engine_waits(on);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef testing_methods[] = {
+    {"debug_jpeg_engine_waits", t_debug_jpeg_engine_waits, METH_O,
+     PyDoc_STR("debug_jpeg_engine_waits(on): False makes every GPU decoder skip its wait before "
+               "the hardware engines write (Note [engines write at once] in src/core/jpeg_cuda.c)")},
     {"jpeg_decoder_stream", pl_jpeg_decoder_stream, METH_O,
      PyDoc_STR("jpeg_decoder_stream(decoder) -> int: an open JpegDecoder's own stream, for "
                "Prim.hold (tests/test_jpeg_decoder_gpu.py)")},
