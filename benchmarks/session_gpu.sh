@@ -42,6 +42,11 @@ run() {
     git log --oneline -1 2>/dev/null
     "$PY" -c "import sys, numpy, torch, torchvision, PIL; print(sys.version.split()[0], numpy.__version__, torch.__version__, torchvision.__version__, PIL.__version__)"
 } >"$R/machine.txt" 2>&1
+# py-spy, when its wheel was carried (py_spy-*.whl in DALI_PARTS): bench_images.py's stall watch
+# then writes the native stacks too (benchmarks/results/h100_2026-12-05/README.md)
+for w in "${DALI_PARTS:-/tmp/dali_parts}"/py_spy-*.whl; do
+    [ -f "$w" ] && "$PY" -m pip install -q --no-index "$w" >"$R/pyspy_install.txt" 2>&1
+done
 run build 60 "$PY" setup.py -q build_ext --inplace -j 16
 run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests
 run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
