@@ -550,12 +550,14 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def watch_for_stalls(seconds: float, path: Path | None = None) -> None:
+def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | None = None) -> None:
     """When nothing is logged for ``seconds``, write what this process is doing, once, to
     ``path`` (or stderr): every thread's Python stack (faulthandler: this process
     only, not its DataLoader workers), the native stacks from ``py-spy dump --native`` when
     py-spy is installed, and the GPU's memory from nvidia-smi (a CUDA call from here could
-    block on whatever the stall holds). A daemon thread; the run goes on."""
+    block on whatever the stall holds). A daemon thread; the run goes on, or with ``exit_code``
+    ends there (os._exit: a stalled thread would keep an orderly exit waiting), so that a
+    script's later steps still get their time."""
     import faulthandler
     import shutil
     import threading
@@ -588,5 +590,7 @@ def watch_for_stalls(seconds: float, path: Path | None = None) -> None:
             if path is not None:
                 f.close()
         log(f"stalled: no progress logged for {seconds:.0f} s (stacks in {path or 'stderr'})")
+        if exit_code is not None:
+            os._exit(exit_code)
 
     threading.Thread(target=watch, name="stall-watch", daemon=True).start()

@@ -434,7 +434,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
         feeds = {"bound": feed_bound, "imageloader_packed": feed_imageloader, "dataloader": feed_dataloader,
                  "dali_best": feed_dali}
         gens: dict[str, Any] = {}
-        for name in MODEL_ROWS:
+        for name in args.model_rows:
             if args.smoke and name in ("dataloader", "dali_best"):
                 continue
             g, err = C.guarded(lambda f=feeds[name]: f())
@@ -551,11 +551,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=None, help="keep the generated datasets here")
     ap.add_argument("--smoke", action="store_true",
                     help="a few small images on the host backend, the ImageLoader rows and the tiny model")
+    ap.add_argument("--model-rows", type=C.choice_list(MODEL_ROWS), default=list(MODEL_ROWS),
+                    help="the feeds of the --models table (the bound is always kept first)")
     ap.add_argument("--stall-s", type=float, default=120,
                     help="when nothing is logged for this long, write the process's stacks to "
-                         "<out>/<name>_stall.txt (0: off)")
+                         "<out>/<name>_stall.txt and end the run with exit status 3 (0: off)")
     C.add_output_args(ap, "images")
     args = ap.parse_args(argv)
+    args.model_rows = ["bound"] + [r for r in args.model_rows if r != "bound"]
     if args.smoke:
         args.device, args.images, args.batch, args.rounds, args.steps = "cpu", 48, 8, 2, 2
         args.drain, args.settle = 2, 1
@@ -568,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch = C.require_cuda(args.device)
     if not args.smoke:
-        C.watch_for_stalls(args.stall_s, Path(args.out) / f"{args.name}_stall.txt")
+        C.watch_for_stalls(args.stall_s, Path(args.out) / f"{args.name}_stall.txt", exit_code=3)
     info = C.machine_info(torch if not args.smoke else None, args.device)
     tmp = None
     root = args.data_dir

@@ -10,7 +10,8 @@
 #   5. bench_orders.py: the next epoch's order made as before and now, on this host;
 #   6. bench_images.py: ResNet-50 and ResNet-18 fed by ImageLoader (packed) and by the DataLoader
 #      against pre-decoded crops on the GPU, and the loader-bound packed row beside the decoder
-#      alone.
+#      alone; a run that stops making progress for 60 s leaves its stacks and ends (--stall-s);
+#   7. ResNet-50 fed by ImageLoader alone beside the bound (the stall, without other loaders).
 # SKIP="name ..." leaves those steps out (for instance images_models when benchmarks/dali_gpu.sh runs
 # the model rows with DALI beside them in a later call). Everything goes into one archive,
 # $OUT/session_gpu.tgz; the step summary is printed.
@@ -56,6 +57,11 @@ run user_loop 60 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop
 run orders 20 "$PY" benchmarks/bench_orders.py --out "$R" --name orders --rounds 7
 run images_models 150 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 3 \
     --data-dir /tmp/pinloader_images --out "$R" --name images_models --steps 20 --drain 20 \
-    --models resnet50,resnet18 --rows imageloader_packed,dataloader,decoder_alone
+    --models resnet50,resnet18 --rows imageloader_packed,dataloader,decoder_alone --stall-s 60
+# the stall of ImageLoader's ResNet-50 row (benchmarks/results/h100_2026-12-05/README.md), with no
+# other loader in the process: does it need the DataLoader's workers or DALI beside it?
+run stall_bisect 120 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 4 \
+    --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect --steps 20 --drain 20 \
+    --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
 tar -C "$OUT" -czf "$OUT/session_gpu.tgz" session_gpu && rm -rf "$R"
 tar -xzOf "$OUT/session_gpu.tgz" session_gpu/steps.txt

@@ -72,3 +72,14 @@ def test_zero_seconds_is_off():
     before = {t.name for t in threading.enumerate()}
     C.watch_for_stalls(0)
     assert "stall-watch" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_with_an_exit_code_the_stalled_run_ends_there(tmp_path):
+    r = _run(tmp_path, """
+        C.watch_for_stalls(0.3, out, exit_code=3)
+        time.sleep(60)
+        print("not reached")
+    """)
+    assert r.returncode == 3
+    assert "not reached" not in r.stdout
+    assert "Python stacks" in (tmp_path / "sub" / "run_stall.txt").read_text()
