@@ -400,6 +400,7 @@ class _Runner:
         raw: dict[int, np.ndarray] = {}
         fixed: dict[int, np.ndarray] = {}  # the parameters of raw images resampled already (_raw)
         hw = self.src.hw[idx].copy()
+        recorded = ok & (hw[:, 0] > 0)  # sizes from sizes.npy, or read when first met
         unknown = np.flatnonzero(ok & (hw[:, 0] <= 0))
         if len(unknown):
             # first meeting: the headers, read in C, and cached (Pillow reads other formats')
@@ -412,6 +413,16 @@ class _Runner:
                     ok[k] = False
             good = unknown[ok[unknown]]
             self.src.hw[idx[good]] = hw[good]
+        # a recorded size must still be the image's, as the host path checks when it decodes
+        # (ops.host_decode's expect): a JPEG's header tells before nvJPEG crops the wrong box
+        rec = np.flatnonzero(recorded & ((hw[:, 2] == 1) | (hw[:, 2] == 3)))
+        if len(rec):
+            real = _C._jpeg_info(base, offs[rec], lens[rec])
+            differs = (real[:, 0] > 0) & ((real[:, 0] != hw[rec, 0]) | (real[:, 1] != hw[rec, 1]))
+            for m in np.flatnonzero(differs).tolist():
+                r = int(rec[m])
+                whys[r] = ops.size_mismatch(real[m], hw[r])
+                ok[r] = False
         # what nvJPEG does not take goes to the host decoder (Note [host decode])
         for k in np.flatnonzero(ok & (hw[:, 2] != 1) & (hw[:, 2] != 3)):
             self._raw(epoch, idx, base, offs, lens, int(k), hw, raw, fixed, whys, ok,
@@ -455,7 +466,6 @@ class _Runner:
         """Decode sample k on the host for the GPU call's ``raw=``; one with a side past what
         the call takes (_RAW_SIDE) is cropped and resized here too, and ``fixed[k]`` is then the
         parameters that hand it over as it is."""
-        i = int(idx[k])
         try:
             img = ops.decode_rgb(base[int(offs[k]):int(offs[k]) + int(lens[k])])
         except ValueError as e:
@@ -463,8 +473,10 @@ class _Runner:
             ok[k] = False
             return
         if tuple(img.shape[:2]) != (int(hw[k, 0]), int(hw[k, 1])):
-            hw[k, :2] = img.shape[:2]
-            self.src.hw[i] = hw[k]
+            # the size its crop is drawn for is not the image's: the host path's error
+            whys[k] = ops.size_mismatch(img.shape[:2], hw[k])
+            ok[k] = False
+            return
         if max(img.shape[:2]) > _RAW_SIDE:
             size = self.cfg["size"]
             try:

@@ -310,7 +310,14 @@ def host_decode(data: Any, p: Sequence[int] | np.ndarray, size: tuple[int, int],
     drawn for (the loader's size cache: a packed sizes.npy, or the header when first read)."""
     img = decode_rgb(data)
     if expect is not None and tuple(img.shape[:2]) != tuple(expect):
-        raise ValueError(f"decoded to {img.shape[0]} x {img.shape[1]}, not the {expect[0]} x {expect[1]} "
-                         "its crop was drawn for (the packed sizes.npy's, or its header's when the "
-                         "file was first read)")
+        raise ValueError(size_mismatch(img.shape[:2], expect))
     return resample(img, p, size)
+
+
+def size_mismatch(got: Sequence[int] | np.ndarray, expect: Sequence[int] | np.ndarray) -> str:
+    """Why a sample fails whose image is not the size its crop was drawn for: one text for the
+    host and the GPU paths (a size recorded in sizes.npy, or read when the file was first met
+    and the file replaced since)."""
+    return (f"decoded to {int(got[0])} x {int(got[1])}, not the {int(expect[0])} x {int(expect[1])} "
+            "its crop was drawn for (the packed sizes.npy's, or its header's when the file was "
+            "first read)")

@@ -250,3 +250,22 @@ def test_a_graph_captured_in_global_mode_while_decoder_threads_decode(data, torc
     torch.cuda.synchronize()
     assert captured == 3 * 9
     assert torch.equal(out, x)
+
+
+def test_gpu_refuses_a_recorded_size_that_is_not_the_images_as_the_host(tmp_path, torch):
+    # sizes.npy says 5 x 5 for sample 0: nvJPEG would crop a box of the wrong image size without
+    # a word; the loader checks the header first and fails as the host path does
+    from image_helpers import make_folder
+    from pinloader._image_pack import pack
+    dest = tmp_path / "p"
+    pack(make_folder(str(tmp_path / "folder"), n_per_class=2), str(dest), quiet=True)
+    sizes = np.load(dest / "sizes.npy")
+    sizes[0, :2] = 5
+    np.save(dest / "sizes.npy", sizes)
+    want = r"sample 0 .*: decoded to \d+ x \d+, not the 5 x 5 its crop was drawn for"
+    for device in ("cpu", "cuda:0"):
+        with ImageLoader(str(dest), 3, size=8, device=device, shuffle=False) as loader:
+            with pytest.raises(ImageDecodeError, match=want):
+                collect(loader, torch)
+            if device == "cuda:0":
+                assert loader.stats()["decoder"] == "gpu"

@@ -385,3 +385,37 @@ def test_a_host_image_past_what_the_gpu_call_takes(gpu, tmp_path):
         assert got[0]["label"].tolist() == [0, 1, 2] and s["host_decoded_reasons"] == {"not a JPEG": 2}
         (call,) = gpu.made[-1].calls
         assert call["raw"] == [1, 2] and call["status"] == [0, 0, 0]
+
+
+# ---- sizes that do not match the image: the host path's rule on the GPU path ----
+
+def _packed_with_sizes(tmp_path, fill):
+    from image_helpers import make_folder
+    from pinloader._image_pack import pack
+    src = make_folder(str(tmp_path / "folder"), n_per_class=2)
+    dest = tmp_path / "p"
+    pack(src, str(dest), quiet=True)
+    sizes = np.load(dest / "sizes.npy")
+    sizes[0, :2] = fill  # sample 0's recorded size is wrong (sizes.npy, or a file replaced since)
+    np.save(dest / "sizes.npy", sizes)
+    return str(dest)
+
+
+@pytest.mark.parametrize("fill", [5, 1000])  # a box that fits the real image, and one that does not
+def test_a_recorded_size_that_is_not_the_images_fails_on_the_gpu_path_as_on_the_host(gpu, tmp_path, fill):
+    root = _packed_with_sizes(tmp_path, fill)
+    want = (rf"sample 0 .*: decoded to \d+ x \d+, not the {fill} x {fill} its crop was drawn for "
+            r"\(the packed sizes.npy's, or its header's when the file was first read\)")
+    for device in ("cpu", None):  # the host path, then the GPU path (the fake decoder)
+        with ImageLoader(root, 3, size=8, device=device, shuffle=False) as loader:
+            with pytest.raises(ImageDecodeError, match=want):
+                collect(loader)
+
+
+def test_a_recorded_size_that_is_not_the_images_is_skipped_alike_on_both_paths(gpu, tmp_path):
+    root = _packed_with_sizes(tmp_path, 5)
+    host, hs = host_run(root, 3, size=8, shuffle=False, on_error="skip")
+    dev, ds = gpu_run(root, 3, size=8, shuffle=False, on_error="skip")
+    same(host, dev)
+    assert hs["skipped"] == ds["skipped"] == 1
+    assert hs["skipped_samples"][0]["index"] == ds["skipped_samples"][0]["index"] == 0
