@@ -73,14 +73,20 @@ static PyObject *t_numa_node_of_pci(PyObject *m, PyObject *arg)
     return PyLong_FromLong(pl_numa_node_of_pci(id));
 }
 
+/* The on/off test switches: set(on) with on = the argument's truth. */
+static PyObject *set_switch(PyObject *arg, void (*set)(int))
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    set(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *t_debug_hold_copies(PyObject *m, PyObject *on)
 {
     (void)m;
-    int v = PyObject_IsTrue(on);
-    if (v < 0)
-        return NULL;
-    pl_host_hold_streams(v);
-    Py_RETURN_NONE;
+    return set_switch(on, pl_host_hold_streams);
 }
 
 static PyObject *t_gather_grid(PyObject *m, PyObject *arg)
@@ -161,21 +167,13 @@ static PyObject *t_dlpack_stream(PyObject *m, PyObject *args)
 static PyObject *t_debug_hold_order_jobs(PyObject *m, PyObject *arg)
 {
     (void)m;
-    int on = PyObject_IsTrue(arg);
-    if (on < 0)
-        return NULL;
-    pl_epoch_order_hold(on);
-    Py_RETURN_NONE;
+    return set_switch(arg, pl_epoch_order_hold);
 }
 
 static PyObject *t_debug_jpeg_engine_waits(PyObject *m, PyObject *arg)
 {
     (void)m;
-    int on = PyObject_IsTrue(arg);
-    if (on < 0)
-        return NULL;
-    pl_jpeg_debug_engine_waits(on);
-    Py_RETURN_NONE;
+    return set_switch(arg, pl_jpeg_debug_engine_waits);
 }
 
 static PyMethodDef testing_methods[] = {
