@@ -543,21 +543,34 @@ def close_quietly(obj: Any) -> dict | None:
 
 
 _last_log = [0.0]
+_heartbeat: list[Path | None] = [None]  # touched by log() for the outside watch (_stall_watchdog.py)
 
 
 def log(message: str) -> None:
     _last_log[0] = time.monotonic()
+    if _heartbeat[0] is not None:
+        try:
+            os.utime(_heartbeat[0])
+        except OSError:
+            pass
     print(message, file=sys.stderr, flush=True)
 
 
-def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | None = None) -> None:
+def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | None = None,
+                     grace: float = 90.0) -> None:
     """When nothing is logged for ``seconds``, write what this process is doing, once, to
     ``path`` (or stderr): every thread's Python stack (faulthandler: this process
     only, not its DataLoader workers), the native stacks from ``py-spy dump --native`` when
     py-spy is installed, and the GPU's memory from nvidia-smi (a CUDA call from here could
     block on whatever the stall holds). A daemon thread; the run goes on, or with ``exit_code``
     ends there (os._exit: a stalled thread would keep an orderly exit waiting), so that a
-    script's later steps still get their time."""
+    script's later steps still get their time.
+
+    A thread that blocks in C while holding the GIL stops this watch too. So with both ``path``
+    and ``exit_code``, a second watch runs outside the process (benchmarks/_stall_watchdog.py):
+    ``grace`` seconds after this one should have ended the run, it writes what each thread is
+    blocked in to ``path``.outside, has faulthandler write the Python stacks (on SIGUSR2, no GIL
+    needed) to ``path``.outside.python, and kills the process."""
     import faulthandler
     import shutil
     import threading
@@ -575,6 +588,9 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
             f.write(f"no progress logged for {seconds:.0f} s; Python stacks:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            sys.path.insert(0, str(BENCH_DIR))
+            import _stall_watchdog  # what each thread is blocked in, as the kernel says
+            f.write("\n" + _stall_watchdog.threads_report(os.getpid()))
             for cmd in (["py-spy", "dump", "--native", "--pid", str(os.getpid())],
                         ["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu",
                          "--format=csv"]):
@@ -594,3 +610,14 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
             os._exit(exit_code)
 
     threading.Thread(target=watch, name="stall-watch", daemon=True).start()
+    if path is not None and exit_code is not None:
+        import signal
+        outside = Path(f"{path}.outside")
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        heartbeat = Path(f"{path}.alive")
+        heartbeat.touch()
+        _heartbeat[0] = heartbeat
+        py_stacks = open(f"{outside}.python", "w")  # kept open: faulthandler writes it from a signal
+        faulthandler.register(signal.SIGUSR2, file=py_stacks, all_threads=True)
+        subprocess.Popen([sys.executable, str(BENCH_DIR / "_stall_watchdog.py"), str(os.getpid()),
+                          str(heartbeat), str(seconds + grace), str(outside)], start_new_session=True)

@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch = C.require_cuda(args.device)
     if not args.smoke:
-        C.watch_for_stalls(args.stall_s, Path(args.out) / f"{args.name}_stall.txt", exit_code=3)
+        C.watch_for_stalls(args.stall_s, Path(args.out) / f"{args.name}_stall.txt", exit_code=3, grace=45)
     info = C.machine_info(torch if not args.smoke else None, args.device)
     tmp = None
     root = args.data_dir

@@ -4,14 +4,16 @@
 #   1. build in place;
 #   2. every GPU test (-m gpu);
 #   3. compute-sanitizer memcheck over the image, decoder and ArrayLoader GPU tests;
-#   4. the user loop (bench_user_loop.py) at 64-byte and 512-byte rows: next(), the torch door and
+#   4. the stall bisect: ResNet-50 fed by ImageLoader alone beside the bound (no other loader in the
+#      process), with two decoder threads and with one;
+#   5. the user loop (bench_user_loop.py) at 64-byte and 512-byte rows: next(), the torch door and
 #      bench_gather's loop beside one DMA, 2 rounds (the 64-byte rows' wait for the next epoch's
 #      order, Note [orders made ahead] in pinloader/_epoch_plan.py);
-#   5. bench_orders.py: the next epoch's order made as before and now, on this host;
-#   6. bench_images.py: ResNet-50 and ResNet-18 fed by ImageLoader (packed) and by the DataLoader
+#   6. bench_orders.py: the next epoch's order made as before and now, on this host;
+#   7. bench_images.py: ResNet-50 and ResNet-18 fed by ImageLoader (packed) and by the DataLoader
 #      against pre-decoded crops on the GPU, and the loader-bound packed row beside the decoder
-#      alone; a run that stops making progress for 60 s leaves its stacks and ends (--stall-s);
-#   7. ResNet-50 fed by ImageLoader alone beside the bound (the stall, without other loaders).
+#      alone.
+# A bench_images run that stops making progress for 60 s leaves its stacks and ends (--stall-s).
 # SKIP="name ..." leaves those steps out (for instance images_models when benchmarks/dali_gpu.sh runs
 # the model rows with DALI beside them in a later call). Everything goes into one archive,
 # $OUT/session_gpu.tgz; the step summary is printed.
@@ -52,16 +54,20 @@ run build 60 "$PY" setup.py -q build_ext --inplace -j 16
 run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests
 run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_image_loader_gpu.py tests/test_jpeg_decoder_gpu.py tests/test_array_loader_gpu.py
+# the stall of ImageLoader's ResNet-50 row (benchmarks/results/h100_2026-12-05/README.md), with no
+# other loader in the process: does it need the DataLoader's workers or DALI beside it? And with
+# one decoder thread instead of two?
+run stall_bisect 120 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 4 \
+    --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect --steps 20 --drain 20 \
+    --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
+PINLOADER_JPEG_DECODERS=1 run stall_bisect_k1 120 "$PY" benchmarks/bench_images.py --size-class imagenet \
+    --images 4096 --rounds 4 --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect_k1 --steps 20 \
+    --drain 20 --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
 run user_loop 60 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop --rounds 2 --rows 64,512 \
     --sources numpy --loops next,door,bench
 run orders 20 "$PY" benchmarks/bench_orders.py --out "$R" --name orders --rounds 7
 run images_models 150 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 3 \
     --data-dir /tmp/pinloader_images --out "$R" --name images_models --steps 20 --drain 20 \
     --models resnet50,resnet18 --rows imageloader_packed,dataloader,decoder_alone --stall-s 60
-# the stall of ImageLoader's ResNet-50 row (benchmarks/results/h100_2026-12-05/README.md), with no
-# other loader in the process: does it need the DataLoader's workers or DALI beside it?
-run stall_bisect 120 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 4 \
-    --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect --steps 20 --drain 20 \
-    --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
 tar -C "$OUT" -czf "$OUT/session_gpu.tgz" session_gpu && rm -rf "$R"
 tar -xzOf "$OUT/session_gpu.tgz" session_gpu/steps.txt

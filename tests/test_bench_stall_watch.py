@@ -83,3 +83,24 @@ def test_with_an_exit_code_the_stalled_run_ends_there(tmp_path):
     assert r.returncode == 3
     assert "not reached" not in r.stdout
     assert "Python stacks" in (tmp_path / "sub" / "run_stall.txt").read_text()
+
+
+def test_a_thread_that_holds_the_gil_is_seen_from_outside_and_the_run_ends(tmp_path):
+    # sum() over a range runs in C and never lets the GIL go: the process's own watch thread
+    # cannot run (10**11 additions: minutes, far past the outside watch's 1.3 s)
+    r = _run(tmp_path, """
+        C.watch_for_stalls(0.3, out, exit_code=3, grace=1.0)
+        def blocked_in_c_holding_the_gil():
+            sum(range(10**11))
+        blocked_in_c_holding_the_gil()
+        print("not reached")
+    """)
+    assert r.returncode == -9, (r.returncode, r.stderr)  # killed by the outside watch
+    assert "not reached" not in r.stdout
+    outside = (tmp_path / "sub" / "run_stall.txt.outside").read_text()
+    assert "seen from outside" in outside
+    assert "wchan" in outside and "thread " in outside
+    py = (tmp_path / "sub" / "run_stall.txt.outside.python").read_text()
+    assert "blocked_in_c_holding_the_gil" in py
+    # the process's own watch never wrote (it needed the GIL)
+    assert not (tmp_path / "sub" / "run_stall.txt").exists()
