@@ -561,8 +561,9 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
     """When nothing is logged for ``seconds``, write what this process is doing, once, to
     ``path`` (or stderr): every thread's Python stack (faulthandler: this process
     only, not its DataLoader workers), the native stacks from ``py-spy dump --native`` when
-    py-spy is installed, and the GPU's memory from nvidia-smi (a CUDA call from here could
-    block on whatever the stall holds). A daemon thread; the run goes on, or with ``exit_code``
+    py-spy is installed, what each thread is blocked in as the kernel says, and the GPU's
+    memory and use from nvidia-smi (a CUDA call from here could block on whatever the stall
+    holds) and the kernel log's tail (benchmarks/_stall_watchdog.py's report). A daemon thread; the run goes on, or with ``exit_code``
     ends there (os._exit: a stalled thread would keep an orderly exit waiting), so that a
     script's later steps still get their time.
 
@@ -572,7 +573,6 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
     blocked in to ``path``.outside, has faulthandler write the Python stacks (on SIGUSR2, no GIL
     needed) to ``path``.outside.python, and kills the process."""
     import faulthandler
-    import shutil
     import threading
     if seconds <= 0:
         return
@@ -591,14 +591,7 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
             sys.path.insert(0, str(BENCH_DIR))
             import _stall_watchdog  # what each thread is blocked in, as the kernel says
             f.write("\n" + _stall_watchdog.threads_report(os.getpid()))
-            for cmd in (["py-spy", "dump", "--native", "--pid", str(os.getpid())],
-                        ["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu",
-                         "--format=csv"]):
-                if shutil.which(cmd[0]):
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-                    f.write(f"\n$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
-                else:
-                    f.write(f"\n{cmd[0]} is not installed\n")
+            _stall_watchdog.commands_report(os.getpid(), f)
             f.flush()
         except Exception as e:  # a diagnostic: it must not end the run
             print(f"watch_for_stalls: {e!r}", file=sys.stderr)

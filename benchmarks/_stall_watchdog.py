@@ -7,7 +7,7 @@ Python thread of the process, the watch's too).
 When HEARTBEAT (a file that ``_common.log`` touches) has not changed for SECONDS, it writes to
 REPORT what each of PID's threads is blocked in, as the kernel says (``/proc/PID/task/*``: name,
 state, wait channel, system call, kernel stack where readable), the native and Python stacks from
-``py-spy dump --native`` when py-spy is installed, and the GPU's memory; then it sends SIGUSR2,
+``py-spy dump --native`` when py-spy is installed, the GPU's memory and use, the kernel log's tail; then it sends SIGUSR2,
 on which the benchmark's faulthandler writes every thread's Python stack (a signal handler: no
 GIL needed) to REPORT.python, and kills PID (SIGKILL, so that the script's later steps get their
 time). It ends by itself when PID ends.
@@ -65,17 +65,30 @@ def report(pid: int, seconds: float, path: Path) -> None:
                 f"seen from outside (pid {pid}):\n\n")
         f.write(threads_report(pid))
         f.flush()
-        for cmd in (["py-spy", "dump", "--native", "--pid", str(pid)],
-                    ["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu", "--format=csv"]):
-            if not shutil.which(cmd[0]):
-                f.write(f"\n{cmd[0]} is not installed\n")
-                continue
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-                f.write(f"\n$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
-            except subprocess.TimeoutExpired:
-                f.write(f"\n$ {' '.join(cmd)}\n(no answer in 60 s)\n")
-            f.flush()
+        commands_report(pid, f)
+
+
+# what the stall report runs: native stacks, the GPU's memory and engines' use (a JPEG engine
+# job that never ends shows as JPEG utilisation with nothing else running), the kernel's log
+# (an Xid error names a GPU fault)
+COMMANDS = (("py-spy", "dump", "--native", "--pid", "{pid}"),
+            ("nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu", "--format=csv"),
+            ("nvidia-smi", "-q", "-d", "UTILIZATION"),
+            ("dmesg", "--ctime"))
+
+
+def commands_report(pid: int, f) -> None:  # type: ignore[no-untyped-def]
+    for cmd in ([a.format(pid=pid) for a in c] for c in COMMANDS):
+        if not shutil.which(cmd[0]):
+            f.write(f"\n{cmd[0]} is not installed\n")
+            continue
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            out = r.stdout if cmd[0] != "dmesg" else "\n".join(r.stdout.splitlines()[-30:]) + "\n"
+            f.write(f"\n$ {' '.join(cmd)}\n{out}{r.stderr}")
+        except subprocess.TimeoutExpired:
+            f.write(f"\n$ {' '.join(cmd)}\n(no answer in 60 s)\n")
+        f.flush()
 
 
 def main(argv: list[str]) -> int:
