@@ -20,8 +20,12 @@
  * under SORT_MIN_ROW_BYTES are read in batch order: sorting them costs more than it saves
  * (with 64-byte rows the sort was most of the gather's time). Contiguous rows of a power-of-two
  * size up to 256 bytes are copied by a loop with the size known to the compiler, so each row is
- * a few vector moves instead of a memcpy call. There is no software prefetch: the loop's loads
- * are independent, so the core already keeps several misses in flight. */
+ * a few vector moves instead of a memcpy call. Rows read in batch order are prefetched
+ * PREFETCH_ROWS rows ahead (the first cache line of a row, or all of it up to 256 bytes): the
+ * loads are independent, but a core's out-of-order window holds only the misses of the next
+ * few rows, so short random rows from a source far larger than the caches waited on memory one
+ * handful at a time; asked for 64 rows ahead, a thread gathered 64-byte rows about three times
+ * as fast (benchmarks/results/design_measurements.md, "software prefetch in the row gather"). */
 #include "stager.h"
 #include "backend.h"
 #include "util.h"
@@ -40,6 +44,8 @@
 #define INLINE_BYTES ((size_t)256 << 10) /* below this, one thread does it all */
 #define SORT_MIN_ROW_BYTES 4096 /* see Note [row gather] */
 #define SORT_GROUP 256         /* rows sorted together, on the stack */
+#define PREFETCH_ROWS 64       /* rows asked for ahead of the one copied: Note [row gather] */
+#define PREFETCH_MAX_BYTES 1024 /* of a row, at most; the hardware prefetcher follows the rest */
 
 /* Note [non-temporal staging stores]
  * The staged region is read next by the copy engine, not by a CPU, so writing it through the
@@ -223,6 +229,16 @@ static void copy_row_part(char *dst, const pl_leaf_copy *L, pl_leaf_copy *R, int
         pl_leaf_gather(dst, R, start, count);
 }
 
+/* The cache lines of a row of n bytes at p, asked for ahead of its copy (Note [row gather]). */
+static inline void prefetch_row(const char *p, size_t n)
+{
+    __builtin_prefetch(p);
+    for (size_t o = 64; o < n; o += 64)
+        __builtin_prefetch(p + o);
+    if (n > 1)
+        __builtin_prefetch(p + n - 1); /* the last line, where the row straddles one more */
+}
+
 typedef struct {
     int64_t key; /* source offset of the row, in stride units with the sign of the stride */
     int64_t pos; /* batch position */
@@ -263,8 +279,11 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
         switch (row_bytes) {
 #define ROWS(N)                                                            \
     case N:                                                                \
-        for (int64_t k = 0; k < whole; k++)                                \
+        for (int64_t k = 0; k < whole; k++) {                              \
+            if (k + PREFETCH_ROWS < whole)                                 \
+                prefetch_row(src + r[k + PREFETCH_ROWS] * s0, N);          \
             memcpy(dst + (size_t)k * N, src + r[k] * s0, N);               \
+        }                                                                  \
         break;
             ROWS(1) ROWS(2) ROWS(4) ROWS(8) ROWS(16) ROWS(32) ROWS(64) ROWS(128) ROWS(256)
 #undef ROWS
@@ -275,6 +294,8 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
         whole = 0;
     }
     const int64_t sign = L->strides[0] < 0 ? -1 : 1;
+    /* a contiguous row's lines up to PREFETCH_MAX_BYTES, else its first line */
+    const size_t pf_bytes = contiguous ? PL_MIN(row_bytes, (size_t)PREFETCH_MAX_BYTES) : 1;
     while (whole > 0) {
         int64_t n = PL_MIN(whole, (int64_t)SORT_GROUP);
         if (n > 1 && row_bytes >= SORT_MIN_ROW_BYTES) {
@@ -288,8 +309,11 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
                 copy_row_part(dst + (size_t)refs[k].pos * row_bytes, L, &R, contiguous, nt,
                               i + refs[k].pos, 0, row);
         } else {
-            for (int64_t k = 0; k < n; k++)
+            for (int64_t k = 0; k < n; k++) {
+                if (k + PREFETCH_ROWS < whole)
+                    prefetch_row(L->src + L->rows[i + k + PREFETCH_ROWS] * L->strides[0], pf_bytes);
                 copy_row_part(dst + (size_t)k * row_bytes, L, &R, contiguous, nt, i + k, 0, row);
+            }
         }
         dst += (size_t)n * row_bytes;
         count -= n * row;
