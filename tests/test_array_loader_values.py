@@ -61,10 +61,12 @@ def test_strided_sources(how):
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("row_shape,batch", [((3000,), 300), ((200, 11), 256), ((7,), 40000),
+                                             ((16,), 20000), ((128,), 4096),
                                              ((300000,), 3), ((262144,), 20)], ids=str)
 def test_large_batches_multithreaded(threads, row_shape, batch):
     # batches over the stager's inline limit: pieces of whole rows, rows sorted by address
-    # within a piece, pieces that split a row (300000 float32 > one 1 MiB piece), chunked copies
+    # within a piece, pieces that split a row (300000 float32 > one 1 MiB piece), chunked copies;
+    # 64- and 512-byte rows: the loops that prefetch rows ahead (Note [row gather])
     n = 2 * batch + 5
     a = sample((n,) + row_shape, np.float32, 5)
     rev = a[::-1]

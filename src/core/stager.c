@@ -21,11 +21,13 @@
  * (with 64-byte rows the sort was most of the gather's time). Contiguous rows of a power-of-two
  * size up to 256 bytes are copied by a loop with the size known to the compiler, so each row is
  * a few vector moves instead of a memcpy call. Rows read in batch order are prefetched
- * PREFETCH_ROWS rows ahead (the first cache line of a row, or all of it up to 256 bytes): the
+ * PREFETCH_ROWS rows ahead (a contiguous row's lines up to PREFETCH_MAX_BYTES, else its first): the
  * loads are independent, but a core's out-of-order window holds only the misses of the next
  * few rows, so short random rows from a source far larger than the caches waited on memory one
  * handful at a time; asked for 64 rows ahead, a thread gathered 64-byte rows about three times
- * as fast (benchmarks/results/design_measurements.md, "software prefetch in the row gather"). */
+ * as fast (benchmarks/results/design_measurements.md, "software prefetch in the row gather").
+ * PINLOADER_ROW_PREFETCH=0 turns the prefetch off (for measurement), read when a stager is
+ * created, for every stager of the process. */
 #include "stager.h"
 #include "backend.h"
 #include "util.h"
@@ -45,6 +47,7 @@
 #define SORT_MIN_ROW_BYTES 4096 /* see Note [row gather] */
 #define SORT_GROUP 256         /* rows sorted together, on the stack */
 #define PREFETCH_ROWS 64       /* rows asked for ahead of the one copied: Note [row gather] */
+static atomic_int row_prefetch_off; /* PINLOADER_ROW_PREFETCH=0 (Note [row gather]) */
 #define PREFETCH_MAX_BYTES 1024 /* of a row, at most; the hardware prefetcher follows the rest */
 
 /* Note [non-temporal staging stores]
@@ -273,6 +276,8 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
         i++;
     }
     int64_t whole = count / row;
+    /* rows ahead of the copied one that are prefetched; past every row when switched off */
+    const int64_t ahead = atomic_load_explicit(&row_prefetch_off, memory_order_relaxed) ? INT64_MAX / 2 : PREFETCH_ROWS;
     if (contiguous && whole > 0 && row_bytes <= 256 && (row_bytes & (row_bytes - 1)) == 0) {
         const char *src = L->src;
         const int64_t s0 = L->strides[0], *r = L->rows + i;
@@ -280,8 +285,8 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
 #define ROWS(N)                                                            \
     case N:                                                                \
         for (int64_t k = 0; k < whole; k++) {                              \
-            if (k + PREFETCH_ROWS < whole)                                 \
-                prefetch_row(src + r[k + PREFETCH_ROWS] * s0, N);          \
+            if (k + ahead < whole)                                         \
+                prefetch_row(src + r[k + ahead] * s0, N);                  \
             memcpy(dst + (size_t)k * N, src + r[k] * s0, N);               \
         }                                                                  \
         break;
@@ -310,8 +315,8 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
                               i + refs[k].pos, 0, row);
         } else {
             for (int64_t k = 0; k < n; k++) {
-                if (k + PREFETCH_ROWS < whole)
-                    prefetch_row(L->src + L->rows[i + k + PREFETCH_ROWS] * L->strides[0], pf_bytes);
+                if (k + ahead < whole)
+                    prefetch_row(L->src + L->rows[i + k + ahead] * L->strides[0], pf_bytes);
                 copy_row_part(dst + (size_t)k * row_bytes, L, &R, contiguous, nt, i + k, 0, row);
             }
         }
@@ -449,6 +454,8 @@ int pl_stager_create(int nthreads, pl_stager **out)
     s->nthreads = nthreads < 1 ? 1 : nthreads;
     const char *nt = getenv("PINLOADER_STAGING_NT");
     s->nt_mode = nt && strcmp(nt, "0") == 0 ? 0 : nt && strcmp(nt, "1") == 0 ? 1 : -1;
+    const char *pf = getenv("PINLOADER_ROW_PREFETCH");
+    atomic_store(&row_prefetch_off, pf && strcmp(pf, "0") == 0);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
