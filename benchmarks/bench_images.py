@@ -406,6 +406,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
             loader = pinloader.ImageLoader(ds["packed"], args.batch, size=224, dtype="float32" if dev.type != "cuda" else args.dtype,
                                            layout="NHWC", device=args.device, drop_last=True)
             door = pt.prefetch(loader, device=args.device)
+            loaders["imageloader_packed"] = loader
             e = 0
             while True:
                 loader.set_epoch(e)
@@ -431,6 +432,8 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     # the reader's labels stay on the host: the step wants them on the device
                     yield b[0]["image"].permute(0, 3, 1, 2), b[0]["label"].reshape(-1).long().to(dev, non_blocking=True)
 
+        loaders: dict[str, Any] = {}  # the ImageLoader, for its decoder's counts after each row
+
         feeds = {"bound": feed_bound, "imageloader_packed": feed_imageloader, "dataloader": feed_dataloader,
                  "dali_best": feed_dali}
         gens: dict[str, Any] = {}
@@ -452,8 +455,10 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
             for name in names:
                 # batches buffered while the other rows ran would be free steps: take them
                 # without training, then a few untimed steps
+                t_drain = time.perf_counter()
                 for _ in range(args.drain):
                     next(gens[name])
+                t_drain = time.perf_counter() - t_drain
                 for _ in range(args.settle):
                     step(*next(gens[name]))
                 if dev.type == "cuda":
@@ -466,6 +471,17 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                 got[name] = steps * args.batch / (time.perf_counter() - t0)
                 rec["rows"][name]["ips"].append(got[name])
                 C.log(f"[{mname}] round {r} {name}: {got[name]:,.0f} img/s")
+                if name in loaders:
+                    # where a slow or stopped row spent its time: the decoders' counts (a hardware
+                    # call that failed falls back to one CUDA decode per image) and the memory
+                    st = loaders[name].stats()
+                    gd = st.get("gpu_decoder") or {}
+                    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+                    C.log(f"[{mname}]   {name}: drain of {args.drain} took {t_drain:.2f} s; decode calls "
+                          f"{st.get('decode_call_s', 0):.1f} s in all; decoder counts "
+                          f"{ {k: gd.get(k) for k in ('batches', 'hardware', 'cuda', 'raw', 'failed', 'workspace_bytes')} }; "
+                          f"host-decoded {st.get('host_decoded')}; GPU memory free {free / 2**30:.1f} GiB, "
+                          f"torch reserved {torch.cuda.memory_reserved(dev) / 2**30 if dev.type == 'cuda' else 0:.1f} GiB")
             for name in gens:
                 rec["rows"][name]["ratio"].append(C.ratio(got[name], got.get("bound")))
         for name, g in gens.items():
