@@ -52,7 +52,8 @@ for w in "${DALI_PARTS:-/tmp/dali_parts}"/py_spy-*.whl; do
     [ -f "$w" ] && "$PY" -m pip install -q --no-index "$w" >"$R/pyspy_install.txt" 2>&1
 done
 run build 60 "$PY" setup.py -q build_ext --inplace -j 16
-run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests
+# GPU_TESTS="file ..." narrows the GPU tests (default: all of tests/)
+run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu ${GPU_TESTS:-tests}
 # the stall of ImageLoader's ResNet-50 row (benchmarks/results/h100_2026-12-05/README.md), with no
 # other loader in the process: does it need the DataLoader's workers or DALI beside it? And with
 # one decoder thread instead of two?
