@@ -614,3 +614,15 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
         faulthandler.register(signal.SIGUSR2, file=py_stacks, all_threads=True)
         subprocess.Popen([sys.executable, str(BENCH_DIR / "_stall_watchdog.py"), str(os.getpid()),
                           str(heartbeat), str(seconds + grace), str(outside)], start_new_session=True)
+
+        def tidy() -> None:  # a run that ends well leaves no watch files behind
+            py_stacks.close()
+            for leftover in (heartbeat, Path(f"{outside}.python")):
+                try:
+                    if leftover == heartbeat or leftover.stat().st_size == 0:
+                        leftover.unlink()
+                except OSError:
+                    pass
+
+        import atexit
+        atexit.register(tidy)

@@ -104,3 +104,13 @@ def test_a_thread_that_holds_the_gil_is_seen_from_outside_and_the_run_ends(tmp_p
     assert "blocked_in_c_holding_the_gil" in py
     # the process's own watch never wrote (it needed the GIL)
     assert not (tmp_path / "sub" / "run_stall.txt").exists()
+
+
+def test_a_run_that_ends_well_leaves_no_watch_files(tmp_path):
+    r = _run(tmp_path, """
+        C.watch_for_stalls(30, out, exit_code=3)
+        C.log("progress")
+        print("done")
+    """)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == []
