@@ -104,7 +104,12 @@ def main(argv: list[str]) -> int:
         report(pid, seconds, out)
         try:
             os.kill(pid, signal.SIGUSR2)
-            time.sleep(2.0)
+            py_stacks = Path(f"{out}.python")
+            deadline = time.monotonic() + 5.0
+            time.sleep(0.5)
+            while time.monotonic() < deadline and not (py_stacks.exists() and py_stacks.stat().st_size):
+                time.sleep(0.1)  # the handler runs when the thread next may take a signal
+            time.sleep(0.5)  # and writes every thread's stack
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
