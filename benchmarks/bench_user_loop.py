@@ -306,10 +306,16 @@ def variants(args) -> list[tuple[str, dict]]:
             out.append(("for seed=0 drop_last=False", {"loop": loop, "seed": 0, "drop_last": False}))
         else:
             out.append(("bench", {"loop": "bench"}))
-    return out
+    if args.row_prefetch == ["on"]:
+        return out
+    # the host row gather's prefetch (Note [row gather] in src/core/stager.c) per variant
+    return [(name if pf == "on" else f"{name} prefetch=off", dict(v, row_prefetch=pf))
+            for name, v in out for pf in args.row_prefetch]
 
 
 def run_variant(ctx: Ctx, v: dict, src: np.ndarray, bs: int) -> dict:
+    # read when the loader's stager is made, for every stager of the process
+    os.environ["PINLOADER_ROW_PREFETCH"] = "0" if v.get("row_prefetch") == "off" else "1"
     loop = v["loop"]
     if loop == "bench":
         return bench_loop(ctx, src, bs)
@@ -367,6 +373,9 @@ def main() -> int:
     ap.add_argument("--loops", type=C.choice_list(LOOPS), default=["next", "door", "for", "bench"])
     ap.add_argument("--seeds", type=C.csv_list(int), default=[0, 1])
     ap.add_argument("--drop-last", type=_bool_list, default=[True, False])
+    ap.add_argument("--row-prefetch", type=C.choice_list(("on", "off")), default=["on"],
+                    help="on,off: each loop with the host row gather's prefetch on and off, alternated "
+                         "(PINLOADER_ROW_PREFETCH)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--dma-batches", type=int, default=50)

@@ -60,7 +60,7 @@ run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu ${GPU_TESTS:
 run stall_bisect 120 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 4 \
     --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect --steps 20 --drain 20 \
     --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
-run user_loop 60 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop --rounds 2 --rows 64,512 \
+run user_loop 90 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop --rounds 2 --rows 64,512 --row-prefetch on,off \
     --sources numpy --loops next,door,bench
 # the row gather's prefetch on and off on this host (Note [row gather] in src/core/stager.c)
 run host_rows 50 "$PY" benchmarks/bench_host_rows.py --rows 64,512 --rounds 2

@@ -58,3 +58,17 @@ def test_smoke_run_has_every_row_source_and_loop(tmp_path):
         for name in names:
             assert f"`{name}`" in md
     assert "`dma`" in md
+
+
+def test_row_prefetch_on_and_off_are_rows_of_one_run(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path), "--rows", "64",
+                        "--loops", "next", "--seeds", "0", "--drop-last", "true", "--row-prefetch", "on,off"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, f"rc={p.returncode}\nstderr:\n{p.stderr[-6000:]}"
+    data = json.loads((tmp_path / "user_loop.json").read_text())
+    runs = data["rows"]["64"]["sources"]["numpy"]["runs"]
+    assert set(runs) == {"next seed=0 drop_last=True", "next seed=0 drop_last=True prefetch=off"}
+    assert all(len(r) == 2 and all(x["gbps"] > 0 for x in r) for r in runs.values())
+    assert "`next seed=0 drop_last=True prefetch=off`" in (tmp_path / "user_loop.md").read_text()
