@@ -24,8 +24,9 @@
  * PREFETCH_ROWS rows ahead (a contiguous row's lines up to PREFETCH_MAX_BYTES, else its first): the
  * loads are independent, but a core's out-of-order window holds only the misses of the next
  * few rows, so short random rows from a source far larger than the caches waited on memory one
- * handful at a time; asked for 64 rows ahead, a thread gathered 64-byte rows about three times
- * as fast (benchmarks/results/design_measurements.md, "software prefetch in the row gather").
+ * handful at a time; asked for 64 rows ahead, a batch of random 64-byte rows took about half
+ * the time on one host (benchmarks/results/design_measurements.md, "software prefetch in the
+ * row gather").
  * PINLOADER_ROW_PREFETCH=0 turns the prefetch off (for measurement), read when a stager is
  * created, for every stager of the process. */
 #include "stager.h"
