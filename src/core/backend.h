@@ -130,6 +130,10 @@ void pl_host_atfork_child(void);
 /* Hold (1) or run (0) every host stream's queued work: a test switch, see Note [held copies]
  * in backend_host.c. */
 void pl_host_hold_streams(int on);
+/* Arm the host backend's fault injector (a test switch, Note [injected faults] in
+ * backend_host.c): n >= 0 makes the call numbered n, counted from now, fail (and every later
+ * one if sticky); n < 0 disarms. Returns the calls counted since the previous arming. */
+long long pl_host_fail_after(long long n, int sticky);
 
 /* The CUDA backend. The first call loads the runtime (thread-safe, once); later calls return
  * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or

@@ -596,39 +596,121 @@ static const char *host_error_string(int code)
     }
 }
 
+/* Note [injected faults]
+ * A test switch (pinloader._C._testing.host_fail_after): while armed, every call of the table's
+ * functions that return a status (all but numa_node and the error names) is counted, and the
+ * call numbered `fault_at` (from 0, counted since arming) returns an error instead of doing its
+ * work, as would every later one if sticky (CUDA's sticky errors: after a failed launch or an
+ * invalidated capture, every call in the process fails, frees and destroys included). Callers
+ * see what a failing CUDA runtime gives them, so tests can sweep every failure point of a
+ * scenario through the layers above the table (tests/test_host_faults.py). Allocations fail with
+ * PL_ERR_NO_MEMORY, everything else with PL_ERR_UNKNOWN. A failed free or destroy leaks what it
+ * would have released, as CUDA's do. Disarmed, each call costs one relaxed atomic load. */
+static atomic_int fault_armed;      /* the switch */
+static atomic_llong fault_calls;    /* calls counted since arming */
+static atomic_llong fault_at;       /* the number of the call that fails */
+static atomic_int fault_sticky;     /* every call after it fails too */
+
+long long pl_host_fail_after(long long n, int sticky)
+{
+    atomic_store(&fault_armed, 0);
+    long long counted = atomic_exchange(&fault_calls, 0);
+    if (n >= 0) {
+        atomic_store(&fault_at, n);
+        atomic_store(&fault_sticky, sticky ? 1 : 0);
+        atomic_store(&fault_armed, 1);
+    }
+    return counted;
+}
+
+static int fault_hit_armed(void)
+{
+    long long i = atomic_fetch_add(&fault_calls, 1);
+    long long at = atomic_load(&fault_at);
+    return i == at || (i > at && atomic_load(&fault_sticky));
+}
+
+static inline int fault_hit(void)
+{
+    if (__builtin_expect(!atomic_load_explicit(&fault_armed, memory_order_relaxed), 1))
+        return 0;
+    return fault_hit_armed();
+}
+
+/* faulty_f: host_f behind the switch, failing with `code`. */
+#define FAULTY(f, code, params, args)                                                              \
+    static int faulty_##f params                                                                   \
+    {                                                                                              \
+        return fault_hit() ? (code) : host_##f args;                                               \
+    }
+#define NOMEM PL_ERR_NO_MEMORY
+#define FAIL PL_ERR_UNKNOWN
+FAULTY(set_device, FAIL, (int device), (device))
+FAULTY(get_device, FAIL, (int *device), (device))
+FAULTY(thread_ignore_other_captures, FAIL, (void), ())
+FAULTY(stream_create, NOMEM, (int high_priority, pl_stream **out), (high_priority, out))
+FAULTY(stream_destroy, FAIL, (pl_stream *s), (s))
+FAULTY(stream_synchronize, FAIL, (pl_stream *s), (s))
+FAULTY(stream_wait_event, FAIL, (pl_stream *s, pl_event *e), (s, e))
+FAULTY(event_create, NOMEM, (pl_event **out), (out))
+FAULTY(event_destroy, FAIL, (pl_event *e), (e))
+FAULTY(event_record, FAIL, (pl_event *e, pl_stream *s), (e, s))
+FAULTY(event_query, FAIL, (pl_event *e), (e))
+FAULTY(event_synchronize, FAIL, (pl_event *e), (e))
+FAULTY(event_wait, FAIL, (pl_event *e, int64_t timeout_ns, int64_t expect_ns), (e, timeout_ns, expect_ns))
+FAULTY(host_alloc, NOMEM, (size_t n, int numa_node, void **out), (n, numa_node, out))
+FAULTY(host_free, FAIL, (void *p, size_t n), (p, n))
+FAULTY(host_is_pinned, FAIL, (const void *p, int *pinned), (p, pinned))
+FAULTY(device_alloc, NOMEM, (int device, size_t n, pl_stream *s, void **out), (device, n, s, out))
+FAULTY(device_free, FAIL, (int device, void *p, pl_stream *s), (device, p, s))
+FAULTY(memcpy_h2d_async, FAIL, (void *dst, const void *src, size_t n, pl_stream *s), (dst, src, n, s))
+FAULTY(memzero_async, FAIL, (void *dst, size_t n, pl_stream *s), (dst, n, s))
+FAULTY(memcpy_d2h, FAIL, (void *dst, const void *src, size_t n), (dst, src, n))
+FAULTY(stream_hold, FAIL, (pl_stream *s, volatile int *gate), (s, gate))
+FAULTY(host_register, FAIL, (int device, void *p, size_t n, int prefer_read_only, void **dev, int *read_only),
+       (device, p, n, prefer_read_only, dev, read_only))
+FAULTY(host_unregister, FAIL, (void *p), (p))
+FAULTY(host_mapped, FAIL, (const void *p, size_t n, void **dev), (p, n, dev))
+FAULTY(host_device_ptr, FAIL, (void *p, void **dev), (p, dev))
+FAULTY(gather_ready, FAIL, (int device, const char **why), (device, why))
+FAULTY(gather_launch, NOMEM, (const pl_gather_args *g, pl_stream *s), (g, s))
+#undef FAULTY
+#undef NOMEM
+#undef FAIL
+
 static const pl_backend host_backend = {
     .name = "host",
     .kind = PL_BACKEND_HOST,
-    .set_device = host_set_device,
-    .get_device = host_get_device,
-    .thread_ignore_other_captures = host_thread_ignore_other_captures,
-    .stream_create = host_stream_create,
-    .stream_destroy = host_stream_destroy,
-    .stream_synchronize = host_stream_synchronize,
-    .stream_wait_event = host_stream_wait_event,
-    .event_create = host_event_create,
-    .event_destroy = host_event_destroy,
-    .event_record = host_event_record,
-    .event_query = host_event_query,
-    .event_synchronize = host_event_synchronize,
-    .event_wait = host_event_wait,
-    .host_alloc = host_host_alloc,
+    .set_device = faulty_set_device,
+    .get_device = faulty_get_device,
+    .thread_ignore_other_captures = faulty_thread_ignore_other_captures,
+    .stream_create = faulty_stream_create,
+    .stream_destroy = faulty_stream_destroy,
+    .stream_synchronize = faulty_stream_synchronize,
+    .stream_wait_event = faulty_stream_wait_event,
+    .event_create = faulty_event_create,
+    .event_destroy = faulty_event_destroy,
+    .event_record = faulty_event_record,
+    .event_query = faulty_event_query,
+    .event_synchronize = faulty_event_synchronize,
+    .event_wait = faulty_event_wait,
+    .host_alloc = faulty_host_alloc,
     .numa_node = host_numa_node,
-    .host_free = host_host_free,
-    .host_is_pinned = host_host_is_pinned,
-    .device_alloc = host_device_alloc,
-    .device_free = host_device_free,
-    .memcpy_h2d_async = host_memcpy_h2d_async,
-    .memcpy_d2d_async = host_memcpy_h2d_async, /* all of it is host memory */
-    .memzero_async = host_memzero_async,
-    .memcpy_d2h = host_memcpy_d2h,
-    .stream_hold = host_stream_hold,
-    .host_register = host_host_register,
-    .host_unregister = host_host_unregister,
-    .host_mapped = host_host_mapped,
-    .host_device_ptr = host_host_device_ptr,
-    .gather_ready = host_gather_ready,
-    .gather_launch = host_gather_launch,
+    .host_free = faulty_host_free,
+    .host_is_pinned = faulty_host_is_pinned,
+    .device_alloc = faulty_device_alloc,
+    .device_free = faulty_device_free,
+    .memcpy_h2d_async = faulty_memcpy_h2d_async,
+    .memcpy_d2d_async = faulty_memcpy_h2d_async, /* all of it is host memory */
+    .memzero_async = faulty_memzero_async,
+    .memcpy_d2h = faulty_memcpy_d2h,
+    .stream_hold = faulty_stream_hold,
+    .host_register = faulty_host_register,
+    .host_unregister = faulty_host_unregister,
+    .host_mapped = faulty_host_mapped,
+    .host_device_ptr = faulty_host_device_ptr,
+    .gather_ready = faulty_gather_ready,
+    .gather_launch = faulty_gather_launch,
     .error_name = host_error_name,
     .error_string = host_error_string,
 };

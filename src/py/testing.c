@@ -89,6 +89,16 @@ static PyObject *t_debug_hold_copies(PyObject *m, PyObject *on)
     return set_switch(on, pl_host_hold_streams);
 }
 
+static PyObject *t_host_fail_after(PyObject *m, PyObject *args)
+{
+    (void)m;
+    long long n;
+    int sticky = 0;
+    if (!PyArg_ParseTuple(args, "L|p:host_fail_after", &n, &sticky))
+        return NULL;
+    return PyLong_FromLongLong(pl_host_fail_after(n, sticky));
+}
+
 static PyObject *t_gather_grid(PyObject *m, PyObject *arg)
 {
     (void)m;
@@ -191,6 +201,12 @@ static PyMethodDef testing_methods[] = {
      "holds its queued work (copies included) and new device blocks are poisoned with 0xcd, so a "
      "reader that skips the ready-event wait sees the poison. Anything that waits for a stream "
      "waits until it is turned off (Note [held copies] in src/core/backend_host.c)."},
+    {"host_fail_after", t_host_fail_after, METH_VARARGS,
+     "host_fail_after(n, sticky=False, /)\n--\n\nTest switch, host backend only: n >= 0 makes "
+     "the host backend's call numbered n (from 0, counting only the table's calls that return a "
+     "status) fail with an error instead of doing its work, and every later one too if sticky; "
+     "n < 0 disarms. Returns the calls counted since the previous arming (Note [injected faults] "
+     "in src/core/backend_host.c)."},
     {"debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
      "debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
      "signal signum raised from C, as one that lands during the static copy would be (0: off; "
