@@ -134,6 +134,9 @@ void pl_host_hold_streams(int on);
  * backend_host.c): n >= 0 makes the call numbered n, counted from now, fail (and every later
  * one if sticky); n < 0 disarms. Returns the calls counted since the previous arming. */
 long long pl_host_fail_after(long long n, int sticky);
+/* The name of the first table function the injector failed since arming (e.g.
+ * "event_record"), or NULL. */
+const char *pl_host_first_failed(void);
 
 /* The CUDA backend. The first call loads the runtime (thread-safe, once); later calls return
  * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or

@@ -610,11 +610,13 @@ static atomic_int fault_armed;      /* the switch */
 static atomic_llong fault_calls;    /* calls counted since arming */
 static atomic_llong fault_at;       /* the number of the call that fails */
 static atomic_int fault_sticky;     /* every call after it fails too */
+static const char *_Atomic fault_first; /* the name of the first call failed since arming */
 
 long long pl_host_fail_after(long long n, int sticky)
 {
     atomic_store(&fault_armed, 0);
     long long counted = atomic_exchange(&fault_calls, 0);
+    atomic_store(&fault_first, NULL);
     if (n >= 0) {
         atomic_store(&fault_at, n);
         atomic_store(&fault_sticky, sticky ? 1 : 0);
@@ -623,25 +625,34 @@ long long pl_host_fail_after(long long n, int sticky)
     return counted;
 }
 
-static int fault_hit_armed(void)
+const char *pl_host_first_failed(void)
+{
+    return atomic_load(&fault_first);
+}
+
+static int fault_hit_armed(const char *name)
 {
     long long i = atomic_fetch_add(&fault_calls, 1);
     long long at = atomic_load(&fault_at);
-    return i == at || (i > at && atomic_load(&fault_sticky));
+    if (i != at && !(i > at && atomic_load(&fault_sticky)))
+        return 0;
+    const char *none = NULL;
+    atomic_compare_exchange_strong(&fault_first, &none, name);
+    return 1;
 }
 
-static inline int fault_hit(void)
+static inline int fault_hit(const char *name)
 {
     if (__builtin_expect(!atomic_load_explicit(&fault_armed, memory_order_relaxed), 1))
         return 0;
-    return fault_hit_armed();
+    return fault_hit_armed(name);
 }
 
 /* faulty_f: host_f behind the switch, failing with `code`. */
 #define FAULTY(f, code, params, args)                                                              \
     static int faulty_##f params                                                                   \
     {                                                                                              \
-        return fault_hit() ? (code) : host_##f args;                                               \
+        return fault_hit(#f) ? (code) : host_##f args;                                             \
     }
 #define NOMEM PL_ERR_NO_MEMORY
 #define FAIL PL_ERR_UNKNOWN
@@ -672,7 +683,14 @@ FAULTY(host_register, FAIL, (int device, void *p, size_t n, int prefer_read_only
 FAULTY(host_unregister, FAIL, (void *p), (p))
 FAULTY(host_mapped, FAIL, (const void *p, size_t n, void **dev), (p, n, dev))
 FAULTY(host_device_ptr, FAIL, (void *p, void **dev), (p, dev))
-FAULTY(gather_ready, FAIL, (int device, const char **why), (device, why))
+static int faulty_gather_ready(int device, const char **why)
+{
+    if (fault_hit("gather_ready")) {
+        *why = "a fault injected by a test (Note [injected faults] in backend_host.c)";
+        return FAIL;
+    }
+    return host_gather_ready(device, why);
+}
 FAULTY(gather_launch, NOMEM, (const pl_gather_args *g, pl_stream *s), (g, s))
 #undef FAULTY
 #undef NOMEM

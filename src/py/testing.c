@@ -99,6 +99,16 @@ static PyObject *t_host_fail_after(PyObject *m, PyObject *args)
     return PyLong_FromLongLong(pl_host_fail_after(n, sticky));
 }
 
+static PyObject *t_host_first_failed(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    const char *name = pl_host_first_failed();
+    if (!name)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(name);
+}
+
 static PyObject *t_gather_grid(PyObject *m, PyObject *arg)
 {
     (void)m;
@@ -207,6 +217,9 @@ static PyMethodDef testing_methods[] = {
      "status) fail with an error instead of doing its work, and every later one too if sticky; "
      "n < 0 disarms. Returns the calls counted since the previous arming (Note [injected faults] "
      "in src/core/backend_host.c)."},
+    {"host_first_failed", t_host_first_failed, METH_NOARGS,
+     "host_first_failed()\n--\n\nTest probe: the name of the first host backend function that "
+     "host_fail_after failed since it was last armed (e.g. 'event_record'), or None."},
     {"debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
      "debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
      "signal signum raised from C, as one that lands during the static copy would be (0: off; "
