@@ -202,9 +202,10 @@ def sweep(name):
                 outcome = type(e).__name__
                 del e
             except ValueError as e:
-                # gather='device' refused because the backend could not ready its gather: the
-                # loader's designed answer (registration.c), naming the backend's reason
-                if "injected by a test" not in str(e):
+                # gather='device' refused because the backend could not ready its gather or
+                # register the source: the loader's designed answer (src/py/registration.c),
+                # naming the backend's error
+                if "gather='device' cannot serve this source" not in str(e):
                     outcome = f"breach: ValueError: {e}"
                 else:
                     outcome = "ValueError"

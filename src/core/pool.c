@@ -313,6 +313,10 @@ void pl_pool_poll(pl_pool *p)
             skip = blocked[i] == r->stream;
         if (!skip) {
             rc = p->b->event_query(r->event);
+            /* A query that failed proves nothing about the copy (an error need not be sticky):
+             * wait for the release; only if that fails too is the runtime taken as dead. */
+            if (rc != PL_OK && rc != PL_ERR_NOT_READY)
+                rc = p->b->event_synchronize(r->event);
             if (rc == PL_ERR_NOT_READY && n_blocked < MAX_BLOCKED)
                 blocked[n_blocked++] = r->stream;
         }
