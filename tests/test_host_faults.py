@@ -84,6 +84,25 @@ def prefetcher_dropped():
     del b
 
 
+def prefetcher_generated():
+    # batches made on the fly and dropped by the source at once: the prefetcher keeps each one
+    # alive (its graves, src/py/pf_queue.c) until the copies that read it are done
+    import pinloader
+
+    def gen():
+        for i in range(6):
+            yield {"x": np.arange(i * 5000, (i + 1) * 5000, dtype=np.int64)}
+    p = pinloader.AsyncPrefetcher(gen(), device="cpu")
+    try:
+        got = 0
+        for i, b in enumerate(p):
+            _check(np.array_equal(_host(b["x"]), np.arange(i * 5000, (i + 1) * 5000)), f"batch {i}")
+            got += 1
+        _check(got == 6, f"{got} batches of 6")
+    finally:
+        p.close()
+
+
 def _rows():
     # row i holds i in every column; 4096 rows of 16 bytes: whole pages, so gather="device"
     # can serve it
@@ -155,8 +174,9 @@ def torch_door():
         p.close()
 
 
-SCENARIOS = {f.__name__: f for f in (prefetcher_all, prefetcher_dropped, loader_host_gather,
-                                     loader_device_gather, pinned_pool, torch_door)}
+SCENARIOS = {f.__name__: f for f in (prefetcher_all, prefetcher_dropped, prefetcher_generated,
+                                     loader_host_gather, loader_device_gather, pinned_pool,
+                                     torch_door)}
 
 
 # ---- the sweep, in the child ----
