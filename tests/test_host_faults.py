@@ -103,6 +103,58 @@ def prefetcher_generated():
         p.close()
 
 
+def prefetcher_static():
+    # static=True: every batch copied into the same device arrays (src/py/handout.c)
+    import pinloader
+    batches = _dict_batches()
+    p = pinloader.AsyncPrefetcher(batches, device="cpu", static=True)
+    try:
+        got = 0
+        for i, b in enumerate(p):
+            _check(np.array_equal(_host(b["x"]), batches[i]["x"]), f"batch {i} x")
+            _check(np.array_equal(_host(b["y"]), batches[i]["y"]), f"batch {i} y")
+            got += 1
+        _check(got == len(batches), f"{got} batches of {len(batches)}")
+    finally:
+        p.close()
+
+
+class _Cyclic:
+    """A source that the prefetcher and its batches reach and that reaches them back: only the
+    cycle collector frees them."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.keep = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def prefetcher_cycle():
+    import pinloader
+    src = _Cyclic(_dict_batches())
+    p = pinloader.AsyncPrefetcher(src, device="cpu", output="capsule")
+    src.keep.append(p)
+    b = next(p)
+    src.keep.append(b)
+    b = next(p)
+    _check(np.array_equal(np.from_dlpack(_Capsule(b["y"])), src.batches[1]["y"]), "batch 1 y")
+    src.keep.append(b)
+    del p, b, src  # mid-epoch, never closed: the cycle collector stops and frees it
+
+
+class _Capsule:
+    def __init__(self, cap):
+        self.cap = cap
+
+    def __dlpack__(self, stream=None, **kw):
+        return self.cap
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
 def _rows():
     # row i holds i in every column; 4096 rows of 16 bytes: whole pages, so gather="device"
     # can serve it
@@ -175,6 +227,7 @@ def torch_door():
 
 
 SCENARIOS = {f.__name__: f for f in (prefetcher_all, prefetcher_dropped, prefetcher_generated,
+                                     prefetcher_static, prefetcher_cycle,
                                      loader_host_gather, loader_device_gather, pinned_pool,
                                      torch_door)}
 
