@@ -103,6 +103,30 @@ def prefetcher_generated():
         p.close()
 
 
+def prefetcher_pinned_sources():
+    # leaves in PinnedBuffers (copied straight from the source, src/py/flat_leaves.c), made on
+    # the fly and dropped by the source at once: only the prefetcher keeps each buffer from
+    # going back to its pool before its copy has read it
+    import pinloader
+    pool = pinloader.PinnedPool(8 << 20, device="cpu")
+
+    def gen():
+        for i in range(6):
+            a = np.frombuffer(pool.alloc(80_000, timeout=5), np.int64)
+            a[:] = np.arange(i * a.size, (i + 1) * a.size)
+            yield {"x": a}
+    p = pinloader.AsyncPrefetcher(gen(), device="cpu", depth=1)
+    try:
+        got = 0
+        for i, b in enumerate(p):
+            _check(np.array_equal(_host(b["x"]), np.arange(i * 10_000, (i + 1) * 10_000)), f"batch {i}")
+            got += 1
+        _check(got == 6, f"{got} batches of 6")
+    finally:
+        p.close()
+        pool.close()
+
+
 def prefetcher_static():
     # static=True: every batch copied into the same device arrays (src/py/handout.c)
     import pinloader
@@ -227,7 +251,7 @@ def torch_door():
 
 
 SCENARIOS = {f.__name__: f for f in (prefetcher_all, prefetcher_dropped, prefetcher_generated,
-                                     prefetcher_static, prefetcher_cycle,
+                                     prefetcher_pinned_sources, prefetcher_static, prefetcher_cycle,
                                      loader_host_gather, loader_device_gather, pinned_pool,
                                      torch_door)}
 
