@@ -291,6 +291,7 @@ def sweep(name):
     for sticky in (False, True):
         for k in _points(n):
             faulthandler.dump_traceback_later(POINT_TIMEOUT_S, exit=True)
+            print(f"point {k} sticky={sticky}", file=sys.stderr, flush=True)  # for a crash's log
             T.host_fail_after(k, sticky)
             outcome = "completed"
             try:

@@ -63,6 +63,14 @@ void pl_host_hold_streams(int on)
     atomic_store(&hold_all, on ? 1 : 0);
 }
 
+/* The fault injector's switch (Note [injected faults]) and whether a sticky failure has struck
+ * since arming; read here by the streams' workers. */
+static atomic_int fault_armed;
+static atomic_int fault_dead;
+/* While armed, each stream operation starts this late: work queued on a stream then plainly
+ * outlives a caller that gave up waiting for it (a failed wait proves nothing). */
+#define FAULT_OP_DELAY_NS 200000
+
 typedef enum { OP_COPY, OP_ZERO, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_GATHER, OP_STOP } op_kind;
 
 typedef struct op {
@@ -193,30 +201,40 @@ static void *stream_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         while (atomic_load(&hold_all)) /* see Note [held copies] */
             pl_sleep_ns(100000);
+        int dead = 0;
+        if (atomic_load_explicit(&fault_armed, memory_order_relaxed)) {
+            pl_sleep_ns(FAULT_OP_DELAY_NS); /* Note [injected faults] */
+            dead = atomic_load(&fault_dead);
+        }
 
-        /* The op stays at the head while it runs: stream_synchronize counts completions. */
+        /* The op stays at the head while it runs: stream_synchronize counts completions. A dead
+         * runtime (Note [injected faults]) copies, gathers, waits and holds no more; records
+         * still complete (no waiter is left hanging) and frees are still done. */
         switch (o->kind) {
         case OP_COPY:
-            memcpy(o->dst, o->src, o->n);
+            if (!dead)
+                memcpy(o->dst, o->src, o->n);
             break;
         case OP_ZERO:
-            memset(o->dst, 0, o->n);
+            if (!dead)
+                memset(o->dst, 0, o->n);
             break;
         case OP_RECORD:
             rec_mark_done(o->record);
             break;
         case OP_WAIT:
-            rec_wait(o->record, -1);
+            rec_wait(o->record, dead ? 0 : -1); /* drops the reference */
             break;
         case OP_FREE:
             device_block_free(o->dst);
             break;
         case OP_HOLD:
-            while (!__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
+            while (!dead && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 pl_sleep_ns(100000);
             break;
         case OP_GATHER:
-            run_gather(o->dst);
+            if (!dead)
+                run_gather(o->dst);
             free(o->dst);
             break;
         case OP_STOP:
@@ -605,8 +623,13 @@ static const char *host_error_string(int code)
  * see what a failing CUDA runtime gives them, so tests can sweep every failure point of a
  * scenario through the layers above the table (tests/test_host_faults.py). Allocations fail with
  * PL_ERR_NO_MEMORY, everything else with PL_ERR_UNKNOWN. A failed free or destroy leaks what it
- * would have released, as CUDA's do. Disarmed, each call costs one relaxed atomic load. */
-static atomic_int fault_armed;      /* the switch */
+ * would have released, as CUDA's do. Once a sticky failure has struck, the streams' workers run
+ * none of the work still queued (a dead context runs nothing), so that what the layers above do
+ * is tested against what a dead runtime does, not against an emulation that goes on copying
+ * from memory they have given up. While armed, every stream operation also starts late
+ * (FAULT_OP_DELAY_NS), so that a caller that stops waiting for queued work too early (a failed
+ * wait proves nothing) is caught every time rather than by a race. Disarmed, each call costs
+ * one relaxed atomic load, and each stream operation one more. */
 static atomic_llong fault_calls;    /* calls counted since arming */
 static atomic_llong fault_at;       /* the number of the call that fails */
 static atomic_int fault_sticky;     /* every call after it fails too */
@@ -617,6 +640,7 @@ long long pl_host_fail_after(long long n, int sticky)
     atomic_store(&fault_armed, 0);
     long long counted = atomic_exchange(&fault_calls, 0);
     atomic_store(&fault_first, NULL);
+    atomic_store(&fault_dead, 0);
     if (n >= 0) {
         atomic_store(&fault_at, n);
         atomic_store(&fault_sticky, sticky ? 1 : 0);
@@ -636,6 +660,8 @@ static int fault_hit_armed(const char *name)
     long long at = atomic_load(&fault_at);
     if (i != at && !(i > at && atomic_load(&fault_sticky)))
         return 0;
+    if (atomic_load(&fault_sticky))
+        atomic_store(&fault_dead, 1);
     const char *none = NULL;
     atomic_compare_exchange_strong(&fault_first, &none, name);
     return 1;
