@@ -572,6 +572,17 @@ static int host_thread_ignore_other_captures(void)
     return PL_OK; /* no graphs to capture */
 }
 
+static int host_thread_relax_captures(int *saved)
+{
+    *saved = -1; /* nothing to put back */
+    return PL_OK;
+}
+
+static void host_thread_restore_captures(int saved)
+{
+    (void)saved;
+}
+
 static const char *host_error_name(int code)
 {
     switch (code) {
@@ -602,6 +613,8 @@ static const pl_backend host_backend = {
     .set_device = host_set_device,
     .get_device = host_get_device,
     .thread_ignore_other_captures = host_thread_ignore_other_captures,
+    .thread_relax_captures = host_thread_relax_captures,
+    .thread_restore_captures = host_thread_restore_captures,
     .stream_create = host_stream_create,
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,

@@ -771,6 +771,7 @@ void pl_pool_decref(pl_pool *p)
         free(p);
         return;
     }
+    const int mode = pl_captures_relax(p->b); /* Note [releases during a capture] in backend.h */
     pl_pool_close(p);
     pthread_mutex_lock(&p->mu);
     pl_slab *all = p->slabs;
@@ -779,6 +780,7 @@ void pl_pool_decref(pl_pool *p)
     free_slab_list(p->b, all);
     for (size_t i = 0; i < p->n_events; i++)
         p->b->event_destroy(p->events[i]);
+    pl_captures_restore(p->b, mode);
     free(p->events);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
