@@ -297,6 +297,19 @@ def _garbage(what, data):
         pool = pinloader.PinnedPool(max_bytes=64 << 20)
         pf = pinloader.AsyncPrefetcher([{"x": data[:64]}] * 4, device="cuda:0", depth=2, pool=pool)
         held += [pf, next(pf), pool]
+    elif what == "prefetcher_in_its_cycle":
+        # the prefetcher in the cycle itself (its source refers back to it): the collector
+        # clears it (close) before it is deallocated
+
+        class Source:
+            def __iter__(self):
+                return iter([{"x": data[:64]}] * 4)
+
+        src = Source()
+        pf = pinloader.AsyncPrefetcher(src, device="cuda:0", depth=2)
+        src.prefetcher = pf
+        held.append(next(pf))
+        held.append(src)
     elif what == "pool":
         pool = pinloader.PinnedPool(max_bytes=64 << 20)
         with pinloader.AsyncPrefetcher([{"x": data[:64]}] * 2, device="cuda:0", depth=1, pool=pool) as pf:
@@ -310,7 +323,8 @@ def _garbage(what, data):
     return weakref.ref(sentinel)
 
 
-@pytest.mark.parametrize("what", ["batch", "tensor", "loader", "prefetcher", "pool", "decoder"])
+@pytest.mark.parametrize("what", ["batch", "tensor", "loader", "prefetcher", "prefetcher_in_its_cycle",
+                                  "pool", "decoder"])
 def test_pinloaders_objects_released_during_a_capture_in_global_mode(what):
     # Note [releases during a capture] in src/core/backend.h: the garbage collector may free a
     # batch, a loader, a prefetcher, a pool or a decoder in the middle of the user's graph
@@ -321,14 +335,24 @@ def test_pinloaders_objects_released_during_a_capture_in_global_mode(what):
     x = torch.ones(4096, device="cuda")
     out = torch.empty_like(x)
     side = torch.cuda.Stream()
+    from pinloader import _C
     enabled = gc.isenabled()
     gc.disable()  # the collection happens inside the capture, not before it
     try:
         alive = _garbage(what, data)
         torch.cuda.synchronize()
         assert alive() is not None
-        capture_around(torch, x, out, side, gc.collect)
+        blocks = []
+
+        def collect():
+            blocks.append(_C._testing.live_device_blocks("cuda"))
+            gc.collect()
+            blocks.append(_C._testing.live_device_blocks("cuda"))
+
+        capture_around(torch, x, out, side, collect)
         assert alive() is None  # freed inside the capture
+        if what in ("batch", "tensor", "loader"):
+            assert blocks[1] < blocks[0]  # the batch's device memory was released there
     finally:
         if enabled:
             gc.enable()

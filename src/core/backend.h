@@ -174,8 +174,10 @@ void pl_device_pop(const pl_backend *b, int device, int prev);
  * invalidates the user's graph, at a moment that depends on when the collector runs. So each
  * release lifts that ban for its own thread (cudaStreamCaptureModeRelaxed) and puts the
  * thread's mode back after. This is sound because a release touches only pinloader's own
- * streams, events and memory, none of which is part of a capture; the calls that really
- * conflict with a capture (an event recorded inside it) stay refused in every mode. The
+ * streams, events and memory, none of which is part of a capture. It does not cover a tensor
+ * imported inside the capture (its consumer stream is the capturing stream) and dropped there:
+ * the use recorded on that stream joins pinloader's release stream to the capture, which then
+ * fails to end, in every mode (pl_block_note_use in block.c). The
  * producer and decoder threads need no such bracket: they ignore other threads' captures for
  * good (Note [the producer and graph captures] in src/py/pf_producer.c).
  * Around such a release: pl_captures_relax returns what pl_captures_restore needs (-1:

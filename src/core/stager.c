@@ -171,6 +171,7 @@ static void copy_streaming(char *dst, const char *src, size_t n);
 void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
 {
     if (L->rows) {
+        /* no stager here (the host backend's gather): the prefetch is on, as by default */
         gather_rows(dst, L, start, count, 0, 1);
         return;
     }

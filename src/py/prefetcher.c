@@ -505,10 +505,7 @@ static void pf_dealloc(PyObject *op)
                 self->state = PF_ORPHANED;
                 return;
             }
-            /* Note [releases during a capture] in src/core/backend.h */
-            const int mode = pl_inherited(self->gen) ? -1 : pl_captures_relax(self->b);
             pl_pf_free_resources(self);
-            pl_captures_restore(self->b, mode);
         }
         if (!pl_inherited(self->gen)) {
             /* In a forked child the parent's producer may have been waiting on cv: destroying
