@@ -563,9 +563,9 @@ def watch_for_stalls(seconds: float, path: Path | None = None, exit_code: int | 
     only, not its DataLoader workers), the native stacks from ``py-spy dump --native`` when
     py-spy is installed, what each thread is blocked in as the kernel says, and the GPU's
     memory and use from nvidia-smi (a CUDA call from here could block on whatever the stall
-    holds) and the kernel log's tail (benchmarks/_stall_watchdog.py's report). A daemon thread; the run goes on, or with ``exit_code``
-    ends there (os._exit: a stalled thread would keep an orderly exit waiting), so that a
-    script's later steps still get their time.
+    holds) and the kernel log's tail (benchmarks/_stall_watchdog.py's report). A daemon
+    thread; the run goes on, or with ``exit_code`` ends there (os._exit: a stalled thread would
+    keep an orderly exit waiting), so that a script's later steps still get their time.
 
     A thread that blocks in C while holding the GIL stops this watch too. So with both ``path``
     and ``exit_code``, a second watch runs outside the process (benchmarks/_stall_watchdog.py):

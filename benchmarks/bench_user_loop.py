@@ -314,7 +314,7 @@ def variants(args) -> list[tuple[str, dict]]:
 
 
 def run_variant(ctx: Ctx, v: dict, src: np.ndarray, bs: int) -> dict:
-    # read when the loader's stager is made, for every stager of the process
+    # read when the loader's stager is made, for that stager (Note [row gather])
     os.environ["PINLOADER_ROW_PREFETCH"] = "0" if v.get("row_prefetch") == "off" else "1"
     loop = v["loop"]
     if loop == "bench":

@@ -456,14 +456,31 @@ def capture_and_replay(torch, x, out, side):
     forbids other threads' unsafe CUDA calls during the capture) on stream ``side``, then
     replayed: 100 elementwise ops on ``x`` into ``out``. Returns the graph (the caller drops it
     with the batch). Used by the tests that pinloader's own threads never invalidate a capture."""
+    return capture_around(torch, x, out, side, lambda: None)
+
+
+def capture_around(torch, x, out, side, during):
+    """capture_and_replay's step with ``during()`` called in the middle of the capture, on the
+    capturing thread. A capture that fails is still ended, so that one failed test does not
+    leave the stream capturing and fail every CUDA call of the tests after it."""
     g = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         g.capture_begin(capture_error_mode="global")
-        y = x
-        for _ in range(100):
-            y = y * 1.0 + 0.0
-        out.copy_(y)
+        try:
+            y = x
+            for _ in range(50):
+                y = y * 1.0 + 0.0
+            during()
+            for _ in range(50):
+                y = y * 1.0 + 0.0
+            out.copy_(y)
+        except BaseException:
+            try:
+                g.capture_end()
+            except RuntimeError:
+                pass  # the capture was invalidated: the first error is the one to see
+            raise
         g.capture_end()
     torch.cuda.current_stream().wait_stream(side)
     g.replay()

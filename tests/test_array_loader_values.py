@@ -75,6 +75,31 @@ def test_large_batches_multithreaded(threads, row_shape, batch):
             assert np.array_equal(g[1], a[g[0]]) and np.array_equal(g[2], rev[g[0]])
 
 
+def test_row_prefetch_on_and_off_side_by_side(monkeypatch):
+    # PINLOADER_ROW_PREFETCH is read when a loader's stager is made, for that stager (Note [row
+    # gather] in src/core/stager.c): a loader made with it off and one made with it on run at
+    # once, each over rows that start anywhere in a cache line (24 and 72 bytes: rows inside one
+    # line and rows across two)
+    n = 5000
+    a24 = sample((n, 6), np.float32, 6)
+    a72 = sample((n, 18), np.float32, 7)
+    got = {}
+    with pinloader.ArrayLoader((ids(n), a24, a72), 4096, seed=3, device=DEVICE) as off, \
+            pinloader.ArrayLoader((ids(n), a24, a72), 4096, seed=3, device=DEVICE) as on:
+        monkeypatch.setenv("PINLOADER_ROW_PREFETCH", "0")
+        its = {"off": iter(off)}  # the stager is made when the first epoch begins
+        monkeypatch.setenv("PINLOADER_ROW_PREFETCH", "1")
+        its["on"] = iter(on)
+        for _ in range(len(off)):  # the two interleaved, batch by batch
+            for k, it in its.items():
+                b = [np.from_dlpack(x).copy() for x in next(it)]
+                got.setdefault(k, []).append(b)
+                assert np.array_equal(b[1], a24[b[0]]) and np.array_equal(b[2], a72[b[0]])
+    assert len(got["on"]) == len(got["off"]) == 2
+    for g, h in zip(got["off"], got["on"]):
+        assert np.array_equal(g[0], h[0])
+
+
 def test_duplicate_rows_and_rowgather_direct():
     a = sample((50, 4, 3), np.int32)
     rows = np.array([3, 3, 49, 0, 3, 10], dtype=np.uint8)

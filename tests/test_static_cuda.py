@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 torch = pytest.importorskip("torch")
 import pinloader.torch as pt  # noqa: E402
-from helpers import capture_and_replay  # noqa: E402
+from helpers import capture_and_replay, capture_around  # noqa: E402
 
 
 def _source(n=10, rows=256, cols=64, seed=0):
@@ -270,4 +270,91 @@ def test_a_graph_captured_in_global_mode_while_the_producer_works(gather):
                 del i, rows, b, g  # the batch joins the deferred frees
     torch.cuda.synchronize()
     assert captured == 3 * (n // batch)
+    assert torch.equal(out, x)
+
+
+
+class _Sentinel:
+    """In a cycle with what a test wants freed by the collector: its weakref says when."""
+
+
+def _garbage(what, data):
+    """``what`` (pinloader objects holding CUDA resources), reachable only from a reference
+    cycle, so that only the collector frees it; returns a weakref to a sentinel in the cycle."""
+    import weakref
+
+    from pinloader import _C, _cudart
+    held = []
+    if what in ("batch", "tensor", "loader"):
+        loader = pinloader.ArrayLoader(data, 128, device="cuda:0", gather="device", depth=2)
+        it = iter(loader)
+        b = next(it)
+        next(it)  # another batch taken, one more in flight
+        held += [loader, it, b] if what == "loader" else [b]
+        if what == "tensor":
+            held.append(torch.from_dlpack(b))
+    elif what == "prefetcher":
+        pool = pinloader.PinnedPool(max_bytes=64 << 20)
+        pf = pinloader.AsyncPrefetcher([{"x": data[:64]}] * 4, device="cuda:0", depth=2, pool=pool)
+        held += [pf, next(pf), pool]
+    elif what == "prefetcher_in_its_cycle":
+        # the prefetcher in the cycle itself (its source refers back to it): the collector
+        # clears it (close) before it is deallocated
+
+        class Source:
+            def __iter__(self):
+                return iter([{"x": data[:64]}] * 4)
+
+        src = Source()
+        pf = pinloader.AsyncPrefetcher(src, device="cuda:0", depth=2)
+        src.prefetcher = pf
+        held.append(next(pf))
+        held.append(src)
+    elif what == "pool":
+        pool = pinloader.PinnedPool(max_bytes=64 << 20)
+        with pinloader.AsyncPrefetcher([{"x": data[:64]}] * 2, device="cuda:0", depth=1, pool=pool) as pf:
+            next(pf)
+        held.append(pool)
+    else:
+        held.append(_C.JpegDecoder("cuda:0", libraries=_cudart.nvjpeg_candidates()))
+    sentinel = _Sentinel()
+    cycle = [held, sentinel]
+    cycle.append(cycle)
+    return weakref.ref(sentinel)
+
+
+@pytest.mark.parametrize("what", ["batch", "tensor", "loader", "prefetcher", "prefetcher_in_its_cycle",
+                                  "pool", "decoder"])
+def test_pinloaders_objects_released_during_a_capture_in_global_mode(what):
+    # Note [releases during a capture] in src/core/backend.h: the garbage collector may free a
+    # batch, a loader, a prefetcher, a pool or a decoder in the middle of the user's graph
+    # capture (torch's default mode, cudaStreamCaptureModeGlobal), on the capturing thread. The
+    # releases' stream synchronizes, event queries and cudaFreeHost must not invalidate it.
+    import gc
+    data = np.random.default_rng(5).integers(0, 256, size=(1024, 4096), dtype=np.uint8)
+    x = torch.ones(4096, device="cuda")
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    from pinloader import _C
+    enabled = gc.isenabled()
+    gc.disable()  # the collection happens inside the capture, not before it
+    try:
+        alive = _garbage(what, data)
+        torch.cuda.synchronize()
+        assert alive() is not None
+        blocks = []
+
+        def collect():
+            blocks.append(_C._testing.live_device_blocks("cuda"))
+            gc.collect()
+            blocks.append(_C._testing.live_device_blocks("cuda"))
+
+        capture_around(torch, x, out, side, collect)
+        assert alive() is None  # freed inside the capture
+        if what in ("batch", "tensor", "loader"):
+            assert blocks[1] < blocks[0]  # the batch's device memory was released there
+    finally:
+        if enabled:
+            gc.enable()
+    torch.cuda.synchronize()
     assert torch.equal(out, x)

@@ -51,6 +51,11 @@ typedef struct pl_backend {
      * (cudaStreamCaptureModeThreadLocal; see Note [the producer and graph captures] in
      * pf_producer.c). Called once by each of pinloader's own threads that call CUDA. */
     int (*thread_ignore_other_captures)(void);
+    /* Lift for the calling thread the ban that a capture in cudaStreamCaptureModeGlobal puts on
+     * "potentially unsafe" calls (cudaStreamCaptureModeRelaxed); *saved gets the mode that
+     * thread_restore_captures puts back. Use pl_captures_relax / pl_captures_restore. */
+    int (*thread_relax_captures)(int *saved);
+    void (*thread_restore_captures)(int saved);
 
     /* Streams are created on the calling thread's current device. high_priority selects the
      * greatest priority the device offers. */
@@ -166,6 +171,38 @@ const char *pl_cuda_library_path(void);
  * framework works on, and the legacy and per-thread default streams are per device. */
 int pl_device_push(const pl_backend *b, int device, int *prev);
 void pl_device_pop(const pl_backend *b, int device, int prev);
+
+/* Note [releases during a capture]
+ * pinloader's objects are released on whatever thread drops the last reference: a batch's
+ * device memory when its tensors die, a decoder, prefetcher, pool or registration when the
+ * garbage collector finds it in a cycle. That thread may be capturing a CUDA graph (torch's
+ * default mode is cudaStreamCaptureModeGlobal), or another thread may be: then a "potentially
+ * unsafe" call of the release (a stream synchronize, an event query, cudaFreeHost) fails and
+ * invalidates the user's graph, at a moment that depends on when the collector runs. So each
+ * release lifts that ban for its own thread (cudaStreamCaptureModeRelaxed) and puts the
+ * thread's mode back after. This is sound because a release touches only pinloader's own
+ * streams, events and memory, none of which is part of a capture. It does not cover a tensor
+ * imported inside the capture (its consumer stream is the capturing stream) and dropped there:
+ * the use recorded on that stream joins pinloader's release stream to the capture, which then
+ * fails to end, in every mode (pl_block_note_use in block.c). The
+ * producer and decoder threads need no such bracket: they ignore other threads' captures for
+ * good (Note [the producer and graph captures] in src/py/pf_producer.c).
+ * Around such a release: pl_captures_relax returns what pl_captures_restore needs (-1:
+ * nothing was changed; a backend table without the two calls, as the C tests' doubles, changes
+ * nothing). Never in a fork child on the parent's objects. */
+static inline int pl_captures_relax(const pl_backend *b)
+{
+    int saved = -1;
+    if (!b || !b->thread_relax_captures || b->thread_relax_captures(&saved) != PL_OK)
+        return -1;
+    return saved;
+}
+
+static inline void pl_captures_restore(const pl_backend *b, int saved)
+{
+    if (b && saved >= 0 && b->thread_restore_captures)
+        b->thread_restore_captures(saved);
+}
 
 /* Names for pinloader's own codes and the shared ones, for either backend; b == NULL names a
  * backend's code as the host backend does (backend.c). */

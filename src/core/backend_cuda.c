@@ -193,6 +193,25 @@ static int cuda_thread_ignore_other_captures(void)
     return (int)crc;
 }
 
+static int cuda_thread_relax_captures(int *saved)
+{
+    enum pl_cudaStreamCaptureMode mode = pl_cudaStreamCaptureModeRelaxed;
+    pl_cudaError_t crc = cu.cudaThreadExchangeStreamCaptureMode(&mode);
+    if (crc != pl_cudaSuccess) {
+        cu.cudaGetLastError();
+        return (int)crc;
+    }
+    *saved = (int)mode;
+    return PL_OK;
+}
+
+static void cuda_thread_restore_captures(int saved)
+{
+    enum pl_cudaStreamCaptureMode mode = (enum pl_cudaStreamCaptureMode)saved;
+    if (cu.cudaThreadExchangeStreamCaptureMode(&mode) != pl_cudaSuccess)
+        cu.cudaGetLastError();
+}
+
 static int cuda_stream_create(int high_priority, pl_stream **out)
 {
     int least = 0, greatest = 0;
@@ -731,6 +750,8 @@ static const pl_backend cuda_backend = {
     .set_device = cuda_set_device,
     .get_device = cuda_get_device,
     .thread_ignore_other_captures = cuda_thread_ignore_other_captures,
+    .thread_relax_captures = cuda_thread_relax_captures,
+    .thread_restore_captures = cuda_thread_restore_captures,
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,

@@ -590,6 +590,17 @@ static int host_thread_ignore_other_captures(void)
     return PL_OK; /* no graphs to capture */
 }
 
+static int host_thread_relax_captures(int *saved)
+{
+    *saved = -1; /* nothing to put back */
+    return PL_OK;
+}
+
+static void host_thread_restore_captures(int saved)
+{
+    (void)saved;
+}
+
 static const char *host_error_name(int code)
 {
     switch (code) {
@@ -685,6 +696,7 @@ static inline int fault_hit(const char *name)
 FAULTY(set_device, FAIL, (int device), (device))
 FAULTY(get_device, FAIL, (int *device), (device))
 FAULTY(thread_ignore_other_captures, FAIL, (void), ())
+FAULTY(thread_relax_captures, FAIL, (int *saved), (saved))
 FAULTY(stream_create, NOMEM, (int high_priority, pl_stream **out), (high_priority, out))
 FAULTY(stream_destroy, FAIL, (pl_stream *s), (s))
 FAULTY(stream_synchronize, FAIL, (pl_stream *s), (s))
@@ -728,6 +740,8 @@ static const pl_backend host_backend = {
     .set_device = faulty_set_device,
     .get_device = faulty_get_device,
     .thread_ignore_other_captures = faulty_thread_ignore_other_captures,
+    .thread_relax_captures = faulty_thread_relax_captures,
+    .thread_restore_captures = host_thread_restore_captures,
     .stream_create = faulty_stream_create,
     .stream_destroy = faulty_stream_destroy,
     .stream_synchronize = faulty_stream_synchronize,

@@ -509,6 +509,7 @@ static void block_free(pl_block *blk)
         free(blk); /* the parent's memory and events: leak them */
         return;
     }
+    const int mode = pl_captures_relax(b); /* Note [releases during a capture] in backend.h */
     int prev = -1;
     int have_prev = b->get_device(&prev) == PL_OK;
     b->set_device(blk->device);
@@ -533,6 +534,7 @@ static void block_free(pl_block *blk)
     pl_device_event_give(b, blk->device, blk->ready);
     if (have_prev && prev != blk->device)
         b->set_device(prev);
+    pl_captures_restore(b, mode);
     atomic_fetch_sub(&live_count[b->kind], 1);
     free(blk->uses);
     free(blk);

@@ -277,8 +277,11 @@ static void drop_entry(entry *e)
         }
     if (e->owned) {
         reg_total[kind_of(e->b)] -= e->len;
-        /* a dead runtime at exit unregisters nothing: the process's end does */
+        /* a dead runtime at exit unregisters nothing: the process's end does; Note [releases
+         * during a capture] in backend.h */
+        const int mode = pl_captures_relax(e->b);
         e->b->host_unregister(e->base);
+        pl_captures_restore(e->b, mode);
     }
     free(e);
 }

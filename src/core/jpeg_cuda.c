@@ -199,6 +199,7 @@ void pl_jpeg_destroy(pl_jpeg *j)
     if (!j)
         return;
     const pl_backend *b = j->b;
+    const int mode = pl_captures_relax(b); /* Note [releases during a capture] in backend.h */
     int prev = -1;
     pl_device_push(b, j->device, &prev);
     if (j->stream)
@@ -234,6 +235,7 @@ void pl_jpeg_destroy(pl_jpeg *j)
     if (j->stream)
         b->stream_destroy(j->stream);
     pl_device_pop(b, j->device, prev);
+    pl_captures_restore(b, mode);
     free(j);
 }
 

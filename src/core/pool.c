@@ -639,7 +639,12 @@ static void maybe_free_closed(pl_pool *p)
     pthread_mutex_lock(&p->mu);
     pl_slab *idle = p->closed ? detach_free_slabs(p) : NULL;
     pthread_mutex_unlock(&p->mu);
-    free_slab_list(p->b, idle);
+    if (idle) { /* the last buffer of a closed pool may die in a capture: Note [releases during a
+                 * capture] in backend.h */
+        const int mode = pl_captures_relax(p->b);
+        free_slab_list(p->b, idle);
+        pl_captures_restore(p->b, mode);
+    }
 }
 
 void pl_pool_release(pl_pool *p, pl_region *r)
@@ -747,12 +752,14 @@ void pl_pool_close(pl_pool *p)
 {
     if (pl_inherited(p->gen))
         return;
+    const int mode = pl_captures_relax(p->b); /* Note [releases during a capture] in backend.h */
     drain_pending(p);
     pthread_mutex_lock(&p->mu);
     p->closed = 1;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
     maybe_free_closed(p);
+    pl_captures_restore(p->b, mode);
 }
 
 int pl_pool_closed(pl_pool *p)
@@ -775,6 +782,7 @@ void pl_pool_decref(pl_pool *p)
         free(p);
         return;
     }
+    const int mode = pl_captures_relax(p->b); /* Note [releases during a capture] in backend.h */
     pl_pool_close(p);
     pthread_mutex_lock(&p->mu);
     pl_slab *all = p->slabs;
@@ -783,6 +791,7 @@ void pl_pool_decref(pl_pool *p)
     free_slab_list(p->b, all);
     for (size_t i = 0; i < p->n_events; i++)
         p->b->event_destroy(p->events[i]);
+    pl_captures_restore(p->b, mode);
     free(p->events);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);

@@ -28,7 +28,7 @@
  * the time on one host (benchmarks/results/design_measurements.md, "software prefetch in the
  * row gather").
  * PINLOADER_ROW_PREFETCH=0 turns the prefetch off (for measurement), read when a stager is
- * created, for every stager of the process. */
+ * created, for that stager, as PINLOADER_STAGING_NT is. */
 #include "stager.h"
 #include "backend.h"
 #include "util.h"
@@ -48,7 +48,6 @@
 #define SORT_MIN_ROW_BYTES 4096 /* see Note [row gather] */
 #define SORT_GROUP 256         /* rows sorted together, on the stack */
 #define PREFETCH_ROWS 64       /* rows asked for ahead of the one copied: Note [row gather] */
-static atomic_int row_prefetch_off; /* PINLOADER_ROW_PREFETCH=0 (Note [row gather]) */
 #define PREFETCH_MAX_BYTES 1024 /* of a row, at most; the hardware prefetcher follows the rest */
 
 /* Note [non-temporal staging stores]
@@ -96,11 +95,13 @@ typedef struct {
     size_t n_chunks, chunk_bytes;
     char *base;
     int nt, nt_rows; /* see Note [non-temporal staging stores] */
+    int prefetch;    /* rows read in batch order are prefetched: Note [row gather] */
 } job;
 
 struct pl_stager {
     int nthreads;
     int nt_mode; /* -1: by job size, 0: never, 1: always; see Note [non-temporal staging stores] */
+    int prefetch; /* 0 with PINLOADER_ROW_PREFETCH=0: Note [row gather] */
     pthread_t *workers;
     int n_workers;
     pthread_mutex_t mu;
@@ -164,13 +165,14 @@ static void copy_strided(char *dst, const char *src, int64_t n, int64_t stride, 
     }
 }
 
-static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt);
+static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt, int prefetch);
 static void copy_streaming(char *dst, const char *src, size_t n);
 
 void pl_leaf_gather(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count)
 {
     if (L->rows) {
-        gather_rows(dst, L, start, count, 0);
+        /* no stager here (the host backend's gather): the prefetch is on, as by default */
+        gather_rows(dst, L, start, count, 0, 1);
         return;
     }
     const int nd = L->ndim;
@@ -233,14 +235,13 @@ static void copy_row_part(char *dst, const pl_leaf_copy *L, pl_leaf_copy *R, int
         pl_leaf_gather(dst, R, start, count);
 }
 
-/* The cache lines of a row of n bytes at p, asked for ahead of its copy (Note [row gather]). */
+/* Each cache line that the n bytes at p touch, once, asked for ahead of the row's copy (Note
+ * [row gather]): a row inside one line costs one prefetch. */
 static inline void prefetch_row(const char *p, size_t n)
 {
-    __builtin_prefetch(p);
-    for (size_t o = 64; o < n; o += 64)
-        __builtin_prefetch(p + o);
-    if (n > 1)
-        __builtin_prefetch(p + n - 1); /* the last line, where the row straddles one more */
+    const uintptr_t end = (uintptr_t)p + (n ? n : 1);
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64)
+        __builtin_prefetch((const void *)a);
 }
 
 typedef struct {
@@ -257,7 +258,7 @@ static int cmp_row_ref(const void *a, const void *b)
 }
 
 /* See Note [row gather]. Returns whether the rows went through streaming stores. */
-static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt)
+static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t count, int nt, int prefetch)
 {
     pl_leaf_copy R;
     row_leaf(L, &R);
@@ -278,7 +279,7 @@ static int gather_rows(char *dst, const pl_leaf_copy *L, int64_t start, int64_t 
     }
     int64_t whole = count / row;
     /* rows ahead of the copied one that are prefetched; past every row when switched off */
-    const int64_t ahead = atomic_load_explicit(&row_prefetch_off, memory_order_relaxed) ? INT64_MAX / 2 : PREFETCH_ROWS;
+    const int64_t ahead = prefetch ? PREFETCH_ROWS : INT64_MAX / 2;
     if (contiguous && whole > 0 && row_bytes <= 256 && (row_bytes & (row_bytes - 1)) == 0) {
         const char *src = L->src;
         const int64_t s0 = L->strides[0], *r = L->rows + i;
@@ -362,8 +363,8 @@ static void copy_streaming(char *dst, const char *src, size_t n)
 /* Elements [start, start + count) of a collapsed leaf to dst; with nt, contiguous leaves go
  * through streaming stores, with nt_rows contiguous rows of at least NT_MIN_ROW_BYTES, fenced
  * before returning. */
-static void stage_range(int nt, int nt_rows, char *dst, const pl_leaf_copy *L, int64_t start,
-                        int64_t count)
+static void stage_range(int nt, int nt_rows, int prefetch, char *dst, const pl_leaf_copy *L,
+                        int64_t start, int64_t count)
 {
     int streamed = 0;
     /* After pl_leaf_collapse a contiguous leaf is one dimension with unit stride. */
@@ -371,7 +372,7 @@ static void stage_range(int nt, int nt_rows, char *dst, const pl_leaf_copy *L, i
         copy_streaming(dst, L->src + (size_t)start * L->itemsize, (size_t)count * L->itemsize);
         streamed = 1;
     } else if (L->rows) {
-        streamed = gather_rows(dst, L, start, count, nt_rows);
+        streamed = gather_rows(dst, L, start, count, nt_rows, prefetch);
     } else {
         pl_leaf_gather(dst, L, start, count);
     }
@@ -404,7 +405,7 @@ static int use_streaming_rows(const pl_stager *s, size_t total, size_t n_chunks)
 static void do_piece(job *j, size_t i)
 {
     piece *p = &j->pieces[i];
-    stage_range(j->nt, j->nt_rows, j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
+    stage_range(j->nt, j->nt_rows, j->prefetch, j->base + p->off, &j->leaves[p->leaf], p->start, p->count);
     size_t first = p->off / j->chunk_bytes, last = (p->off + p->len - 1) / j->chunk_bytes;
     for (size_t c = first; c <= last; c++)
         atomic_fetch_sub_explicit(&j->chunk_left[c], 1, memory_order_release);
@@ -456,7 +457,7 @@ int pl_stager_create(int nthreads, pl_stager **out)
     const char *nt = getenv("PINLOADER_STAGING_NT");
     s->nt_mode = nt && strcmp(nt, "0") == 0 ? 0 : nt && strcmp(nt, "1") == 0 ? 1 : -1;
     const char *pf = getenv("PINLOADER_ROW_PREFETCH");
-    atomic_store(&row_prefetch_off, pf && strcmp(pf, "0") == 0);
+    s->prefetch = !(pf && strcmp(pf, "0") == 0);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
@@ -543,7 +544,7 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
             if (!L->nbytes)
                 continue;
             pl_leaf_collapse(L);
-            stage_range(nt, nt_rows, L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
+            stage_range(nt, nt_rows, s->prefetch, L->dst, L, 0, (int64_t)(L->nbytes / L->itemsize));
             /* every chunk that ends before the next leaf's start is complete */
             size_t limit = i + 1 < n ? (size_t)(leaves[i + 1].dst - base) : total;
             while (rc == PL_OK && reported < n_chunks && (reported + 1) * chunk_bytes <= limit) {
@@ -589,7 +590,7 @@ int pl_stager_run(pl_stager *s, pl_leaf_copy *leaves, int n, char *base, size_t 
         }
     }
     job j = {leaves, pieces, np, 0, left, n_chunks, chunk_bytes, base, use_streaming(s, total),
-             use_streaming_rows(s, total, n_chunks)};
+             use_streaming_rows(s, total, n_chunks), s->prefetch};
 
     pthread_mutex_lock(&s->mu);
     s->cur = &j;

@@ -445,8 +445,9 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
  * release streams are its own), nothing it does can be part of a graph. The user's source
  * iterator runs on this thread too, so its CUDA calls also ignore other threads' captures.
  * pinloader's calls on the user's threads (next() querying the events of sources still being
- * copied, close() waiting for its streams) keep the user's mode: take, drop and close batches
- * outside a capture. Should the call fail, the thread keeps the default (global) mode. Checked by
+ * copied) keep the user's mode: take batches outside a capture. Releases (close(), a batch or a
+ * prefetcher dropped or collected) lift the ban for their own calls: Note [releases during a
+ * capture] in src/core/backend.h. Should the call fail, the thread keeps the default (global) mode. Checked by
  * test_a_graph_captured_in_global_mode_while_the_producer_works in tests/test_static_cuda.py. */
 void *pl_pf_producer_main(void *arg)
 {
