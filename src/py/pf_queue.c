@@ -44,13 +44,17 @@ void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
     while (list) {
         grave *g = list;
         list = g->next;
-        if (g->blk && !wait && g->blk->b->event_query(g->blk->ready) == PL_ERR_NOT_READY) {
+        int q = g->blk && !wait ? g->blk->b->event_query(g->blk->ready) : PL_OK;
+        if (q == PL_ERR_NOT_READY) {
             g->next = NULL;
             *keep_tail = g;
             keep_tail = &g->next;
             continue;
         }
-        if (g->blk && wait) {
+        /* A query that failed proves nothing about the copy that reads these sources (an error
+         * need not be sticky): wait for it, as pl_pool_poll does; if the wait fails too, the
+         * runtime is gone and nothing reads them any more. */
+        if (g->blk && (wait || q != PL_OK)) {
             Py_BEGIN_ALLOW_THREADS
             pl_block_sync_ready(g->blk);
             Py_END_ALLOW_THREADS
