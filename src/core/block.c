@@ -384,7 +384,12 @@ int pl_block_sync_ready(pl_block *blk)
 {
     if (pl_inherited(blk->gen))
         return PL_ERR_FORKED;
-    return blk->b->event_synchronize(blk->ready);
+    /* a wait for pinloader's own copy, before its sources are dropped: it may run in a release
+     * during a capture (Note [releases during a capture] in backend.h) */
+    const int mode = pl_captures_relax(blk->b);
+    int rc = blk->b->event_synchronize(blk->ready);
+    pl_captures_restore(blk->b, mode);
+    return rc;
 }
 
 /* ---- consumer waits: see Note [consumer waits] ---- */

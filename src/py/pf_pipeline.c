@@ -86,18 +86,18 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
         Py_CLEAR(self->stash);
         return;
     }
+    /* close(), the collector's clear or dealloc, maybe in the middle of a capture: the whole
+     * release is bracketed (Note [releases during a capture] in src/core/backend.h), so the
+     * finalizers of the sources and batches dropped here run with the ban lifted for this
+     * thread too, for as long as the release lasts */
+    const int mode = pl_captures_relax(self->b);
     int prev_device = -1;
     pl_device_push(self->b, self->device, &prev_device);
-    /* close(), the collector's clear or dealloc, maybe in the middle of a capture: the CUDA
-     * calls below are bracketed (Note [releases during a capture] in src/core/backend.h), the
-     * Python objects dropped between them are not (their finalizers keep the thread's mode) */
     if (self->copy_stream) {
         pl_stream *stream = self->copy_stream;
         const pl_backend *b = self->b;
         Py_BEGIN_ALLOW_THREADS
-        const int mode = pl_captures_relax(b);
         b->stream_synchronize(stream);
-        pl_captures_restore(b, mode);
         Py_END_ALLOW_THREADS
     }
     pthread_mutex_lock(&self->mu);
@@ -125,7 +125,6 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
     self->client = NULL;
     const pl_backend *b = self->b;
     Py_BEGIN_ALLOW_THREADS
-    const int mode = pl_captures_relax(b);
     if (stager)
         pl_stager_destroy(stager);
     if (stream)
@@ -138,7 +137,7 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
         pl_pool_close(pool);
     if (pool)
         pl_pool_decref(pool);
-    pl_captures_restore(b, mode);
     Py_END_ALLOW_THREADS
     pl_device_pop(self->b, self->device, prev_device);
+    pl_captures_restore(self->b, mode);
 }
