@@ -57,10 +57,11 @@ def _dict_batches():
              "y": np.full(7, i, dtype=np.float32)} for i in range(6)]
 
 
-def prefetcher_all():
+def _every_dict_batch(**kw):
+    """Every batch of _dict_batches() through an AsyncPrefetcher(**kw), each checked."""
     import pinloader
     batches = _dict_batches()
-    p = pinloader.AsyncPrefetcher(batches, device="cpu")
+    p = pinloader.AsyncPrefetcher(batches, device="cpu", **kw)
     try:
         got = 0
         for i, b in enumerate(p):
@@ -70,6 +71,10 @@ def prefetcher_all():
         _check(got == len(batches), f"{got} batches of {len(batches)}")
     finally:
         p.close()
+
+
+def prefetcher_all():
+    _every_dict_batch()
 
 
 def prefetcher_dropped():
@@ -129,18 +134,7 @@ def prefetcher_pinned_sources():
 
 def prefetcher_static():
     # static=True: every batch copied into the same device arrays (src/py/handout.c)
-    import pinloader
-    batches = _dict_batches()
-    p = pinloader.AsyncPrefetcher(batches, device="cpu", static=True)
-    try:
-        got = 0
-        for i, b in enumerate(p):
-            _check(np.array_equal(_host(b["x"]), batches[i]["x"]), f"batch {i} x")
-            _check(np.array_equal(_host(b["y"]), batches[i]["y"]), f"batch {i} y")
-            got += 1
-        _check(got == len(batches), f"{got} batches of {len(batches)}")
-    finally:
-        p.close()
+    _every_dict_batch(static=True)
 
 
 class _Cyclic:
