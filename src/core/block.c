@@ -384,12 +384,9 @@ int pl_block_sync_ready(pl_block *blk)
 {
     if (pl_inherited(blk->gen))
         return PL_ERR_FORKED;
-    /* a wait for pinloader's own copy, before its sources are dropped: it may run in a release
-     * during a capture (Note [releases during a capture] in backend.h) */
-    const int mode = pl_captures_relax(blk->b);
-    int rc = blk->b->event_synchronize(blk->ready);
-    pl_captures_restore(blk->b, mode);
-    return rc;
+    /* a caller that may run during a capture brackets this (Note [releases during a capture]
+     * in backend.h); the producer, in thread-local mode for good, needs no bracket */
+    return blk->b->event_synchronize(blk->ready);
 }
 
 /* ---- consumer waits: see Note [consumer waits] ---- */

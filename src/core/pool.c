@@ -700,7 +700,8 @@ int pl_pool_release_after(pl_pool *p, pl_region *r, pl_stream *s)
         pthread_mutex_unlock(&p->mu);
         rc = PL_ERR_NO_MEMORY;
     }
-    /* No event, or no room to keep it: wait for the stream, then release now. */
+    /* No event, or no room to keep it: wait for the stream, then release now (a wait that
+     * fails means a dead runtime, as in pl_pool_poll: nothing reads the region any more). */
     if (e)
         p->b->event_destroy(e);
     p->b->stream_synchronize(s);

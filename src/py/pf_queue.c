@@ -7,6 +7,28 @@
 
 /* ---- graveyard (GIL held) ---- */
 
+/* The graves are emptied on the consumer's thread and in a release (the collector's, inside a
+ * user's capture maybe): both CUDA calls on a batch's copy lift the capture ban for this thread
+ * around themselves (Note [releases during a capture] in src/core/backend.h), and only around
+ * themselves: a source's finalizer runs in the thread's own mode. */
+static int query_copy(pl_block *blk)
+{
+    const int mode = pl_captures_relax(blk->b);
+    int rc = blk->b->event_query(blk->ready);
+    pl_captures_restore(blk->b, mode);
+    return rc;
+}
+
+/* GIL held; released for the wait. */
+static void sync_copy(pl_block *blk)
+{
+    Py_BEGIN_ALLOW_THREADS
+    const int mode = pl_captures_relax(blk->b);
+    pl_block_sync_ready(blk);
+    pl_captures_restore(blk->b, mode);
+    Py_END_ALLOW_THREADS
+}
+
 void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk)
 {
     if (n == 0) {
@@ -16,11 +38,8 @@ void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block
     grave *g = PyMem_Malloc(sizeof(*g));
     if (!g) {
         /* Cannot defer: wait for the copy (if any) and drop now. */
-        if (blk) {
-            Py_BEGIN_ALLOW_THREADS
-            pl_block_sync_ready(blk);
-            Py_END_ALLOW_THREADS
-        }
+        if (blk)
+            sync_copy(blk);
         for (Py_ssize_t i = 0; i < n; i++)
             Py_DECREF(objs[i]);
         PyMem_RawFree(objs);
@@ -44,7 +63,7 @@ void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
     while (list) {
         grave *g = list;
         list = g->next;
-        int q = g->blk && !wait ? g->blk->b->event_query(g->blk->ready) : PL_OK;
+        int q = g->blk && !wait ? query_copy(g->blk) : PL_OK;
         if (q == PL_ERR_NOT_READY) {
             g->next = NULL;
             *keep_tail = g;
@@ -54,11 +73,8 @@ void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
         /* A query that failed proves nothing about the copy that reads these sources (an error
          * need not be sticky): wait for it, as pl_pool_poll does; if the wait fails too, the
          * runtime is gone and nothing reads them any more. */
-        if (g->blk && (wait || q != PL_OK)) {
-            Py_BEGIN_ALLOW_THREADS
-            pl_block_sync_ready(g->blk);
-            Py_END_ALLOW_THREADS
-        }
+        if (g->blk && (wait || q != PL_OK))
+            sync_copy(g->blk);
         for (Py_ssize_t i = 0; i < g->n; i++)
             Py_DECREF(g->objs[i]);
         PyMem_RawFree(g->objs);
