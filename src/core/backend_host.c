@@ -67,6 +67,9 @@ void pl_host_hold_streams(int on)
  * since arming; read here by the streams' workers. */
 static atomic_int fault_armed;
 static atomic_int fault_dead;
+/* Operations the streams' workers have begun while armed and not finished: a sticky failure
+ * returns only once none is left that began before it (Note [injected faults]). */
+static atomic_int fault_ops_running;
 /* While armed, each stream operation starts this late: work queued on a stream then plainly
  * outlives a caller that gave up waiting for it (a failed wait proves nothing). */
 #define FAULT_OP_DELAY_NS 200000
@@ -201,9 +204,13 @@ static void *stream_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         while (atomic_load(&hold_all)) /* see Note [held copies] */
             pl_sleep_ns(100000);
-        int dead = 0;
+        int dead = 0, counted = 0;
         if (atomic_load_explicit(&fault_armed, memory_order_relaxed)) {
             pl_sleep_ns(FAULT_OP_DELAY_NS); /* Note [injected faults] */
+            /* counted first, then the flag read (both sequentially consistent): a sticky failure
+             * that this op does not see waits for it to finish */
+            atomic_fetch_add(&fault_ops_running, 1);
+            counted = 1;
             dead = atomic_load(&fault_dead);
         }
 
@@ -229,7 +236,9 @@ static void *stream_main(void *arg)
             device_block_free(o->dst);
             break;
         case OP_HOLD:
-            while (!dead && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
+            /* the flag read again: a hold begun before a sticky failure ends with it */
+            while (!(counted && atomic_load(&fault_dead)) && !dead &&
+                   !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 pl_sleep_ns(100000);
             break;
         case OP_GATHER:
@@ -241,6 +250,8 @@ static void *stream_main(void *arg)
             break;
         }
         op_kind kind = o->kind;
+        if (counted)
+            atomic_fetch_sub(&fault_ops_running, 1);
 
         pthread_mutex_lock(&s->mu);
         s->head = o->next;
@@ -637,7 +648,10 @@ static const char *host_error_string(int code)
  * would have released, as CUDA's do. Once a sticky failure has struck, the streams' workers run
  * none of the work still queued (a dead context runs nothing), so that what the layers above do
  * is tested against what a dead runtime does, not against an emulation that goes on copying
- * from memory they have given up. While armed, every stream operation also starts late
+ * from memory they have given up; and a sticky failure returns only after every operation a
+ * worker had already begun is done (fault_ops_running: a dead context stops at once, so a
+ * caller that frees what a copy read the moment its call fails must be right, and under the
+ * sanitizers the emulation's own copy must not be what they report). While armed, every stream operation also starts late
  * (FAULT_OP_DELAY_NS), so that a caller that stops waiting for queued work too early (a failed
  * wait proves nothing) is caught every time rather than by a race. Disarmed, each call costs
  * one relaxed atomic load, and each stream operation one more. */
@@ -671,8 +685,14 @@ static int fault_hit_armed(const char *name)
     long long at = atomic_load(&fault_at);
     if (i != at && !(i > at && atomic_load(&fault_sticky)))
         return 0;
-    if (atomic_load(&fault_sticky))
+    if (atomic_load(&fault_sticky)) {
         atomic_store(&fault_dead, 1);
+        /* then let the operations begun before it end; every later one sees the flag and does
+         * nothing (an OP_HOLD or OP_WAIT stops waiting), so this is short. Bounded all the same:
+         * a test switch must not hang a run. */
+        for (int spins = 0; atomic_load(&fault_ops_running) > 0 && spins < 100000; spins++)
+            pl_sleep_ns(100000);
+    }
     const char *none = NULL;
     atomic_compare_exchange_strong(&fault_first, &none, name);
     return 1;
