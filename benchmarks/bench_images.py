@@ -569,12 +569,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="a few small images on the host backend, the ImageLoader rows and the tiny model")
     ap.add_argument("--model-rows", type=C.choice_list(MODEL_ROWS), default=list(MODEL_ROWS),
                     help="the feeds of the --models table (the bound is always kept first)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds; Python's default is 0.005): how "
+                         "long a thread that wants the GIL waits for the training thread to let it go")
     ap.add_argument("--stall-s", type=float, default=120,
                     help="when nothing is logged for this long, write the process's stacks to "
                          "<out>/<name>_stall.txt and end the run with exit status 3 (0: off)")
     C.add_output_args(ap, "images")
     args = ap.parse_args(argv)
     args.model_rows = ["bound"] + [r for r in args.model_rows if r != "bound"]
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.smoke:
         args.device, args.images, args.batch, args.rounds, args.steps = "cpu", 48, 8, 2, 2
         args.drain, args.settle = 2, 1

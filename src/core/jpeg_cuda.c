@@ -391,9 +391,10 @@ typedef struct sample {
  * image and the engines accept it (nvjpegDecodeBatchedSupportedEx); otherwise the image is decoded
  * whole. The workspace still holds the whole image, so that an image of a failed hardware batch
  * can be decoded again, whole, by the CUDA decoder. Region decodes are off unless
- * PINLOADER_JPEG_REGION=1 is in the environment when a decoder is made: they have not yet run on
- * a GPU (tests/test_jpeg_decoder_gpu.py::test_a_region_decode_equals_the_crop_of_a_whole_decode
- * is the check to run with it set); whole-image decodes have. */
+ * PINLOADER_JPEG_REGION=1 is in the environment when a decoder is made: they give the same pixels
+ * (tests/test_jpeg_decoder_gpu.py::test_a_region_decode_equals_the_crop_of_a_whole_decode, run
+ * with it set) but no more images per second, since the engines' time is not what bounds a batch
+ * (the host side of the batched call is: Note [decoder threads] in pinloader/_image_epochs.py). */
 static void region_of(const int32_t *p, int H, int W, sample *sm)
 {
     long y0 = ((long)p[0] - 1) & ~15L, x0 = ((long)p[1] - 1) & ~15L;
