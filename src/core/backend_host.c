@@ -67,8 +67,11 @@ void pl_host_hold_streams(int on)
  * since arming; read here by the streams' workers. */
 static atomic_int fault_armed;
 static atomic_int fault_dead;
-/* Operations the streams' workers have begun while armed and not finished: a sticky failure
- * returns only once none is left that began before it (Note [injected faults]). */
+/* The runtime's lifetime: disarming after a sticky failure begins a new one, and an operation
+ * queued in a lifetime that ended never runs (a dead context's queued work is gone for good). */
+static atomic_ullong fault_epoch;
+/* Operations the streams' workers have begun and not finished: a sticky failure returns only
+ * once none is left that began before it (Note [injected faults]). */
 static atomic_int fault_ops_running;
 /* While armed, each stream operation starts this late: work queued on a stream then plainly
  * outlives a caller that gave up waiting for it (a failed wait proves nothing). */
@@ -84,6 +87,7 @@ typedef struct op {
     size_t n;
     pl_event *event;
     rec *record;
+    unsigned long long epoch; /* fault_epoch when it was queued */
 } op;
 
 struct pl_stream {
@@ -204,15 +208,15 @@ static void *stream_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         while (atomic_load(&hold_all)) /* see Note [held copies] */
             pl_sleep_ns(100000);
-        int dead = 0, counted = 0;
-        if (atomic_load_explicit(&fault_armed, memory_order_relaxed)) {
+        if (atomic_load_explicit(&fault_armed, memory_order_relaxed))
             pl_sleep_ns(FAULT_OP_DELAY_NS); /* Note [injected faults] */
-            /* counted first, then the flag read (both sequentially consistent): a sticky failure
-             * that this op does not see waits for it to finish */
-            atomic_fetch_add(&fault_ops_running, 1);
-            counted = 1;
-            dead = atomic_load(&fault_dead);
-        }
+        /* Counted first, then the flag and the lifetime read, in that order (all sequentially
+         * consistent): a sticky failure this op does not see waits for it to finish, and a
+         * cleared flag implies the new lifetime (pl_host_fail_after) is seen. */
+        atomic_fetch_add(&fault_ops_running, 1);
+        int dead = atomic_load(&fault_dead);
+        if (!dead)
+            dead = o->epoch != atomic_load(&fault_epoch);
 
         /* The op stays at the head while it runs: stream_synchronize counts completions. A dead
          * runtime (Note [injected faults]) copies, gathers, waits and holds no more; records
@@ -237,8 +241,7 @@ static void *stream_main(void *arg)
             break;
         case OP_HOLD:
             /* the flag read again: a hold begun before a sticky failure ends with it */
-            while (!(counted && atomic_load(&fault_dead)) && !dead &&
-                   !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
+            while (!dead && !atomic_load(&fault_dead) && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 pl_sleep_ns(100000);
             break;
         case OP_GATHER:
@@ -250,8 +253,7 @@ static void *stream_main(void *arg)
             break;
         }
         op_kind kind = o->kind;
-        if (counted)
-            atomic_fetch_sub(&fault_ops_running, 1);
+        atomic_fetch_sub(&fault_ops_running, 1);
 
         pthread_mutex_lock(&s->mu);
         s->head = o->next;
@@ -272,7 +274,7 @@ static int enqueue(pl_stream *s, op_kind kind, void *dst, const void *src, size_
     op *o = malloc(sizeof(*o));
     if (!o)
         return PL_ERR_NO_MEMORY;
-    *o = (op){NULL, kind, dst, src, n, e, r};
+    *o = (op){NULL, kind, dst, src, n, e, r, atomic_load_explicit(&fault_epoch, memory_order_relaxed)};
     pthread_mutex_lock(&s->mu);
     if (s->tail)
         s->tail->next = o;
@@ -648,13 +650,16 @@ static const char *host_error_string(int code)
  * would have released, as CUDA's do. Once a sticky failure has struck, the streams' workers run
  * none of the work still queued (a dead context runs nothing), so that what the layers above do
  * is tested against what a dead runtime does, not against an emulation that goes on copying
- * from memory they have given up; and a sticky failure returns only after every operation a
- * worker had already begun is done (fault_ops_running: a dead context stops at once, so a
- * caller that frees what a copy read the moment its call fails must be right, and under the
- * sanitizers the emulation's own copy must not be what they report). While armed, every stream operation also starts late
- * (FAULT_OP_DELAY_NS), so that a caller that stops waiting for queued work too early (a failed
- * wait proves nothing) is caught every time rather than by a race. Disarmed, each call costs
- * one relaxed atomic load, and each stream operation one more. */
+ * from memory they have given up. Two more rules make the emulation's own copies safe to free
+ * under, as a dead context's are (the sanitizer jobs run the sweep):
+ * - a sticky failure returns only after every operation a worker had already begun is done
+ *   (fault_ops_running): a caller may free what a copy read the moment its call fails;
+ * - disarming after a sticky failure begins a new lifetime (fault_epoch), and what was queued in
+ *   the dead one never runs, not even once the switch is off.
+ * While armed, every stream operation also starts late (FAULT_OP_DELAY_NS), so that a caller
+ * that stops waiting for queued work too early (a failed wait proves nothing) is caught every
+ * time rather than by a race. Disarmed, each call costs one relaxed atomic load, and each stream
+ * operation a few atomic operations (nothing beside a copy). */
 static atomic_llong fault_calls;    /* calls counted since arming */
 static atomic_llong fault_at;       /* the number of the call that fails */
 static atomic_int fault_sticky;     /* every call after it fails too */
@@ -665,6 +670,8 @@ long long pl_host_fail_after(long long n, int sticky)
     atomic_store(&fault_armed, 0);
     long long counted = atomic_exchange(&fault_calls, 0);
     atomic_store(&fault_first, NULL);
+    if (atomic_load(&fault_dead))
+        atomic_fetch_add(&fault_epoch, 1); /* before the flag clears: no window runs old work */
     atomic_store(&fault_dead, 0);
     if (n >= 0) {
         atomic_store(&fault_at, n);
