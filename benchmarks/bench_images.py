@@ -369,6 +369,15 @@ def _model(name: str, torch: Any, device: str) -> Any:
     return m.to(device).to(memory_format=torch.channels_last)
 
 
+def _decode_calls(loader: Any) -> tuple[float, int] | None:
+    """An ImageLoader's seconds in GPU decode calls and its decoders' batches so far."""
+    if loader is None:
+        return None
+    st = loader.stats()
+    gd = st.get("gpu_decoder") or {}
+    return float(st.get("decode_call_s", 0.0)), int(gd.get("batches") or 0)
+
+
 def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, Any]:
     import pinloader
     import pinloader.torch as pt
@@ -463,6 +472,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     step(*next(gens[name]))
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
+                before = _decode_calls(loaders.get(name))
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step(*next(gens[name]))
@@ -470,6 +480,12 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     torch.cuda.synchronize()
                 got[name] = steps * args.batch / (time.perf_counter() - t0)
                 rec["rows"][name]["ips"].append(got[name])
+                after = _decode_calls(loaders.get(name))
+                if before and after and after[1] > before[1]:
+                    # the GPU decoder's call per batch while the model trains (its host side and
+                    # its waits for the previous batch's kernels), against the loader-bound rows'
+                    rec["rows"][name].setdefault("decode_call_ms", []).append(
+                        1000 * (after[0] - before[0]) / (after[1] - before[1]))
                 C.log(f"[{mname}] round {r} {name}: {got[name]:,.0f} img/s")
                 if name in loaders:
                     # where a slow or stopped row spent its time: the decoders' counts (a hardware
@@ -490,6 +506,8 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
             if "ips" in v:
                 v["ips_summary"] = C.summarize(v["ips"])
                 v["ratio_summary"] = C.summarize(v["ratio"])
+            if v.get("decode_call_ms"):
+                v["decode_call_ms_summary"] = C.summarize(v["decode_call_ms"])
         rec["rounds_done"] = args.rounds
     return out
 
@@ -539,11 +557,13 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
             continue
         table = []
         for name, v in rec["rows"].items():
+            calls = C.fmt_summary(v["decode_call_ms_summary"], 1) if "decode_call_ms_summary" in v else ""
             if "ips_summary" in v:
-                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["ratio_summary"], 2)])
+                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["ratio_summary"], 2), calls])
             else:
-                table.append([name, f"not run: {v.get('skipped')}", ""])
-        lines.append(C.md_table(["feed", "images/s", "ratio to the bound"], table, "lrr"))
+                table.append([name, f"not run: {v.get('skipped')}", "", ""])
+        lines.append(C.md_table(["feed", "images/s", "ratio to the bound", "GPU decode call per batch, ms"],
+                                table, "lrrr"))
     return "\n".join(lines)
 
 
