@@ -278,31 +278,44 @@ def row_dali(ds: dict, args: Any, torch: Any, hw_load: float) -> tuple[Callable[
     return run, None
 
 
+class PackedDecode:
+    """The GPU decoder alone over a packed dataset, with ImageLoader's training crops (seed 0):
+    ``batch(idx, epoch)`` decodes samples ``idx`` to 224 px, NHWC, ``dtype``."""
+
+    def __init__(self, root: str, device: str, dtype: str) -> None:
+        from pinloader import _C, _cudart
+        from pinloader import _image_ops as ops
+        self.ops, self.dtype = ops, dtype
+        self.dec = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates())
+        bounds = np.load(os.path.join(root, "offsets.npy"))
+        self.sizes = np.load(os.path.join(root, "sizes.npy"))
+        self.data = np.memmap(os.path.join(root, "data.bin"), np.uint8, mode="r")
+        self.offsets, self.lengths = bounds[:-1].copy(), np.diff(bounds)
+        self.scale, self.bias = ops.norm_constants(MEAN, STD, dtype)
+
+    def batch(self, idx: np.ndarray, epoch: int) -> Any:
+        ops = self.ops
+        u = ops.draws(0, epoch, idx)
+        p = ops.train_params(self.sizes[idx, :2], u, (224, 224), (0.08, 1.0), (3 / 4, 4 / 3), True)
+        arr, _ = self.dec.decode(self.data, self.offsets[idx], self.lengths[idx], p, (224, 224), self.scale,
+                                 self.bias, self.dtype, True)
+        return arr
+
+
 def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
-    from pinloader import _C, _cudart
-    from pinloader import _image_ops as ops
-    dec = _C.JpegDecoder(args.device, libraries=_cudart.nvjpeg_candidates())
-    root = ds["packed"]
-    bounds = np.load(os.path.join(root, "offsets.npy"))
-    sizes = np.load(os.path.join(root, "sizes.npy"))
-    data = np.memmap(os.path.join(root, "data.bin"), np.uint8, mode="r")
-    offsets, lengths = bounds[:-1].copy(), np.diff(bounds)
-    scale, bias = ops.norm_constants(MEAN, STD, args.dtype)
+    pd = PackedDecode(ds["packed"], args.device, args.dtype)
 
     def run(epoch: int) -> int:
-        order = np.random.default_rng(epoch).permutation(len(offsets))
+        order = np.random.default_rng(epoch).permutation(len(pd.offsets))
         B = args.batch
         n = 0
         for k in range(len(order) // B):
-            idx = order[k * B:(k + 1) * B]
-            u = ops.draws(0, epoch, idx)
-            p = ops.train_params(sizes[idx, :2], u, (224, 224), (0.08, 1.0), (3 / 4, 4 / 3), True)
-            arr, st = dec.decode(data, offsets[idx], lengths[idx], p, (224, 224), scale, bias, args.dtype, True)
+            arr = pd.batch(order[k * B:(k + 1) * B], epoch)
             n += B
             del arr
         torch.cuda.synchronize()
         return n
-    return run, dec
+    return run, pd.dec
 
 
 # ---- loader-bound table ----

@@ -30,7 +30,6 @@ kernels' durations, so groups on different streams may overlap in wall time.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -105,28 +104,17 @@ def profile_row(step: Callable[[], None], args: Any, torch: Any, cuda: bool) -> 
 def decoder_step(ds: dict, args: Any) -> tuple[Callable[[], None], Any]:
     """One batch of the GPU decoder alone with ImageLoader's crops, in the order of epoch 0;
     and the decoder (to close)."""
-    from pinloader import _C, _cudart
-    from pinloader import _image_ops as ops
-    dec = _C.JpegDecoder(args.device, libraries=_cudart.nvjpeg_candidates())
-    root = ds["packed"]
-    bounds = np.load(os.path.join(root, "offsets.npy"))
-    sizes = np.load(os.path.join(root, "sizes.npy"))
-    data = np.memmap(os.path.join(root, "data.bin"), np.uint8, mode="r")
-    offsets, lengths = bounds[:-1].copy(), np.diff(bounds)
-    scale, bias = ops.norm_constants(BI.MEAN, BI.STD, args.dtype)
-    order = np.random.default_rng(0).permutation(len(offsets))
+    pd = BI.PackedDecode(ds["packed"], args.device, args.dtype)
+    order = np.random.default_rng(0).permutation(len(pd.offsets))
     per_epoch = max(1, len(order) // args.batch)
     k = [0]
 
     def step() -> None:
         b = k[0] % per_epoch
         k[0] += 1
-        idx = order[b * args.batch:(b + 1) * args.batch]
-        u = ops.draws(0, 0, idx)
-        p = ops.train_params(sizes[idx, :2], u, (224, 224), (0.08, 1.0), (3 / 4, 4 / 3), True)
-        arr, _ = dec.decode(data, offsets[idx], lengths[idx], p, (224, 224), scale, bias, args.dtype, True)
+        arr = pd.batch(order[b * args.batch:(b + 1) * args.batch], 0)
         del arr
-    return step, dec
+    return step, pd.dec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,9 @@
 framework doors over a loader (Note [doors over a loader])."""
 from __future__ import annotations
 
+import difflib
+import os
+import sys
 from abc import ABC, abstractmethod
 from typing import Any, TypeVar
 
@@ -28,6 +31,59 @@ def _epoch_arg(who: str, epoch: Any) -> int:
     if not 0 <= epoch < _EPOCH_LIMIT:
         raise ValueError(f"{who}: epoch must be in [0, 2**63), got {epoch}")
     return int(epoch)
+
+
+# AsyncPrefetcher options that only change how a batch is handed out (Note [handout] in
+# src/py/handout.h), not what is read or copied.
+HANDOUT_OPTS = frozenset({"output", "stream", "convert", "static", "out"})
+# The AsyncPrefetcher keywords a loader passes on (its **prefetch_opts).
+PREFETCH_OPTS = frozenset({"pool", "max_pinned_bytes", "staging_threads", "copy_stream_priority"}) | HANDOUT_OPTS
+
+
+def int_arg(who: str, name: str, value: Any, lo: int) -> int:
+    """A loader's integer argument: an int (not a bool) in [lo, 2**63)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{who}: {name} must be an int, not {type(value).__name__}")
+    if value < lo:
+        raise ValueError(f"{who}: {name} must be >= {lo}, got {value}")
+    if value >= 1 << 63:
+        raise ValueError(f"{who}: {name} must be < 2**63, got {value}")
+    return int(value)
+
+
+def prefetch_opts_arg(who: str, opts: dict[str, Any], keywords: tuple[str, ...]) -> dict[str, Any]:
+    """The loader's **prefetch_opts, checked when the loader is made (not at its first
+    iteration): an unknown keyword is a TypeError naming the nearest known one."""
+    unknown = sorted(set(opts) - PREFETCH_OPTS)
+    if unknown:
+        name = unknown[0]
+        near = difflib.get_close_matches(name, keywords + tuple(sorted(PREFETCH_OPTS)), 1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise TypeError(f"{who}() got an unexpected keyword argument {name!r}{hint}")
+    return dict(opts)
+
+
+def rank_world(who: str, rank: Any, world_size: Any) -> tuple[int, int]:
+    """(rank, world_size): the arguments, or where one is None, torch.distributed's when it is
+    initialised, else the RANK and WORLD_SIZE environment variables (as torchrun sets them),
+    else 0 and 1."""
+    if rank is None or world_size is None:
+        torch = sys.modules.get("torch")
+        dist = getattr(torch, "distributed", None) if torch is not None else None
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            d_rank, d_world = dist.get_rank(), dist.get_world_size()
+        else:
+            try:
+                d_rank, d_world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+            except ValueError as e:
+                raise ValueError(f"{who}: RANK / WORLD_SIZE environment variables are not integers ({e})") from None
+        rank = d_rank if rank is None else rank
+        world_size = d_world if world_size is None else world_size
+    world = int_arg(who, "world_size", world_size, 1)
+    r = int_arg(who, "rank", rank, 0)
+    if r >= world:
+        raise ValueError(f"{who}: rank must be < world_size, got rank={r}, world_size={world}")
+    return r, world
 
 
 def _same_opt(a: Any, b: Any) -> bool:

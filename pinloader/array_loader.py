@@ -57,20 +57,17 @@ Resuming (``ArrayLoader.state_dict`` / ``ArrayLoader.load_state_dict``)
 """
 from __future__ import annotations
 
-import difflib
-import os
-import sys
 from typing import Any
 
 import numpy as np
 
 from . import _C, _device, _resume
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
-from ._epoch_plan import _Epochs, _Plan, prepare_order
+from ._epoch_plan import _Epochs, _Plan
 # _order and _epoch_batches are read from here by tests and benchmarks as well
 from ._epoch_plan import _epoch_batches, _order  # noqa: F401
 from ._iter_state import IterState
-from ._loader_base import _EpochLoader, _epoch_arg
+from ._loader_base import _EpochLoader, _epoch_arg, int_arg, prefetch_opts_arg, rank_world
 from ._mapped import _base_chain, _is_mapped, _mapping_bytes
 
 __all__ = ["ArrayLoader"]
@@ -124,37 +121,13 @@ def _hold(src: Any) -> list[memoryview]:
         return []
 
 
-def _default_rank_world() -> tuple[int, int]:
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise ValueError(f"ArrayLoader: RANK / WORLD_SIZE environment variables are not integers ({e})") from None
-
-
 _UNSET: Any = object()
 
 
-def _int_arg(name: str, value: Any, lo: int, who: str = "ArrayLoader") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{who}: {name} must be an int, not {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{who}: {name} must be >= {lo}, got {value}")
-    if value >= 1 << 63:
-        raise ValueError(f"{who}: {name} must be < 2**63, got {value}")
-    return int(value)
+def _int_arg(name: str, value: Any, lo: int) -> int:
+    return int_arg("ArrayLoader", name, value, lo)
 
 
-# AsyncPrefetcher options that only change how a batch is handed out (Note [handout] in
-# src/py/handout.h), not what is read or copied.
-_HANDOUT_OPTS = frozenset({"output", "stream", "convert", "static", "out"})
-
-
-# The AsyncPrefetcher keywords an ArrayLoader passes on (**prefetch_opts); structure= is its own.
-_PREFETCH_OPTS = frozenset({"pool", "max_pinned_bytes", "staging_threads", "copy_stream_priority"}) | _HANDOUT_OPTS
 _LOADER_KEYWORDS = ("batch_size", "shuffle", "seed", "drop_last", "device", "depth", "rank",
                     "world_size", "windows", "readahead", "gather", "max_registered_bytes")
 
@@ -274,26 +247,12 @@ class ArrayLoader(_EpochLoader):
         self.drop_last = bool(drop_last)
         self._device = _device.canonical(device, "ArrayLoader")
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
-        unknown = sorted(set(prefetch_opts) - _PREFETCH_OPTS)
-        if unknown:
-            name = unknown[0]
-            near = difflib.get_close_matches(name, _LOADER_KEYWORDS + tuple(sorted(_PREFETCH_OPTS)), 1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise TypeError(f"ArrayLoader() got an unexpected keyword argument {name!r}{hint}")
-        self._opts = dict(prefetch_opts)
+        self._opts = prefetch_opts_arg("ArrayLoader", prefetch_opts, _LOADER_KEYWORDS)
         # the (device, depth, options) the running prefetcher was made with (Note [doors over a
         # loader])
         self._pf_settings: tuple[Any, int, dict[str, Any]] | None = None
 
-        if rank is None or world_size is None:
-            d_rank, d_world = _default_rank_world()
-            rank = d_rank if rank is None else rank
-            world_size = d_world if world_size is None else world_size
-        self.world_size = _int_arg("world_size", world_size, 1)
-        self.rank = _int_arg("rank", rank, 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"ArrayLoader: rank must be < world_size, got rank={self.rank}, "
-                             f"world_size={self.world_size}")
+        self.rank, self.world_size = rank_world("ArrayLoader", rank, world_size)
 
         # The structure is walked by the prefetcher's own walker (src/py/flatten.c), here for
         # the leaves and their paths, and once more by AsyncPrefetcher(structure=arrays), which

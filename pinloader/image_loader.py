@@ -35,7 +35,6 @@ every backend, rank and resume.
 """
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any, Sequence
 
@@ -48,9 +47,7 @@ from ._image_epochs import ImageDecodeError, _decoder_info, _decoders_wanted, _I
 from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
-from ._loader_base import _EpochLoader, _epoch_arg
-from .array_loader import _PREFETCH_OPTS, _default_rank_world
-from .array_loader import _int_arg as _loader_int_arg
+from ._loader_base import _EpochLoader, _epoch_arg, int_arg, prefetch_opts_arg, rank_world
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
 
@@ -68,7 +65,7 @@ _MAX_BATCH = 65535
 
 
 def _int_arg(name: str, value: Any, lo: int) -> int:
-    return _loader_int_arg(name, value, lo, who="ImageLoader")
+    return int_arg("ImageLoader", name, value, lo)
 
 
 def _pair(name: str, v: Any) -> tuple[int, int]:
@@ -234,13 +231,7 @@ class ImageLoader(_EpochLoader):
         self.dtype, self.layout = dtype, layout
         self._device = _device.canonical(device, "ImageLoader")
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
-        unknown = sorted(set(prefetch_opts) - _PREFETCH_OPTS)
-        if unknown:  # as ArrayLoader: here, not at the first iteration
-            name = unknown[0]
-            near = difflib.get_close_matches(name, _KEYWORDS + tuple(sorted(_PREFETCH_OPTS)), 1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise TypeError(f"ImageLoader() got an unexpected keyword argument {name!r}{hint}")
-        self._opts = dict(prefetch_opts)
+        self._opts = prefetch_opts_arg("ImageLoader", prefetch_opts, _KEYWORDS)
         if workers is None:
             try:
                 workers = len(os.sched_getaffinity(0))
@@ -249,15 +240,7 @@ class ImageLoader(_EpochLoader):
             workers = max(1, min(32, workers))
         workers = _int_arg("workers", workers, 1)
 
-        if rank is None or world_size is None:
-            d_rank, d_world = _default_rank_world()
-            rank = d_rank if rank is None else rank
-            world_size = d_world if world_size is None else world_size
-        self.world_size = _int_arg("world_size", world_size, 1)
-        self.rank = _int_arg("rank", rank, 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"ImageLoader: rank must be < world_size, got rank={self.rank}, "
-                             f"world_size={self.world_size}")
+        self.rank, self.world_size = rank_world("ImageLoader", rank, world_size)
 
         scale_r, ratio_r = _range("scale", scale, 0.0), _range("ratio", ratio, 0.0)
         src = make_source(source)  # last: a large tree takes a while to walk

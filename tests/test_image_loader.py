@@ -620,3 +620,19 @@ def test_the_decode_error_is_named_by_its_public_module_and_pickles():
     assert type(err).__module__ == "pinloader.image_loader"
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is pinloader.ImageDecodeError and back.args == err.args
+
+
+def test_rank_world_from_the_environment_and_errors_name_image_loader(data, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with ImageLoader(data["packed"], 3, device="cpu") as L:
+        assert (L.rank, L.world_size) == (1, 2)
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match=r"^ImageLoader: RANK / WORLD_SIZE environment variables are not integers"):
+        ImageLoader(data["packed"], 3, device="cpu")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"^ImageLoader: rank must be < world_size, got rank=2, world_size=2"):
+        ImageLoader(data["packed"], 3, device="cpu")
+    with pytest.raises(TypeError, match=r"ImageLoader\(\) got an unexpected keyword argument 'max_pined_bytes' "
+                                        r"\(did you mean 'max_pinned_bytes'\?\)"):
+        ImageLoader(data["packed"], 3, device="cpu", rank=0, world_size=1, max_pined_bytes=1)
