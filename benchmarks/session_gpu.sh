@@ -3,21 +3,17 @@
 # order of need; each step is skipped when the time left is under its budget):
 #   1. build in place;
 #   2. every GPU test (-m gpu);
-#   3. the stall bisect: ResNet-50 fed by ImageLoader alone beside the bound (no other loader in the
-#      process), with two decoder threads (and after step 4, with one);
-#   4. the user loop (bench_user_loop.py) at 64-byte and 512-byte rows: next(), the torch door and
-#      bench_gather's loop beside one DMA, 2 rounds (the 64-byte rows' wait for the next epoch's
-#      order, Note [orders made ahead] in pinloader/_epoch_plan.py); bench_host_rows.py: the row
-#      gather's prefetch on and off (host backend);
-#   5. compute-sanitizer memcheck over the image, decoder and ArrayLoader GPU tests;
-#   6. bench_orders.py: the next epoch's order made as before and now, on this host;
-#   7. bench_images.py: ResNet-50 and ResNet-18 fed by ImageLoader (packed) and by the DataLoader
-#      against pre-decoded crops on the GPU, and the loader-bound packed row beside the decoder
-#      alone.
-# A bench_images run that stops making progress for 60 s leaves its stacks and ends (--stall-s).
-# SKIP="name ..." leaves those steps out (for instance images_models when benchmarks/dali_gpu.sh runs
-# the model rows with DALI beside them in a later call). Everything goes into one archive,
-# $OUT/session_gpu.tgz; the step summary is printed.
+#   3. prof_images.py: where a ResNet-18 step's GPU time goes when ImageLoader feeds it, beside
+#      the bound and the GPU decoder alone (benchmarks/results/h100_2026-12-05d/README.md);
+#   4. bench_images.py: the four models of the images issue (EfficientNet-B0, ResNet-50 and
+#      ResNet-18 on ImageNet-like images, ViT-B/16 on high-res ones) fed by ImageLoader (packed)
+#      and by the DataLoader against pre-decoded crops on the GPU, 5 rounds;
+#   5. the user loop (bench_user_loop.py) at 64-byte and 512-byte rows: next(), the torch door and
+#      bench_gather's loop beside one DMA, 2 rounds;
+#   6. compute-sanitizer memcheck over the image, decoder, ArrayLoader and capture-release GPU tests.
+# A bench_images run that stops making progress for 90 s leaves its stacks and ends (--stall-s).
+# SKIP="name ..." leaves those steps out. Everything goes into one archive, $OUT/session_gpu.tgz;
+# the step summary is printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/session_gpu_out}"
@@ -54,24 +50,16 @@ done
 run build 60 "$PY" setup.py -q build_ext --inplace -j 16
 # GPU_TESTS="file ..." narrows the GPU tests (default: all of tests/)
 run gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu ${GPU_TESTS:-tests}
-# the stall of ImageLoader's ResNet-50 row (benchmarks/results/h100_2026-12-05/README.md), with no
-# other loader in the process: does it need the DataLoader's workers or DALI beside it? And with
-# one decoder thread instead of two?
-run stall_bisect 120 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 4 \
-    --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect --steps 20 --drain 20 \
-    --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
-run user_loop 90 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop --rounds 2 --rows 64,512 --row-prefetch on,off \
+run prof_images 90 "$PY" benchmarks/prof_images.py --model resnet18 --data-dir /tmp/pinloader_images \
+    --out "$R" --name prof_images
+run images_models 240 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 5 \
+    --data-dir /tmp/pinloader_images --out "$R" --name images_models --steps 20 --drain 5 \
+    --models efficientnet_b0,vit_b_16,resnet50,resnet18 --model-rows imageloader_packed,dataloader \
+    --rows decoder_alone --stall-s 90
+run user_loop 90 "$PY" benchmarks/bench_user_loop.py --out "$R" --name user_loop --rounds 2 --rows 64,512 \
     --sources numpy --loops next,door,bench
-# the row gather's prefetch on and off on this host (Note [row gather] in src/core/stager.c)
-run host_rows 50 "$PY" benchmarks/bench_host_rows.py --rows 64,512 --rounds 2
-PINLOADER_JPEG_DECODERS=1 run stall_bisect_k1 120 "$PY" benchmarks/bench_images.py --size-class imagenet \
-    --images 4096 --rounds 4 --data-dir /tmp/pinloader_images --out "$R" --name stall_bisect_k1 --steps 20 \
-    --drain 20 --models resnet50 --model-rows bound,imageloader_packed --rows decoder_alone --stall-s 60
 run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_image_loader_gpu.py tests/test_jpeg_decoder_gpu.py tests/test_array_loader_gpu.py
-run orders 20 "$PY" benchmarks/bench_orders.py --out "$R" --name orders --rounds 7
-run images_models 150 "$PY" benchmarks/bench_images.py --size-class imagenet --images 4096 --rounds 3 \
-    --data-dir /tmp/pinloader_images --out "$R" --name images_models --steps 20 --drain 20 \
-    --models resnet50,resnet18 --rows imageloader_packed,dataloader,decoder_alone --stall-s 60
+    tests/test_image_loader_gpu.py tests/test_jpeg_decoder_gpu.py tests/test_array_loader_gpu.py \
+    "tests/test_static_cuda.py::test_pinloaders_objects_released_during_a_capture_in_global_mode"
 tar -C "$OUT" -czf "$OUT/session_gpu.tgz" session_gpu && rm -rf "$R"
 tar -xzOf "$OUT/session_gpu.tgz" session_gpu/steps.txt
