@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,13 +67,17 @@ void pl_host_hold_streams(int on)
 /* The fault injector's switch (Note [injected faults]) and whether a sticky failure has struck
  * since arming; read here by the streams' workers. */
 static atomic_int fault_armed;
+/* Arming, disarming and a failure's decision, one at a time (the armed path only): a call that
+ * found the switch on decides under it whether the switch is still on. */
+static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
 static atomic_int fault_dead;
 /* The runtime's lifetime: disarming after a sticky failure begins a new one, and an operation
  * queued in a lifetime that ended never runs (a dead context's queued work is gone for good). */
 static atomic_ullong fault_epoch;
 /* Operations the streams' workers have begun and not finished: a sticky failure returns only
- * once none is left that began before it (Note [injected faults]). */
-static atomic_int fault_ops_running;
+ * once none is left that began before it (Note [injected faults]). On a cache line of its own:
+ * every operation changes it, and every backend call reads fault_armed. */
+static _Alignas(64) atomic_int fault_ops_running;
 /* While armed, each stream operation starts this late: work queued on a stream then plainly
  * outlives a caller that gave up waiting for it (a failed wait proves nothing). */
 #define FAULT_OP_DELAY_NS 200000
@@ -196,6 +201,26 @@ static int host_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 
 /* ---- streams ---- */
 
+/* A dead runtime (Note [injected faults]): a sticky failure has struck, or the op was queued in
+ * a lifetime that has ended. */
+static int op_is_dead(const op *o)
+{
+    return atomic_load(&fault_dead) || o->epoch != atomic_load(&fault_epoch);
+}
+
+/* An OP_WAIT begun while the runtime lived: until the record is done or the runtime dies (the
+ * injector wakes the waiters when it does: fault_wake). Drops the reference. */
+static void rec_wait_live(rec *r, const op *o)
+{
+    if (!r)
+        return;
+    pthread_mutex_lock(&ev_mu);
+    while (!r->done && !op_is_dead(o))
+        pthread_cond_wait(&ev_cv, &ev_mu);
+    rec_unref_locked(r);
+    pthread_mutex_unlock(&ev_mu);
+}
+
 static void *stream_main(void *arg)
 {
     pl_stream *s = arg;
@@ -214,9 +239,7 @@ static void *stream_main(void *arg)
          * consistent): a sticky failure this op does not see waits for it to finish, and a
          * cleared flag implies the new lifetime (pl_host_fail_after) is seen. */
         atomic_fetch_add(&fault_ops_running, 1);
-        int dead = atomic_load(&fault_dead);
-        if (!dead)
-            dead = o->epoch != atomic_load(&fault_epoch);
+        int dead = op_is_dead(o);
 
         /* The op stays at the head while it runs: stream_synchronize counts completions. A dead
          * runtime (Note [injected faults]) copies, gathers, waits and holds no more; records
@@ -234,14 +257,17 @@ static void *stream_main(void *arg)
             rec_mark_done(o->record);
             break;
         case OP_WAIT:
-            rec_wait(o->record, dead ? 0 : -1); /* drops the reference */
+            if (dead)
+                rec_wait(o->record, 0); /* drops the reference */
+            else
+                rec_wait_live(o->record, o);
             break;
         case OP_FREE:
             device_block_free(o->dst);
             break;
         case OP_HOLD:
             /* the flag read again: a hold begun before a sticky failure ends with it */
-            while (!dead && !atomic_load(&fault_dead) && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
+            while (!dead && !op_is_dead(o) && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 pl_sleep_ns(100000);
             break;
         case OP_GATHER:
@@ -583,6 +609,8 @@ void pl_host_atfork_child(void)
     pl_mutex_reset_in_child(&cache_mu);
     n_cached = 0;
     cached_bytes = 0;
+    pl_mutex_reset_in_child(&fault_mu);
+    atomic_store(&fault_ops_running, 0); /* the parent's workers are not here */
 }
 
 /* ---- misc ---- */
@@ -653,9 +681,13 @@ static const char *host_error_string(int code)
  * from memory they have given up. Two more rules make the emulation's own copies safe to free
  * under, as a dead context's are (the sanitizer jobs run the sweep):
  * - a sticky failure returns only after every operation a worker had already begun is done
- *   (fault_ops_running): a caller may free what a copy read the moment its call fails;
+ *   (fault_ops_running; a wait or hold under way stops, woken by fault_wake): a caller may free
+ *   what a copy read the moment its call fails;
  * - disarming after a sticky failure begins a new lifetime (fault_epoch), and what was queued in
  *   the dead one never runs, not even once the switch is off.
+ * Arming, disarming and each failure's decision take fault_mu, so a call racing a disarm either
+ * fails before it or runs after it in the new lifetime (the sweep's leftover threads may call the
+ * backend meanwhile).
  * While armed, every stream operation also starts late (FAULT_OP_DELAY_NS), so that a caller
  * that stops waiting for queued work too early (a failed wait proves nothing) is caught every
  * time rather than by a race. Disarmed, each call costs one relaxed atomic load, and each stream
@@ -665,19 +697,36 @@ static atomic_llong fault_at;       /* the number of the call that fails */
 static atomic_int fault_sticky;     /* every call after it fails too */
 static const char *_Atomic fault_first; /* the name of the first call failed since arming */
 
+/* Wake the streams' workers that wait for a record: the runtime they wait in may have died. */
+static void fault_wake(void)
+{
+    pthread_once(&ev_once, ev_init);
+    pthread_mutex_lock(&ev_mu);
+    pthread_cond_broadcast(&ev_cv);
+    pthread_mutex_unlock(&ev_mu);
+}
+
 long long pl_host_fail_after(long long n, int sticky)
 {
+    pthread_mutex_lock(&fault_mu);
+    /* the new lifetime before the flag clears, and both before the switch goes off: a call that
+     * finds the switch off (an acquire load) sees them, so no work of the dead lifetime is queued
+     * as live, and none queued in it runs */
+    int was_dead = atomic_load(&fault_dead);
+    if (was_dead)
+        atomic_fetch_add(&fault_epoch, 1);
+    atomic_store(&fault_dead, 0);
     atomic_store(&fault_armed, 0);
     long long counted = atomic_exchange(&fault_calls, 0);
     atomic_store(&fault_first, NULL);
-    if (atomic_load(&fault_dead))
-        atomic_fetch_add(&fault_epoch, 1); /* before the flag clears: no window runs old work */
-    atomic_store(&fault_dead, 0);
     if (n >= 0) {
         atomic_store(&fault_at, n);
         atomic_store(&fault_sticky, sticky ? 1 : 0);
         atomic_store(&fault_armed, 1);
     }
+    pthread_mutex_unlock(&fault_mu);
+    if (was_dead)
+        fault_wake();
     return counted;
 }
 
@@ -688,26 +737,45 @@ const char *pl_host_first_failed(void)
 
 static int fault_hit_armed(const char *name)
 {
+    pthread_mutex_lock(&fault_mu);
+    if (!atomic_load(&fault_armed)) { /* disarmed since the caller looked */
+        pthread_mutex_unlock(&fault_mu);
+        return 0;
+    }
     long long i = atomic_fetch_add(&fault_calls, 1);
     long long at = atomic_load(&fault_at);
-    if (i != at && !(i > at && atomic_load(&fault_sticky)))
+    const int sticky = atomic_load(&fault_sticky);
+    if (i != at && !(i > at && sticky)) {
+        pthread_mutex_unlock(&fault_mu);
         return 0;
-    if (atomic_load(&fault_sticky)) {
-        atomic_store(&fault_dead, 1);
-        /* then let the operations begun before it end; every later one sees the flag and does
-         * nothing (an OP_HOLD or OP_WAIT stops waiting), so this is short. Bounded all the same:
-         * a test switch must not hang a run. */
-        for (int spins = 0; atomic_load(&fault_ops_running) > 0 && spins < 100000; spins++)
-            pl_sleep_ns(100000);
     }
+    if (sticky)
+        atomic_store(&fault_dead, 1);
     const char *none = NULL;
     atomic_compare_exchange_strong(&fault_first, &none, name);
+    pthread_mutex_unlock(&fault_mu);
+    if (sticky) {
+        /* Then the operations begun before it end: a waiting one is woken and stops, every later
+         * one sees the flag and does nothing, so this is short. Bounded all the same (a test
+         * switch must not hang a run), and said if the bound is reached. */
+        fault_wake();
+        const int64_t deadline = pl_now_ns() + 10 * 1000000000LL;
+        while (atomic_load(&fault_ops_running) > 0) {
+            if (pl_now_ns() > deadline) {
+                fprintf(stderr, "pinloader host backend: a stream operation still runs 10 s after "
+                                "an injected sticky failure (%s)\n", name);
+                break;
+            }
+            pl_sleep_ns(100000);
+        }
+    }
     return 1;
 }
 
 static inline int fault_hit(const char *name)
 {
-    if (__builtin_expect(!atomic_load_explicit(&fault_armed, memory_order_relaxed), 1))
+    /* acquire: a call that finds the switch off sees the lifetime pl_host_fail_after set */
+    if (__builtin_expect(!atomic_load_explicit(&fault_armed, memory_order_acquire), 1))
         return 0;
     return fault_hit_armed(name);
 }

@@ -110,7 +110,7 @@ void pl_pf_free_resources(pl_prefetcher_obj *self)
         pl_pf_batch_free(bt);
         bt = next;
     }
-    pl_pf_empty_graves(self, 1);
+    pl_pf_empty_graves(self, 1, 0); /* relaxed already, whole */
     Py_CLEAR(self->it);
     Py_CLEAR(self->stash);
     pl_handout_drop_static(&self->handout);

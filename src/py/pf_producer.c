@@ -331,7 +331,7 @@ static int pull_batch(pl_prefetcher_obj *self, producer *p, batch **out, int64_t
     release_previous(self, p, 0);
     int r = atomic_load(&self->stop) ? -1 : 1;
     if (r > 0)
-        pl_pf_empty_graves(self, 0);
+        pl_pf_empty_graves(self, 0, 0); /* thread-local mode already */
     batch *bt = r > 0 ? PyMem_RawCalloc(1, sizeof(*bt)) : NULL;
     if (r > 0 && !bt)
         r = 0;
@@ -444,11 +444,12 @@ static void producer_exit(pl_prefetcher_obj *self, producer *p)
  * threads' captures, and since the producer never works on a capturing stream (its copy and
  * release streams are its own), nothing it does can be part of a graph. The user's source
  * iterator runs on this thread too, so its CUDA calls also ignore other threads' captures.
- * pinloader's calls on the user's threads (next() querying the events of sources still being
- * copied) keep the user's mode: take batches outside a capture. Releases (close(), a batch or a
- * prefetcher dropped or collected) lift the ban for their own calls: Note [releases during a
- * capture] in src/core/backend.h. Should the call fail, the thread keeps the default (global) mode. Checked by
- * test_a_graph_captured_in_global_mode_while_the_producer_works in tests/test_static_cuda.py. */
+ * On the user's threads, next()'s own work keeps the user's mode (take batches outside a
+ * capture), except the query and wait for the copy of sources about to be dropped (the graves,
+ * pf_queue.c), which lift the ban for themselves, as releases (close(), a batch or a prefetcher
+ * dropped or collected) do for their calls: Note [releases during a capture] in
+ * src/core/backend.h. Should the call fail, the thread keeps the default (global) mode. Checked
+ * by test_a_graph_captured_in_global_mode_while_the_producer_works in tests/test_static_cuda.py. */
 void *pl_pf_producer_main(void *arg)
 {
     pl_prefetcher_obj *self = arg;

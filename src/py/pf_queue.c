@@ -7,23 +7,25 @@
 
 /* ---- graveyard (GIL held) ---- */
 
-/* The graves are emptied on the consumer's thread and in a release (the collector's, inside a
- * user's capture maybe): both CUDA calls on a batch's copy lift the capture ban for this thread
- * around themselves (Note [releases during a capture] in src/core/backend.h), and only around
- * themselves: a source's finalizer runs in the thread's own mode. */
-static int query_copy(pl_block *blk)
+/* The graves are emptied by the producer (in thread-local mode for good: Note [the producer and
+ * graph captures] in pf_producer.c), on the consumer's thread and in a release (the collector's,
+ * inside a user's capture maybe). On a user's thread (relax) the CUDA calls on a batch's copy
+ * lift the capture ban for this thread around themselves only (Note [releases during a capture]
+ * in src/core/backend.h): the sources' finalizers run in the thread's own mode, unless the
+ * caller relaxed the whole release (pl_pf_free_resources, pf_pipeline.c says why). */
+static int query_copy(pl_block *blk, int relax)
 {
-    const int mode = pl_captures_relax(blk->b);
+    const int mode = relax ? pl_captures_relax(blk->b) : -1;
     int rc = blk->b->event_query(blk->ready);
     pl_captures_restore(blk->b, mode);
     return rc;
 }
 
 /* GIL held; released for the wait. */
-static void sync_copy(pl_block *blk)
+static void sync_copy(pl_block *blk, int relax)
 {
     Py_BEGIN_ALLOW_THREADS
-    const int mode = pl_captures_relax(blk->b);
+    const int mode = relax ? pl_captures_relax(blk->b) : -1;
     pl_block_sync_ready(blk);
     pl_captures_restore(blk->b, mode);
     Py_END_ALLOW_THREADS
@@ -37,9 +39,9 @@ void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block
     }
     grave *g = PyMem_Malloc(sizeof(*g));
     if (!g) {
-        /* Cannot defer: wait for the copy (if any) and drop now. */
+        /* Cannot defer: wait for the copy (if any) and drop now (the producer buries) */
         if (blk)
-            sync_copy(blk);
+            sync_copy(blk, 0);
         for (Py_ssize_t i = 0; i < n; i++)
             Py_DECREF(objs[i]);
         PyMem_RawFree(objs);
@@ -56,14 +58,14 @@ void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block
  * sleeps, a deleter that takes a lock) and let the producer and a consumer both enter here. So
  * the list is detached from the object first: each caller walks only the graves it took, and
  * what is not ready yet is put back in front of whatever was buried meanwhile. */
-void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
+void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait, int relax)
 {
     grave *list = self->graves, *keep = NULL, **keep_tail = &keep;
     self->graves = NULL;
     while (list) {
         grave *g = list;
         list = g->next;
-        int q = g->blk && !wait ? query_copy(g->blk) : PL_OK;
+        int q = g->blk && !wait ? query_copy(g->blk, relax) : PL_OK;
         if (q == PL_ERR_NOT_READY) {
             g->next = NULL;
             *keep_tail = g;
@@ -74,7 +76,7 @@ void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait)
          * need not be sticky): wait for it, as pl_pool_poll does; if the wait fails too, the
          * runtime is gone and nothing reads them any more. */
         if (g->blk && (wait || q != PL_OK))
-            sync_copy(g->blk);
+            sync_copy(g->blk, relax);
         for (Py_ssize_t i = 0; i < g->n; i++)
             Py_DECREF(g->objs[i]);
         PyMem_RawFree(g->objs);

@@ -288,7 +288,7 @@ static PyObject *pf_next(PyObject *op)
         return out;
     }
     pl_pf_lend_gil_to_producer(self);
-    pl_pf_empty_graves(self, 0);
+    pl_pf_empty_graves(self, 0, 1); /* the consumer: a user's thread */
     int64_t t0 = pl_now_ns();
     int waited = 0;
     batch *bt = take_batch(self, &waited);

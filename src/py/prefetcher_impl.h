@@ -142,12 +142,13 @@ static inline int pl_pf_is_closed(const pl_prefetcher_obj *self)
 
 /* ---- pf_queue.c: the graveyard and the queue ---- */
 
-/* GIL held: drop objs (n of them, a PyMem_Raw array taken over) at a later GIL hold; with blk,
- * not before blk's ready event has completed. */
+/* GIL held, on the producer: drop objs (n of them, a PyMem_Raw array taken over) at a later GIL
+ * hold; with blk, not before blk's ready event has completed. */
 void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk);
 /* GIL held: drop what was buried; what waits for a copy is kept unless wait (Note [emptying
- * graves] in pf_queue.c). */
-void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait);
+ * graves] in pf_queue.c). relax: the caller is a user's thread that has not lifted the capture
+ * ban (Note [releases during a capture] in src/core/backend.h). */
+void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait, int relax);
 /* Queue a batch for the consumer (takes mu) and count it in the stats. */
 void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt);
 /* Put a batch the consumer took back at the head of the queue (takes mu); not counted again. */
