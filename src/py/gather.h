@@ -27,7 +27,9 @@ typedef struct pl_row_gather_leaf {
 /* 1 if o is a pinloader._C.RowGather. */
 int pl_row_gather_check(pl_state *st, PyObject *o);
 
-int pl_gather_init(PyObject *m, pl_state *st);
+/* ArrayLoader's native types (RowGather, Registration, RowBatches, registered as a native source;
+ * the epoch tables and _OrderJob) added to module m. */
+int pl_array_types_init(PyObject *m, pl_state *st);
 /* The fork child handler's part (module.c): epoch_order.c's test switch re-made, off. */
 void pl_epoch_order_atfork_child(void);
 

@@ -1,5 +1,5 @@
 /* RowGather's part, private header: the objects and the functions its files share.
- * row_batches.c holds RowBatches, one epoch's batches made without the GIL, and pl_gather_init;
+ * row_batches.c holds RowBatches, one epoch's batches made without the GIL, and pl_array_types_init;
  * row_gather.c RowGather (its source, its rows, read-ahead); epoch_table.c the epoch
  * tables, their reuse and the epoch permutation; epoch_order.c the epoch's order (permutation,
  * shards, windows) made on a thread of its own; registration.c Registration, register_rows and what makes
@@ -84,7 +84,7 @@ int pl_epoch_table_init(PyObject *m);
 
 /* ---- epoch_order.c ---- */
 
-/* _OrderJob (Note [epoch orders]), added to module m (by pl_gather_init, after the tables). */
+/* _OrderJob (Note [epoch orders]), added to module m (by pl_array_types_init, after the tables). */
 int pl_epoch_order_init(PyObject *m);
 /* The test switch: while on, order jobs' threads wait before they begin (testing.c). */
 void pl_epoch_order_hold(int on);

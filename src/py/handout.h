@@ -6,8 +6,10 @@
  * as views of the batch's block in walk order (Note [batch leaves] in flatten.h). When the
  * consumer takes the batch, pl_handout_batch turns each leaf into the delivered object and
  * builds the structure once, in C:
- *   - output="array" (no convert, not static): the producer has already built the structure
- *     of DeviceArrays, and this file is not involved;
+ *   - output="array" (no convert, not static), a Python source: the producer has already
+ *     built the structure of DeviceArrays, and this file is not involved; a native source's
+ *     batch (leaves only: Note [sources] in source.h) comes here in every mode, its leaves
+ *     made DeviceArrays and placed in the captured structure;
  *   - output="capsule": every leaf is exported for the consumer's stream in one pass, straight
  *     from its view (the stream waits on the batch's copy once; no DeviceArray is made);
  *   - convert=f: each delivered leaf is f(x), x the capsule (output="capsule") or a DeviceArray

@@ -220,7 +220,7 @@ static int module_exec(PyObject *m)
     if (pl_pinned_init(m, st) < 0 || pl_device_array_init(m, st) < 0 ||
         pl_prefetcher_init(m, st) < 0 || pl_prim_init(m, st) < 0 ||
         pl_testing_init(m, st) < 0 ||
-        pl_gather_init(m, st) < 0 || pl_cpus_init(m) < 0 || pl_flatten_init(m) < 0 ||
+        pl_array_types_init(m, st) < 0 || pl_cpus_init(m) < 0 || pl_flatten_init(m) < 0 ||
         pl_jpeg_decoder_init(m) < 0 || pl_image_host_init(m) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR", DLPACK_MAJOR_VERSION) < 0 ||

@@ -284,7 +284,8 @@ static int make_batch(pl_prefetcher_obj *self, producer *p, batch *bt, const pl_
 
 /* GIL held: the epoch's next batch into bt, from its iterator read as a native source when it
  * is one and the prefetcher has a structure to place its leaves in, else as a Python iterable.
- * Returns 0, or -1 when close() came meanwhile. */
+ * The native sources are the types registered with pl_source_register (ArrayLoader's epochs,
+ * RowBatches: row_batches.c). Returns 0, or -1 when close() came meanwhile. */
 static int read_item(pl_prefetcher_obj *self, producer *p, batch *bt, int64_t *t_next)
 {
     const pl_source_ops *ops = self->it && self->templ.n_nodes ? pl_source_ops_of(self->st, self->it) : NULL;

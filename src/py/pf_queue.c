@@ -132,6 +132,46 @@ void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt)
     pthread_mutex_unlock(&self->mu);
 }
 
+batch *pl_pf_take_batch(pl_prefetcher_obj *self, int *waited)
+{
+    for (;;) {
+        pthread_mutex_lock(&self->mu);
+        batch *bt = self->head;
+        if (bt) {
+            self->head = bt->next;
+            if (!self->head)
+                self->tail = NULL;
+            self->queued--;
+            pthread_cond_broadcast(&self->cv);
+        }
+        pthread_mutex_unlock(&self->mu);
+        if (bt) {
+            if (bt->epoch == self->consumer_epoch)
+                return bt;
+            pl_pf_batch_free(bt); /* from an abandoned epoch */
+            continue;
+        }
+        if (self->state != PF_OPEN) {
+            /* another thread closed it, or took the end of the epoch */
+            if (pl_pf_is_closed(self))
+                PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher was closed while waiting for a batch");
+            return NULL;
+        }
+        *waited = 1;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        if (!self->head) {
+            struct timespec ts;
+            pl_deadline(&ts, PL_SIGNAL_SLICE_NS);
+            pthread_cond_timedwait(&self->cv, &self->mu, &ts);
+        }
+        pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+        if (PyErr_CheckSignals() < 0)
+            return NULL;
+    }
+}
+
 void pl_pf_batch_free(batch *bt)
 {
     pl_tree_clear(&bt->tree);

@@ -197,48 +197,6 @@ static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
     return pl_raise_backend(self->st, self->b, bt->err_code, bt->err_what);
 }
 
-/* Take the next batch of the current epoch, waiting (GIL released, interruptible) until there
- * is one. Returns NULL with an exception, or NULL with none when the epoch is over. */
-static batch *take_batch(pl_prefetcher_obj *self, int *waited)
-{
-    for (;;) {
-        pthread_mutex_lock(&self->mu);
-        batch *bt = self->head;
-        if (bt) {
-            self->head = bt->next;
-            if (!self->head)
-                self->tail = NULL;
-            self->queued--;
-            pthread_cond_broadcast(&self->cv);
-        }
-        pthread_mutex_unlock(&self->mu);
-        if (bt) {
-            if (bt->epoch == self->consumer_epoch)
-                return bt;
-            pl_pf_batch_free(bt); /* from an abandoned epoch */
-            continue;
-        }
-        if (self->state != PF_OPEN) {
-            /* another thread closed it, or took the end of the epoch */
-            if (pl_pf_is_closed(self))
-                PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher was closed while waiting for a batch");
-            return NULL;
-        }
-        *waited = 1;
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&self->mu);
-        if (!self->head) {
-            struct timespec ts;
-            pl_deadline(&ts, PL_SIGNAL_SLICE_NS);
-            pthread_cond_timedwait(&self->cv, &self->mu, &ts);
-        }
-        pthread_mutex_unlock(&self->mu);
-        Py_END_ALLOW_THREADS
-        if (PyErr_CheckSignals() < 0)
-            return NULL;
-    }
-}
-
 /* Note [interrupted handout]
  * A Ctrl-C (or any signal whose handler raises) that lands while a batch is handed out must not
  * lose the batch:
@@ -291,7 +249,7 @@ static PyObject *pf_next(PyObject *op)
     pl_pf_empty_graves(self, 0, 1); /* the consumer: a user's thread */
     int64_t t0 = pl_now_ns();
     int waited = 0;
-    batch *bt = take_batch(self, &waited);
+    batch *bt = pl_pf_take_batch(self, &waited);
     if (!bt)
         return NULL;
     int64_t wait = waited ? pl_now_ns() - t0 : 0;

@@ -33,7 +33,8 @@ typedef struct batch {
     batch_kind kind;
     uint64_t epoch;
     uint64_t index;       /* position in the epoch */
-    PyObject *output;     /* B_READY without a handout: the structure of DeviceArrays */
+    PyObject *output;     /* B_READY without a handout (a Python source, output="array"): the
+                           * structure of DeviceArrays */
     pl_leaves *leaves;    /* B_READY with a handout (Note [handout] in handout.h): the array
                            * leaves as views of blk (Note [batch leaves] in flatten.h) */
     pl_tree tree;         /* with a handout: the item's structure, built when handed out */
@@ -151,6 +152,10 @@ void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block
 void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait, int relax);
 /* Queue a batch for the consumer (takes mu) and count it in the stats. */
 void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt);
+/* GIL held, the consumer: take the next batch of the current epoch, waiting (GIL released,
+ * interruptible) until there is one; *waited is set if it waited. Returns NULL with an
+ * exception, or NULL with none when the epoch is over. */
+batch *pl_pf_take_batch(pl_prefetcher_obj *self, int *waited);
 /* Put a batch the consumer took back at the head of the queue (takes mu); not counted again. */
 void pl_pf_requeue_batch(pl_prefetcher_obj *self, batch *bt);
 void pl_pf_batch_free(batch *bt);

@@ -471,7 +471,7 @@ static PyType_Spec rb_spec = {
     .slots = rb_slots,
 };
 
-int pl_gather_init(PyObject *m, pl_state *st)
+int pl_array_types_init(PyObject *m, pl_state *st)
 {
     if (pl_row_gather_init(m, st) < 0 || pl_registration_init(m, st) < 0)
         return -1;
