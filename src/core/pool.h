@@ -98,7 +98,12 @@ int pl_pool_client_open(pl_pool *p, size_t cap, pl_pool_client **out);
 void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap);
 /* Raise the client's cap to cap (never lowers it): the prefetcher's growing default bound. */
 void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap);
+/* The client's stats, after taking back the regions whose releases are done (a poll: event
+ * queries). */
 void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stats *st);
+/* Its wait counters as they stand, without a poll: what a reserve's own wait is measured with,
+ * once per batch (transfer.c). */
+void pl_pool_client_waits(pl_pool *p, pl_pool_client *c, uint64_t *waits, int64_t *wait_ns);
 /* The owner lets go: no reserve for c may follow or be in progress. The pool frees c once its
  * last region is back. */
 void pl_pool_client_close(pl_pool *p, pl_pool_client *c);

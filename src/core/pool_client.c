@@ -57,6 +57,18 @@ void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stat
     pthread_mutex_unlock(&p->mu);
 }
 
+void pl_pool_client_waits(pl_pool *p, pl_pool_client *c, uint64_t *waits, int64_t *wait_ns)
+{
+    *waits = 0;
+    *wait_ns = 0;
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    *waits = c->st.waits;
+    *wait_ns = c->st.wait_ns;
+    pthread_mutex_unlock(&p->mu);
+}
+
 void pl_pool_client_close(pl_pool *p, pl_pool_client *c)
 {
     if (!c || pl_inherited(p->gen))

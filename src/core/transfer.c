@@ -132,15 +132,17 @@ static int reserve(const pl_xfer *x, size_t n, pl_region **region, pl_xfer_times
 {
     if (x->cap_follows_batches && x->client)
         follow_batch_size(x, n);
-    pl_pool_client_stats before, after;
+    uint64_t waits0 = 0, waits1 = 0;
+    int64_t ns0 = 0, ns1 = 0;
     if (x->client)
-        pl_pool_client_get_stats(x->pool, x->client, &before);
+        pl_pool_client_waits(x->pool, x->client, &waits0, &ns0);
     int rc = pl_pool_reserve_for(x->pool, x->client, n, -1, x->stop, region);
     if (x->client) {
-        /* Only this transfer reserves for the client: the difference is its own wait. */
-        pl_pool_client_get_stats(x->pool, x->client, &after);
-        times->stalled = after.waits > before.waits;
-        times->stall_ns = after.wait_ns - before.wait_ns;
+        /* Only this transfer reserves for the client: the difference is its own wait (the
+         * counters alone: the reserve has polled the pool already) */
+        pl_pool_client_waits(x->pool, x->client, &waits1, &ns1);
+        times->stalled = waits1 > waits0;
+        times->stall_ns = ns1 - ns0;
     }
     if (rc == PL_ERR_OVER_CAP)
         snprintf(what, what_len, "a batch of %zu bytes to stage can never fit under the pinned "
