@@ -142,6 +142,9 @@ long long pl_host_fail_after(long long n, int sticky);
 /* The name of the first table function the injector failed since arming (e.g.
  * "event_record"), or NULL. */
 const char *pl_host_first_failed(void);
+/* Test probe: the calls counted since the switch was last armed, by function: up to cap (name,
+ * count) pairs into names/counts; returns how many functions were called. */
+int pl_host_call_counts(const char **names, long long *counts, int cap);
 
 /* The CUDA backend. The first call loads the runtime (thread-safe, once); later calls return
  * the same answer. Returns NULL when CUDA is unusable and sets *err (and *detail, a static or

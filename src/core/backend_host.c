@@ -697,6 +697,41 @@ static atomic_llong fault_at;       /* the number of the call that fails */
 static atomic_int fault_sticky;     /* every call after it fails too */
 static const char *_Atomic fault_first; /* the name of the first call failed since arming */
 
+/* The calls counted since arming, by function (under fault_mu): a test reads how many of each
+ * call a steady-state batch makes. The names are the FAULTY list's literals, so one pointer a
+ * function. */
+enum { FAULT_NAMES = 48 };
+static struct {
+    const char *name;
+    long long n;
+} fault_names[FAULT_NAMES];
+static int n_fault_names;
+
+static void count_call_locked(const char *name)
+{
+    for (int i = 0; i < n_fault_names; i++)
+        if (fault_names[i].name == name) {
+            fault_names[i].n++;
+            return;
+        }
+    if (n_fault_names < FAULT_NAMES) {
+        fault_names[n_fault_names].name = name;
+        fault_names[n_fault_names++].n = 1;
+    }
+}
+
+int pl_host_call_counts(const char **names, long long *counts, int cap)
+{
+    pthread_mutex_lock(&fault_mu);
+    int n = n_fault_names;
+    for (int i = 0; i < n && i < cap; i++) {
+        names[i] = fault_names[i].name;
+        counts[i] = fault_names[i].n;
+    }
+    pthread_mutex_unlock(&fault_mu);
+    return n;
+}
+
 /* Wake the streams' workers that wait for a record: the runtime they wait in may have died. */
 static void fault_wake(void)
 {
@@ -719,6 +754,8 @@ long long pl_host_fail_after(long long n, int sticky)
     atomic_store(&fault_armed, 0);
     long long counted = atomic_exchange(&fault_calls, 0);
     atomic_store(&fault_first, NULL);
+    if (n >= 0)
+        n_fault_names = 0; /* counted afresh; read after disarming */
     if (n >= 0) {
         atomic_store(&fault_at, n);
         atomic_store(&fault_sticky, sticky ? 1 : 0);
@@ -735,6 +772,7 @@ const char *pl_host_first_failed(void)
     return atomic_load(&fault_first);
 }
 
+
 static int fault_hit_armed(const char *name)
 {
     pthread_mutex_lock(&fault_mu);
@@ -743,6 +781,7 @@ static int fault_hit_armed(const char *name)
         return 0;
     }
     long long i = atomic_fetch_add(&fault_calls, 1);
+    count_call_locked(name);
     long long at = atomic_load(&fault_at);
     const int sticky = atomic_load(&fault_sticky);
     if (i != at && !(i > at && sticky)) {

@@ -109,6 +109,26 @@ static PyObject *t_host_first_failed(PyObject *m, PyObject *noargs)
     return PyUnicode_FromString(name);
 }
 
+static PyObject *t_host_call_counts(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    const char *names[64];
+    long long counts[64];
+    int n = pl_host_call_counts(names, counts, 64);
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < n && i < 64; i++) {
+        PyObject *v = PyLong_FromLongLong(counts[i]);
+        if (!v || PyDict_SetItemString(d, names[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_CLEAR(d);
+            break;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
 static PyObject *t_gather_grid(PyObject *m, PyObject *arg)
 {
     (void)m;
@@ -220,6 +240,9 @@ static PyMethodDef testing_methods[] = {
     {"host_first_failed", t_host_first_failed, METH_NOARGS,
      "host_first_failed()\n--\n\nTest probe: the name of the first host backend function that "
      "host_fail_after failed since it was last armed (e.g. 'event_record'), or None."},
+    {"host_call_counts", t_host_call_counts, METH_NOARGS,
+     "host_call_counts()\n--\n\nTest probe: the host backend's calls counted since "
+     "host_fail_after last armed it, by function name (a dict)."},
     {"debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
      "debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
      "signal signum raised from C, as one that lands during the static copy would be (0: off; "
