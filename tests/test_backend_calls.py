@@ -48,17 +48,18 @@ def forever(loader):
 
 
 def bounded(by, limit):
-    """At most `limit` calls a batch besides event queries and creations, and at most 8 queries. The counts
-    follow the timing: a poll of the pool's releases queries until it meets one not done yet,
-    and a consumer that waits for its batch adds a wait and the graves' query (11 calls a
-    batch besides queries when the consumer never waits, 13 when it always does)."""
+    """At most `limit` calls a batch besides event queries and creations, and at most 10
+    queries. The counts follow the timing: a poll of the pool's releases queries until it meets
+    one not done yet, and a consumer that waits for its batch adds waits and the graves' query
+    (11 calls a batch besides queries when the consumer never waits; 15 under ThreadSanitizer,
+    where the producer is slow and the consumer waits for every batch)."""
     # events come from caches that grow to the most ever in flight, which the timing may still
     # raise now and then (counted apart, not bounded)
     others = sum(v for k, v in by.items() if k not in ("event_query", "event_create"))
-    return others <= limit and by.get("event_query", 0) <= 8
+    return others <= limit and by.get("event_query", 0) <= 10
 
 
-@pytest.mark.parametrize("gather, limit", [("device", 14), ("host", 14)])
+@pytest.mark.parametrize("gather, limit", [("device", 16), ("host", 16)])
 def test_array_loader_batch(gather, limit):
     arr = np.random.default_rng(0).integers(0, 255, (1 << 15, 512), dtype=np.uint8)
     with pinloader.ArrayLoader(arr, 256, seed=1, device="cpu", drop_last=True, gather=gather) as L:
@@ -80,4 +81,4 @@ def test_prefetcher_batch_of_a_dict():
     assert not set(NEVER) & set(by), by
     # both leaves in one staged region, one copy, one device block
     assert about(by, "memcpy_h2d_async", 1) and about(by, "device_alloc", 1), by
-    assert bounded(by, 14), by
+    assert bounded(by, 16), by
