@@ -67,6 +67,7 @@ void pl_host_hold_streams(int on)
 /* The fault injector's switch (Note [injected faults]) and whether a sticky failure has struck
  * since arming; read here by the streams' workers. */
 static atomic_int fault_armed;
+static atomic_int fault_delay; /* armed to fail (not only to count): operations start late */
 /* Arming, disarming and a failure's decision, one at a time (the armed path only): a call that
  * found the switch on decides under it whether the switch is still on. */
 static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -233,7 +234,7 @@ static void *stream_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         while (atomic_load(&hold_all)) /* see Note [held copies] */
             pl_sleep_ns(100000);
-        if (atomic_load_explicit(&fault_armed, memory_order_relaxed))
+        if (atomic_load_explicit(&fault_delay, memory_order_relaxed))
             pl_sleep_ns(FAULT_OP_DELAY_NS); /* Note [injected faults] */
         /* Counted first, then the flag and the lifetime read, in that order (all sequentially
          * consistent): a sticky failure this op does not see waits for it to finish, and a
@@ -690,7 +691,8 @@ static const char *host_error_string(int code)
  * backend meanwhile).
  * While armed, every stream operation also starts late (FAULT_OP_DELAY_NS), so that a caller
  * that stops waiting for queued work too early (a failed wait proves nothing) is caught every
- * time rather than by a race. Disarmed, each call costs one relaxed atomic load, and each stream
+ * time rather than by a race; armed with n >= 2**62 the switch only counts (no call fails, no
+ * operation starts late: tests/test_backend_calls.py counts a batch's calls so). Disarmed, each call costs one relaxed atomic load, and each stream
  * operation a few atomic operations (nothing beside a copy). */
 static atomic_llong fault_calls;    /* calls counted since arming */
 static atomic_llong fault_at;       /* the number of the call that fails */
@@ -752,6 +754,7 @@ long long pl_host_fail_after(long long n, int sticky)
         atomic_fetch_add(&fault_epoch, 1);
     atomic_store(&fault_dead, 0);
     atomic_store(&fault_armed, 0);
+    atomic_store(&fault_delay, 0);
     long long counted = atomic_exchange(&fault_calls, 0);
     atomic_store(&fault_first, NULL);
     if (n >= 0)
@@ -759,6 +762,7 @@ long long pl_host_fail_after(long long n, int sticky)
     if (n >= 0) {
         atomic_store(&fault_at, n);
         atomic_store(&fault_sticky, sticky ? 1 : 0);
+        atomic_store(&fault_delay, n < (1LL << 62));
         atomic_store(&fault_armed, 1);
     }
     pthread_mutex_unlock(&fault_mu);
@@ -847,6 +851,11 @@ FAULTY(host_is_pinned, FAIL, (const void *p, int *pinned), (p, pinned))
 FAULTY(device_alloc, NOMEM, (int device, size_t n, pl_stream *s, void **out), (device, n, s, out))
 FAULTY(device_free, FAIL, (int device, void *p, pl_stream *s), (device, p, s))
 FAULTY(memcpy_h2d_async, FAIL, (void *dst, const void *src, size_t n, pl_stream *s), (dst, src, n, s))
+/* all of it is host memory: the same copy, counted under its own name */
+static int faulty_memcpy_d2d_async(void *dst, const void *src, size_t n, pl_stream *s)
+{
+    return fault_hit("memcpy_d2d_async") ? PL_ERR_UNKNOWN : host_memcpy_h2d_async(dst, src, n, s);
+}
 FAULTY(memzero_async, FAIL, (void *dst, size_t n, pl_stream *s), (dst, n, s))
 FAULTY(memcpy_d2h, FAIL, (void *dst, const void *src, size_t n), (dst, src, n))
 FAULTY(stream_hold, FAIL, (pl_stream *s, volatile int *gate), (s, gate))
@@ -893,7 +902,7 @@ static const pl_backend host_backend = {
     .device_alloc = faulty_device_alloc,
     .device_free = faulty_device_free,
     .memcpy_h2d_async = faulty_memcpy_h2d_async,
-    .memcpy_d2d_async = faulty_memcpy_h2d_async, /* all of it is host memory */
+    .memcpy_d2d_async = faulty_memcpy_d2d_async,
     .memzero_async = faulty_memzero_async,
     .memcpy_d2h = faulty_memcpy_d2h,
     .stream_hold = faulty_stream_hold,

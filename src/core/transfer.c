@@ -260,7 +260,7 @@ static int has_host_staged(const pl_xfer_leaf *leaves, int n)
 /* Queue the device-gathered leaves' kernels, after the staged area's copies (their tables);
  * tables: where the kernel reads the staged area (the batch's block, or the pinned region's
  * device address: Note [mapped tables]). The launch is the backend's gather_launch: on CUDA,
- * cuda_gather_launch in backend_cuda.c, the kernels pl_gather_{1,4,16} of gather_kernel.cu (built into
+ * cuda_gather_launch in backend_cuda.c, the kernels pl_gather_{1,2,4,8,16} of gather_kernel.cu (built into
  * gather_kernel_image.h); on the host backend, run_gather in backend_host.c. */
 static int launch_gathers(const pl_xfer *x, const pl_xfer_leaf *leaves, int n, pl_block *blk,
                           const char *tables)
