@@ -33,6 +33,7 @@ test tests/test_bench_images.py runs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import shutil
@@ -41,7 +42,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -110,6 +111,32 @@ def make_jpegs(n: int, size_class: str, seed: int = 0, small: bool = False) -> l
         Image.fromarray(im).save(buf, format="JPEG", quality=90)
         blobs.append(buf.getvalue())
     return [blobs[i % distinct] for i in range(n)]
+
+
+@contextlib.contextmanager
+def data_root(data_dir: Path | None, prefix: str) -> Iterator[Path]:
+    """The folder the datasets are kept in: --data-dir, or a temporary one removed afterwards."""
+    if data_dir is not None:
+        yield Path(data_dir)
+        return
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield Path(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dataset(root: Path, size_class: str, images: int, smoke: bool = False) -> dict[str, Any]:
+    """The datasets of one size class under root/size_class, made if missing (kept between runs
+    with --data-dir): the folder, the tar shards and the packed file."""
+    d = root / size_class
+    if not (d / "packed" / "meta.json").exists():
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        C.log(f"making {images} {size_class} images in {d}")
+        return write_dataset(d, make_jpegs(images, size_class, small=smoke), shard_size=max(8, images // 8))
+    tars = sorted(str(p) for p in d.glob("shard-*.tar"))
+    return {"folder": str(d / "folder"), "tars": tars, "packed": str(d / "packed"), "n": images}
 
 
 def write_dataset(root: Path, blobs: list[bytes], shard_size: int = 1000) -> dict[str, Any]:
@@ -391,6 +418,17 @@ def _decode_calls(loader: Any) -> tuple[float, int] | None:
     return float(st.get("decode_call_s", 0.0)), int(gd.get("batches") or 0)
 
 
+def training_batches(loader: Any, door: Any) -> Iterator[Any]:
+    """(images NCHW in channels_last memory, labels) from an ImageLoader's torch door, epoch
+    after epoch, as a training loop takes them."""
+    e = 0
+    while True:
+        loader.set_epoch(e)
+        for b in door:
+            yield b["image"].permute(0, 3, 1, 2), b["label"]
+        e += 1
+
+
 def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, Any]:
     import pinloader
     import pinloader.torch as pt
@@ -429,12 +467,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                                            layout="NHWC", device=args.device, drop_last=True)
             door = pt.prefetch(loader, device=args.device)
             loaders["imageloader_packed"] = loader
-            e = 0
-            while True:
-                loader.set_epoch(e)
-                for b in door:
-                    yield b["image"].permute(0, 3, 1, 2), b["label"]
-                e += 1
+            yield from training_batches(loader, door)
 
         def feed_dataloader() -> Any:
             import torchvision
@@ -627,32 +660,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         C.watch_for_stalls(args.stall_s, Path(args.out) / f"{args.name}_stall.txt", exit_code=3, grace=45)
     info = C.machine_info(torch if not args.smoke else None, args.device)
-    tmp = None
-    root = args.data_dir
-    if root is None:
-        tmp = tempfile.mkdtemp(prefix="pl-bench-images-")
-        root = Path(tmp)
-    try:
+    with data_root(args.data_dir, "pl-bench-images-") as root:
         datasets = {}
         for sc in args.size_class + (["highres"] if "vit_b_16" in args.models and "highres" not in args.size_class else []):
-            d = Path(root) / sc
-            if not (d / "packed" / "meta.json").exists():
-                shutil.rmtree(d, ignore_errors=True)
-                d.mkdir(parents=True)
-                C.log(f"making {args.images} {sc} images in {d}")
-                datasets[sc] = write_dataset(d, make_jpegs(args.images, sc, small=args.smoke),
-                                             shard_size=max(8, args.images // 8))
-            else:
-                tars = sorted(str(p) for p in d.glob("shard-*.tar"))
-                datasets[sc] = {"folder": str(d / "folder"), "tars": tars, "packed": str(d / "packed"),
-                                "n": args.images}
+            datasets[sc] = dataset(root, sc, args.images, args.smoke)
         results = {sc: loader_bound(datasets[sc], args, torch, sc) for sc in args.size_class}
         models = models_table(datasets, args, torch) if args.models else {}
         payload = {"args": vars(args), "machine": info, "loader_bound": results, "models": models}
         C.publish(args.out, args.name, payload, render(results, models, info, args))
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -30,12 +30,10 @@ kernels' durations, so groups on different streams may overlap in wall time.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,21 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.device(args.device).type == "cuda"
     size_class = BI.MODELS[args.model]
     info = C.machine_info(torch if cuda else None, args.device)
-    tmp = None
-    root = args.data_dir
-    if root is None:
-        tmp = tempfile.mkdtemp(prefix="pl-prof-images-")
-        root = Path(tmp)
-    try:
-        d = Path(root) / size_class
-        if not (d / "packed" / "meta.json").exists():
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
-            C.log(f"making {args.images} {size_class} images in {d}")
-            ds = BI.write_dataset(d, BI.make_jpegs(args.images, size_class, small=args.smoke),
-                                  shard_size=max(8, args.images // 8))
-        else:
-            ds = {"packed": str(d / "packed")}
+    with BI.data_root(args.data_dir, "pl-prof-images-") as root:
+        ds = BI.dataset(root, size_class, args.images, args.smoke)
         rows: dict[str, Any] = {}
         if cuda:
             dstep, dec = decoder_step(ds, args)
@@ -165,9 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.update(model_rows(ds, args, torch, cuda))
         payload = {"args": vars(args), "machine": info, "rows": rows}
         C.publish(args.out, args.name, payload, render(rows, info, args))
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
@@ -198,15 +180,7 @@ def model_rows(ds: dict, args: Any, torch: Any, cuda: bool) -> dict[str, Any]:
                                    device=args.device, drop_last=True)
     door = pt.prefetch(loader, device=args.device)
 
-    def batches() -> Iterator[Any]:
-        e = 0
-        while True:
-            loader.set_epoch(e)
-            for b in door:
-                yield b["image"].permute(0, 3, 1, 2), b["label"]
-            e += 1
-
-    gen = batches()
+    gen = BI.training_batches(loader, door)
 
     def loader_step() -> None:
         train(*next(gen))

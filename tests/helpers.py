@@ -25,6 +25,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -485,3 +486,15 @@ def capture_around(torch, x, out, side, during):
     torch.cuda.current_stream().wait_stream(side)
     g.replay()
     return g
+
+
+def run_benchmark_smoke(script, out, timeout=300):
+    """benchmarks/<script> --smoke --out out on the host backend, this checkout's pinloader
+    first on the path; asserts it exits 0 and returns the finished process."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PINLOADER_BACKEND="host")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    return p

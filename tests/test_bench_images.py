@@ -3,12 +3,11 @@ model run and land in the result files."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_benchmark_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_images.py"
@@ -18,11 +17,7 @@ pytest.importorskip("torch", reason="bench_images.py needs PyTorch")
 
 
 def test_smoke_run(tmp_path):
-    env = dict(os.environ, PINLOADER_BACKEND="host")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    p = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                       text=True, timeout=300, env=env, cwd=ROOT)
-    assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    p = run_benchmark_smoke("bench_images.py", tmp_path)
     assert "Traceback" not in p.stderr, p.stderr[-6000:]
     data = json.loads((tmp_path / "images.json").read_text())
     assert (tmp_path / "images.md").is_file()

@@ -3,12 +3,12 @@ files with every kernel group (a GPU run fills them; here there are no kernels t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_benchmark_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "prof_images.py"
@@ -18,11 +18,7 @@ pytest.importorskip("torch", reason="prof_images.py needs PyTorch")
 
 
 def test_smoke_run(tmp_path):
-    env = dict(os.environ, PINLOADER_BACKEND="host")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    p = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                       text=True, timeout=300, env=env, cwd=ROOT)
-    assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    run_benchmark_smoke("prof_images.py", tmp_path)
     data = json.loads((tmp_path / "prof_images.json").read_text())
     assert list(data["rows"]) == ["bound", "imageloader"]
     for name, r in data["rows"].items():
