@@ -203,7 +203,7 @@ def user_loop(ctx: Ctx, src: np.ndarray, bs: int, *, seed: int, drop_last: bool,
         ctx.settle()
         marks["st0"] = L.stats()
         marks["pool0"] = ctx.pool_reserved()
-        marks["th0"] = BG.thread_cpu_ns(names=False)
+        marks["th0"] = BG.thread_cpu_ns()
         marks["t0"], marks["c0"] = time.perf_counter(), time.process_time()
 
     def consume(b) -> None:
@@ -257,6 +257,11 @@ def user_loop(ctx: Ctx, src: np.ndarray, bs: int, *, seed: int, drop_last: bool,
     n = a.batches
     threads = BG.cpu_by_thread_name(marks["th0"], BG.thread_cpu_ns(), n)
     threads_before_wait = BG.cpu_by_thread_name(marks["th0"], th_last, n)
+    # CPU of threads that ended in the timed window (theirs is in the process's total but in no
+    # snapshot's last reading), and their names where they had begun before it
+    ended_ms = (c_last - marks["c0"]) * 1e3 / n - sum(threads_before_wait.values())
+    threads_before_wait["(ended)"] = round(max(0.0, ended_ms), 4)
+    ended_names = sorted({name for tid, (name, _) in marks["th0"].items() if tid not in th_last})
     st = L.stats()
     pool = ctx.pool_reserved() - marks["pool0"]
     state["x"] = None
@@ -276,6 +281,7 @@ def user_loop(ctx: Ctx, src: np.ndarray, bs: int, *, seed: int, drop_last: bool,
             "next_wall_ms": {"median": float(np.median(per_next)) if per_next else None,
                              "max": float(max(per_next)) if per_next else None},
             "thread_cpu_ms_per_batch": threads, "thread_cpu_ms_per_batch_before_wait": threads_before_wait,
+            "threads_ended": ended_names,
             **_producer(marks["st0"], st), "device_pool_growth_mib": pool / C.MiB,
             "gather": gather, "reason": reason, "epoch_ends": state["ends"],
             "batches_per_epoch": st.get("batches_per_epoch"), "registered_bytes": st.get("registered_bytes")}
@@ -357,6 +363,9 @@ def fmt_line(name: str, r: dict) -> str:
                  f" [{r['gather']}] ends {r['epoch_ends']}, slabs {r['pool_slabs_created']}")
     th = r.get("thread_cpu_ms_per_batch") or {}
     threads = ", ".join(f"{k} {v:.3f}" for k, v in list(th.items())[:5])
+    ended = (r.get("thread_cpu_ms_per_batch_before_wait") or {}).get("(ended)")
+    if ended:
+        threads += f", threads that ended {ended:.3f} ({', '.join(r.get('threads_ended') or []) or 'begun in the window'})"
     return (f"    {name:32s} {r['gbps']:7.2f} GB/s {r['cpu_ms_per_batch']:6.3f} ms CPU/batch"
             + (f" ({r['cpu_ms_per_batch_before_wait']:.3f} before the final wait)" if "cpu_ms_per_batch_before_wait" in r else "")
             + extra + (f"; by thread: {threads}" if threads else ""))
