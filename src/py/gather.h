@@ -24,8 +24,11 @@ typedef struct pl_row_gather_leaf {
     int64_t n_items;     /* items in the source: its rows, less window - 1 */
 } pl_row_gather_leaf;
 
-/* 1 if o is a pinloader._C.RowGather. */
-int pl_row_gather_check(pl_state *st, PyObject *o);
+/* 1 if o is a pinloader._C.RowGather (inline: the walk asks it of every leaf). */
+static inline int pl_row_gather_check(pl_state *st, PyObject *o)
+{
+    return PyObject_TypeCheck(o, st->RowGather_Type);
+}
 
 /* ArrayLoader's native types (RowGather, Registration, RowBatches, registered as a native source;
  * the epoch tables and _OrderJob) added to module m. */

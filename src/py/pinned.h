@@ -9,8 +9,11 @@ struct pl_pool;
 
 int pl_pinned_init(PyObject *m, pl_state *st);
 
-/* PinnedBuffer internals the prefetcher needs (pinned sources skip staging). */
-int pl_pinned_buffer_check(pl_state *st, PyObject *o);
+/* 1 if o is a PinnedBuffer (a pinned source skips staging); inline: the walk asks it of leaves. */
+static inline int pl_pinned_buffer_check(pl_state *st, PyObject *o)
+{
+    return PyObject_TypeCheck(o, st->PinnedBuffer_Type);
+}
 /* A byte count from a Python int: TypeError for other types, ValueError below min, and
  * OverflowError (naming `name`) past SIZE_MAX. Returns 0 or -1. */
 int pl_parse_nbytes(PyObject *o, const char *name, size_t min, size_t *out);

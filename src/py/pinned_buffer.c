@@ -201,11 +201,6 @@ static PyObject *buffer_repr(PyObject *op)
                                 self->region->ptr);
 }
 
-int pl_pinned_buffer_check(pl_state *st, PyObject *o)
-{
-    return PyObject_TypeCheck(o, st->PinnedBuffer_Type);
-}
-
 static PyMethodDef buffer_methods[] = {
     {"release", buffer_release, METH_NOARGS,
      "release($self, /)\n--\n\nReturn the region to its pool now. Refused while buffer views or DLPack tensors of it are alive. Idempotent."},

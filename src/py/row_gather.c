@@ -41,11 +41,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-int pl_row_gather_check(pl_state *st, PyObject *o)
-{
-    return PyObject_TypeCheck(o, st->RowGather_Type);
-}
-
 void pl_row_gather_layout(PyObject *o, pl_row_gather_leaf *out)
 {
     RowGatherObject *g = (RowGatherObject *)o;
