@@ -90,11 +90,14 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # for 4 million rows, one random access each). The prefetcher's producer stops at an epoch's
 # end until the next iter() (Note [epochs] in src/py/prefetcher.c), so a loop across epochs
 # would wait that long for the next epoch's first batch, every epoch: for a short epoch of
-# small rows, longer than the batches themselves take. So once an epoch has begun, the order of
+# small rows, longer than the batches themselves take. So as an epoch begins, the order of
 # the epoch that follows it by default (the next one; a set_epoch() to it, as
 # DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
 # own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
-# it from there: at once if it is done, else after waiting for the rest of it. An epoch that
+# it from there: at once if it is done, else after waiting for the rest of it. That job starts
+# before the beginning epoch takes its own order, so where that one is drawn in place (the
+# first epoch, or one after a set_epoch() elsewhere) both are made at once: a first epoch
+# shorter than a permutation does not leave the second waiting for all of its own. An epoch that
 # found its order not yet made is shorter than the making (an epoch that began with it, after
 # a whole one: not indices() asking for it, nor the rest of a resumed epoch before it): from
 # then on the orders of the next _AHEAD_MAX epochs are made, each on its own thread, so that
@@ -145,9 +148,11 @@ def prepare_order(plan: _Plan, epoch: int, whole: bool = True) -> None:
     if plan.num_items < _AHEAD_MIN_ITEMS:
         return
     wanted = [_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)]
-    # jobs of other epochs or settings, or the parent's, go: their blocks can serve these
+    # jobs of other epochs or settings, or the parent's, go: their blocks can serve these; the
+    # job of the epoch beginning (plan.epoch) stays until that epoch takes its order
     pid = os.getpid()
-    plan.ahead = tuple(j for j in plan.ahead if j.key in wanted and j.pid == pid)
+    keep = wanted + [_order_key(plan, plan.epoch)]
+    plan.ahead = tuple(j for j in plan.ahead if j.key in keep and j.pid == pid)
     have = {j.key for j in plan.ahead}
     for key in wanted:
         if key in have or (plan.cache is not None and plan.cache[0] == key[0]):

@@ -190,6 +190,9 @@ class _EpochLoader(ABC):
         it.failed = False
         prev = self._plan.epoch
         self._plan.epoch = epoch
+        # the order of the epoch that comes next by default, made while this one is drawn and
+        # runs (Note [orders made ahead] in pinloader/_epoch_plan.py)
+        prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
         try:
             if pf is None:
                 self._pf = self._make_prefetcher(settings)
@@ -202,8 +205,7 @@ class _EpochLoader(ABC):
             self._plan.epoch, it.requested, it.failed = prev, epoch, True
             raise
         it.epoch, it.consumed, it.done = epoch, 0, False
-        # the order of the epoch that comes next by default, made while this one runs (Note
-        # [orders made ahead] in pinloader/_epoch_plan.py)
+        # and the epoch after it too when the beginning found epochs shorter than an order takes
         prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
         return self
 

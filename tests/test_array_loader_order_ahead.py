@@ -122,6 +122,25 @@ def test_the_next_epochs_order_is_drawn_off_the_training_thread(monkeypatch):
         assert L._plan.ahead_depth == 1  # no epoch waited for its order
 
 
+def test_the_next_epochs_order_is_begun_before_this_epochs_own_is_drawn(monkeypatch):
+    """The first epoch draws its order in place; the second's job starts before that, not
+    after, so the two are made at once and a first epoch shorter than a permutation does not
+    leave the second waiting for the rest of its own."""
+    spy = Spy(monkeypatch)
+    bs = 4096
+    with pinloader.ArrayLoader(ids(N), bs, seed=5, device=DEVICE) as L:
+        rows = epoch_rows(L)
+        assert spy.calls[:2] == [(1, False), (0, True)]  # epoch 1's job, then epoch 0 in place
+        assert rows.tolist() == ref_order(N, bs, 5, 0)
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 5, 1)
+        assert spy.where(1) == "other"
+        assert sorted(e for e, _ in spy.calls) == [0, 1, 2]  # each drawn once
+        L.set_epoch(7)  # an epoch not made ahead: drawn in place, the one after it ahead first
+        del spy.calls[:]
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 5, 7)
+        assert spy.calls[:2] == [(8, False), (7, True)]
+
+
 def test_an_epoch_that_waits_for_its_order_makes_orders_two_epochs_ahead(monkeypatch):
     spy = Spy(monkeypatch)
     bs = 8192
