@@ -1,6 +1,6 @@
 """The backend calls one steady-state batch makes, counted by the host backend's injector in
 its count-only mode (pinloader._C._testing.host_fail_after(2**62) and host_call_counts; Note
-[injected faults] in src/core/backend_host.c). The producer's and the release's calls go through
+[injected faults] in src/core/host_faults.c). The producer's and the release's calls go through
 the same table on CUDA, so a batch's fixed calls here are the CUDA runtime calls it costs there:
 each is checked exactly, so that one more (a second allocation, an extra copy or device switch)
 does not creep in unnoticed. In the steady state no thread synchronizes a stream or an event,

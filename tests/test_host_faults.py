@@ -1,5 +1,5 @@
 """Backend failures at every point of a scenario (Note [injected faults] in
-src/core/backend_host.c): the host backend's injector makes its k-th call fail (one-shot), or
+src/core/host_faults.c): the host backend's injector makes its k-th call fail (one-shot), or
 every call from the k-th on (sticky, as CUDA's sticky errors do), for every k of the calls the
 scenario makes (a spread sample where there are many). Each run must end with correct values or
 a clean Python exception (RuntimeError, CudaError among them; MemoryError; OSError), never a

@@ -136,7 +136,7 @@ void pl_host_atfork_child(void);
  * in backend_host.c. */
 void pl_host_hold_streams(int on);
 /* Arm the host backend's fault injector (a test switch, Note [injected faults] in
- * backend_host.c): n >= 0 makes the call numbered n, counted from now, fail (and every later
+ * host_faults.c): n >= 0 makes the call numbered n, counted from now, fail (and every later
  * one if sticky); n < 0 disarms. Returns the calls counted since the previous arming. */
 long long pl_host_fail_after(long long n, int sticky);
 /* The name of the first table function the injector failed since arming (e.g.

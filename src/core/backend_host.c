@@ -14,6 +14,7 @@
  * through it with real concurrency. */
 #include "backend.h"
 #include "devgather.h"
+#include "host_faults.h"
 #include "util.h"
 
 #include <errno.h>
@@ -64,25 +65,6 @@ void pl_host_hold_streams(int on)
     atomic_store(&hold_all, on ? 1 : 0);
 }
 
-/* The fault injector's switch (Note [injected faults]) and whether a sticky failure has struck
- * since arming; read here by the streams' workers. */
-static atomic_int fault_armed;
-static atomic_int fault_delay; /* armed to fail (not only to count): operations start late */
-/* Arming, disarming and a failure's decision, one at a time (the armed path only): a call that
- * found the switch on decides under it whether the switch is still on. */
-static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
-static atomic_int fault_dead;
-/* The runtime's lifetime: disarming after a sticky failure begins a new one, and an operation
- * queued in a lifetime that ended never runs (a dead context's queued work is gone for good). */
-static atomic_ullong fault_epoch;
-/* Operations the streams' workers have begun and not finished: a sticky failure returns only
- * once none is left that began before it (Note [injected faults]). On a cache line of its own:
- * every operation changes it, and every backend call reads fault_armed. */
-static _Alignas(64) atomic_int fault_ops_running;
-/* While armed, each stream operation starts this late: work queued on a stream then plainly
- * outlives a caller that gave up waiting for it (a failed wait proves nothing). */
-#define FAULT_OP_DELAY_NS 200000
-
 typedef enum { OP_COPY, OP_ZERO, OP_RECORD, OP_WAIT, OP_FREE, OP_HOLD, OP_GATHER, OP_STOP } op_kind;
 
 typedef struct op {
@@ -93,7 +75,7 @@ typedef struct op {
     size_t n;
     pl_event *event;
     rec *record;
-    unsigned long long epoch; /* fault_epoch when it was queued */
+    unsigned long long epoch; /* pl_fault_epoch when it was queued */
 } op;
 
 struct pl_stream {
@@ -202,15 +184,23 @@ static int host_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 
 /* ---- streams ---- */
 
-/* A dead runtime (Note [injected faults]): a sticky failure has struck, or the op was queued in
- * a lifetime that has ended. */
+void pl_host_wake_waiters(void)
+{
+    pthread_once(&ev_once, ev_init);
+    pthread_mutex_lock(&ev_mu);
+    pthread_cond_broadcast(&ev_cv);
+    pthread_mutex_unlock(&ev_mu);
+}
+
+/* A dead runtime (Note [injected faults] in host_faults.c): a sticky failure has struck, or the
+ * op was queued in a lifetime that has ended. */
 static int op_is_dead(const op *o)
 {
-    return atomic_load(&fault_dead) || o->epoch != atomic_load(&fault_epoch);
+    return atomic_load(&pl_fault_dead) || o->epoch != atomic_load(&pl_fault_epoch);
 }
 
 /* An OP_WAIT begun while the runtime lived: until the record is done or the runtime dies (the
- * injector wakes the waiters when it does: fault_wake). Drops the reference. */
+ * injector wakes the waiters when it does: pl_host_wake_waiters). Drops the reference. */
 static void rec_wait_live(rec *r, const op *o)
 {
     if (!r)
@@ -234,17 +224,17 @@ static void *stream_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         while (atomic_load(&hold_all)) /* see Note [held copies] */
             pl_sleep_ns(100000);
-        if (atomic_load_explicit(&fault_delay, memory_order_relaxed))
-            pl_sleep_ns(FAULT_OP_DELAY_NS); /* Note [injected faults] */
+        if (atomic_load_explicit(&pl_fault_delay, memory_order_relaxed))
+            pl_sleep_ns(FAULT_OP_DELAY_NS); /* Note [injected faults] in host_faults.c */
         /* Counted first, then the flag and the lifetime read, in that order (all sequentially
          * consistent): a sticky failure this op does not see waits for it to finish, and a
          * cleared flag implies the new lifetime (pl_host_fail_after) is seen. */
-        atomic_fetch_add(&fault_ops_running, 1);
+        atomic_fetch_add(&pl_fault_ops_running, 1);
         int dead = op_is_dead(o);
 
         /* The op stays at the head while it runs: stream_synchronize counts completions. A dead
-         * runtime (Note [injected faults]) copies, gathers, waits and holds no more; records
-         * still complete (no waiter is left hanging) and frees are still done. */
+         * runtime (Note [injected faults] in host_faults.c) copies, gathers, waits and holds no
+         * more; records still complete (no waiter is left hanging) and frees are still done. */
         switch (o->kind) {
         case OP_COPY:
             if (!dead)
@@ -280,7 +270,7 @@ static void *stream_main(void *arg)
             break;
         }
         op_kind kind = o->kind;
-        atomic_fetch_sub(&fault_ops_running, 1);
+        atomic_fetch_sub(&pl_fault_ops_running, 1);
 
         pthread_mutex_lock(&s->mu);
         s->head = o->next;
@@ -301,7 +291,8 @@ static int enqueue(pl_stream *s, op_kind kind, void *dst, const void *src, size_
     op *o = malloc(sizeof(*o));
     if (!o)
         return PL_ERR_NO_MEMORY;
-    *o = (op){NULL, kind, dst, src, n, e, r, atomic_load_explicit(&fault_epoch, memory_order_relaxed)};
+    *o = (op){NULL, kind, dst, src, n, e, r,
+              atomic_load_explicit(&pl_fault_epoch, memory_order_relaxed)};
     pthread_mutex_lock(&s->mu);
     if (s->tail)
         s->tail->next = o;
@@ -610,8 +601,8 @@ void pl_host_atfork_child(void)
     pl_mutex_reset_in_child(&cache_mu);
     n_cached = 0;
     cached_bytes = 0;
-    pl_mutex_reset_in_child(&fault_mu);
-    atomic_store(&fault_ops_running, 0); /* the parent's workers are not here */
+    pl_mutex_reset_in_child(&pl_fault_mu);
+    atomic_store(&pl_fault_ops_running, 0); /* the parent's workers are not here */
 }
 
 /* ---- misc ---- */
@@ -667,167 +658,11 @@ static const char *host_error_string(int code)
     }
 }
 
-/* Note [injected faults]
- * A test switch (pinloader._C._testing.host_fail_after): while armed, every call of the table's
- * functions that return a status (all but numa_node and the error names) is counted, and the
- * call numbered `fault_at` (from 0, counted since arming) returns an error instead of doing its
- * work, as would every later one if sticky (CUDA's sticky errors: after a failed launch or an
- * invalidated capture, every call in the process fails, frees and destroys included). Callers
- * see what a failing CUDA runtime gives them, so tests can sweep every failure point of a
- * scenario through the layers above the table (tests/test_host_faults.py). Allocations fail with
- * PL_ERR_NO_MEMORY, everything else with PL_ERR_UNKNOWN. A failed free or destroy leaks what it
- * would have released, as CUDA's do. Once a sticky failure has struck, the streams' workers run
- * none of the work still queued (a dead context runs nothing), so that what the layers above do
- * is tested against what a dead runtime does, not against an emulation that goes on copying
- * from memory they have given up. Two more rules make the emulation's own copies safe to free
- * under, as a dead context's are (the sanitizer jobs run the sweep):
- * - a sticky failure returns only after every operation a worker had already begun is done
- *   (fault_ops_running; a wait or hold under way stops, woken by fault_wake): a caller may free
- *   what a copy read the moment its call fails;
- * - disarming after a sticky failure begins a new lifetime (fault_epoch), and what was queued in
- *   the dead one never runs, not even once the switch is off.
- * Arming, disarming and each failure's decision take fault_mu, so a call racing a disarm either
- * fails before it or runs after it in the new lifetime (the sweep's leftover threads may call the
- * backend meanwhile).
- * While armed, every stream operation also starts late (FAULT_OP_DELAY_NS), so that a caller
- * that stops waiting for queued work too early (a failed wait proves nothing) is caught every
- * time rather than by a race; armed with n >= 2**62 the switch only counts (no call fails, no
- * operation starts late: tests/test_backend_calls.py counts a batch's calls so). Disarmed, each call costs one relaxed atomic load, and each stream
- * operation a few atomic operations (nothing beside a copy). */
-static atomic_llong fault_calls;    /* calls counted since arming */
-static atomic_llong fault_at;       /* the number of the call that fails */
-static atomic_int fault_sticky;     /* every call after it fails too */
-static const char *_Atomic fault_first; /* the name of the first call failed since arming */
-
-/* The calls counted since arming, by function (under fault_mu): a test reads how many of each
- * call a steady-state batch makes. The names are the FAULTY list's literals, so one pointer a
- * function. */
-enum { FAULT_NAMES = 48 };
-static struct {
-    const char *name;
-    long long n;
-} fault_names[FAULT_NAMES];
-static int n_fault_names;
-
-static void count_call_locked(const char *name)
-{
-    for (int i = 0; i < n_fault_names; i++)
-        if (fault_names[i].name == name) {
-            fault_names[i].n++;
-            return;
-        }
-    if (n_fault_names < FAULT_NAMES) {
-        fault_names[n_fault_names].name = name;
-        fault_names[n_fault_names++].n = 1;
-    }
-}
-
-int pl_host_call_counts(const char **names, long long *counts, int cap)
-{
-    pthread_mutex_lock(&fault_mu);
-    int n = n_fault_names;
-    for (int i = 0; i < n && i < cap; i++) {
-        names[i] = fault_names[i].name;
-        counts[i] = fault_names[i].n;
-    }
-    pthread_mutex_unlock(&fault_mu);
-    return n;
-}
-
-/* Wake the streams' workers that wait for a record: the runtime they wait in may have died. */
-static void fault_wake(void)
-{
-    pthread_once(&ev_once, ev_init);
-    pthread_mutex_lock(&ev_mu);
-    pthread_cond_broadcast(&ev_cv);
-    pthread_mutex_unlock(&ev_mu);
-}
-
-long long pl_host_fail_after(long long n, int sticky)
-{
-    pthread_mutex_lock(&fault_mu);
-    /* the new lifetime before the flag clears, and both before the switch goes off: a call that
-     * finds the switch off (an acquire load) sees them, so no work of the dead lifetime is queued
-     * as live, and none queued in it runs */
-    int was_dead = atomic_load(&fault_dead);
-    if (was_dead)
-        atomic_fetch_add(&fault_epoch, 1);
-    atomic_store(&fault_dead, 0);
-    atomic_store(&fault_armed, 0);
-    atomic_store(&fault_delay, 0);
-    long long counted = atomic_exchange(&fault_calls, 0);
-    atomic_store(&fault_first, NULL);
-    if (n >= 0)
-        n_fault_names = 0; /* counted afresh; read after disarming */
-    if (n >= 0) {
-        atomic_store(&fault_at, n);
-        atomic_store(&fault_sticky, sticky ? 1 : 0);
-        atomic_store(&fault_delay, n < (1LL << 62));
-        atomic_store(&fault_armed, 1);
-    }
-    pthread_mutex_unlock(&fault_mu);
-    if (was_dead)
-        fault_wake();
-    return counted;
-}
-
-const char *pl_host_first_failed(void)
-{
-    return atomic_load(&fault_first);
-}
-
-
-static int fault_hit_armed(const char *name)
-{
-    pthread_mutex_lock(&fault_mu);
-    if (!atomic_load(&fault_armed)) { /* disarmed since the caller looked */
-        pthread_mutex_unlock(&fault_mu);
-        return 0;
-    }
-    long long i = atomic_fetch_add(&fault_calls, 1);
-    count_call_locked(name);
-    long long at = atomic_load(&fault_at);
-    const int sticky = atomic_load(&fault_sticky);
-    if (i != at && !(i > at && sticky)) {
-        pthread_mutex_unlock(&fault_mu);
-        return 0;
-    }
-    if (sticky)
-        atomic_store(&fault_dead, 1);
-    const char *none = NULL;
-    atomic_compare_exchange_strong(&fault_first, &none, name);
-    pthread_mutex_unlock(&fault_mu);
-    if (sticky) {
-        /* Then the operations begun before it end: a waiting one is woken and stops, every later
-         * one sees the flag and does nothing, so this is short. Bounded all the same (a test
-         * switch must not hang a run), and said if the bound is reached. */
-        fault_wake();
-        const int64_t deadline = pl_now_ns() + 10 * 1000000000LL;
-        while (atomic_load(&fault_ops_running) > 0) {
-            if (pl_now_ns() > deadline) {
-                fprintf(stderr, "pinloader host backend: a stream operation still runs 10 s after "
-                                "an injected sticky failure (%s)\n", name);
-                break;
-            }
-            pl_sleep_ns(100000);
-        }
-    }
-    return 1;
-}
-
-static inline int fault_hit(const char *name)
-{
-    /* acquire: a call that finds the switch off sees the lifetime pl_host_fail_after set */
-    if (__builtin_expect(!atomic_load_explicit(&fault_armed, memory_order_acquire), 1))
-        return 0;
-    return fault_hit_armed(name);
-}
-
 /* faulty_f: host_f behind the switch, failing with `code`. */
 #define FAULTY(f, code, params, args)                                                              \
     static int faulty_##f params                                                                   \
     {                                                                                              \
-        return fault_hit(#f) ? (code) : host_##f args;                                             \
+        return pl_fault_hit(#f) ? (code) : host_##f args;                                          \
     }
 #define NOMEM PL_ERR_NO_MEMORY
 #define FAIL PL_ERR_UNKNOWN
@@ -854,7 +689,8 @@ FAULTY(memcpy_h2d_async, FAIL, (void *dst, const void *src, size_t n, pl_stream 
 /* all of it is host memory: the same copy, counted under its own name */
 static int faulty_memcpy_d2d_async(void *dst, const void *src, size_t n, pl_stream *s)
 {
-    return fault_hit("memcpy_d2d_async") ? PL_ERR_UNKNOWN : host_memcpy_h2d_async(dst, src, n, s);
+    return pl_fault_hit("memcpy_d2d_async") ? PL_ERR_UNKNOWN
+                                            : host_memcpy_h2d_async(dst, src, n, s);
 }
 FAULTY(memzero_async, FAIL, (void *dst, size_t n, pl_stream *s), (dst, n, s))
 FAULTY(memcpy_d2h, FAIL, (void *dst, const void *src, size_t n), (dst, src, n))
@@ -866,8 +702,8 @@ FAULTY(host_mapped, FAIL, (const void *p, size_t n, void **dev), (p, n, dev))
 FAULTY(host_device_ptr, FAIL, (void *p, void **dev), (p, dev))
 static int faulty_gather_ready(int device, const char **why)
 {
-    if (fault_hit("gather_ready")) {
-        *why = "a fault injected by a test (Note [injected faults] in backend_host.c)";
+    if (pl_fault_hit("gather_ready")) {
+        *why = "a fault injected by a test (Note [injected faults] in host_faults.c)";
         return FAIL;
     }
     return host_gather_ready(device, why);

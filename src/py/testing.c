@@ -236,7 +236,7 @@ static PyMethodDef testing_methods[] = {
      "the host backend's call numbered n (from 0, counting only the table's calls that return a "
      "status) fail with an error instead of doing its work, and every later one too if sticky; "
      "n < 0 disarms; n >= 2**62 only counts (nothing fails, nothing is delayed). Returns the calls "
-     "counted since the previous arming (Note [injected faults] in src/core/backend_host.c)."},
+     "counted since the previous arming (Note [injected faults] in src/core/host_faults.c)."},
     {"host_first_failed", t_host_first_failed, METH_NOARGS,
      "host_first_failed()\n--\n\nTest probe: the name of the first host backend function that "
      "host_fail_after failed since it was last armed (e.g. 'event_record'), or None."},
