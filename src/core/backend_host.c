@@ -184,14 +184,6 @@ static int host_event_wait(pl_event *e, int64_t timeout_ns, int64_t expect_ns)
 
 /* ---- streams ---- */
 
-void pl_host_wake_waiters(void)
-{
-    pthread_once(&ev_once, ev_init);
-    pthread_mutex_lock(&ev_mu);
-    pthread_cond_broadcast(&ev_cv);
-    pthread_mutex_unlock(&ev_mu);
-}
-
 /* A dead runtime (Note [injected faults] in host_faults.c): a sticky failure has struck, or the
  * op was queued in a lifetime that has ended. */
 static int op_is_dead(const op *o)
@@ -200,7 +192,7 @@ static int op_is_dead(const op *o)
 }
 
 /* An OP_WAIT begun while the runtime lived: until the record is done or the runtime dies (the
- * injector wakes the waiters when it does: pl_host_wake_waiters). Drops the reference. */
+ * injector wakes the waiters when it does: fault_wake). Drops the reference. */
 static void rec_wait_live(rec *r, const op *o)
 {
     if (!r)
@@ -658,11 +650,61 @@ static const char *host_error_string(int code)
     }
 }
 
+/* ---- the fault injector's calls (Note [injected faults] in host_faults.c) ---- */
+
+/* Wake the streams' workers that wait for a record: the runtime they wait in may have died. */
+static void fault_wake(void)
+{
+    pthread_once(&ev_once, ev_init);
+    pthread_mutex_lock(&ev_mu);
+    pthread_cond_broadcast(&ev_cv);
+    pthread_mutex_unlock(&ev_mu);
+}
+
+long long pl_host_fail_after(long long n, int sticky)
+{
+    int was_dead = 0;
+    long long counted = pl_fault_arm(n, sticky, &was_dead);
+    if (was_dead)
+        fault_wake();
+    return counted;
+}
+
+static int fault_hit_armed(const char *name)
+{
+    int hit = pl_fault_decide(name);
+    if (hit == PL_FAULT_DEAD) {
+        /* Then the operations begun before it end: a waiting one is woken and stops, every later
+         * one sees the flag and does nothing, so this is short. Bounded all the same (a test
+         * switch must not hang a run), and said if the bound is reached. */
+        fault_wake();
+        const int64_t deadline = pl_now_ns() + 10 * 1000000000LL;
+        while (atomic_load(&pl_fault_ops_running) > 0) {
+            if (pl_now_ns() > deadline) {
+                fprintf(stderr, "pinloader host backend: a stream operation still runs 10 s after "
+                                "an injected sticky failure (%s)\n", name);
+                break;
+            }
+            pl_sleep_ns(100000);
+        }
+    }
+    return hit != 0;
+}
+
+/* 1 if the backend call `name` is to fail (the switch armed and this call its target). */
+static inline int fault_hit(const char *name)
+{
+    /* acquire: a call that finds the switch off sees the lifetime pl_host_fail_after set */
+    if (__builtin_expect(!atomic_load_explicit(&pl_fault_armed, memory_order_acquire), 1))
+        return 0;
+    return fault_hit_armed(name);
+}
+
 /* faulty_f: host_f behind the switch, failing with `code`. */
 #define FAULTY(f, code, params, args)                                                              \
     static int faulty_##f params                                                                   \
     {                                                                                              \
-        return pl_fault_hit(#f) ? (code) : host_##f args;                                          \
+        return fault_hit(#f) ? (code) : host_##f args;                                          \
     }
 #define NOMEM PL_ERR_NO_MEMORY
 #define FAIL PL_ERR_UNKNOWN
@@ -689,7 +731,7 @@ FAULTY(memcpy_h2d_async, FAIL, (void *dst, const void *src, size_t n, pl_stream 
 /* all of it is host memory: the same copy, counted under its own name */
 static int faulty_memcpy_d2d_async(void *dst, const void *src, size_t n, pl_stream *s)
 {
-    return pl_fault_hit("memcpy_d2d_async") ? PL_ERR_UNKNOWN
+    return fault_hit("memcpy_d2d_async") ? PL_ERR_UNKNOWN
                                             : host_memcpy_h2d_async(dst, src, n, s);
 }
 FAULTY(memzero_async, FAIL, (void *dst, size_t n, pl_stream *s), (dst, n, s))
@@ -702,7 +744,7 @@ FAULTY(host_mapped, FAIL, (const void *p, size_t n, void **dev), (p, n, dev))
 FAULTY(host_device_ptr, FAIL, (void *p, void **dev), (p, dev))
 static int faulty_gather_ready(int device, const char **why)
 {
-    if (pl_fault_hit("gather_ready")) {
+    if (fault_hit("gather_ready")) {
         *why = "a fault injected by a test (Note [injected faults] in host_faults.c)";
         return FAIL;
     }

@@ -5,8 +5,6 @@
 #include "host_faults.h"
 #include "util.h"
 
-#include <stdio.h>
-
 atomic_int pl_fault_armed;
 atomic_int pl_fault_delay;
 pthread_mutex_t pl_fault_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -29,7 +27,7 @@ _Alignas(64) atomic_int pl_fault_ops_running;
  * from memory they have given up. Two more rules make the emulation's own copies safe to free
  * under, as a dead context's are (the sanitizer jobs run the sweep):
  * - a sticky failure returns only after every operation a worker had already begun is done
- *   (pl_fault_ops_running; a wait or hold under way stops, woken by pl_host_wake_waiters): a
+ *   (pl_fault_ops_running; a wait or hold under way stops, woken by backend_host.c): a
  *   caller may free what a copy read the moment its call fails;
  * - disarming after a sticky failure begins a new lifetime (pl_fault_epoch), and what was queued
  *   in the dead one never runs, not even once the switch is off.
@@ -82,7 +80,7 @@ int pl_host_call_counts(const char **names, long long *counts, int cap)
     return n;
 }
 
-long long pl_host_fail_after(long long n, int sticky)
+long long pl_fault_arm(long long n, int sticky, int *was_dead_out)
 {
     pthread_mutex_lock(&pl_fault_mu);
     /* the new lifetime before the flag clears, and both before the switch goes off: a call that
@@ -105,8 +103,7 @@ long long pl_host_fail_after(long long n, int sticky)
         atomic_store(&pl_fault_armed, 1);
     }
     pthread_mutex_unlock(&pl_fault_mu);
-    if (was_dead)
-        pl_host_wake_waiters();
+    *was_dead_out = was_dead;
     return counted;
 }
 
@@ -115,7 +112,7 @@ const char *pl_host_first_failed(void)
     return atomic_load(&fault_first);
 }
 
-int pl_fault_hit_armed(const char *name)
+int pl_fault_decide(const char *name)
 {
     pthread_mutex_lock(&pl_fault_mu);
     if (!atomic_load(&pl_fault_armed)) { /* disarmed since the caller looked */
@@ -135,20 +132,5 @@ int pl_fault_hit_armed(const char *name)
     const char *none = NULL;
     atomic_compare_exchange_strong(&fault_first, &none, name);
     pthread_mutex_unlock(&pl_fault_mu);
-    if (sticky) {
-        /* Then the operations begun before it end: a waiting one is woken and stops, every later
-         * one sees the flag and does nothing, so this is short. Bounded all the same (a test
-         * switch must not hang a run), and said if the bound is reached. */
-        pl_host_wake_waiters();
-        const int64_t deadline = pl_now_ns() + 10 * 1000000000LL;
-        while (atomic_load(&pl_fault_ops_running) > 0) {
-            if (pl_now_ns() > deadline) {
-                fprintf(stderr, "pinloader host backend: a stream operation still runs 10 s after "
-                                "an injected sticky failure (%s)\n", name);
-                break;
-            }
-            pl_sleep_ns(100000);
-        }
-    }
-    return 1;
+    return sticky ? PL_FAULT_DEAD : PL_FAULT_FAIL;
 }

@@ -1,7 +1,7 @@
 /* The host backend's fault injector (Note [injected faults] in host_faults.c): the switch and
- * the runtime's life as the streams' workers of backend_host.c read them, and the check each
- * backend call makes. Private to backend_host.c and host_faults.c; the test switches themselves
- * are declared in backend.h. */
+ * the runtime's life as the streams' workers of backend_host.c read them, and the decision a
+ * backend call asks for while the switch is armed. Private to backend_host.c and host_faults.c;
+ * the test switches themselves are declared in backend.h. */
 #ifndef PL_HOST_FAULTS_H
 #define PL_HOST_FAULTS_H
 
@@ -26,21 +26,13 @@ extern atomic_int pl_fault_ops_running;
  * outlives a caller that gave up waiting for it (a failed wait proves nothing). */
 #define FAULT_OP_DELAY_NS 200000
 
-/* The armed path of pl_fault_hit: 1 if the call `name` (a literal, counted by its pointer)
- * fails. */
-int pl_fault_hit_armed(const char *name);
+/* Arm the switch (n >= 0: the call numbered n fails, and every later one if sticky) or disarm
+ * it (n < 0); *was_dead: a sticky failure had struck (a new lifetime begins, and the streams'
+ * waiters are to be woken). Returns the calls counted since the previous arming. */
+long long pl_fault_arm(long long n, int sticky, int *was_dead);
 
-/* 1 if the backend call `name` is to fail (the switch armed and this call its target). */
-static inline int pl_fault_hit(const char *name)
-{
-    /* acquire: a call that finds the switch off sees the lifetime pl_host_fail_after set */
-    if (__builtin_expect(!atomic_load_explicit(&pl_fault_armed, memory_order_acquire), 1))
-        return 0;
-    return pl_fault_hit_armed(name);
-}
-
-/* backend_host.c: wake the streams' workers that wait for a record (the runtime they wait in
- * may have died). */
-void pl_host_wake_waiters(void);
+/* The switch found armed: what the call `name` (a literal, counted by its pointer) does. */
+enum { PL_FAULT_FAIL = 1, PL_FAULT_DEAD = 2 /* it fails, and the runtime dies with it */ };
+int pl_fault_decide(const char *name);
 
 #endif
