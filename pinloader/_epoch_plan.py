@@ -61,6 +61,9 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
         return cache[1]
     order = _take_ahead(plan, epoch)
     if order is None:
+        # the last order goes first: this one is drawn beside the next one's job (Note [orders
+        # made ahead])
+        plan.cache = None
         order = _make_order(plan, epoch)
     plan.cache = (epoch, order)
     return order
@@ -111,7 +114,8 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # not be made, or whose table could not be handed out (out of memory), leaves the order to be
 # made, and its error raised, where it is needed. Memory: the current order and the ones being
 # made, 8 bytes an item of the rank's shard each (two tables; three once orders are made two
-# epochs ahead), a sharded job also the whole permutation's 8 bytes an item until its order is
+# epochs ahead; an order drawn in place replaces the last one before it is drawn, beside the
+# next one's job), a sharded job also the whole permutation's 8 bytes an item until its order is
 # handed out (_job_bytes), and the plan's _EpochTables keeps at most two blocks more for reuse
 # (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
