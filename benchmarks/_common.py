@@ -106,6 +106,15 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return convert
 
 
+def smoke_out(args) -> None:
+    """A --smoke run writes its files to a new temporary folder unless --out names one: a smoke
+    run's numbers are not results, and benchmarks/results holds results only."""
+    if args.out == DEFAULT_OUT:
+        import tempfile
+        args.out = Path(tempfile.mkdtemp(prefix="pinloader-smoke-"))
+        log(f"--smoke: writing to {args.out}")
+
+
 def add_output_args(parser, default_name: str) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for the JSON and Markdown results (default: %(default)s)")

@@ -647,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.smoke:
+        C.smoke_out(args)
         args.device, args.images, args.batch, args.rounds, args.steps = "cpu", 48, 8, 2, 2
         args.drain, args.settle = 2, 1
         args.size_class = ["imagenet"]

@@ -723,6 +723,7 @@ def main(argv=None):
     t_process = time.perf_counter()
     args = build_parser().parse_args(argv)
     if args.smoke:
+        C.smoke_out(args)
         apply_smoke(args)
     if args.drain is None:
         args.drain = args.workers * args.prefetch_factor + args.depth + 2

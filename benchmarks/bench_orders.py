@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny orders, 2 rounds (CI)")
     args = ap.parse_args()
     if args.smoke:
+        C.smoke_out(args)
         args.items, args.rounds, args.loader_epochs = 70_000, 2, 6
     pl, _ = C.import_pinloader()
     info = C.machine_info(None)

@@ -396,6 +396,7 @@ def main() -> int:
     import pinloader
 
     if args.smoke:
+        C.smoke_out(args)
         args.device = "cpu"
         args.source_scale = 0.0  # two batches: every loop crosses epoch ends
         args.batch_scale = min(args.batch_scale, 1 / 64)

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     C.add_output_args(ap, "prof_images")
     args = ap.parse_args(argv)
     if args.smoke:
+        C.smoke_out(args)
         args.device, args.model, args.images, args.batch = "cpu", "tiny", 48, 8
         args.steps, args.warmup, args.rounds, args.dtype = 2, 1, 1, "float32"
         import torch
