@@ -190,10 +190,10 @@ class _EpochLoader(ABC):
         it.failed = False
         prev = self._plan.epoch
         self._plan.epoch = epoch
-        # the order of the epoch that comes next by default, made while this one is drawn and
-        # runs (Note [orders made ahead] in pinloader/_epoch_plan.py)
-        prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
         try:
+            # the order of the epoch that comes next by default, made while this one is drawn
+            # and runs (Note [orders made ahead] in pinloader/_epoch_plan.py)
+            prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
             if pf is None:
                 self._pf = self._make_prefetcher(settings)
             else:

@@ -141,6 +141,34 @@ def test_the_next_epochs_order_is_begun_before_this_epochs_own_is_drawn(monkeypa
         assert spy.calls[:2] == [(8, False), (7, True)]
 
 
+def test_a_ctrl_c_while_the_next_order_is_begun_leaves_the_epoch_to_begin_again(monkeypatch):
+    """A KeyboardInterrupt in the start of the next epoch's job (before this epoch's order is
+    drawn) is the epoch's failure to begin: it propagates as itself, and the next iteration
+    begins the same epoch, with the right rows."""
+    real, hit = _epoch_plan._order_job, []
+
+    def interrupted_once(plan, epoch, start):
+        if start and not hit:
+            hit.append(int(epoch))
+            raise KeyboardInterrupt
+        return real(plan, epoch, start)
+
+    bs = 4096
+    with pinloader.ArrayLoader(ids(N), bs, seed=2, device=DEVICE) as L:
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 0)
+        wait_ahead(L)
+        before = L.state_dict()
+        monkeypatch.setattr(_epoch_plan, "_order_job", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            iter(L)  # epoch 1 begins: epoch 2's job is interrupted
+        assert hit == [2]
+        assert L.state_dict() == before
+        assert L._plan.epoch == 0  # the plan too says the epoch before
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 1)
+        assert L.epoch == 1
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 2)
+
+
 def test_an_epoch_that_waits_for_its_order_makes_orders_two_epochs_ahead(monkeypatch):
     spy = Spy(monkeypatch)
     bs = 8192
