@@ -61,8 +61,8 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
         return cache[1]
     order = _take_ahead(plan, epoch)
     if order is None:
-        # the last order goes first: this one is drawn beside the next one's job (Note [orders
-        # made ahead])
+        # the last order goes first (its epoch's batches may still hold it): this one is drawn
+        # beside the next one's job (Note [orders made ahead])
         plan.cache = None
         order = _make_order(plan, epoch)
     plan.cache = (epoch, order)
@@ -97,10 +97,11 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # the epoch that follows it by default (the next one; a set_epoch() to it, as
 # DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
 # own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
-# it from there: at once if it is done, else after waiting for the rest of it. That job starts
-# before the beginning epoch takes its own order, so where that one is drawn in place (the
-# first epoch, or one after a set_epoch() elsewhere) both are made at once: a first epoch
-# shorter than a permutation does not leave the second waiting for all of its own. An epoch that
+# it from there: at once if it is done, else after waiting for the rest of it. Where the
+# beginning epoch's own order is to be drawn in place (the first epoch, or one after a
+# set_epoch() elsewhere; not a resumed epoch, whose order the resume draws), that job starts
+# before the drawing (prepare_alongside), so both are made at once: a first epoch shorter than a
+# permutation does not leave the second waiting for all of its own. An epoch that
 # found its order not yet made is shorter than the making (an epoch that began with it, after
 # a whole one: not indices() asking for it, nor the rest of a resumed epoch before it): from
 # then on the orders of the next _AHEAD_MAX epochs are made, each on its own thread, so that
@@ -114,8 +115,8 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # not be made, or whose table could not be handed out (out of memory), leaves the order to be
 # made, and its error raised, where it is needed. Memory: the current order and the ones being
 # made, 8 bytes an item of the rank's shard each (two tables; three once orders are made two
-# epochs ahead; an order drawn in place replaces the last one before it is drawn, beside the
-# next one's job), a sharded job also the whole permutation's 8 bytes an item until its order is
+# epochs ahead, or while an order is drawn in place beside the next one's job and the last
+# epoch's batches still hold theirs), a sharded job also the whole permutation's 8 bytes an item until its order is
 # handed out (_job_bytes), and the plan's _EpochTables keeps at most two blocks more for reuse
 # (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
@@ -152,20 +153,37 @@ def prepare_order(plan: _Plan, epoch: int, whole: bool = True) -> None:
     if plan.num_items < _AHEAD_MIN_ITEMS:
         return
     wanted = [_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)]
-    # jobs of other epochs or settings, or the parent's, go: their blocks can serve these; the
-    # job of the epoch beginning (plan.epoch) stays until that epoch takes its order
+    # jobs of other epochs or settings, or the parent's, go: their blocks can serve these
     pid = os.getpid()
-    keep = wanted + [_order_key(plan, plan.epoch)]
-    plan.ahead = tuple(j for j in plan.ahead if j.key in keep and j.pid == pid)
+    plan.ahead = tuple(j for j in plan.ahead if j.key in wanted and j.pid == pid)
     have = {j.key for j in plan.ahead}
     for key in wanted:
         if key in have or (plan.cache is not None and plan.cache[0] == key[0]):
             continue
         try:
             plan.ahead += (_AheadOrder(plan, key[0], whole),)
-        except MemoryError:  # the order is made, or its error raised, when it is needed
+        except Exception:  # noqa: BLE001 -- the order is made, or its error raised, where it is needed
             return
 
+
+
+def prepare_alongside(plan: _Plan, epoch: int) -> None:
+    """As ``epoch - 1`` begins and before it takes its order: start ``epoch``'s job only when
+    that order is to be drawn in place (no job of this process makes it, and it is not the
+    cached one), so that both are made at once (Note [orders made ahead]). Otherwise nothing:
+    prepare_order, once the epoch has begun, starts the jobs it wants."""
+    if plan.num_items < _AHEAD_MIN_ITEMS:
+        return
+    pid = os.getpid()
+    mine = {j.key for j in plan.ahead if j.pid == pid}
+    if (plan.cache is not None and plan.cache[0] == epoch - 1) or _order_key(plan, epoch - 1) in mine:
+        return
+    if _order_key(plan, epoch) in mine:
+        return
+    try:
+        plan.ahead += (_AheadOrder(plan, epoch, True),)
+    except Exception:  # noqa: BLE001 -- prepare_order tries again once the epoch has begun
+        return
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None

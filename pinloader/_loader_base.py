@@ -13,7 +13,7 @@ import numpy as np
 from . import _device, _resume
 from ._door import DEFAULT_DEPTH as _DOOR_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher
-from ._epoch_plan import _Plan, prepare_order
+from ._epoch_plan import _Plan, prepare_alongside, prepare_order
 from ._iter_state import IterState
 
 Settings = tuple[Any, int, dict[str, Any]]
@@ -191,9 +191,8 @@ class _EpochLoader(ABC):
         prev = self._plan.epoch
         self._plan.epoch = epoch
         try:
-            # the order of the epoch that comes next by default, made while this one is drawn
-            # and runs (Note [orders made ahead] in pinloader/_epoch_plan.py)
-            prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
+            if it.resumed is None:  # the next epoch's order, made while this one's is drawn
+                prepare_alongside(self._plan, epoch + 1)
             if pf is None:
                 self._pf = self._make_prefetcher(settings)
             else:
@@ -205,7 +204,8 @@ class _EpochLoader(ABC):
             self._plan.epoch, it.requested, it.failed = prev, epoch, True
             raise
         it.epoch, it.consumed, it.done = epoch, 0, False
-        # and the epoch after it too when the beginning found epochs shorter than an order takes
+        # the order of the epoch that comes next by default, made while this one runs (Note
+        # [orders made ahead] in pinloader/_epoch_plan.py)
         prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
         return self
 

@@ -71,7 +71,7 @@ def state_of(loader: Any, it: IterState, plan: Any) -> dict[str, Any]:
         epoch = it.epoch
         resumed = it.resumed
         if resumed is None:
-            base, shard, n_batches, before = 0, len(loader.indices(epoch)), len(loader), 0
+            base, shard, n_batches, before = 0, loader.num_samples, len(loader), 0
         else:
             base, shard, n_batches, before = resumed
         if it.done or it.consumed >= n_batches:

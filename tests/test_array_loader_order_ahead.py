@@ -34,6 +34,7 @@ class Spy:
 
     def __init__(self, monkeypatch, fail_off_main=False):
         self.calls: list[tuple[int, bool]] = []
+        self.alive: list[list[int]] = []  # the epochs of the plan's jobs at each making
         self.fail_off_main = fail_off_main
         self._real = _epoch_plan._order_job
         self._mu = threading.Lock()
@@ -42,6 +43,7 @@ class Spy:
     def __call__(self, plan, epoch, start):
         with self._mu:
             self.calls.append((int(epoch), not start))
+            self.alive.append(sorted(int(j.key[0]) for j in plan.ahead))
         if self.fail_off_main and start:
             raise MemoryError("no memory for the order (test)")
         job = self._real(plan, epoch, start)
@@ -125,19 +127,24 @@ def test_the_next_epochs_order_is_drawn_off_the_training_thread(monkeypatch):
 def test_the_next_epochs_order_is_begun_before_this_epochs_own_is_drawn(monkeypatch):
     """The first epoch draws its order in place; the second's job starts before that, not
     after, so the two are made at once and a first epoch shorter than a permutation does not
-    leave the second waiting for the rest of its own."""
+    leave the second waiting for the rest of its own. An epoch whose order was made ahead takes
+    it before the next job starts (one table fewer alive)."""
     spy = Spy(monkeypatch)
     bs = 4096
     with pinloader.ArrayLoader(ids(N), bs, seed=5, device=DEVICE) as L:
         rows = epoch_rows(L)
         assert spy.calls[:2] == [(1, False), (0, True)]  # epoch 1's job, then epoch 0 in place
         assert rows.tolist() == ref_order(N, bs, 5, 0)
+        wait_ahead(L)
         assert epoch_rows(L).tolist() == ref_order(N, bs, 5, 1)
+        wait_ahead(L)
         assert spy.where(1) == "other"
-        assert sorted(e for e, _ in spy.calls) == [0, 1, 2]  # each drawn once
+        assert spy.calls == [(1, False), (0, True), (2, False)]  # each drawn once
+        assert spy.alive[2] == []  # epoch 2's job began after epoch 1 took its order
         L.set_epoch(7)  # an epoch not made ahead: drawn in place, the one after it ahead first
         del spy.calls[:]
         assert epoch_rows(L).tolist() == ref_order(N, bs, 5, 7)
+        wait_ahead(L)
         assert spy.calls[:2] == [(8, False), (7, True)]
 
 
@@ -157,16 +164,18 @@ def test_a_ctrl_c_while_the_next_order_is_begun_leaves_the_epoch_to_begin_again(
     with pinloader.ArrayLoader(ids(N), bs, seed=2, device=DEVICE) as L:
         assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 0)
         wait_ahead(L)
+        L.set_epoch(5)  # drawn in place: epoch 6's job begins first
         before = L.state_dict()
         monkeypatch.setattr(_epoch_plan, "_order_job", interrupted_once)
         with pytest.raises(KeyboardInterrupt):
-            iter(L)  # epoch 1 begins: epoch 2's job is interrupted
-        assert hit == [2]
+            iter(L)
+        assert hit == [6]
         assert L.state_dict() == before
         assert L._plan.epoch == 0  # the plan too says the epoch before
-        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 1)
-        assert L.epoch == 1
-        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 2)
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 5)
+        assert L.epoch == 5
+        wait_ahead(L)
+        assert epoch_rows(L).tolist() == ref_order(N, bs, 2, 6)
 
 
 def test_an_epoch_that_waits_for_its_order_makes_orders_two_epochs_ahead(monkeypatch):
