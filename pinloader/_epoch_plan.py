@@ -166,7 +166,6 @@ def prepare_order(plan: _Plan, epoch: int, whole: bool = True) -> None:
             return
 
 
-
 def prepare_alongside(plan: _Plan, epoch: int) -> None:
     """As ``epoch - 1`` begins and before it takes its order: start ``epoch``'s job only when
     that order is to be drawn in place (no job of this process makes it, and it is not the
@@ -178,12 +177,16 @@ def prepare_alongside(plan: _Plan, epoch: int) -> None:
     mine = {j.key for j in plan.ahead if j.pid == pid}
     if (plan.cache is not None and plan.cache[0] == epoch - 1) or _order_key(plan, epoch - 1) in mine:
         return
+    # jobs of other epochs or settings, or the parent's, go first, as prepare_order's do
+    wanted = {_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)}
+    plan.ahead = tuple(j for j in plan.ahead if j.key in wanted and j.pid == pid)
     if _order_key(plan, epoch) in mine:
         return
     try:
         plan.ahead += (_AheadOrder(plan, epoch, True),)
     except Exception:  # noqa: BLE001 -- prepare_order tries again once the epoch has begun
         return
+
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None

@@ -142,10 +142,11 @@ def test_the_next_epochs_order_is_begun_before_this_epochs_own_is_drawn(monkeypa
         assert spy.calls == [(1, False), (0, True), (2, False)]  # each drawn once
         assert spy.alive[2] == []  # epoch 2's job began after epoch 1 took its order
         L.set_epoch(7)  # an epoch not made ahead: drawn in place, the one after it ahead first
-        del spy.calls[:]
+        del spy.calls[:], spy.alive[:]
         assert epoch_rows(L).tolist() == ref_order(N, bs, 5, 7)
         wait_ahead(L)
         assert spy.calls[:2] == [(8, False), (7, True)]
+        assert spy.alive[0] == []  # epoch 2's job, of no use now, went before epoch 8's began
 
 
 def test_a_ctrl_c_while_the_next_order_is_begun_leaves_the_epoch_to_begin_again(monkeypatch):
