@@ -116,9 +116,9 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # made, and its error raised, where it is needed. Memory: the current order and the ones being
 # made, 8 bytes an item of the rank's shard each (two tables; three once orders are made two
 # epochs ahead, or while an order is drawn in place beside the next one's job and the last
-# epoch's batches still hold theirs), a sharded job also the whole permutation's 8 bytes an item until its order is
-# handed out (_job_bytes), and the plan's _EpochTables keeps at most two blocks more for reuse
-# (Note [epoch table reuse]).
+# epoch's batches still hold theirs), a sharded job also the whole permutation's 8 bytes an
+# item until its order is handed out (_job_bytes), and the plan's _EpochTables keeps at most
+# two blocks more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 _AHEAD_MAX = 2
 _AHEAD_EXTRA_BYTES = 512 << 20  # the most a job two epochs ahead holds (64 million items)
@@ -146,10 +146,11 @@ class _AheadOrder:
         self.job = _order_job(plan, epoch, True)
 
 
-def prepare_order(plan: _Plan, epoch: int, whole: bool = True) -> None:
-    """Start making the orders of ``epoch`` and of the epochs after it up to the plan's depth,
-    each on a thread of its own (Note [orders made ahead]); ``whole``: the epoch that began is
-    a whole one (not the rest of a resumed epoch)."""
+def prepare_order(plan: _Plan, epoch: int, whole: bool = True, start: int | None = None) -> None:
+    """Start making the orders of ``epoch`` and of the epochs after it up to the plan's depth
+    (the first ``start`` of them only, when given), each on a thread of its own (Note [orders
+    made ahead]); ``whole``: the epoch that began is a whole one (not the rest of a resumed
+    epoch)."""
     if plan.num_items < _AHEAD_MIN_ITEMS:
         return
     wanted = [_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)]
@@ -157,7 +158,7 @@ def prepare_order(plan: _Plan, epoch: int, whole: bool = True) -> None:
     pid = os.getpid()
     plan.ahead = tuple(j for j in plan.ahead if j.key in wanted and j.pid == pid)
     have = {j.key for j in plan.ahead}
-    for key in wanted:
+    for key in wanted[:start]:
         if key in have or (plan.cache is not None and plan.cache[0] == key[0]):
             continue
         try:
@@ -171,21 +172,10 @@ def prepare_alongside(plan: _Plan, epoch: int) -> None:
     that order is to be drawn in place (no job of this process makes it, and it is not the
     cached one), so that both are made at once (Note [orders made ahead]). Otherwise nothing:
     prepare_order, once the epoch has begun, starts the jobs it wants."""
-    if plan.num_items < _AHEAD_MIN_ITEMS:
-        return
-    pid = os.getpid()
-    mine = {j.key for j in plan.ahead if j.pid == pid}
-    if (plan.cache is not None and plan.cache[0] == epoch - 1) or _order_key(plan, epoch - 1) in mine:
-        return
-    # jobs of other epochs or settings, or the parent's, go first, as prepare_order's do
-    wanted = {_order_key(plan, e) for e in range(epoch, epoch + plan.ahead_depth)}
-    plan.ahead = tuple(j for j in plan.ahead if j.key in wanted and j.pid == pid)
-    if _order_key(plan, epoch) in mine:
-        return
-    try:
-        plan.ahead += (_AheadOrder(plan, epoch, True),)
-    except Exception:  # noqa: BLE001 -- prepare_order tries again once the epoch has begun
-        return
+    key, pid = _order_key(plan, epoch - 1), os.getpid()
+    cached = plan.cache is not None and plan.cache[0] == epoch - 1
+    if not cached and not any(j.key == key and j.pid == pid for j in plan.ahead):
+        prepare_order(plan, epoch, start=1)
 
 
 def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:

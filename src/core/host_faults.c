@@ -3,7 +3,6 @@
  * through host_faults.h. */
 #include "backend.h"
 #include "host_faults.h"
-#include "util.h"
 
 atomic_int pl_fault_armed;
 atomic_int pl_fault_delay;
