@@ -96,6 +96,8 @@ def make_jpegs(n: int, size_class: str, seed: int = 0, small: bool = False) -> l
     distinct = min(n, 256)
     blobs = []
     for i in range(distinct):
+        if i and i % 32 == 0:
+            C.log(f"  {i} of {distinct} distinct images made")  # progress, for --stall-s
         src = Image.fromarray(base[i % len(base)])
         if small:
             short = int(rng.integers(40, 90))
@@ -151,6 +153,7 @@ def write_dataset(root: Path, blobs: list[bytes], shard_size: int = 1000) -> dic
         p = d / f"img{i:07d}.jpg"
         p.write_bytes(b)
         items.append((p, c))
+    C.log(f"  {len(blobs)} files written; the tar shards and the packed file next")
     tars = []
     for s in range(0, len(items), shard_size):
         t = root / f"shard-{s // shard_size:05d}.tar"
