@@ -523,12 +523,19 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     torch.cuda.synchronize()
                 before = _decode_calls(loaders.get(name))
                 t0 = time.perf_counter()
+                in_next = 0.0  # the training thread's time getting its batches: waits for the loader
+                batch = None
                 for _ in range(steps):
-                    step(*next(gens[name]))
+                    tn = time.perf_counter()
+                    batch = next(gens[name])
+                    in_next += time.perf_counter() - tn
+                    step(*batch)
+                del batch
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 got[name] = steps * args.batch / (time.perf_counter() - t0)
                 rec["rows"][name]["ips"].append(got[name])
+                rec["rows"][name].setdefault("next_ms", []).append(1000 * in_next / steps)
                 after = _decode_calls(loaders.get(name))
                 if before and after and after[1] > before[1]:
                     # the GPU decoder's call per batch while the model trains (its host side and
@@ -557,6 +564,8 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                 v["ratio_summary"] = C.summarize(v["ratio"])
             if v.get("decode_call_ms"):
                 v["decode_call_ms_summary"] = C.summarize(v["decode_call_ms"])
+            if v.get("next_ms"):
+                v["next_ms_summary"] = C.summarize(v["next_ms"])
         rec["rounds_done"] = args.rounds
     return out
 
@@ -607,12 +616,19 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
         table = []
         for name, v in rec["rows"].items():
             calls = C.fmt_summary(v["decode_call_ms_summary"], 1) if "decode_call_ms_summary" in v else ""
+            waits = C.fmt_summary(v["next_ms_summary"], 2) if "next_ms_summary" in v else ""
             if "ips_summary" in v:
-                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["ratio_summary"], 2), calls])
+                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["ratio_summary"], 2),
+                              waits, calls])
             else:
-                table.append([name, f"not run: {v.get('skipped')}", "", ""])
-        lines.append(C.md_table(["feed", "images/s", "ratio to the bound", "GPU decode call per batch, ms"],
-                                table, "lrrr"))
+                table.append([name, f"not run: {v.get('skipped')}", "", "", ""])
+        lines.append(C.md_table(["feed", "images/s", "ratio to the bound", "next() per step, ms",
+                                 "GPU decode call per batch, ms"], table, "lrrrr"))
+    if models:
+        lines += ["", "next() per step: the training thread's time in next() on its feed during the timed "
+                  "steps, which is the time it waited for the loader (the GPU waits for a batch on the "
+                  "device, not here). GPU decode call: ImageLoader's decoder calls while the model "
+                  "trains, host time per batch."]
     return "\n".join(lines)
 
 

@@ -28,3 +28,6 @@ def test_smoke_run(tmp_path):
     tiny = data["models"]["tiny"]
     assert tiny["rounds_done"] == 2 and set(tiny["rows"]) == {"bound", "imageloader_packed"}
     assert all(len(v["ratio"]) == 2 for v in tiny["rows"].values())
+    # the training thread's time in next() per step, every row, every round, in the table
+    assert all(len(v["next_ms"]) == 2 and min(v["next_ms"]) >= 0 for v in tiny["rows"].values())
+    assert "next() per step, ms" in (tmp_path / "images.md").read_text()
