@@ -412,13 +412,18 @@ def _model(name: str, torch: Any, device: str) -> Any:
     return m.to(device).to(memory_format=torch.channels_last)
 
 
-def _decode_calls(loader: Any) -> tuple[float, int] | None:
-    """An ImageLoader's seconds in GPU decode calls and its decoders' batches so far."""
+DECODE_STEPS = ("headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "kernels_ns")
+
+
+def _decode_calls(loader: Any) -> tuple[float, int, dict[str, int]] | None:
+    """An ImageLoader's seconds in GPU decode calls, its decoders' batches so far, and their
+    calls' host time by step (JpegDecoder.info())."""
     if loader is None:
         return None
     st = loader.stats()
     gd = st.get("gpu_decoder") or {}
-    return float(st.get("decode_call_s", 0.0)), int(gd.get("batches") or 0)
+    return (float(st.get("decode_call_s", 0.0)), int(gd.get("batches") or 0),
+            {k: int(gd.get(k) or 0) for k in DECODE_STEPS})
 
 
 def training_batches(loader: Any, door: Any) -> Iterator[Any]:
@@ -540,8 +545,11 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                 if before and after and after[1] > before[1]:
                     # the GPU decoder's call per batch while the model trains (its host side and
                     # its waits for the previous batch's kernels), against the loader-bound rows'
-                    rec["rows"][name].setdefault("decode_call_ms", []).append(
-                        1000 * (after[0] - before[0]) / (after[1] - before[1]))
+                    nb = after[1] - before[1]
+                    rec["rows"][name].setdefault("decode_call_ms", []).append(1000 * (after[0] - before[0]) / nb)
+                    for k in DECODE_STEPS:  # the call by step (in the C decoder), ms per batch
+                        rec["rows"][name].setdefault(f"decode_{k[:-3]}_ms", []).append(
+                            (after[2][k] - before[2][k]) / 1e6 / nb)
                 C.log(f"[{mname}] round {r} {name}: {got[name]:,.0f} img/s")
                 if name in loaders:
                     # where a slow or stopped row spent its time: the decoders' counts (a hardware
@@ -566,6 +574,9 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                 v["decode_call_ms_summary"] = C.summarize(v["decode_call_ms"])
             if v.get("next_ms"):
                 v["next_ms_summary"] = C.summarize(v["next_ms"])
+            for k in DECODE_STEPS:
+                if v.get(f"decode_{k[:-3]}_ms"):
+                    v[f"decode_{k[:-3]}_ms_summary"] = C.summarize(v[f"decode_{k[:-3]}_ms"])
         rec["rounds_done"] = args.rounds
     return out
 
@@ -624,6 +635,12 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
                 table.append([name, f"not run: {v.get('skipped')}", "", "", ""])
         lines.append(C.md_table(["feed", "images/s", "ratio to the bound", "next() per step, ms",
                                  "GPU decode call per batch, ms"], table, "lrrrr"))
+        for name, v in rec["rows"].items():
+            got = [(k[:-3], v[f"decode_{k[:-3]}_ms_summary"]) for k in DECODE_STEPS
+                   if f"decode_{k[:-3]}_ms_summary" in v]
+            if got:
+                lines += ["", f"{name}'s decode call per batch by step, ms (the C decoder's own clock): " +
+                          "; ".join(f"{k} {C.fmt_summary(sm, 2)}" for k, sm in got)]
     if models:
         lines += ["", "next() per step: the training thread's time in next() on its feed during the timed "
                   "steps, which is the time it waited for the loader (the GPU waits for a batch on the "

@@ -31,3 +31,30 @@ def test_smoke_run(tmp_path):
     # the training thread's time in next() per step, every row, every round, in the table
     assert all(len(v["next_ms"]) == 2 and min(v["next_ms"]) >= 0 for v in tiny["rows"].values())
     assert "next() per step, ms" in (tmp_path / "images.md").read_text()
+
+
+def test_the_decode_call_by_step_is_rendered():
+    """A model row's decode call by step (JpegDecoder.info()'s *_ns, as a GPU run records them)
+    reaches the Markdown table's notes; the host backend never fills them, so this renders a
+    recorded model directly."""
+    import argparse
+    import sys
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_images
+    finally:
+        sys.path.pop(0)
+    row = {"ips": [100.0, 110.0], "ratio": [0.8, 0.9], "next_ms": [1.0, 2.0], "decode_call_ms": [30.0, 40.0]}
+    for k in bench_images.DECODE_STEPS:
+        row[f"decode_{k[:-3]}_ms"] = [1.5, 2.5]
+    rec = {"size_class": "imagenet", "rounds_done": 2,
+           "rows": {"bound": {"ips": [120.0, 120.0], "ratio": [1.0, 1.0], "next_ms": [0.1, 0.1]},
+                    "imageloader_packed": row}}
+    for v in rec["rows"].values():  # as run_models summarizes
+        for key in list(v):
+            v[f"{key}_summary"] = bench_images.C.summarize(v[key])
+    args = argparse.Namespace(smoke=True, images=8, batch=4, dtype="bfloat16", rounds=2, steps=2)
+    text = bench_images.render({}, {"resnet18": rec}, {}, args)
+    assert "| imageloader_packed | 105 (100–110) | 0.85 (0.80–0.90) | 1.50 (1.00–2.00) | 35.0 (30.0–40.0) |" in text
+    assert ("imageloader_packed's decode call per batch by step, ms (the C decoder's own clock): headers 2.00 "
+            "(1.50–2.50); engines_wait 2.00 (1.50–2.50); engines 2.00") in text

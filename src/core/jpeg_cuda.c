@@ -540,6 +540,15 @@ static int ring_slot(pl_jpeg *j, int n, int *slot, const char **why)
     return PL_OK;
 }
 
+/* Adds the time since t to *sum; returns now. */
+static int64_t lap(unsigned long long *sum, int64_t t)
+{
+    const int64_t now = pl_now_ns();
+    if (now > t)
+        *sum += (unsigned long long)(now - t);
+    return now;
+}
+
 static void decode_one_cuda(pl_jpeg *j, const pl_jpeg_item *it, sample *sm, int32_t *status)
 {
     pl_nvjpegImage_t dst;
@@ -581,6 +590,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     pl_nvjpegImage_t *hw_dst = calloc((size_t)n, sizeof *hw_dst);
     pl_nvjpegDecodeParams_t *hw_params = calloc((size_t)n, sizeof *hw_params);
     int prev = -1, pushed = 0, rc = PL_OK;
+    int64_t t = pl_now_ns();
     if (!sm || !hw_idx || !hw_data || !hw_len || !hw_dst || !hw_params) {
         *why = "out of host memory";
         rc = PL_ERR_NO_MEMORY;
@@ -676,6 +686,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     }
     if ((rc = ensure_workspace(j, ws ? ws : 256, why)) != PL_OK)
         goto done;
+    t = lap(&j->counts.headers_ns, t);
 
     /* 2. decode: the hardware's share in one call, the rest one by one */
     for (int i = 0; i < n; i++) {
@@ -692,6 +703,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     }
     if (n_hw && (rc = engines_may_write(j, why)) != PL_OK)
         goto done;
+    t = lap(&j->counts.engines_wait_ns, t);
     if (n_hw) {
         pl_nvjpegStatus_t s = nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
         if (s == pl_NVJPEG_STATUS_SUCCESS)
@@ -708,6 +720,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
                 decode_one_cuda(j, &items[hw_idx[k]], &sm[hw_idx[k]], &status[hw_idx[k]]);
         }
     }
+    t = lap(&j->counts.engines_ns, t);
     for (int i = 0; i < n; i++) {
         if (sm[i].kind == 2 && status[i] == PL_JPEG_DECODED && !items[i].raw) {
             int already = 0;
@@ -724,6 +737,8 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
             j->counts.raw++;
         }
     }
+
+    t = lap(&j->counts.cuda_ns, t);
 
     /* 3. descriptors */
     int slot;
@@ -806,6 +821,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     }
     j->ws_free_recorded = 1;
     j->counts.batches++;
+    lap(&j->counts.kernels_ns, t);
 done:
     if (rc != PL_OK)
         j->ws_sync_all = 1; /* writes of this batch may be queued after ws_free (the Note) */

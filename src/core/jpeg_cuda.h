@@ -50,6 +50,10 @@ typedef struct pl_jpeg_counts {
     unsigned long long roi; /* hardware decodes of a region only (Note [region decode]) */
     unsigned engines, cores_per_engine; /* the hardware decoder's (0: none) */
     size_t workspace_bytes;
+    /* host time in pl_jpeg_decode, by step, summed over calls: the headers and the workspace;
+     * the wait before the engines write (Note [engines write at once]); the engines' call;
+     * nvJPEG's CUDA decoder and the host-decoded images' copies; the descriptors and kernels */
+    unsigned long long headers_ns, engines_wait_ns, engines_ns, cuda_ns, kernels_ns;
 } pl_jpeg_counts;
 
 /* A decoder on `device` of CUDA backend b. libs: paths to try for libnvjpeg after the ones already

@@ -356,10 +356,12 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
     }
     pl_jpeg_counts c;
     pl_jpeg_get_counts(self->j, &c);
-    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n}", "device", self->device, "engines",
-                         c.engines, "cores_per_engine", c.cores_per_engine, "batches", c.batches,
-                         "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw", c.raw, "failed",
-                         c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes);
+    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K}", "device",
+                         self->device, "engines", c.engines, "cores_per_engine", c.cores_per_engine,
+                         "batches", c.batches, "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw",
+                         c.raw, "failed", c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes,
+                         "headers_ns", c.headers_ns, "engines_wait_ns", c.engines_wait_ns, "engines_ns",
+                         c.engines_ns, "cuda_ns", c.cuda_ns, "kernels_ns", c.kernels_ns);
 }
 
 /* For ImageLoader's decoder threads (Note [decoder threads] in pinloader/_image_epochs.py):
