@@ -5,8 +5,11 @@
 # order over PAIRS pairs), so that both sides see the same machine, clocks and data.
 #
 #   PATCH=.dalipart/change.patch bash benchmarks/ab_gpu.sh
+#   PATCH= ENV_B="PINLOADER_JPEG_DECODERS=4" bash benchmarks/ab_gpu.sh   # a setting, not a change
 #
-# PATCH         a patch for `git apply` (made with `git diff main branch`), relative to this tree
+# PATCH         a patch for `git apply` (made with `git diff main branch`), relative to this tree;
+#               empty: B is this tree too, and only ENV_A / ENV_B tell the sides apart
+# ENV_A, ENV_B  NAME=VALUE ... set for that side's benchmark processes (default: none)
 # TESTS         B's GPU test files (default: tests/test_jpeg_decoder_gpu.py tests/test_image_loader_gpu.py)
 # MEMCHECK_TESTS  the tests run under memcheck on B (default: tests/test_jpeg_decoder_gpu.py; empty: none)
 # BENCH         the benchmark command, run from each tree with --out and --name appended
@@ -28,7 +31,13 @@ TESTS="${TESTS:-tests/test_jpeg_decoder_gpu.py tests/test_image_loader_gpu.py}"
 MEMCHECK_TESTS="${MEMCHECK_TESTS-tests/test_jpeg_decoder_gpu.py}"
 BENCH="${BENCH:-benchmarks/bench_images.py --size-class imagenet --images 8192 --rounds 5 --data-dir /tmp/pinloader_images --rows decoder_alone,imageloader_packed --stall-s 60}"
 SECONDS=0
-: "${PATCH:?PATCH must name a patch file}"
+: "${PATCH?PATCH must name a patch file, or be empty for an A/B of ENV_A against ENV_B}"
+ENV_A="${ENV_A:-}"
+ENV_B="${ENV_B:-}"
+if [ -z "$PATCH" ] && [ "$ENV_A" = "$ENV_B" ]; then
+    echo "nothing tells A from B: give PATCH, or ENV_A and ENV_B that differ" >&2
+    exit 2
+fi
 note() { echo "$*" | tee -a "$R/steps.txt"; }
 # run NAME BUDGET_S DIR COMMAND...: in DIR under a timeout of what is left, if BUDGET_S is left
 run() {
@@ -48,14 +57,16 @@ run() {
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     nproc
     "$PY" -c "import sys, numpy, torch; print(sys.version.split()[0], numpy.__version__, torch.__version__)"
-    sha256sum "$PATCH"
+    if [ -n "$PATCH" ]; then sha256sum "$PATCH"; fi
+    echo "ENV_A: $ENV_A"
+    echo "ENV_B: $ENV_B"
 } >"$R/machine.txt" 2>&1
-cp "$PATCH" "$R/change.patch"
+if [ -n "$PATCH" ]; then cp "$PATCH" "$R/change.patch"; fi
 W=/tmp/ab_trees
 rm -rf "$W" && mkdir -p "$W/A" "$W/B"
 tar -C "$SRC" --exclude=./.dalipart --exclude=./ab_out --exclude=./build -cf - . | tar -C "$W/A" -xf -
 tar -C "$SRC" --exclude=./.dalipart --exclude=./ab_out --exclude=./build -cf - . | tar -C "$W/B" -xf -
-if ! (cd "$W/B" && git apply --whitespace=nowarn "$SRC/$PATCH") >"$R/apply.txt" 2>&1; then
+if [ -n "$PATCH" ] && ! (cd "$W/B" && git apply --whitespace=nowarn "$SRC/$PATCH") >"$R/apply.txt" 2>&1; then
     note "the patch does not apply: $(cat "$R/apply.txt")"
     exit 2
 fi
@@ -79,8 +90,9 @@ fi
 for p in $(seq 1 "$PAIRS"); do
     if [ $(( p % 2 )) -eq 1 ]; then order="A B"; else order="B A"; fi
     for side in $order; do
+        if [ "$side" = A ]; then envs=$ENV_A; else envs=$ENV_B; fi
         # shellcheck disable=SC2086
-        run "bench_${side}_$p" 60 "$W/$side" "$PY" $BENCH --out "$R" --name "bench_${side}_$p"
+        run "bench_${side}_$p" 60 "$W/$side" env $envs "$PY" $BENCH --out "$R" --name "bench_${side}_$p"
     done
 done
 tar -C "$OUT" -czf "$OUT/ab.tgz" ab
