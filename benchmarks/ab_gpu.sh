@@ -38,6 +38,15 @@ if [ -z "$PATCH" ] && [ "$ENV_A" = "$ENV_B" ]; then
     echo "nothing tells A from B: give PATCH, or ENV_A and ENV_B that differ" >&2
     exit 2
 fi
+# the settings as words (split on blanks, never globbed): NAME=VALUE only, no blank in a value
+read -r -a env_a <<<"$ENV_A"
+read -r -a env_b <<<"$ENV_B"
+for kv in ${env_a[@]+"${env_a[@]}"} ${env_b[@]+"${env_b[@]}"}; do
+    if ! [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then
+        echo "ENV_A and ENV_B take NAME=VALUE words; '$kv' is not one" >&2
+        exit 2
+    fi
+done
 note() { echo "$*" | tee -a "$R/steps.txt"; }
 # run NAME BUDGET_S DIR COMMAND...: in DIR under a timeout of what is left, if BUDGET_S is left
 run() {
@@ -80,9 +89,13 @@ wait $pa
 ra=$?
 note "build A rc=$ra B rc=$rb t=${SECONDS}s"
 [ "$ra" -eq 0 ] && [ "$rb" -eq 0 ] || exit 2
-# shellcheck disable=SC2086  # word splitting of the test list is meant
-run tests_B 100 "$W/B" "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu $TESTS
-if [ -n "$MEMCHECK_TESTS" ]; then
+if [ -z "$PATCH" ]; then
+    note "no patch: B is this tree, its tests not run again"
+else
+    # shellcheck disable=SC2086  # word splitting of the test list is meant
+    run tests_B 100 "$W/B" "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu $TESTS
+fi
+if [ -n "$PATCH" ] && [ -n "$MEMCHECK_TESTS" ]; then
     # shellcheck disable=SC2086
     run memcheck_B 120 "$W/B" compute-sanitizer --tool memcheck --error-exitcode 9 \
         "$PY" -m pytest -q -p no:cacheprovider $MEMCHECK_TESTS
@@ -90,9 +103,9 @@ fi
 for p in $(seq 1 "$PAIRS"); do
     if [ $(( p % 2 )) -eq 1 ]; then order="A B"; else order="B A"; fi
     for side in $order; do
-        if [ "$side" = A ]; then envs=$ENV_A; else envs=$ENV_B; fi
+        if [ "$side" = A ]; then envs=(${env_a[@]+"${env_a[@]}"}); else envs=(${env_b[@]+"${env_b[@]}"}); fi
         # shellcheck disable=SC2086
-        run "bench_${side}_$p" 60 "$W/$side" env $envs "$PY" $BENCH --out "$R" --name "bench_${side}_$p"
+        run "bench_${side}_$p" 60 "$W/$side" env ${envs[@]+"${envs[@]}"} "$PY" $BENCH --out "$R" --name "bench_${side}_$p"
     done
 done
 tar -C "$OUT" -czf "$OUT/ab.tgz" ab

@@ -412,7 +412,7 @@ def _model(name: str, torch: Any, device: str) -> Any:
     return m.to(device).to(memory_format=torch.channels_last)
 
 
-DECODE_STEPS = ("headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "kernels_ns")
+DECODE_STEPS = ("headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "block_ns", "kernels_ns")
 
 
 def _decode_calls(loader: Any) -> tuple[float, int, dict[str, int]] | None:
@@ -540,7 +540,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     torch.cuda.synchronize()
                 got[name] = steps * args.batch / (time.perf_counter() - t0)
                 rec["rows"][name]["ips"].append(got[name])
-                rec["rows"][name].setdefault("next_ms", []).append(1000 * in_next / steps)
+                rec["rows"][name].setdefault("next_ms", []).append(1000 * in_next / max(steps, 1))
                 after = _decode_calls(loaders.get(name))
                 if before and after and after[1] > before[1]:
                     # the GPU decoder's call per batch while the model trains (its host side and
@@ -643,9 +643,11 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
                           "; ".join(f"{k} {C.fmt_summary(sm, 2)}" for k, sm in got)]
     if models:
         lines += ["", "next() per step: the training thread's time in next() on its feed during the timed "
-                  "steps, which is the time it waited for the loader (the GPU waits for a batch on the "
-                  "device, not here). GPU decode call: ImageLoader's decoder calls while the model "
-                  "trains, host time per batch."]
+                  "steps: its waits for the loader, with the feed's own host work (and, for the "
+                  "DataLoader and DALI rows, their label copies); the GPU waits for an ImageLoader batch "
+                  "on the device, not here. GPU decode call: ImageLoader's decoder calls while the "
+                  "model trains, host time per batch; by step, the calls that succeeded "
+                  "(src/core/jpeg_cuda.h)."]
     return "\n".join(lines)
 
 

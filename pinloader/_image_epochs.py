@@ -536,7 +536,7 @@ def _decoder_info(decoders: list[Any]) -> dict[str, Any]:
 
 
 _SUMMED_INFO = frozenset({"batches", "hardware", "roi", "cuda", "raw", "failed", "workspace_bytes",
-                          "headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "kernels_ns"})
+                          "headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "block_ns", "kernels_ns"})
 
 
 def _abandon(futures: Any) -> None:

@@ -411,9 +411,11 @@ class ImageLoader(_EpochLoader):
         the first ``skipped_samples``: index, name, reason), ``host_decoded`` on the GPU path
         (with ``host_decoded_reasons``: reason -> count), and ``gpu_decoder``
         (``JpegDecoder.info()``: batches, hardware, cuda, raw, failed, engines,
-        workspace_bytes, and the decode calls' host time by step, summed over the calls and the
-        decoders: ``headers_ns``, ``engines_wait_ns`` (waiting for the previous batch's
-        kernels before the engines write), ``engines_ns``, ``cuda_ns``, ``kernels_ns``)."""
+        workspace_bytes, and the decode calls' host time by step, summed over the calls that
+        succeeded and over the decoders: ``headers_ns``, ``engines_wait_ns`` (before the JPEG
+        engines write: waiting for the previous batch's kernels, or for the whole stream after
+        the workspace grew), ``engines_ns``, ``cuda_ns`` (nvJPEG's CUDA decoder),
+        ``block_ns`` (the batch's device memory), ``kernels_ns``; src/core/jpeg_cuda.h)."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
         runner = self._runner
         s.update(epoch=self._it.epoch, rank=self.rank, world_size=self.world_size,

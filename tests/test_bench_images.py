@@ -29,7 +29,9 @@ def test_smoke_run(tmp_path):
     assert tiny["rounds_done"] == 2 and set(tiny["rows"]) == {"bound", "imageloader_packed"}
     assert all(len(v["ratio"]) == 2 for v in tiny["rows"].values())
     # the training thread's time in next() per step, every row, every round, in the table
-    assert all(len(v["next_ms"]) == 2 and min(v["next_ms"]) >= 0 for v in tiny["rows"].values())
+    assert all(len(v["next_ms"]) == 2 for v in tiny["rows"].values())
+    # the bound's feed hands out pre-made tensors; ImageLoader's decodes on the host backend here
+    assert max(tiny["rows"]["bound"]["next_ms"]) < min(tiny["rows"]["imageloader_packed"]["next_ms"])
     assert "next() per step, ms" in (tmp_path / "images.md").read_text()
 
 
@@ -39,11 +41,12 @@ def test_the_decode_call_by_step_is_rendered():
     recorded model directly."""
     import argparse
     import sys
+    saved = list(sys.path)  # bench_images puts its folder on the path too
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import bench_images
     finally:
-        sys.path.pop(0)
+        sys.path[:] = saved
     row = {"ips": [100.0, 110.0], "ratio": [0.8, 0.9], "next_ms": [1.0, 2.0], "decode_call_ms": [30.0, 40.0]}
     for k in bench_images.DECODE_STEPS:
         row[f"decode_{k[:-3]}_ms"] = [1.5, 2.5]

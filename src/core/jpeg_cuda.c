@@ -183,7 +183,10 @@ struct pl_jpeg {
     pl_event *ws_free;    /* recorded after a batch's kernels: Note [engines write at once] */
     int ws_free_recorded;
     int ws_sync_all;      /* the next engines' call waits for the whole stream (same Note) */
-    pl_jpeg_counts counts;
+    pl_jpeg_counts counts; /* the decoding thread's own (one call at a time per decoder) */
+    pthread_mutex_t shown_mu;
+    pl_jpeg_counts shown;  /* guarded by shown_mu: counts as of the end of the last call */
+    int shown_mu_made;
 };
 
 static int nj_fail(pl_nvjpegStatus_t s, const char *what, const char **why)
@@ -236,6 +239,8 @@ void pl_jpeg_destroy(pl_jpeg *j)
         b->stream_destroy(j->stream);
     pl_device_pop(b, j->device, prev);
     pl_captures_restore(b, mode);
+    if (j->shown_mu_made)
+        pthread_mutex_destroy(&j->shown_mu);
     free(j);
 }
 
@@ -257,6 +262,12 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     j->b = b;
     j->device = device;
+    if (pthread_mutex_init(&j->shown_mu, NULL) != 0) {
+        free(j);
+        *why = "pthread_mutex_init failed";
+        return PL_ERR_NO_MEMORY;
+    }
+    j->shown_mu_made = 1;
     const char *env = getenv("PINLOADER_JPEG_REGION");
     j->region = env && strcmp(env, "1") == 0;
     int prev = -1;
@@ -307,6 +318,7 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     j->counts.engines = j->engines;
     j->counts.cores_per_engine = j->cores;
+    j->shown = j->counts;
     pl_device_pop(b, device, prev);
     *out = j;
     return PL_OK;
@@ -325,10 +337,21 @@ pl_stream *pl_jpeg_stream(const pl_jpeg *j)
     return j->stream;
 }
 
-void pl_jpeg_get_counts(const pl_jpeg *j, pl_jpeg_counts *c)
+/* The counts as the last call left them: another thread's info() may read them while a call
+ * runs, so each call publishes its own copy at its end (publish_counts). */
+void pl_jpeg_get_counts(pl_jpeg *j, pl_jpeg_counts *c)
 {
-    *c = j->counts;
-    c->workspace_bytes = j->ws_cap;
+    pthread_mutex_lock(&j->shown_mu);
+    *c = j->shown;
+    pthread_mutex_unlock(&j->shown_mu);
+}
+
+static void publish_counts(pl_jpeg *j)
+{
+    j->counts.workspace_bytes = j->ws_cap;
+    pthread_mutex_lock(&j->shown_mu);
+    j->shown = j->counts;
+    pthread_mutex_unlock(&j->shown_mu);
 }
 
 /* The rows [*first, *first + *n) of a box of `in` rows that the output rows [y0, y0 + oh) of
@@ -540,12 +563,16 @@ static int ring_slot(pl_jpeg *j, int n, int *slot, const char **why)
     return PL_OK;
 }
 
+/* A decode call's host time by step (pl_jpeg_counts' *_ns), added to the counts only when the
+ * call succeeds, with its batch. */
+enum { LAP_HEADERS, LAP_ENGINES_WAIT, LAP_ENGINES, LAP_CUDA, LAP_BLOCK, LAP_KERNELS, LAPS };
+
 /* Adds the time since t to *sum; returns now. */
-static int64_t lap(unsigned long long *sum, int64_t t)
+static int64_t lap(int64_t *sum, int64_t t)
 {
     const int64_t now = pl_now_ns();
     if (now > t)
-        *sum += (unsigned long long)(now - t);
+        *sum += now - t;
     return now;
 }
 
@@ -590,7 +617,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     pl_nvjpegImage_t *hw_dst = calloc((size_t)n, sizeof *hw_dst);
     pl_nvjpegDecodeParams_t *hw_params = calloc((size_t)n, sizeof *hw_params);
     int prev = -1, pushed = 0, rc = PL_OK;
-    int64_t t = pl_now_ns();
+    int64_t t = pl_now_ns(), laps[LAPS] = {0};
     if (!sm || !hw_idx || !hw_data || !hw_len || !hw_dst || !hw_params) {
         *why = "out of host memory";
         rc = PL_ERR_NO_MEMORY;
@@ -686,7 +713,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     }
     if ((rc = ensure_workspace(j, ws ? ws : 256, why)) != PL_OK)
         goto done;
-    t = lap(&j->counts.headers_ns, t);
+    t = lap(&laps[LAP_HEADERS], t);
 
     /* 2. decode: the hardware's share in one call, the rest one by one */
     for (int i = 0; i < n; i++) {
@@ -703,12 +730,13 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     }
     if (n_hw && (rc = engines_may_write(j, why)) != PL_OK)
         goto done;
-    t = lap(&j->counts.engines_wait_ns, t);
+    t = lap(&laps[LAP_ENGINES_WAIT], t);
     if (n_hw) {
         pl_nvjpegStatus_t s = nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
         if (s == pl_NVJPEG_STATUS_SUCCESS)
             s = nj.nvjpegDecodeBatchedEx(j->hw, j->hw_state, hw_data, hw_len, hw_dst, hw_params,
                                          (pl_nvjpeg_cudaStream_t)j->stream);
+        t = lap(&laps[LAP_ENGINES], t); /* a failed call's images fall to the CUDA decoder's lap */
         if (s == pl_NVJPEG_STATUS_SUCCESS) {
             j->counts.hardware += (unsigned long long)n_hw;
             for (int k = 0; k < n_hw; k++)
@@ -720,7 +748,6 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
                 decode_one_cuda(j, &items[hw_idx[k]], &sm[hw_idx[k]], &status[hw_idx[k]]);
         }
     }
-    t = lap(&j->counts.engines_ns, t);
     for (int i = 0; i < n; i++) {
         if (sm[i].kind == 2 && status[i] == PL_JPEG_DECODED && !items[i].raw) {
             int already = 0;
@@ -738,7 +765,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
     }
 
-    t = lap(&j->counts.cuda_ns, t);
+    t = lap(&laps[LAP_CUDA], t);
 
     /* 3. descriptors */
     int slot;
@@ -782,10 +809,12 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     j->ring[slot].recorded = 1;
 
     /* 4. the batch's block and the two passes */
+    t = lap(&laps[LAP_KERNELS], t);
     if ((rc = pl_block_alloc(blk, out_bytes, j->stream, 1)) != PL_OK) {
         *why = "the batch's device memory could not be allocated";
         goto done;
     }
+    t = lap(&laps[LAP_BLOCK], t);
     void *descs = j->ring[slot].dev;
     int ow = o->ow, oh = o->oh, cl = o->channels_last;
     img_affine a;
@@ -820,11 +849,18 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         goto done;
     }
     j->ws_free_recorded = 1;
+    lap(&laps[LAP_KERNELS], t);
     j->counts.batches++;
-    lap(&j->counts.kernels_ns, t);
+    j->counts.headers_ns += (unsigned long long)laps[LAP_HEADERS];
+    j->counts.engines_wait_ns += (unsigned long long)laps[LAP_ENGINES_WAIT];
+    j->counts.engines_ns += (unsigned long long)laps[LAP_ENGINES];
+    j->counts.cuda_ns += (unsigned long long)laps[LAP_CUDA];
+    j->counts.block_ns += (unsigned long long)laps[LAP_BLOCK];
+    j->counts.kernels_ns += (unsigned long long)laps[LAP_KERNELS];
 done:
     if (rc != PL_OK)
         j->ws_sync_all = 1; /* writes of this batch may be queued after ws_free (the Note) */
+    publish_counts(j);
     if (pushed)
         pl_device_pop(b, j->device, prev);
     free(sm);

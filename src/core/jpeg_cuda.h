@@ -50,10 +50,16 @@ typedef struct pl_jpeg_counts {
     unsigned long long roi; /* hardware decodes of a region only (Note [region decode]) */
     unsigned engines, cores_per_engine; /* the hardware decoder's (0: none) */
     size_t workspace_bytes;
-    /* host time in pl_jpeg_decode, by step, summed over calls: the headers and the workspace;
-     * the wait before the engines write (Note [engines write at once]); the engines' call;
-     * nvJPEG's CUDA decoder and the host-decoded images' copies; the descriptors and kernels */
-    unsigned long long headers_ns, engines_wait_ns, engines_ns, cuda_ns, kernels_ns;
+    /* Host time in pl_jpeg_decode by step, summed over the calls that succeeded (a failed
+     * call adds nothing, nor to batches): headers_ns, the headers, the parameters and the
+     * workspace (grown when a batch needs more); engines_wait_ns, the wait before the engines
+     * write (the previous batch's kernels, or the whole stream after a growth or a failure:
+     * Note [engines write at once]; 0 when no image goes to the engines); engines_ns, the
+     * engines' call; cuda_ns, nvJPEG's CUDA decoder (with the images of a failed engines' call)
+     * and the host-decoded images' copies; block_ns, the batch's device block (which may wait
+     * for blocks to come back); kernels_ns, the descriptors (a ring slot may wait for its
+     * copy), the kernels' launches and the events. */
+    unsigned long long headers_ns, engines_wait_ns, engines_ns, cuda_ns, block_ns, kernels_ns;
 } pl_jpeg_counts;
 
 /* A decoder on `device` of CUDA backend b. libs: paths to try for libnvjpeg after the ones already
@@ -71,7 +77,8 @@ void pl_jpeg_destroy(pl_jpeg *j);
 int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_out *o,
                    pl_block *blk, int32_t *status, const char **why);
 
-void pl_jpeg_get_counts(const pl_jpeg *j, pl_jpeg_counts *c);
+/* Thread-safe: the counts as of the end of the last call (one in progress is not in them). */
+void pl_jpeg_get_counts(pl_jpeg *j, pl_jpeg_counts *c);
 /* The decoder's own stream (for the test suite's stream holds). */
 pl_stream *pl_jpeg_stream(const pl_jpeg *j);
 /* The test suite's switch: with on = 0, no decoder waits before the engines write (Note

@@ -356,12 +356,13 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
     }
     pl_jpeg_counts c;
     pl_jpeg_get_counts(self->j, &c);
-    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K}", "device",
+    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "device",
                          self->device, "engines", c.engines, "cores_per_engine", c.cores_per_engine,
                          "batches", c.batches, "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw",
                          c.raw, "failed", c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes,
                          "headers_ns", c.headers_ns, "engines_wait_ns", c.engines_wait_ns, "engines_ns",
-                         c.engines_ns, "cuda_ns", c.cuda_ns, "kernels_ns", c.kernels_ns);
+                         c.engines_ns, "cuda_ns", c.cuda_ns, "block_ns", c.block_ns, "kernels_ns",
+                         c.kernels_ns);
 }
 
 /* For ImageLoader's decoder threads (Note [decoder threads] in pinloader/_image_epochs.py):
@@ -379,7 +380,10 @@ static PyMethodDef jd_methods[] = {
     {"decode", (PyCFunction)(void (*)(void))jd_decode, METH_VARARGS | METH_KEYWORDS,
      "decode($self, /, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
      "--\n\nDecode a batch on the GPU: (DeviceArray, status)."},
-    {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nCounts: batches, images per decoder, engines."},
+    {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nThe counts as of the end of the last decode call: batches, images per decoder "
+     "(hardware, roi, cuda, raw, failed), the engines, the workspace, and the calls' host time by step "
+     "(headers_ns, engines_wait_ns, engines_ns, cuda_ns, block_ns, kernels_ns: "
+     "src/core/jpeg_cuda.h)."},
     {"close", (PyCFunction)jd_close, METH_NOARGS, "close($self)\n--\n\nFree the decoder's GPU resources (idempotent)."},
     {"ignore_other_captures", (PyCFunction)jd_ignore_other_captures, METH_NOARGS,
      "ignore_other_captures($self)\n--\n\nThe calling thread's CUDA calls ignore the stream captures other "
