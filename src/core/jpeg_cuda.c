@@ -338,9 +338,15 @@ pl_stream *pl_jpeg_stream(const pl_jpeg *j)
 }
 
 /* The counts as the last call left them: another thread's info() may read them while a call
- * runs, so each call publishes its own copy at its end (publish_counts). */
-void pl_jpeg_get_counts(pl_jpeg *j, pl_jpeg_counts *c)
+ * runs, so each call publishes its own copy at its end (publish_counts). In a fork child the
+ * lock may have been copied held by a thread the child does not have; no other thread writes
+ * there, so the copy is read without it. */
+void pl_jpeg_get_counts(pl_jpeg *j, pl_jpeg_counts *c, int in_fork_child)
 {
+    if (in_fork_child) {
+        *c = j->shown;
+        return;
+    }
     pthread_mutex_lock(&j->shown_mu);
     *c = j->shown;
     pthread_mutex_unlock(&j->shown_mu);

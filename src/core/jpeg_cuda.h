@@ -77,8 +77,9 @@ void pl_jpeg_destroy(pl_jpeg *j);
 int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_out *o,
                    pl_block *blk, int32_t *status, const char **why);
 
-/* Thread-safe: the counts as of the end of the last call (one in progress is not in them). */
-void pl_jpeg_get_counts(pl_jpeg *j, pl_jpeg_counts *c);
+/* Thread-safe: the counts as of the end of the last call (one in progress is not in them).
+ * in_fork_child: j was made by the parent of this forked process (read without the lock). */
+void pl_jpeg_get_counts(pl_jpeg *j, pl_jpeg_counts *c, int in_fork_child);
 /* The decoder's own stream (for the test suite's stream holds). */
 pl_stream *pl_jpeg_stream(const pl_jpeg *j);
 /* The test suite's switch: with on = 0, no decoder waits before the engines write (Note

@@ -355,7 +355,7 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
         return NULL;
     }
     pl_jpeg_counts c;
-    pl_jpeg_get_counts(self->j, &c);
+    pl_jpeg_get_counts(self->j, &c, pl_inherited(self->gen));
     return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "device",
                          self->device, "engines", c.engines, "cores_per_engine", c.cores_per_engine,
                          "batches", c.batches, "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw",
