@@ -412,7 +412,8 @@ def _model(name: str, torch: Any, device: str) -> Any:
     return m.to(device).to(memory_format=torch.channels_last)
 
 
-DECODE_STEPS = ("headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "block_ns", "kernels_ns")
+# the decode call's steps, as JpegDecoder.info() names them with "_ns" (src/core/jpeg_cuda.h)
+DECODE_STEPS = ("headers", "engines_wait", "engines", "cuda", "block", "kernels")
 
 
 def _decode_calls(loader: Any) -> tuple[float, int, dict[str, int]] | None:
@@ -423,7 +424,7 @@ def _decode_calls(loader: Any) -> tuple[float, int, dict[str, int]] | None:
     st = loader.stats()
     gd = st.get("gpu_decoder") or {}
     return (float(st.get("decode_call_s", 0.0)), int(gd.get("batches") or 0),
-            {k: int(gd.get(k) or 0) for k in DECODE_STEPS})
+            {k: int(gd.get(f"{k}_ns") or 0) for k in DECODE_STEPS})
 
 
 def training_batches(loader: Any, door: Any) -> Iterator[Any]:
@@ -548,7 +549,7 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                     nb = after[1] - before[1]
                     rec["rows"][name].setdefault("decode_call_ms", []).append(1000 * (after[0] - before[0]) / nb)
                     for k in DECODE_STEPS:  # the call by step (in the C decoder), ms per batch
-                        rec["rows"][name].setdefault(f"decode_{k[:-3]}_ms", []).append(
+                        rec["rows"][name].setdefault(f"decode_{k}_ms", []).append(
                             (after[2][k] - before[2][k]) / 1e6 / nb)
                 C.log(f"[{mname}] round {r} {name}: {got[name]:,.0f} img/s")
                 if name in loaders:
@@ -570,13 +571,8 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
             if "ips" in v:
                 v["ips_summary"] = C.summarize(v["ips"])
                 v["ratio_summary"] = C.summarize(v["ratio"])
-            if v.get("decode_call_ms"):
-                v["decode_call_ms_summary"] = C.summarize(v["decode_call_ms"])
-            if v.get("next_ms"):
-                v["next_ms_summary"] = C.summarize(v["next_ms"])
-            for k in DECODE_STEPS:
-                if v.get(f"decode_{k[:-3]}_ms"):
-                    v[f"decode_{k[:-3]}_ms_summary"] = C.summarize(v[f"decode_{k[:-3]}_ms"])
+            for key in [k for k in v if k.endswith("_ms") and v[k]]:  # next(), the decode calls
+                v[f"{key}_summary"] = C.summarize(v[key])
         rec["rounds_done"] = args.rounds
     return out
 
@@ -636,8 +632,7 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
         lines.append(C.md_table(["feed", "images/s", "ratio to the bound", "next() per step, ms",
                                  "GPU decode call per batch, ms"], table, "lrrrr"))
         for name, v in rec["rows"].items():
-            got = [(k[:-3], v[f"decode_{k[:-3]}_ms_summary"]) for k in DECODE_STEPS
-                   if f"decode_{k[:-3]}_ms_summary" in v]
+            got = [(k, v[f"decode_{k}_ms_summary"]) for k in DECODE_STEPS if f"decode_{k}_ms_summary" in v]
             if got:
                 lines += ["", f"{name}'s decode call per batch by step, ms (the C decoder's own clock): " +
                           "; ".join(f"{k} {C.fmt_summary(sm, 2)}" for k, sm in got)]

@@ -186,7 +186,6 @@ struct pl_jpeg {
     pl_jpeg_counts counts; /* the decoding thread's own (one call at a time per decoder) */
     pthread_mutex_t shown_mu;
     pl_jpeg_counts shown;  /* guarded by shown_mu: counts as of the end of the last call */
-    int shown_mu_made;
 };
 
 static int nj_fail(pl_nvjpegStatus_t s, const char *what, const char **why)
@@ -239,8 +238,7 @@ void pl_jpeg_destroy(pl_jpeg *j)
         b->stream_destroy(j->stream);
     pl_device_pop(b, j->device, prev);
     pl_captures_restore(b, mode);
-    if (j->shown_mu_made)
-        pthread_mutex_destroy(&j->shown_mu);
+    pthread_mutex_destroy(&j->shown_mu); /* made first in pl_jpeg_create */
     free(j);
 }
 
@@ -267,7 +265,6 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
         *why = "pthread_mutex_init failed";
         return PL_ERR_NO_MEMORY;
     }
-    j->shown_mu_made = 1;
     const char *env = getenv("PINLOADER_JPEG_REGION");
     j->region = env && strcmp(env, "1") == 0;
     int prev = -1;
