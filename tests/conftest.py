@@ -11,6 +11,11 @@ Markers (also declared in pyproject.toml):
 * ``fork``: tests that fork (all in tests/test_fork.py).
 * ``hostile``: hostile input or user code (absurd sizes, headers that lie, re-entry, files cut
   under a mapping) that must get a clean error and never a crash or a hang.
+* ``jax_gpu``: tests that start JAX's GPU client. They run after every other test of the session
+  (pytest_collection_modifyitems): the client keeps a thread that polls its streams with
+  cuStreamQuery, a call that invalidates any graph capture in global mode then in progress, so
+  the tests that capture in torch's default mode (tests/test_static_cuda.py) must run before it
+  exists.
 
 Fixtures:
 
@@ -61,6 +66,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fork: forks a child process (tests/test_fork.py)")
     config.addinivalue_line(
         "markers", "hostile: hostile input or user code that must get a clean error, never a crash")
+    config.addinivalue_line(
+        "markers", "jax_gpu: starts JAX's GPU client; run after every other test (tests/conftest.py)")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -95,6 +102,8 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
+    # jax_gpu tests last, in their own order (the module docstring says why)
+    items.sort(key=lambda item: item.get_closest_marker("jax_gpu") is not None)
     if CUDA:
         return
     skip = pytest.mark.skip(reason=_no_cuda_reason())

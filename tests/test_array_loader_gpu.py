@@ -41,6 +41,7 @@ def test_gpu_values_through_cupy():
 
 
 @pytest.mark.gpu
+@pytest.mark.jax_gpu
 def test_gpu_values_through_jax():
     jax = pytest.importorskip("jax")
     if not any(d.platform == "gpu" for d in jax.devices()):

@@ -481,6 +481,7 @@ def test_gpu_cupy_door_cuda_is_cupys_current_device():
 
 
 @pytest.mark.gpu
+@pytest.mark.jax_gpu
 def test_gpu_jax_door_cuda_is_jaxs_default_gpu():
     jax = pytest.importorskip("jax")
     try:

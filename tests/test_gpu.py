@@ -194,6 +194,7 @@ def test_cupy_roundtrip():
         np.testing.assert_array_equal(cp.asnumpy(b["y"]), ref["y"])
 
 
+@pytest.mark.jax_gpu
 def test_jax_roundtrip():
     jax = pytest.importorskip("jax")
     try:

@@ -156,6 +156,7 @@ def test_cupy_static_batches():
     batches.close()
 
 
+@pytest.mark.jax_gpu
 def test_jax_refuses_static_batches():
     pytest.importorskip("jax")
     import pinloader.jax as pj
@@ -197,7 +198,8 @@ def test_torch_door_looks_the_stream_up_once_per_batch_and_follows_it(monkeypatc
         assert y.cpu().tolist() == list(range(i, i + 4))
 
 
-@pytest.mark.parametrize("door", ["torch", "cupy", "jax", "capsule", "array"])
+@pytest.mark.parametrize("door", ["torch", "cupy", pytest.param("jax", marks=pytest.mark.jax_gpu), "capsule",
+                                  "array"])
 def test_every_container_kind_through_every_door_on_the_gpu(door):
     from helpers import map_leaves
     from test_handout import STRUCTURES, _canon
