@@ -40,7 +40,16 @@
  * stream: the old workspace, ring slots, deferred blocks, whose readers are queued here) and
  * after a batch that failed part way (its writes into the workspace may be queued after the
  * last `ws_free`). With two decoders (Note [decoder threads] in pinloader/_image_epochs.py) the
- * other decoder keeps the engines busy during such a wait. */
+ * other decoder keeps the engines busy during such a wait.
+ *
+ * Note [the engines' call beside training]
+ * The hardware backend is made with NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE. In its default, pipelined
+ * mode, nvjpegDecodeBatched returns only once the work queued on the GPU's other streams before
+ * it has run: beside a training step, whose kernels the training thread queues a step ahead, each
+ * call waits for the step. Measured on an H100 with 600 kernels of 0.1 ms filling every SM on
+ * another stream, a call of 256 ImageNet-sized images took 67 ms pipelined against 11 ms without
+ * the pipeline (7.0 and 9.4 ms on an idle GPU); benchmarks/results/h100_2026-12-06b/README.md has
+ * the measurement and what it gives real models. */
 #include "jpeg_cuda.h"
 
 #include "nvjpeg_api.h"
@@ -289,7 +298,9 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     /* The hardware backend exists only on GPUs with JPEG engines (A100, H100, H200, ...):
      * elsewhere its creation fails and the CUDA decoder takes every image. */
-    if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, 0, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
+    if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE,
+                          &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
+        /* Note [the engines' call beside training] */
         if (nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
             j->engines = j->cores = 0;
         if ((s = nj.nvjpegJpegStateCreate(j->hw, &j->hw_state)) != pl_NVJPEG_STATUS_SUCCESS) {

@@ -31,6 +31,9 @@ typedef enum pl_nvjpegBackend {
     pl_NVJPEG_BACKEND_HARDWARE = 3,
 } pl_nvjpegBackend_t;
 
+/* nvjpegCreateEx's flags (nvjpeg.h's NVJPEG_FLAGS_*) */
+#define PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE 1u
+
 typedef enum pl_nvjpegOutputFormat {
     pl_NVJPEG_OUTPUT_RGBI = 5, /* interleaved RGB, one plane */
 } pl_nvjpegOutputFormat_t;
