@@ -148,6 +148,38 @@ def test_jpeg_decode_within_tolerance_of_pillow(dec, torch):
     assert max(a for _, a in diffs) <= 3.0
 
 
+def test_the_engines_call_does_not_wait_for_other_streams(dec, torch):
+    # Note [the engines' call beside training] in src/core/jpeg_cuda.c: a batch decoded while
+    # about a second of matrix products fills the GPU from another stream (a training step queued
+    # ahead) comes back before they have run. Made pipelined, nvJPEG's hardware call waited for
+    # them. Causal, not timed: the products' event is still pending when the decode returns.
+    if not dec.info()["engines"]:
+        pytest.skip("this GPU has no JPEG engines: the CUDA decoder keeps stream order")
+    shapes = [(375, 500)] * 32
+    blobs = [_jpeg(_photo(h, w, 40 + i)) for i, (h, w) in enumerate(shapes)]
+    base, offsets, lengths = _pack(blobs)
+    params = _params(np.random.default_rng(7), shapes, (224, 224))
+    _run(dec, torch, base, offsets, lengths, params, (224, 224))  # the workspace made first
+    torch.cuda.synchronize()
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(600):
+            torch.mm(x, x, out=y)
+        products = torch.cuda.Event()
+        products.record(side)
+    before = dec.info()["hardware"]
+    arr, status = dec.decode(base, offsets, lengths, params, (224, 224), (1, 1, 1), (0, 0, 0), "uint8", True)
+    pending = not products.query()
+    torch.cuda.synchronize()
+    assert status.tolist() == [0] * len(blobs)
+    assert dec.info()["hardware"] == before + len(blobs)
+    assert pending, "the decode call waited for the other stream's work"
+    del arr
+
+
 def test_every_kind_of_sample_in_one_batch(dec, torch):
     rng = np.random.default_rng(2)
     a = _photo(120, 160, 3)
