@@ -46,10 +46,11 @@
  * The hardware backend is made with NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE. In its default, pipelined
  * mode, nvjpegDecodeBatched returns only once the work queued on the GPU's other streams before
  * it has run: beside a training step, whose kernels the training thread queues a step ahead, each
- * call waits for the step. Measured on an H100 with 600 kernels of 0.1 ms filling every SM on
- * another stream, a call of 256 ImageNet-sized images took 67 ms pipelined against 11 ms without
- * the pipeline (7.0 and 9.4 ms on an idle GPU); benchmarks/results/h100_2026-12-06b/README.md has
- * the measurement and what it gives real models. */
+ * call would wait for the step, and the loader would fall behind the model. Without the pipeline
+ * a call on an idle GPU is somewhat slower, but two decoders on their threads keep the engines as
+ * busy as before. benchmarks/nvjpeg_contention.cu measures the call alone, and the benchmarks
+ * page what the flag gives real models; tests/test_jpeg_decoder_gpu.py checks that a decode
+ * returns while another stream's work is still queued. */
 #include "jpeg_cuda.h"
 
 #include "nvjpeg_api.h"
