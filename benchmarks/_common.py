@@ -226,6 +226,19 @@ def _nvidia_smi(fields: str) -> list[list[str]] | str:
     return [[c.strip() for c in line.split(",")] for line in proc.stdout.strip().splitlines()]
 
 
+# Environment variables that change what a run measures: pinloader's own, the CUDA driver's and
+# runtime's (CUDA_DEVICE_MAX_CONNECTIONS, CUDA_VISIBLE_DEVICES, ...) and the thread pools'.
+_SETTING_PREFIXES = ("PINLOADER_", "CUDA_", "NCCL_", "PYTORCH_", "TORCH_")
+_SETTING_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHASHSEED")
+
+
+def settings_in_environment(environ=None) -> dict[str, str]:
+    """The environment variables of _SETTING_PREFIXES / _SETTING_NAMES set for this run, sorted,
+    so that a result file says what ran under which settings (an A/B of ENV_A / ENV_B, say)."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in sorted(env) if k.startswith(_SETTING_PREFIXES) or k in _SETTING_NAMES}
+
+
 def machine_info(torch=None, device: str = "cuda:0") -> dict:
     """Describe the machine, the software and (when torch is given) the GPU."""
     try:
@@ -243,6 +256,7 @@ def machine_info(torch=None, device: str = "cuda:0") -> dict:
         "cpu_affinity": affinity,
         "numa_nodes": _numa_nodes(),
         "mem_total_gib": _mem_total_gib(),
+        "settings": settings_in_environment(),
     }
     versions: dict[str, Any] = {
         "numpy": _dist_version("numpy"),
@@ -323,7 +337,8 @@ def machine_summary_lines(info: dict) -> list[str]:
         f"cupy {v.get('cupy')}, pinloader {v.get('pinloader')} "
         f"(backend {info.get('pinloader_backend', info.get('pinloader_import_error', '?'))})",
         f"- Run at {info.get('created_utc')}: `{' '.join(info.get('argv', []))}`",
-    ]
+    ] + ([f"- Settings: {' '.join(f'{k}={v}' for k, v in info['settings'].items())}"]
+         if info.get("settings") else [])
 
 
 # --------------------------------------------------------------------------- result files

@@ -1,6 +1,6 @@
 """benchmarks/_common.py's watch_for_stalls: a GPU run that stops making progress leaves the
 process's stacks behind (the runs are bounded by a timeout that kills them, and then nothing
-else would say where they were)."""
+else would say where they were). Also: its result files name the settings a run had."""
 from __future__ import annotations
 
 import importlib
@@ -114,3 +114,19 @@ def test_a_run_that_ends_well_leaves_no_watch_files(tmp_path):
     """)
     assert r.returncode == 0 and "done" in r.stdout, r.stderr
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == []
+
+
+def test_result_files_name_the_settings_a_run_had():
+    # an A/B of settings (benchmarks/ab_gpu.sh's ENV_A / ENV_B) is told apart in its result files
+    sys.path.insert(0, str(BENCH))
+    try:
+        C = importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(BENCH))
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "PINLOADER_JPEG_DECODERS": "4", "HOME": "/root",
+           "OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    got = C.settings_in_environment(env)
+    assert got == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "OMP_NUM_THREADS": "1", "PINLOADER_JPEG_DECODERS": "4"}
+    lines = C.machine_summary_lines({"settings": got})
+    assert lines[-1] == "- Settings: CUDA_DEVICE_MAX_CONNECTIONS=32 OMP_NUM_THREADS=1 PINLOADER_JPEG_DECODERS=4"
+    assert not C.machine_summary_lines({"settings": {}})[-1].startswith("- Settings")
