@@ -45,12 +45,14 @@
  * Note [the engines' call beside training]
  * The hardware backend is made with NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE. In its default, pipelined
  * mode, nvjpegDecodeBatched returns only once the work queued on the GPU's other streams before
- * it has run: beside a training step, whose kernels the training thread queues a step ahead, each
- * call would wait for the step, and the loader would fall behind the model. Without the pipeline
- * a call on an idle GPU is somewhat slower, but two decoders on their threads keep the engines as
- * busy as before. benchmarks/nvjpeg_contention.cu measures the call alone, and the benchmarks
- * page what the flag gives real models; tests/test_jpeg_decoder_gpu.py checks that a decode
- * returns while another stream's work is still queued. */
+ * it has run; without the pipeline it does not wait for them, and on an idle GPU it is somewhat
+ * slower. Beside a training step, whose kernels the training thread queues a step ahead, the
+ * models trained faster with the flag than without it (alternating processes on one machine),
+ * although the decode calls lasted about as long either way: what the pipelined mode cost the
+ * model's stream is not established. benchmarks/nvjpeg_contention.cu measures the call alone,
+ * the benchmarks page what the flag gave real models; tests/test_jpeg_decoder_gpu.py checks that
+ * a decode returns while another stream's work is still queued, and that the pipelined mode
+ * (the test suite's switch, pl_jpeg_debug_pipelined) does not. */
 #include "jpeg_cuda.h"
 
 #include "nvjpeg_api.h"
@@ -198,6 +200,13 @@ struct pl_jpeg {
     pl_jpeg_counts shown;  /* guarded by shown_mu: counts as of the end of the last call */
 };
 
+static atomic_int pipelined; /* the test suite's switch: pl_jpeg_debug_pipelined */
+
+void pl_jpeg_debug_pipelined(int on)
+{
+    atomic_store(&pipelined, on != 0);
+}
+
 static int nj_fail(pl_nvjpegStatus_t s, const char *what, const char **why)
 {
     static __thread char buf[160];
@@ -299,9 +308,9 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     /* The hardware backend exists only on GPUs with JPEG engines (A100, H100, H200, ...):
      * elsewhere its creation fails and the CUDA decoder takes every image. */
-    if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE,
-                          &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
-        /* Note [the engines' call beside training] */
+    /* Note [the engines' call beside training] */
+    const unsigned hw_flags = atomic_load(&pipelined) ? 0u : PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE;
+    if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, hw_flags, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
         if (nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
             j->engines = j->cores = 0;
         if ((s = nj.nvjpegJpegStateCreate(j->hw, &j->hw_state)) != pl_NVJPEG_STATUS_SUCCESS) {

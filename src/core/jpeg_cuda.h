@@ -85,6 +85,10 @@ pl_stream *pl_jpeg_stream(const pl_jpeg *j);
 /* The test suite's switch: with on = 0, no decoder waits before the engines write (Note
  * [engines write at once] in jpeg_cuda.c), to show what the waits prevent. On by default. */
 void pl_jpeg_debug_engine_waits(int on);
+/* The test suite's switch: with on = 1, decoders made after it use the hardware backend's
+ * pipelined mode (Note [the engines' call beside training] in jpeg_cuda.c), to show what its
+ * absence prevents. Off by default. */
+void pl_jpeg_debug_pipelined(int on);
 
 /* The image kernels (image_kernel.cu), launched by backend_cuda.c: which = 0 the horizontal
  * pass, 1 + PL_IMG_* the vertical pass for that dtype. args as cudaLaunchKernel takes them. */

@@ -216,7 +216,17 @@ static PyObject *t_debug_jpeg_engine_waits(PyObject *m, PyObject *arg)
     return set_switch(arg, pl_jpeg_debug_engine_waits);
 }
 
+static PyObject *t_debug_jpeg_pipelined(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    return set_switch(arg, pl_jpeg_debug_pipelined);
+}
+
 static PyMethodDef testing_methods[] = {
+    {"debug_jpeg_pipelined", t_debug_jpeg_pipelined, METH_O,
+     PyDoc_STR("debug_jpeg_pipelined(on): True makes the GPU decoders made after it use nvJPEG's "
+               "pipelined hardware mode (Note [the engines' call beside training] in "
+               "src/core/jpeg_cuda.c)")},
     {"debug_jpeg_engine_waits", t_debug_jpeg_engine_waits, METH_O,
      PyDoc_STR("debug_jpeg_engine_waits(on): False makes every GPU decoder skip its wait before "
                "the hardware engines write (Note [engines write at once] in src/core/jpeg_cuda.c)")},
