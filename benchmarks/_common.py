@@ -228,15 +228,19 @@ def _nvidia_smi(fields: str) -> list[list[str]] | str:
 
 # Environment variables that change what a run measures: pinloader's own, the CUDA driver's and
 # runtime's (CUDA_DEVICE_MAX_CONNECTIONS, CUDA_VISIBLE_DEVICES, ...) and the thread pools'.
+# Where a variable only says where something is installed (CUDA_HOME, TORCH_HOME, ...), it is
+# left out.
 _SETTING_PREFIXES = ("PINLOADER_", "CUDA_", "NCCL_", "PYTORCH_", "TORCH_")
 _SETTING_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHASHSEED")
+_NOT_SETTINGS = ("_HOME", "_PATH", "_ROOT", "_DIR", "_VERSION")
 
 
 def settings_in_environment(environ=None) -> dict[str, str]:
     """The environment variables of _SETTING_PREFIXES / _SETTING_NAMES set for this run, sorted,
     so that a result file says what ran under which settings (an A/B of ENV_A / ENV_B, say)."""
     env = os.environ if environ is None else environ
-    return {k: env[k] for k in sorted(env) if k.startswith(_SETTING_PREFIXES) or k in _SETTING_NAMES}
+    return {k: env[k] for k in sorted(env)
+            if (k.startswith(_SETTING_PREFIXES) and not k.endswith(_NOT_SETTINGS)) or k in _SETTING_NAMES}
 
 
 def machine_info(torch=None, device: str = "cuda:0") -> dict:

@@ -124,7 +124,8 @@ def test_result_files_name_the_settings_a_run_had():
     finally:
         sys.path.remove(str(BENCH))
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "PINLOADER_JPEG_DECODERS": "4", "HOME": "/root",
-           "OMP_NUM_THREADS": "1", "PATH": "/bin"}
+           "OMP_NUM_THREADS": "1", "PATH": "/bin", "CUDA_HOME": "/usr/local/cuda", "CUDA_VERSION": "13.0",
+           "TORCH_HOME": "/root/.cache/torch"}
     got = C.settings_in_environment(env)
     assert got == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "OMP_NUM_THREADS": "1", "PINLOADER_JPEG_DECODERS": "4"}
     lines = C.machine_summary_lines({"settings": got})
