@@ -19,6 +19,15 @@ pytestmark = pytest.mark.skipif(not (BENCH / "_common.py").is_file(),
                                 reason="benchmarks/ is not in the sdist")
 
 
+def _common():
+    """benchmarks/_common.py, imported in this process."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 def _run(tmp_path, body):
     script = textwrap.dedent(f"""
         import sys, time
@@ -63,11 +72,7 @@ def test_logging_holds_the_watch_off(tmp_path):
 
 
 def test_zero_seconds_is_off():
-    sys.path.insert(0, str(BENCH))
-    try:
-        C = importlib.import_module("_common")
-    finally:
-        sys.path.remove(str(BENCH))
+    C = _common()
     import threading
     before = {t.name for t in threading.enumerate()}
     C.watch_for_stalls(0)
@@ -118,11 +123,7 @@ def test_a_run_that_ends_well_leaves_no_watch_files(tmp_path):
 
 def test_result_files_name_the_settings_a_run_had():
     # an A/B of settings (benchmarks/ab_gpu.sh's ENV_A / ENV_B) is told apart in its result files
-    sys.path.insert(0, str(BENCH))
-    try:
-        C = importlib.import_module("_common")
-    finally:
-        sys.path.remove(str(BENCH))
+    C = _common()
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "PINLOADER_JPEG_DECODERS": "4", "HOME": "/root",
            "OMP_NUM_THREADS": "1", "PATH": "/bin", "CUDA_HOME": "/usr/local/cuda", "CUDA_VERSION": "13.0",
            "TORCH_HOME": "/root/.cache/torch"}

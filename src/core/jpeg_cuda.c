@@ -307,8 +307,8 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
         goto error;
     }
     /* The hardware backend exists only on GPUs with JPEG engines (A100, H100, H200, ...):
-     * elsewhere its creation fails and the CUDA decoder takes every image. */
-    /* Note [the engines' call beside training] */
+     * elsewhere its creation fails and the CUDA decoder takes every image. Made without its
+     * pipeline: Note [the engines' call beside training]. */
     const unsigned hw_flags = atomic_load(&pipelined) ? 0u : PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE;
     if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, hw_flags, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
         if (nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
