@@ -149,10 +149,9 @@ def test_jpeg_decode_within_tolerance_of_pillow(dec, torch):
 
 
 _NO_WAIT_SCRIPT = r"""
-import io, sys
+import sys
 import cupy
 import numpy as np
-from PIL import Image
 from pinloader import _C, _cudart
 
 _C._testing.debug_jpeg_pipelined(sys.argv[1] == "pipelined")
@@ -160,18 +159,8 @@ dec = _C.JpegDecoder(0, libraries=_cudart.nvjpeg_candidates())
 if not dec.info()["engines"]:
     print("no engines")
     sys.exit(0)
-rng = np.random.default_rng(7)
-y, x = np.mgrid[0:375, 0:500]
-blobs = []
-for i in range(32):
-    img = np.stack([128 + 100 * np.sin(x / (5 + i + c) + y / (9 + c)) for c in range(3)], -1)
-    img = np.clip(img + rng.normal(0, 8, img.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(img).save(buf, "JPEG", quality=90)
-    blobs.append(buf.getvalue())
-lengths = np.array([len(b) for b in blobs], np.int64)
-offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-base = np.frombuffer(b"".join(blobs), np.uint8)
+with np.load(sys.argv[2]) as f:  # 32 photo-like 375x500 JPEGs, packed by the test
+    base, offsets, lengths = f["base"], f["offsets"], f["lengths"]
 params = np.array([[0, 0, 375, 500, 224, 224, 0, 0, 0]] * 32, np.int32)
 args = (base, offsets, lengths, params, (224, 224), (1, 1, 1), (0, 0, 0), "uint8", True)
 # every descriptor slot of the decoder's ring, its workspace and the batch's block made first:
@@ -210,7 +199,7 @@ def _under_compute_sanitizer() -> bool:
 
 
 @pytest.mark.parametrize("mode,waits", [("without_pipeline", False), ("pipelined", True)])
-def test_the_engines_call_does_not_wait_for_other_streams(mode, waits):
+def test_the_engines_call_does_not_wait_for_other_streams(mode, waits, tmp_path):
     # Note [the engines' call beside training] in src/core/jpeg_cuda.c: a batch decoded while
     # about a second of matrix products fills the GPU from another stream (a training step queued
     # ahead) comes back before they have run; made pipelined (the test switch), nvJPEG's hardware
@@ -223,8 +212,11 @@ def test_the_engines_call_does_not_wait_for_other_streams(mode, waits):
     if _under_compute_sanitizer():
         pytest.skip("under compute-sanitizer, whose child process would run 600 instrumented matrix products")
     from helpers import describe, run_py
-    p = run_py(_NO_WAIT_SCRIPT, timeout=240, argv=(mode,), env_extra={"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
-               env_remove=("CUDA_LAUNCH_BLOCKING",))
+    base, offsets, lengths = _pack([_jpeg(_photo(375, 500, 40 + i)) for i in range(32)])
+    batch = tmp_path / "batch.npz"
+    np.savez(batch, base=base, offsets=offsets, lengths=lengths)
+    p = run_py(_NO_WAIT_SCRIPT, timeout=240, argv=(mode, str(batch)),
+               env_extra={"CUDA_DEVICE_MAX_CONNECTIONS": "32"}, env_remove=("CUDA_LAUNCH_BLOCKING",))
     assert p.returncode == 0, describe(p)
     if p.stdout.strip() == "no engines":
         pytest.skip("this GPU has no JPEG engines: the CUDA decoder keeps stream order")
