@@ -443,6 +443,11 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
     import pinloader.torch as pt
     out: dict[str, Any] = {}
     dev = torch.device(args.device)
+    if args.model_stream == "side" and dev.type == "cuda":
+        # everything of the table (models, the bound's tensors, the doors' waits) on one
+        # non-blocking stream: set, not entered, so the feeds' generators run on it too
+        torch.cuda.synchronize(dev)
+        torch.cuda.set_stream(torch.cuda.Stream(dev))
     for mname in args.models:
         ds = datasets[MODELS[mname] if not args.smoke else "imagenet"]
         rec: dict[str, Any] = {"size_class": MODELS[mname], "rows": {}}
@@ -476,6 +481,9 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
                                            layout="NHWC", device=args.device, drop_last=True)
             door = pt.prefetch(loader, device=args.device)
             loaders["imageloader_packed"] = loader
+            st = loader.stats()  # the CUDA driver's work queues the process got (the images guide)
+            if "cuda_connections" in st:
+                rec["cuda_connections"] = [st["cuda_connections"], st["cuda_connections_reason"]]
             yield from training_batches(loader, door)
 
         def feed_dataloader() -> Any:
@@ -636,6 +644,9 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
             if got:
                 lines += ["", f"{name}'s decode call per batch by step, ms (the C decoder's own clock): " +
                           "; ".join(f"{k} {C.fmt_summary(sm, 2)}" for k, sm in got)]
+        if rec.get("cuda_connections"):
+            queues, why = rec["cuda_connections"]
+            lines += ["", f"CUDA hardware work queues (ImageLoader's stats()): {queues} ({why})"]
     if models:
         lines += ["", "next() per step: the training thread's time in next() on its feed during the timed "
                   "steps: its waits for the loader, with the feed's own host work (and, for the "
@@ -671,6 +682,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default is 0.005): how "
                          "long a thread that wants the GIL waits for the training thread to let it go")
+    ap.add_argument("--model-stream", default="default", choices=["default", "side"],
+                    help="the stream the --models table trains on: torch's default (the legacy "
+                         "default stream, which blocking streams and synchronous copies wait for) "
+                         "or a stream of torch's own made for the run (non-blocking); every feed "
+                         "of the table on the same one")
     ap.add_argument("--stall-s", type=float, default=120,
                     help="when nothing is logged for this long, write the process's stacks to "
                          "<out>/<name>_stall.txt and end the run with exit status 3 (0: off)")

@@ -9,9 +9,14 @@
 // GPU, with one 40-ms kernel filling every SM on another stream, and with a 40-ms one-warp kernel
 // queued before it on its own stream. Part 2, with and without NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE,
 // batches of 32/128/256 images: idle, and behind 600 kernels of 0.1 ms that fill every SM on
-// another stream (a training step's kernels, queued ahead). Each line: the mean of 5 calls after
-// one warm-up (min-max), and the time until the decode's stream is done. A stand-alone tool: it
-// includes nvjpeg.h and links libnvjpeg, where pinloader loads nvJPEG at run time.
+// another stream (a training step's kernels, queued ahead). Part 3, both ways, 256 images behind
+// the same 600 kernels on a non-blocking stream, on the legacy default stream (where torch runs a
+// model unless told otherwise) and on a blocking stream. PARTS=23 runs parts 2 and 3 only. Run
+// it with CUDA_DEVICE_MAX_CONNECTIONS unset (the driver's 8 hardware work queues) and =32: the
+// pipelined call's wait is the queues' (Note [hardware work queues] in src/core/backend_cuda.c).
+// Each line: the mean of 5 calls after one warm-up (min-max), and the time until the decode's
+// stream is done. A stand-alone tool: it includes nvjpeg.h and links libnvjpeg, where pinloader
+// loads nvJPEG at run time.
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
 #include <stdio.h>
@@ -37,10 +42,12 @@
     } while (0)
 
 enum { MAX_IMAGES = 1024 };
-enum { IDLE, SMS_BUSY, QUEUED_ON_ITS_STREAM, KERNEL_TRAIN };
+enum { IDLE, SMS_BUSY, QUEUED_ON_ITS_STREAM, KERNEL_TRAIN, KERNEL_TRAIN_LEGACY, KERNEL_TRAIN_BLOCKING };
 static const char *const MODE_NAME[] = {"idle", "every SM busy 40 ms on another stream",
                                         "40 ms kernel queued first on its stream",
-                                        "600 x 0.1 ms kernels on another stream"};
+                                        "600 x 0.1 ms kernels on another stream",
+                                        "600 x 0.1 ms kernels on the legacy default stream",
+                                        "600 x 0.1 ms kernels on a blocking stream"};
 
 __global__ void spin(long long cycles)
 {
@@ -65,7 +72,7 @@ static void *planes[MAX_IMAGES][3];
 static nvjpegHandle_t hw;
 static nvjpegJpegState_t state;
 static nvjpegDecodeParams_t params[MAX_IMAGES];
-static cudaStream_t stream, other;
+static cudaStream_t stream, other, blocking;
 static long long cycles_per_ms;
 static int sms;
 
@@ -107,9 +114,14 @@ static void decode_once(nvjpegOutputFormat_t f, int n, int mode, int pinned, dou
         spin<<<sms * 2, 1024, 0, other>>>(cycles_per_ms * 40);
     else if (mode == QUEUED_ON_ITS_STREAM)
         spin<<<1, 32, 0, stream>>>(cycles_per_ms * 40);
-    else if (mode == KERNEL_TRAIN)
+    else if (mode >= KERNEL_TRAIN) {
+        /* where a training step's kernels go: a non-blocking stream; the legacy default stream
+         * (torch's default: every blocking stream and every synchronous copy waits for it); a
+         * stream made with cudaStreamCreate's default flags */
+        cudaStream_t s = mode == KERNEL_TRAIN ? other : mode == KERNEL_TRAIN_LEGACY ? cudaStreamLegacy : blocking;
         for (int k = 0; k < 600; k++)
-            spin<<<sms * 2, 1024, 0, other>>>(cycles_per_ms / 10);
+            spin<<<sms * 2, 1024, 0, s>>>(cycles_per_ms / 10);
+    }
     CK(cudaGetLastError());
     const double t0 = now_ms();
     NK(nvjpegDecodeBatchedInitialize(hw, state, n, 1, f));
@@ -132,7 +144,7 @@ static void measure(const char *label, nvjpegOutputFormat_t f, int n, int mode, 
         lo = call < lo ? call : lo;
         hi = call > hi ? call : hi;
     }
-    printf("%s, %-40s: call %.2f ms (%.2f-%.2f), to stream done %.2f ms\n", label, MODE_NAME[mode], sum / 5,
+    printf("%s, %-50s: call %.2f ms (%.2f-%.2f), to stream done %.2f ms\n", label, MODE_NAME[mode], sum / 5,
            lo, hi, sum_done / 5);
 }
 
@@ -165,6 +177,7 @@ int main(int argc, char **argv)
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    CK(cudaStreamCreate(&blocking));
     {
         /* the SM clock, from a timed spin */
         cudaEvent_t a, b;
@@ -202,27 +215,46 @@ int main(int argc, char **argv)
         const char *name;
     } formats[] = {{NVJPEG_OUTPUT_RGBI, "RGBI"}, {NVJPEG_OUTPUT_RGB, "RGB"}, {NVJPEG_OUTPUT_YUV, "YUV"},
                    {NVJPEG_OUTPUT_Y, "Y"}, {NVJPEG_OUTPUT_BGRI, "BGRI"}};
-    printf("# part 1: output formats, pipelined (flags 0), %d images a call\n", n_images);
-    for (int pinned = 0; pinned < 2; pinned++)
-        for (size_t k = 0; k < sizeof formats / sizeof formats[0]; k++)
-            for (int mode = IDLE; mode <= QUEUED_ON_ITS_STREAM; mode++) {
-                char label[64];
-                snprintf(label, sizeof label, "%s input, %-5s", pinned ? "pinned  " : "pageable", formats[k].name);
-                measure(label, formats[k].f, n_images, mode, pinned);
+    /* PARTS=23 runs parts 2 and 3 only (default: all three) */
+    const char *parts = getenv("PARTS");
+#define WANT(c) (!parts || strchr(parts, c))
+    if (WANT('1')) {
+        printf("# part 1: output formats, pipelined (flags 0), %d images a call\n", n_images);
+        for (int pinned = 0; pinned < 2; pinned++)
+            for (size_t k = 0; k < sizeof formats / sizeof formats[0]; k++)
+                for (int mode = IDLE; mode <= QUEUED_ON_ITS_STREAM; mode++) {
+                    char label[64];
+                    snprintf(label, sizeof label, "%s input, %-5s", pinned ? "pinned  " : "pageable", formats[k].name);
+                    measure(label, formats[k].f, n_images, mode, pinned);
+                }
+    }
+    if (WANT('2')) {
+        printf("# part 2: NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE off (flags 0) and on (flags 1), RGBI, pageable\n");
+        for (unsigned flags = 0; flags < 2; flags++) {
+            if (flags) {
+                destroy_decoder();
+                make_decoder(NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE);
             }
-    printf("# part 2: NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE off (flags 0) and on (flags 1), RGBI, pageable\n");
-    for (unsigned flags = 0; flags < 2; flags++) {
-        if (flags) {
-            destroy_decoder();
-            make_decoder(NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE);
+            const int sizes[] = {32, 128, 256};
+            for (int z = 0; z < 3; z++) {
+                const int n = sizes[z] < n_images ? sizes[z] : n_images;
+                char label[64];
+                snprintf(label, sizeof label, "flags %u, %3d images", flags, n);
+                measure(label, NVJPEG_OUTPUT_RGBI, n, IDLE, 0);
+                measure(label, NVJPEG_OUTPUT_RGBI, n, KERNEL_TRAIN, 0);
+            }
         }
-        const int sizes[] = {32, 128, 256};
-        for (int z = 0; z < 3; z++) {
-            const int n = sizes[z] < n_images ? sizes[z] : n_images;
+    }
+    if (WANT('3')) {
+        printf("# part 3: where the other work is queued, 256 images, RGBI, pageable\n");
+        for (unsigned flags = 0; flags < 2; flags++) {
+            destroy_decoder();
+            make_decoder(flags ? NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE : 0);
+            const int n = 256 < n_images ? 256 : n_images;
             char label[64];
             snprintf(label, sizeof label, "flags %u, %3d images", flags, n);
-            measure(label, NVJPEG_OUTPUT_RGBI, n, IDLE, 0);
-            measure(label, NVJPEG_OUTPUT_RGBI, n, KERNEL_TRAIN, 0);
+            for (int mode = KERNEL_TRAIN; mode <= KERNEL_TRAIN_BLOCKING; mode++)
+                measure(label, NVJPEG_OUTPUT_RGBI, n, mode, 0);
         }
     }
     destroy_decoder();
