@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _C, _cudart, _device, _resume
+from . import _C, _cudart, _device, _hardware_queues, _resume
 from ._C import AsyncPrefetcher
 from ._epoch_plan import _order, _Plan
 from ._image_epochs import ImageDecodeError, _decoder_info, _decoders_wanted, _ImageEpochs, _Runner
@@ -150,6 +150,13 @@ class ImageLoader(_EpochLoader):
 
     The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
     re-sharded to another world size) and the framework doors are ArrayLoader's.
+
+    Made before CUDA is first initialized in the process (before ``torch.cuda.is_available()``
+    or a model's ``.cuda()``), a loader that may decode on the GPU sets
+    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in ``os.environ`` unless it is set already: with the
+    driver's default of 8 hardware work queues, the decoder's streams share the model's queue and
+    wait behind its queued kernels. Made later, it leaves the variable alone. Either way
+    ``stats()["cuda_connections"]`` and ``["cuda_connections_reason"]`` say what the process got.
     """
 
     _NAME = "ImageLoader"
@@ -230,6 +237,13 @@ class ImageLoader(_EpochLoader):
         self.decoder = decoder
         self.dtype, self.layout = dtype, layout
         self._device = _device.canonical(device, "ImageLoader")
+        # first, before anything here initializes CUDA, where the GPU may decode: Note [hardware
+        # work queues] in src/core/backend_cuda.c
+        self._queues: tuple[int | None, str] | None = None
+        if decoder != "host" and self._device != "cpu":
+            queues = _hardware_queues.ask()
+            if _C.cuda_available():
+                self._queues = queues
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
         self._opts = prefetch_opts_arg("ImageLoader", prefetch_opts, _KEYWORDS)
         if workers is None:
@@ -415,12 +429,17 @@ class ImageLoader(_EpochLoader):
         succeeded and over the decoders: ``headers_ns``, ``engines_wait_ns`` (before the JPEG
         engines write: waiting for the previous batch's kernels, or for the whole stream after
         the workspace grew), ``engines_ns``, ``cuda_ns`` (nvJPEG's CUDA decoder),
-        ``block_ns`` (the batch's device memory), ``kernels_ns``; src/core/jpeg_cuda.h)."""
+        ``block_ns`` (the batch's device memory), ``kernels_ns``; src/core/jpeg_cuda.h).
+        Where the GPU may decode: ``cuda_connections``, the CUDA driver's hardware work queues
+        this process's contexts get (None when unknown), and ``cuda_connections_reason``: the
+        loader asks for 32 before CUDA is first used (the images guide)."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
         runner = self._runner
         s.update(epoch=self._it.epoch, rank=self.rank, world_size=self.world_size,
                  batches_per_epoch=len(self), source=self.source.kind,
                  decoder=self._decoder_kind or None, decoder_reason=self._decoder_reason)
+        if self._queues is not None:
+            s.update(cuda_connections=self._queues[0], cuda_connections_reason=self._queues[1])
         if runner is not None:
             c = runner.counts
             s.update(samples=c["samples"], skipped=c["skipped"], producer_wait_s=c["wait_s"],

@@ -149,11 +149,18 @@ def test_jpeg_decode_within_tolerance_of_pillow(dec, torch):
 
 
 _NO_WAIT_SCRIPT = r"""
+import os
 import sys
-import cupy
 import numpy as np
+import pinloader
 from pinloader import _C, _cudart
 
+if len(sys.argv) > 3:  # an ImageLoader made before CUDA is used asks for the queues itself
+    assert _C.cuda_driver_initialized() is False, "the driver was initialized before the loader"
+    loader = pinloader.ImageLoader([(sys.argv[3], 0)], 1, device="cuda:0")
+    print("loader", os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), loader.stats()["cuda_connections"])
+    loader.close()
+import cupy
 _C._testing.debug_jpeg_pipelined(sys.argv[1] == "pipelined")
 dec = _C.JpegDecoder(0, libraries=_cudart.nvjpeg_candidates())
 if not dec.info()["engines"]:
@@ -198,16 +205,20 @@ def _under_compute_sanitizer() -> bool:
     return "sanitizer" in text or "treelauncher" in text
 
 
-@pytest.mark.parametrize("mode,waits", [("without_pipeline", False), ("pipelined", True)])
-def test_the_engines_call_does_not_wait_for_other_streams(mode, waits, tmp_path):
+@pytest.mark.parametrize("mode,connections,waits", [("without_pipeline", None, False), ("without_pipeline", "32", False),
+                                                    ("pipelined", None, True), ("pipelined", "loader", False)])
+def test_the_engines_call_does_not_wait_for_other_streams(mode, connections, waits, tmp_path):
     # Note [the engines' call beside training] in src/core/jpeg_cuda.c: a batch decoded while
     # about a second of matrix products fills the GPU from another stream (a training step queued
-    # ahead) comes back before they have run; made pipelined (the test switch), nvJPEG's hardware
-    # call waits for them, which shows that the test can see the wait. Causal, not timed: is the
-    # products' event still pending when the decode returns? In a process of its own, without
-    # torch (whose pool of streams would share the driver's hardware queues with nvJPEG's) and
-    # with CUDA_DEVICE_MAX_CONNECTIONS=32, so that no stream of nvJPEG's shares a queue with the
-    # products' stream: a wait that would be the driver's, not nvJPEG's (the images guide).
+    # ahead) comes back before they have run, with the driver's default number of hardware work
+    # queues (CUDA_DEVICE_MAX_CONNECTIONS unset: 8) and with 32. Made pipelined (the test switch),
+    # with 8 queues, nvJPEG's hardware call waits for them: the control, which shows that the
+    # test can see the wait. Causal, not timed: is the products' event still pending when the
+    # decode returns? In a process of its own, without torch (whose pool of streams would take
+    # queues of its own). "loader": the variable unset, and an ImageLoader made first, which sets
+    # it to 32 before the driver is initialized (Note [hardware work queues] in
+    # src/core/backend_cuda.c); the pipelined call then does not wait, so the setting reached the
+    # driver.
     pytest.importorskip("cupy")
     if _under_compute_sanitizer():
         pytest.skip("under compute-sanitizer, whose child process would run 600 instrumented matrix products")
@@ -215,12 +226,47 @@ def test_the_engines_call_does_not_wait_for_other_streams(mode, waits, tmp_path)
     base, offsets, lengths = _pack([_jpeg(_photo(375, 500, 40 + i)) for i in range(32)])
     batch = tmp_path / "batch.npz"
     np.savez(batch, base=base, offsets=offsets, lengths=lengths)
-    p = run_py(_NO_WAIT_SCRIPT, timeout=240, argv=(mode, str(batch)),
-               env_extra={"CUDA_DEVICE_MAX_CONNECTIONS": "32"}, env_remove=("CUDA_LAUNCH_BLOCKING",))
+    argv: tuple[str, ...] = (mode, str(batch))
+    expect = []
+    if connections == "loader":
+        one = tmp_path / "one.jpg"
+        one.write_bytes(_jpeg(_photo(64, 64, 1)))
+        argv += (str(one),)
+        expect = ["loader", "32", "32"]
+    given = connections not in (None, "loader")
+    p = run_py(_NO_WAIT_SCRIPT, timeout=240, argv=argv,
+               env_extra={"CUDA_DEVICE_MAX_CONNECTIONS": connections} if given else None,
+               env_remove=("CUDA_LAUNCH_BLOCKING",) + (() if given else ("CUDA_DEVICE_MAX_CONNECTIONS",)))
     assert p.returncode == 0, describe(p)
-    if p.stdout.strip() == "no engines":
+    if p.stdout.split()[-2:] == ["no", "engines"]:
         pytest.skip("this GPU has no JPEG engines: the CUDA decoder keeps stream order")
-    assert p.stdout.split() == ["statuses", "[0]", "engines", "32", "pending", str(not waits)], describe(p)
+    assert p.stdout.split() == expect + ["statuses", "[0]", "engines", "32", "pending", str(not waits)], describe(p)
+
+
+def test_a_loader_made_once_cuda_is_in_use_leaves_the_queues_alone(tmp_path):
+    # Note [hardware work queues]: once the driver is initialized, a new value could no longer
+    # take effect; the loader leaves the variable unset and says so in stats()
+    pytest.importorskip("cupy")
+    from helpers import describe, run_py
+    one = tmp_path / "one.jpg"
+    one.write_bytes(_jpeg(_photo(64, 64, 1)))
+    code = r"""
+import os, sys
+import cupy
+import pinloader
+from pinloader import _C
+cupy.zeros(1)  # the user's framework used CUDA first
+before = _C.cuda_driver_initialized()
+loader = pinloader.ImageLoader([(sys.argv[1], 0)], 1, device="cuda:0")
+st = loader.stats()
+print(before, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), st["cuda_connections"], "|", st["cuda_connections_reason"])
+loader.close()
+"""
+    p = run_py(code, timeout=120, argv=(str(one),), env_remove=("CUDA_DEVICE_MAX_CONNECTIONS",))
+    assert p.returncode == 0, describe(p)
+    head, reason = p.stdout.split("|", 1)
+    assert head.split() == ["True", "None", "8"], describe(p)
+    assert "before CUDA is first used" in reason, describe(p)
 
 
 def test_every_kind_of_sample_in_one_batch(dec, torch):

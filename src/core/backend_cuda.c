@@ -169,6 +169,34 @@ int pl_cuda_device_count(int *count)
     return load_error;
 }
 
+/* Note [hardware work queues]
+ * The CUDA driver gives each context CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (8 unless
+ * the variable says otherwise, at most 32) and hands them to the process's streams in turn:
+ * beyond that many streams, two streams share a queue, and work queued on one waits behind the
+ * other's. A training step queues its kernels a step ahead, so a GPU image decoder whose streams
+ * (its own and nvJPEG's) share the model's queue waits for about a step per call
+ * (benchmarks/nvjpeg_contention.cu, the benchmarks page). The driver reads the variable when it
+ * is initialized (cuInit: a set after that, before any context, did not take effect on an H100,
+ * tests/test_jpeg_decoder_gpu.py), so ImageLoader asks for 32 only where the user has not set it
+ * and the driver is not yet initialized in the process (pinloader/_hardware_queues.py). Whether
+ * it is, is the driver's to say without initializing it: libcuda not loaded at all, or its
+ * cuDeviceGetCount answering CUDA_ERROR_NOT_INITIALIZED. */
+int pl_cuda_driver_initialized(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (!h)
+        return 0;
+    int (*count)(int *) = NULL;
+    *(void **)&count = dlsym(h, "cuDeviceGetCount");
+    int rc = -1, n = 0;
+    if (count) {
+        const int r = count(&n);
+        rc = r == 3 /* CUDA_ERROR_NOT_INITIALIZED */ ? 0 : 1;
+    }
+    dlclose(h);
+    return rc;
+}
+
 /* ---- primitives ---- */
 
 static int cuda_set_device(int device)

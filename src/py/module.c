@@ -70,6 +70,16 @@ static PyObject *mod_cuda_info(PyObject *m, PyObject *noargs)
                          "device_count", n, "error", b ? "" : detail, "error_code", b ? 0 : err);
 }
 
+static PyObject *mod_cuda_driver_initialized(PyObject *m, PyObject *noargs)
+{
+    (void)m;
+    (void)noargs;
+    const int rc = pl_cuda_driver_initialized();
+    if (rc < 0)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(rc);
+}
+
 static PyObject *mod_set_cudart_candidates(PyObject *m, PyObject *seq)
 {
     (void)m;
@@ -155,6 +165,9 @@ static PyMethodDef module_methods[] = {
     {"default_pinned_cap", mod_default_pinned_cap, METH_NOARGS,
      "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes: a quarter of physical memory, "
      "at most half of RLIMIT_MEMLOCK where that binds."},
+    {"cuda_driver_initialized", mod_cuda_driver_initialized, METH_NOARGS,
+     "cuda_driver_initialized()\n--\n\nWhether the CUDA driver is initialized in this process "
+     "(False when it is not loaded); None when it cannot say. Never initializes it."},
     {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
