@@ -129,10 +129,14 @@ def data_root(data_dir: Path | None, prefix: str) -> Iterator[Path]:
 
 
 def dataset(root: Path, size_class: str, images: int, smoke: bool = False) -> dict[str, Any]:
-    """The datasets of one size class under root/size_class, made if missing (kept between runs
-    with --data-dir): the folder, the tar shards and the packed file."""
+    """The datasets of one size class under root/size_class, made if missing or of another number
+    of images (kept between runs with --data-dir): the folder, the tar shards and the packed
+    file."""
     d = root / size_class
-    if not (d / "packed" / "meta.json").exists():
+    kept = 0
+    if (d / "packed" / "meta.json").exists():
+        kept = len(np.load(d / "packed" / "labels.npy", mmap_mode="r"))
+    if kept != images:  # none kept, or a --data-dir made for another --images: made anew
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         C.log(f"making {images} {size_class} images in {d}")

@@ -35,11 +35,7 @@ def test_smoke_run(tmp_path):
     assert "next() per step, ms" in (tmp_path / "images.md").read_text()
 
 
-def test_the_decode_call_by_step_is_rendered():
-    """A model row's decode call by step (JpegDecoder.info()'s *_ns, as a GPU run records them)
-    reaches the Markdown table's notes; the host backend never fills them, so this renders a
-    recorded model directly."""
-    import argparse
+def _bench_images():
     import sys
     saved = list(sys.path)  # bench_images puts its folder on the path too
     sys.path.insert(0, str(SCRIPT.parent))
@@ -47,6 +43,28 @@ def test_the_decode_call_by_step_is_rendered():
         import bench_images
     finally:
         sys.path[:] = saved
+    return bench_images
+
+
+def test_a_kept_dataset_of_another_size_is_made_anew(tmp_path):
+    """--data-dir keeps the datasets between runs; one made for another --images is not reused
+    (it would run the rows on the wrong number of images and report the asked-for one)."""
+    bench_images = _bench_images()
+    first = bench_images.dataset(tmp_path, "imagenet", 6, smoke=True)
+    again = bench_images.dataset(tmp_path, "imagenet", 6, smoke=True)
+    other = bench_images.dataset(tmp_path, "imagenet", 9, smoke=True)
+    assert first["n"] == again["n"] == 6 and other["n"] == 9
+    import numpy as np
+    assert len(np.load(tmp_path / "imagenet" / "packed" / "labels.npy")) == 9
+    assert sum(1 for _ in (tmp_path / "imagenet" / "folder").rglob("*.jpg")) == 9
+
+
+def test_the_decode_call_by_step_is_rendered():
+    """A model row's decode call by step (JpegDecoder.info()'s *_ns, as a GPU run records them)
+    reaches the Markdown table's notes; the host backend never fills them, so this renders a
+    recorded model directly."""
+    import argparse
+    bench_images = _bench_images()
     row = {"ips": [100.0, 110.0], "ratio": [0.8, 0.9], "next_ms": [1.0, 2.0], "decode_call_ms": [30.0, 40.0]}
     for k in bench_images.DECODE_STEPS:
         row[f"decode_{k}_ms"] = [1.5, 2.5]
