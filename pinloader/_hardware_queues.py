@@ -2,48 +2,67 @@
 initialized in the process (Note [hardware work queues] in src/core/backend_cuda.c).
 
 A context gets ``CUDA_DEVICE_MAX_CONNECTIONS`` queues (8 when it is unset, at most 32), read when
-the driver is initialized. With 8, the GPU decoder's streams share queues with the model's, and
-each decode call waits behind the kernels a training step has queued ahead. So an ImageLoader
-that may decode on the GPU sets the variable to 32 when the user has not set it and the driver
-is not yet initialized in the process; a value the user set is never changed, and once the
-driver is initialized a new value could no longer take effect, so it is left alone and
-``stats()`` says why.
+the driver is initialized. Beside a model in training, with 8 the GPU decoder's calls lasted
+about twice as long and the model waited for the loader. So an ImageLoader that may decode on
+the GPU sets the variable to 32 when the user has not set it, a CUDA driver is there, and it is
+not yet initialized in the process; a value the user set is never changed, and once the driver
+is initialized a new value could no longer take effect, so it is left alone and ``stats()`` says
+why. Asking never initializes CUDA (making a loader must not: a fork after it, or
+``CUDA_VISIBLE_DEVICES`` set after it, must still work).
 """
 from __future__ import annotations
 
 import os
+import threading
 
 from . import _C
 
 VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
 WANTED = 32
 DRIVER_DEFAULT = 8
+DRIVER_MAX = 32
 
-# what ask() did in this process: (pid, queues, why); a fork child asks again
+_lock = threading.Lock()
+# what ask() found in this process: (pid, queues, why); a fork child asks again
 _done: tuple[int, int | None, str] | None = None
+
+
+def _users(text: str) -> int | None:
+    """The queues a value of the variable asks for: the driver takes 1 to 32 (None: not a number
+    it takes)."""
+    t = text.strip()
+    if not (t.isascii() and t.isdigit() and len(t) <= 9):
+        return None
+    v = int(t)
+    return min(v, DRIVER_MAX) if v >= 1 else None
 
 
 def ask() -> tuple[int | None, str]:
     """Ask for WANTED queues where that can still take effect; never initializes CUDA. Returns
-    the queues this process's CUDA contexts get (None when unknown) and a sentence saying why."""
+    the queues requested for this process's CUDA contexts (None when unknown, or no driver) and
+    a sentence saying why. Once per process, whatever thread asks."""
     global _done
     pid = os.getpid()
-    if _done is not None and _done[0] == pid:
-        return _done[1], _done[2]
+    with _lock:
+        if _done is not None and _done[0] == pid:
+            return _done[1], _done[2]
+        got = _decide()
+        _done = (pid, *got)
+        return got
+
+
+def _decide() -> tuple[int | None, str]:
     text = os.environ.get(VARIABLE)
-    if text is not None:  # the user's: reported, never changed
-        t = text.strip()
-        value = int(t) if t.isascii() and t.isdigit() and len(t) <= 9 else None
-        return value, f"{VARIABLE}={text!r} was set before the loader was made"
-    initialized = _C.cuda_driver_initialized()
-    if initialized is False:
+    if text is not None:  # the user's (or a parent process's): reported, never changed
+        return _users(text), f"{VARIABLE}={text[:40]!r} was set before the loader was made"
+    state = _C._cuda_driver_state()
+    if state == "uninitialized":
         os.environ[VARIABLE] = str(WANTED)
-        got: tuple[int | None, str] = (
-            WANTED, f"set {VARIABLE}={WANTED}: the CUDA driver was not yet initialized in this process")
-    elif initialized:
-        got = (DRIVER_DEFAULT, f"the driver's default: CUDA was initialized in this process before the loader was "
-                               f"made (set {VARIABLE}={WANTED} before CUDA is first used, or make the loader first)")
-    else:
-        got = (None, "unknown: the CUDA driver could not say whether it was initialized")
-    _done = (pid, *got)
-    return got
+        return WANTED, f"set {VARIABLE}={WANTED}: the CUDA driver was not yet initialized in this process"
+    if state == "initialized":
+        return DRIVER_DEFAULT, (f"the driver's default: CUDA was initialized in this process before the loader "
+                                f"was made (set {VARIABLE}={WANTED} before CUDA is first used, or make the "
+                                f"loader first)")
+    if state == "absent":
+        return None, "no CUDA driver in this process"
+    return None, "unknown: the CUDA driver could not say whether it was initialized"

@@ -151,12 +151,13 @@ class ImageLoader(_EpochLoader):
     The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
     re-sharded to another world size) and the framework doors are ArrayLoader's.
 
-    Made before CUDA is first initialized in the process (before ``torch.cuda.is_available()``
-    or a model's ``.cuda()``), a loader that may decode on the GPU sets
-    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in ``os.environ`` unless it is set already: with the
-    driver's default of 8 hardware work queues, the decoder's streams share the model's queue and
-    wait behind its queued kernels. Made later, it leaves the variable alone. Either way
-    ``stats()["cuda_connections"]`` and ``["cuda_connections_reason"]`` say what the process got.
+    A loader that may decode on the GPU, made before CUDA is first initialized in the process
+    (before ``torch.cuda.is_available()`` for one), sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in
+    ``os.environ`` unless it is set already: with the driver's default of 8 hardware work queues,
+    its decode calls beside a model lasted about twice as long and the model waited for it.
+    Making a loader never initializes CUDA itself; made later, it leaves the variable alone. The
+    keys ``cuda_connections`` and ``cuda_connections_reason`` of ``stats()`` say what was
+    requested and why.
     """
 
     _NAME = "ImageLoader"
@@ -237,13 +238,11 @@ class ImageLoader(_EpochLoader):
         self.decoder = decoder
         self.dtype, self.layout = dtype, layout
         self._device = _device.canonical(device, "ImageLoader")
-        # first, before anything here initializes CUDA, where the GPU may decode: Note [hardware
-        # work queues] in src/core/backend_cuda.c
+        # where the GPU may decode, before CUDA is initialized (which making a loader never
+        # does): Note [hardware work queues] in src/core/backend_cuda.c
         self._queues: tuple[int | None, str] | None = None
         if decoder != "host" and self._device != "cpu":
-            queues = _hardware_queues.ask()
-            if _C.cuda_available():
-                self._queues = queues
+            self._queues = _hardware_queues.ask()
         self._depth = None if depth is None else _int_arg("depth", depth, 1)
         self._opts = prefetch_opts_arg("ImageLoader", prefetch_opts, _KEYWORDS)
         if workers is None:
@@ -430,15 +429,16 @@ class ImageLoader(_EpochLoader):
         engines write: waiting for the previous batch's kernels, or for the whole stream after
         the workspace grew), ``engines_ns``, ``cuda_ns`` (nvJPEG's CUDA decoder),
         ``block_ns`` (the batch's device memory), ``kernels_ns``; src/core/jpeg_cuda.h).
-        Where the GPU may decode: ``cuda_connections``, the CUDA driver's hardware work queues
-        this process's contexts get (None when unknown), and ``cuda_connections_reason``: the
-        loader asks for 32 before CUDA is first used (the images guide)."""
+        Where the GPU decodes (or may, before the first batch): ``cuda_connections``, the CUDA driver's hardware work queues
+        requested for this process's contexts (None when unknown), and
+        ``cuda_connections_reason``: the loader asks for 32 before CUDA is first initialized
+        (the images guide)."""
         s = dict(self._pf.stats()) if self._pf is not None else {}
         runner = self._runner
         s.update(epoch=self._it.epoch, rank=self.rank, world_size=self.world_size,
                  batches_per_epoch=len(self), source=self.source.kind,
                  decoder=self._decoder_kind or None, decoder_reason=self._decoder_reason)
-        if self._queues is not None:
+        if self._queues is not None and self._decoder_kind != "host":  # "": not chosen yet
             s.update(cuda_connections=self._queues[0], cuda_connections_reason=self._queues[1])
         if runner is not None:
             c = runner.counts

@@ -165,9 +165,11 @@ int pl_cuda_device_pool_reserved(int device, size_t *out);
  * first pl_backend_cuda(). The strings are copied. */
 void pl_cuda_set_library_candidates(const char *const *paths, int n);
 int pl_cuda_device_count(int *count);
-/* 1 when the CUDA driver is initialized in this process, 0 when it is not (or not loaded), -1
- * when it cannot say; never initializes it (Note [hardware work queues] in backend_cuda.c). */
-int pl_cuda_driver_initialized(void);
+/* The CUDA driver in this process, without initializing it (Note [hardware work queues] in
+ * backend_cuda.c): no driver library, loaded (or loadable) but not initialized, initialized, or
+ * another answer. */
+enum { PL_DRIVER_ABSENT, PL_DRIVER_UNINITIALIZED, PL_DRIVER_INITIALIZED, PL_DRIVER_UNKNOWN };
+int pl_cuda_driver_state(void);
 /* Versions as CUDA encodes them (1000 * major + 10 * minor); 0 when unknown. */
 void pl_cuda_versions(int *driver, int *runtime);
 const char *pl_cuda_library_path(void);

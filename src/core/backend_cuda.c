@@ -172,29 +172,43 @@ int pl_cuda_device_count(int *count)
 /* Note [hardware work queues]
  * The CUDA driver gives each context CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (8 unless
  * the variable says otherwise, at most 32) and hands them to the process's streams in turn:
- * beyond that many streams, two streams share a queue, and work queued on one waits behind the
- * other's. A training step queues its kernels a step ahead, so a GPU image decoder whose streams
- * (its own and nvJPEG's) share the model's queue waits for about a step per call
- * (benchmarks/nvjpeg_contention.cu, the benchmarks page). The driver reads the variable when it
- * is initialized (cuInit: a set after that, before any context, did not take effect on an H100,
- * tests/test_jpeg_decoder_gpu.py), so ImageLoader asks for 32 only where the user has not set it
- * and the driver is not yet initialized in the process (pinloader/_hardware_queues.py). Whether
- * it is, is the driver's to say without initializing it: libcuda not loaded at all, or its
- * cuDeviceGetCount answering CUDA_ERROR_NOT_INITIALIZED. */
-int pl_cuda_driver_initialized(void)
+ * beyond that many streams, two share a queue, and work queued on one can wait behind the
+ * other's. Beside a model in training, with 8 queues the GPU image decoder's calls lasted about
+ * twice as long as with 32 and the model waited for the loader; with 32 it hardly did
+ * (ResNet-18 on an H100, alternating processes: the benchmarks page). The likeliest cause, not
+ * observed directly, is that streams of the decoder (its own and nvJPEG's) share the model's
+ * queue; nvJPEG's pipelined mode, with 8 queues, waits for another stream's queued work and with
+ * 32 does not (benchmarks/nvjpeg_contention.cu, tests/test_jpeg_decoder_gpu.py).
+ * The driver reads the variable when it is initialized (cuInit): set after that, before any
+ * context, it did not take effect (benchmarks/cuda_queues_probe.py). So ImageLoader asks for 32
+ * only where the user has not set it, a driver is there, and it is not yet initialized in the
+ * process (pinloader/_hardware_queues.py); pl_cuda_driver_state tells without initializing it:
+ * libcuda loaded (or loadable), and its cuDeviceGetCount answering CUDA_ERROR_NOT_INITIALIZED
+ * before cuInit and CUDA_SUCCESS after. */
+int pl_cuda_driver_state(void)
 {
+    enum { CU_SUCCESS = 0, CU_ERROR_NOT_INITIALIZED = 3 }; /* CUresult values */
+    /* a libcuda not yet loaded is loaded and kept (the runtime loads it at its first call
+     * anyway; loading does not initialize it, and unloading a driver library is not safe) */
+    int kept = 0;
     void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (!h)
-        return 0;
+    if (!h) {
+        if (!(h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)))
+            return PL_DRIVER_ABSENT;
+        kept = 1;
+    }
     int (*count)(int *) = NULL;
     *(void **)&count = dlsym(h, "cuDeviceGetCount");
-    int rc = -1, n = 0;
+    int state = PL_DRIVER_UNKNOWN, n = 0;
     if (count) {
         const int r = count(&n);
-        rc = r == 3 /* CUDA_ERROR_NOT_INITIALIZED */ ? 0 : 1;
+        state = r == CU_ERROR_NOT_INITIALIZED ? PL_DRIVER_UNINITIALIZED
+                : r == CU_SUCCESS             ? PL_DRIVER_INITIALIZED
+                                              : PL_DRIVER_UNKNOWN;
     }
-    dlclose(h);
-    return rc;
+    if (!kept)
+        dlclose(h);
+    return state;
 }
 
 /* ---- primitives ---- */

@@ -70,14 +70,13 @@ static PyObject *mod_cuda_info(PyObject *m, PyObject *noargs)
                          "device_count", n, "error", b ? "" : detail, "error_code", b ? 0 : err);
 }
 
-static PyObject *mod_cuda_driver_initialized(PyObject *m, PyObject *noargs)
+static PyObject *mod_cuda_driver_state(PyObject *m, PyObject *noargs)
 {
     (void)m;
     (void)noargs;
-    const int rc = pl_cuda_driver_initialized();
-    if (rc < 0)
-        Py_RETURN_NONE;
-    return PyBool_FromLong(rc);
+    static const char *const names[] = {"absent", "uninitialized", "initialized", "unknown"};
+    const int state = pl_cuda_driver_state();
+    return PyUnicode_FromString(names[state >= 0 && state <= PL_DRIVER_UNKNOWN ? state : PL_DRIVER_UNKNOWN]);
 }
 
 static PyObject *mod_set_cudart_candidates(PyObject *m, PyObject *seq)
@@ -165,9 +164,9 @@ static PyMethodDef module_methods[] = {
     {"default_pinned_cap", mod_default_pinned_cap, METH_NOARGS,
      "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes: a quarter of physical memory, "
      "at most half of RLIMIT_MEMLOCK where that binds."},
-    {"cuda_driver_initialized", mod_cuda_driver_initialized, METH_NOARGS,
-     "cuda_driver_initialized()\n--\n\nWhether the CUDA driver is initialized in this process "
-     "(False when it is not loaded); None when it cannot say. Never initializes it."},
+    {"_cuda_driver_state", mod_cuda_driver_state, METH_NOARGS,
+     "_cuda_driver_state()\n--\n\nThe CUDA driver in this process, without initializing it: "
+     "'absent' (no libcuda), 'uninitialized', 'initialized' or 'unknown'."},
     {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
     {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
