@@ -27,6 +27,15 @@ _lock = threading.Lock()
 _done: tuple[int, int | None, str] | None = None
 
 
+def _after_fork_in_child() -> None:
+    """A fork child's lock is new: a thread of the parent may have held it at the fork."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _users(text: str) -> int | None:
     """The queues a value of the variable asks for: the driver takes 1 to 32 (None: not a number
     it takes)."""
