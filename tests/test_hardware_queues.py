@@ -82,7 +82,6 @@ def test_a_fork_child_asks_again(driver, monkeypatch):
 
 
 def test_a_fork_child_asks_though_the_parent_held_the_lock(driver):
-    import time
     driver("initialized")
     with hq._lock:  # as a parent thread in ask() at the fork would
         pid = os.fork()
@@ -92,17 +91,8 @@ def test_a_fork_child_asks_though_the_parent_held_the_lock(driver):
                 code = 0 if hq.ask()[0] == 8 else 1
             finally:
                 os._exit(code)
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the fork child hung on the parent's lock")
-        time.sleep(0.02)
-    assert os.waitstatus_to_exitcode(status) == 0
+    from helpers import wait_child
+    assert wait_child(pid, 30, 0.02) == 0
 
 
 def test_threads_ask_once(driver):
