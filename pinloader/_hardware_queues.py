@@ -25,6 +25,8 @@ DRIVER_MAX = 32
 _lock = threading.Lock()
 # what ask() found in this process: (pid, queues, why); a fork child asks again
 _done: tuple[int, int | None, str] | None = None
+# the variable was set here (a fork child inherits it, and this flag with it)
+_set_here = False
 
 
 def _after_fork_in_child() -> None:
@@ -37,8 +39,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _users(text: str) -> int | None:
-    """The queues a value of the variable asks for: the driver takes 1 to 32 (None: not a number
-    it takes)."""
+    """The queues a value of the variable asks for, read as the CUDA documentation describes it
+    (1 to 32; not measured here): None for what is not such a number, 32 for more."""
     t = text.strip()
     if not (t.isascii() and t.isdigit() and len(t) <= 9):
         return None
@@ -61,12 +63,18 @@ def ask() -> tuple[int | None, str]:
 
 
 def _decide() -> tuple[int | None, str]:
+    global _set_here
     text = os.environ.get(VARIABLE)
     if text is not None:  # the user's (or a parent process's): reported, never changed
+        if _set_here and text == str(WANTED):
+            return WANTED, f"set {VARIABLE}={WANTED} by pinloader in the process this one was forked from"
         return _users(text), f"{VARIABLE}={text[:40]!r} was set before the loader was made"
+    if os.environ.get("PINLOADER_BACKEND") == "host":  # pinloader's host backend, forced: no CUDA
+        return None, "PINLOADER_BACKEND=host"
     state = _C._cuda_driver_state()
     if state == "uninitialized":
         os.environ[VARIABLE] = str(WANTED)
+        _set_here = True
         return WANTED, f"set {VARIABLE}={WANTED}: the CUDA driver was not yet initialized in this process"
     if state == "initialized":
         return DRIVER_DEFAULT, (f"the driver's default: CUDA was initialized in this process before the loader "

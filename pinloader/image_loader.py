@@ -151,9 +151,9 @@ class ImageLoader(_EpochLoader):
     The iteration, ``set_epoch``, ``indices``, ``state_dict`` / ``load_state_dict`` (exact, and
     re-sharded to another world size) and the framework doors are ArrayLoader's.
 
-    A loader that may decode on the GPU, made before CUDA is first initialized in the process
-    (before ``torch.cuda.is_available()`` for one), sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in
-    ``os.environ`` unless it is set already: with the driver's default of 8 hardware work queues,
+    A loader that may decode on the GPU, made where a CUDA driver is installed but before CUDA is
+    first initialized in the process (before ``torch.cuda.is_available()`` for one), sets
+    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in ``os.environ`` unless it is set already: with the driver's default of 8 hardware work queues,
     its decode calls beside a model lasted about twice as long and the model waited for it.
     Making a loader never initializes CUDA itself; made later, it leaves the variable alone. The
     keys ``cuda_connections`` and ``cuda_connections_reason`` of ``stats()`` say what was
@@ -429,8 +429,9 @@ class ImageLoader(_EpochLoader):
         engines write: waiting for the previous batch's kernels, or for the whole stream after
         the workspace grew), ``engines_ns``, ``cuda_ns`` (nvJPEG's CUDA decoder),
         ``block_ns`` (the batch's device memory), ``kernels_ns``; src/core/jpeg_cuda.h).
-        Where the GPU decodes (or may, before the first batch): ``cuda_connections``, the CUDA driver's hardware work queues
-        requested for this process's contexts (None when unknown), and
+        Where the GPU decodes (or may, before the first batch): ``cuda_connections``, the CUDA
+        driver's hardware work queues requested for this process's contexts (None when unknown,
+        when there is no driver, or for a value the driver does not take), and
         ``cuda_connections_reason``: the loader asks for 32 before CUDA is first initialized
         (the images guide)."""
         s = dict(self._pf.stats()) if self._pf is not None else {}

@@ -143,7 +143,6 @@ def wait_child(pid, timeout={timeout}):
 '''
 
 
-
 def wait_child(pid, timeout=60, poll=0.05):
     """WAIT_CHILD's wait_child in this process: a forked child's exit code, or "HANG" (it was
     killed, its threads written to stderr first)."""

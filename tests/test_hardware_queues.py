@@ -29,7 +29,9 @@ class _Driver:
 @pytest.fixture
 def driver(monkeypatch):
     monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.delenv("PINLOADER_BACKEND", raising=False)
     monkeypatch.setattr(hq, "_done", None)
+    monkeypatch.setattr(hq, "_set_here", False)
 
     def use(state):
         d = _Driver(state)
@@ -81,6 +83,21 @@ def test_a_fork_child_asks_again(driver, monkeypatch):
     assert hq.ask()[0] == 8
 
 
+def test_a_fork_child_of_a_process_that_set_it_says_so(driver, monkeypatch):
+    driver("uninitialized")
+    assert hq.ask()[0] == 32
+    monkeypatch.setattr(hq, "_done", (os.getpid() + 1, 32, "the parent's"))  # as in a fork child
+    queues, why = hq.ask()
+    assert queues == 32 and "by pinloader in the process this one was forked from" in why
+
+
+def test_the_forced_host_backend_asks_nothing(driver, monkeypatch):
+    d = driver("uninitialized")
+    monkeypatch.setenv("PINLOADER_BACKEND", "host")
+    assert hq.ask() == (None, "PINLOADER_BACKEND=host")
+    assert d.asked == 0 and VAR not in os.environ
+
+
 def test_a_fork_child_asks_though_the_parent_held_the_lock(driver):
     driver("initialized")
     with hq._lock:  # as a parent thread in ask() at the fork would
@@ -114,10 +131,12 @@ def test_threads_ask_once(driver):
 
 def test_driver_state_here():
     # this machine's answer, never initializing the driver: with no libcuda to load, "absent"
-    import ctypes.util
+    import ctypes
     got = _C._cuda_driver_state()
     assert got in ("absent", "uninitialized", "initialized", "unknown")
-    if ctypes.util.find_library("cuda") is None and not os.path.exists("/usr/lib/x86_64-linux-gnu/libcuda.so.1"):
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
         assert got == "absent"
     with pytest.raises(TypeError):
         _C._cuda_driver_state(0)

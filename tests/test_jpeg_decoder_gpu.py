@@ -230,7 +230,14 @@ def test_the_engines_call_does_not_wait_for_other_streams(mode, connections, wai
     np.savez(batch, base=base, offsets=offsets, lengths=lengths)
     argv: tuple[str, ...] = (mode, str(batch))
     expect = []
+    unset = ("CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS")
     if connections == "loader":
+        # the control first: where the pipelined call does not wait with 8 queues either, the
+        # loader's 32 cannot be seen
+        c = run_py(_NO_WAIT_SCRIPT, timeout=240, argv=argv, env_remove=unset)
+        assert c.returncode == 0, describe(c)
+        if c.stdout.split()[-1] == "True":
+            pytest.skip("the pipelined control did not wait with 8 hardware queues on this GPU and driver")
         one = tmp_path / "one.jpg"
         one.write_bytes(_jpeg(_photo(64, 64, 1)))
         argv += (str(one),)

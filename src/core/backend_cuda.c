@@ -193,8 +193,10 @@ int pl_cuda_driver_state(void)
     int kept = 0;
     void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
     if (!h) {
-        if (!(h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)))
+        if (!(h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL))) {
+            (void)dlerror(); /* the failure's message is not left for the thread's next caller */
             return PL_DRIVER_ABSENT;
+        }
         kept = 1;
     }
     int (*count)(int *) = NULL;
