@@ -142,15 +142,6 @@ def wait_child(pid, timeout={timeout}):
     return "HANG"
 '''
 
-
-def wait_child(pid, timeout=60, poll=0.05):
-    """WAIT_CHILD's wait_child in this process: a forked child's exit code, or "HANG" (it was
-    killed, its threads written to stderr first)."""
-    ns = {"os": os, "sys": sys, "time": time}
-    exec(WAIT_CHILD.format(timeout=timeout, poll=poll), ns)
-    return ns["wait_child"](pid)
-
-
 # ---- waiting and counting ----------------------------------------------------------------------
 
 

@@ -98,18 +98,33 @@ def test_the_forced_host_backend_asks_nothing(driver, monkeypatch):
     assert d.asked == 0 and VAR not in os.environ
 
 
-def test_a_fork_child_asks_though_the_parent_held_the_lock(driver):
-    driver("initialized")
-    with hq._lock:  # as a parent thread in ask() at the fork would
-        pid = os.fork()
-        if pid == 0:
-            code = 3
-            try:
-                code = 0 if hq.ask()[0] == 8 else 1
-            finally:
-                os._exit(code)
-    from helpers import wait_child
-    assert wait_child(pid, 30, 0.02) == 0
+_FORK_HELD = r"""
+import os, sys, time
+from pinloader import _hardware_queues as hq
+
+class Driver:
+    def _cuda_driver_state(self):
+        return "initialized"
+
+hq._C = Driver()
+with hq._lock:  # as a parent thread in ask() at the fork would
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            code = 0 if hq.ask()[0] == 8 else 1
+        finally:
+            os._exit(code)
+"""
+
+
+def test_a_fork_child_asks_though_the_parent_held_the_lock():
+    # in a child interpreter of one thread: a fork of the test process, whose earlier tests left
+    # threads, could hang on another lock than this one
+    from helpers import WAIT_CHILD, describe, run_py
+    code = _FORK_HELD + WAIT_CHILD.format(timeout=30, poll=0.02) + 'print("child", wait_child(pid))\n'
+    p = run_py(code, timeout=90, env_remove=(VAR, "PINLOADER_BACKEND"))
+    assert p.returncode == 0 and p.stdout.split() == ["child", "0"], describe(p)
 
 
 def test_threads_ask_once(driver):
