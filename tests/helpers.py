@@ -6,6 +6,7 @@
   ``child_env`` (its environment, for a Popen or a torchrun of one's own), ``run_child``,
   ``describe`` (for assertion messages) and ``WAIT_CHILD`` (the parent's side of a fork test,
   pasted into the child's code).
+* Benchmarks: ``bench_module`` (a benchmarks/ script imported in the test's process).
 * Waiting and counting: ``wait_for``, ``count_tasks``, ``count_fds``, ``live_blocks``,
   ``warm_up``.
 * Batches: ``drain``, ``val``, ``values``, ``good`` / ``check_good``, ``assert_leaf_equal``,
@@ -141,6 +142,18 @@ def wait_child(pid, timeout={timeout}):
     os.waitpid(pid, 0)
     return "HANG"
 '''
+
+def bench_module(name):
+    """benchmarks/<name>.py imported in this process (benchmarks/ is not a package). sys.path is
+    put back as it was: some of them add their own folder too."""
+    import importlib
+    saved = list(sys.path)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
 
 # ---- waiting and counting ----------------------------------------------------------------------
 

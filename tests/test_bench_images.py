@@ -36,14 +36,8 @@ def test_smoke_run(tmp_path):
 
 
 def _bench_images():
-    import sys
-    saved = list(sys.path)  # bench_images puts its folder on the path too
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_images
-    finally:
-        sys.path[:] = saved
-    return bench_images
+    from helpers import bench_module
+    return bench_module("bench_images")
 
 
 def test_a_kept_dataset_of_another_size_is_made_anew(tmp_path):

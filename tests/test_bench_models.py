@@ -2,7 +2,6 @@
 the GPU crop + flip against the CPU one, and the refusal without CUDA."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -41,11 +40,8 @@ def _run(*args, timeout=120):
 
 
 def _bench_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        mod = importlib.import_module("bench_models")
-    finally:
-        sys.path.pop(0)
+    from helpers import bench_module
+    mod = bench_module("bench_models")
     mod.torch = torch
     return mod
 

@@ -3,8 +3,6 @@ rows (the GPU runs of the script are the only other place they run)."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +18,8 @@ torch = pytest.importorskip("torch", reason="the overlap sources need PyTorch")
 
 
 def _sources():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("_overlap_sources")
-    finally:
-        sys.path.remove(str(BENCH))
+    from helpers import bench_module
+    return bench_module("_overlap_sources")
 
 
 def _args(**kw):

@@ -3,7 +3,6 @@ files with every kernel group (a GPU run fills them; here there are no kernels t
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,8 @@ def test_smoke_run(tmp_path):
 
 
 def test_kernel_groups():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import prof_images
-    finally:
-        sys.path.pop(0)
+    from helpers import bench_module
+    prof_images = bench_module("prof_images")
     assert prof_images.group_of("pl_image_v_bf16") == "pinloader"
     assert prof_images.group_of("_ZN6nvjpeg15DecodeHuffmanKernelEv") == "nvjpeg"
     assert prof_images.group_of("Memcpy HtoD (Pinned -> Device)") == "copies"

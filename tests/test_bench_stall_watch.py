@@ -3,7 +3,6 @@ process's stacks behind (the runs are bounded by a timeout that kills them, and 
 else would say where they were). Also: its result files name the settings a run had."""
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 import textwrap
@@ -21,11 +20,8 @@ pytestmark = pytest.mark.skipif(not (BENCH / "_common.py").is_file(),
 
 def _common():
     """benchmarks/_common.py, imported in this process."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("_common")
-    finally:
-        sys.path.remove(str(BENCH))
+    from helpers import bench_module
+    return bench_module("_common")
 
 
 def _run(tmp_path, body):

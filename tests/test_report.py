@@ -46,11 +46,8 @@ def test_every_committed_result_is_drawn(tmp_path):
 
 
 def test_report_names_the_machine_and_reads_ratios():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import report
-    finally:
-        sys.path.pop(0)
+    from helpers import bench_module
+    report = bench_module("report")
     payload = json.loads((LATEST / "overlap_collated.json").read_text(encoding="utf-8"))
     assert report._machine(payload) == "NVIDIA H200, 16-CPU host"
     assert report.kind_of(json.loads((LATEST / "array_loader.json").read_text())) == "array_loader"
