@@ -153,8 +153,9 @@ class ImageLoader(_EpochLoader):
 
     A loader that may decode on the GPU, made where a CUDA driver is installed but before CUDA is
     first initialized in the process (before ``torch.cuda.is_available()`` for one), sets
-    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in ``os.environ`` unless it is set already: with the driver's default of 8 hardware work queues,
-    its decode calls beside a model lasted about twice as long and the model waited for it.
+    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in ``os.environ`` unless it is set already: with the
+    driver's default of 8 hardware work queues, its decode calls beside a model lasted about
+    twice as long and the model waited for it.
     Making a loader never initializes CUDA itself; made later, it leaves the variable alone. The
     keys ``cuda_connections`` and ``cuda_connections_reason`` of ``stats()`` say what was
     requested and why.

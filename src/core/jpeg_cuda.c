@@ -46,15 +46,16 @@
  * The hardware backend is made with NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE. In its default, pipelined
  * mode, nvjpegDecodeBatched returned only once the work queued on another stream before it had
  * run, with the driver's default of 8 hardware work queues; with 32
- * (CUDA_DEVICE_MAX_CONNECTIONS=32) it did not wait: the pipelined mode's streams share a queue
- * with the other stream's (Note [hardware work queues] in backend_cuda.c). Without the pipeline
- * the call did not wait either way, and on an idle GPU it is somewhat slower. Beside a training
- * step, whose kernels the training thread queues a step ahead, the models trained faster with
- * the flag than without it (alternating processes on one machine), and ResNet-18 faster still
- * with 32 queues. benchmarks/nvjpeg_contention.cu measures the call alone, the benchmarks page what
- * the flag and the queues gave real models; tests/test_jpeg_decoder_gpu.py checks that a decode
- * returns while another stream's work is still queued, with 8 queues and with 32, and that the
- * pipelined mode (the test suite's switch, pl_jpeg_debug_pipelined) waits with 8. */
+ * (CUDA_DEVICE_MAX_CONNECTIONS=32) it did not wait, most likely because the pipelined mode's
+ * streams share a queue with the other stream's when there are 8 (Note [hardware work queues]
+ * in backend_cuda.c). Without the pipeline the call did not wait either way, and on an idle GPU
+ * it is somewhat slower. Beside a training step, whose kernels the training thread queues a
+ * step ahead, the models trained faster with the flag than without it (alternating processes on
+ * one machine), and ResNet-18 faster still with 32 queues. benchmarks/nvjpeg_contention.cu
+ * measures the call alone, the benchmarks page what the flag and the queues gave real models;
+ * tests/test_jpeg_decoder_gpu.py checks that a decode returns while another stream's work is
+ * still queued, with 8 queues and with 32, and that the pipelined mode (the test suite's switch,
+ * pl_jpeg_debug_pipelined) waits with 8. */
 #include "jpeg_cuda.h"
 
 #include "nvjpeg_api.h"

@@ -76,7 +76,8 @@ static PyObject *mod_cuda_driver_state(PyObject *m, PyObject *noargs)
     (void)noargs;
     static const char *const names[] = {"absent", "uninitialized", "initialized", "unknown"};
     const int state = pl_cuda_driver_state();
-    return PyUnicode_FromString(names[state >= 0 && state <= PL_DRIVER_UNKNOWN ? state : PL_DRIVER_UNKNOWN]);
+    const int known = state >= PL_DRIVER_ABSENT && state <= PL_DRIVER_UNKNOWN;
+    return PyUnicode_FromString(names[known ? state : PL_DRIVER_UNKNOWN]);
 }
 
 static PyObject *mod_set_cudart_candidates(PyObject *m, PyObject *seq)
