@@ -11,13 +11,17 @@
 // batches of 32/128/256 images: idle, and behind 600 kernels of 0.1 ms that fill every SM on
 // another stream (a training step's kernels, queued ahead). Part 3, both ways, 256 images behind
 // the same 600 kernels on a non-blocking stream, on the legacy default stream (where torch runs a
-// model unless told otherwise) and on a blocking stream. PARTS=23 runs parts 2 and 3 only. Run
+// model unless told otherwise) and on a blocking stream. Part 4 (part4() says what it does):
+//   PARTS=4 ncu --profile-from-start off --print-summary per-kernel /tmp/nvjpeg_contention ...
+// PARTS=23 runs parts 2 and 3 only. Run
 // it with CUDA_DEVICE_MAX_CONNECTIONS unset (the driver's 8 hardware work queues) and =32: the
 // pipelined call's wait is the queues' (Note [hardware work queues] in src/core/backend_cuda.c).
 // Each line: the mean of 5 calls after one warm-up (min-max), and the time until the decode's
 // stream is done. A stand-alone tool: it includes nvjpeg.h and links libnvjpeg, where pinloader
 // loads nvJPEG at run time.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
+#include <math.h>
 #include <nvjpeg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -148,6 +152,105 @@ static void measure(const char *label, nvjpegOutputFormat_t f, int n, int mode, 
            lo, hi, sum_done / 5);
 }
 
+/* Part 4: what each output format costs, and how the engines make RGB from YUV. Each format's
+ * call (no pipeline, idle GPU) runs between cudaProfilerStart and cudaProfilerStop, so
+ * `ncu --profile-from-start off` lists the kernels nvJPEG launches for it (its copies are not
+ * kernels: benchmarks/prof_images.py shows those). Then, for up to 16 images, the RGBI output is
+ * compared with RGB made here from the same images' YUV output, with nearest-neighbour chroma and
+ * with a triangle (bilinear) upsampling like libjpeg's "fancy" one, in floating point
+ * (benchmarks/results/h100_2026-12-06d). */
+static unsigned char clamp8(double v)
+{
+    v = floor(v + 0.5);
+    return (unsigned char)(v < 0 ? 0 : v > 255 ? 255 : v);
+}
+
+static void part4(void)
+{
+    destroy_decoder();
+    make_decoder(NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE);
+    static const struct {
+        nvjpegOutputFormat_t f;
+        const char *name;
+    } fm[] = {{NVJPEG_OUTPUT_RGBI, "RGBI"}, {NVJPEG_OUTPUT_RGB, "RGB"}, {NVJPEG_OUTPUT_YUV, "YUV"},
+              {NVJPEG_OUTPUT_Y, "Y"}};
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (size_t k = 0; k < sizeof fm / sizeof fm[0]; k++) {
+        double call, done;
+        decode_once(fm[k].f, n_images, IDLE, 0, &call, &done); /* warm-up */
+        CK(cudaProfilerStart());
+        CK(cudaEventRecord(a, stream));
+        decode_once(fm[k].f, n_images, IDLE, 0, &call, &done);
+        CK(cudaEventRecord(b, stream));
+        CK(cudaEventSynchronize(b));
+        CK(cudaProfilerStop());
+        printf("part 4, %-4s, %d images: call %.2f ms, to stream done %.2f ms\n", fm[k].name, n_images, call, done);
+    }
+    /* conversion probe */
+    const int m = n_images < 16 ? n_images : 16;
+    double worst[2] = {0, 0}, sum[2] = {0, 0};
+    long long count = 0, off[2] = {0, 0};
+    for (int i = 0; i < m; i++) {
+        if (comps[i] != 3)
+            continue;
+        const int W = widths[i][0], H = heights[i][0], cw = widths[i][1], ch = heights[i][1];
+        unsigned char *rgb = (unsigned char *)malloc((size_t)W * H * 3), *y = (unsigned char *)malloc((size_t)W * H),
+                      *u = (unsigned char *)malloc((size_t)cw * ch), *v = (unsigned char *)malloc((size_t)cw * ch);
+        double call, done;
+        decode_once(NVJPEG_OUTPUT_RGBI, i + 1, IDLE, 0, &call, &done);
+        CK(cudaMemcpy(rgb, planes[i][0], (size_t)W * H * 3, cudaMemcpyDeviceToHost));
+        decode_once(NVJPEG_OUTPUT_YUV, i + 1, IDLE, 0, &call, &done);
+        CK(cudaMemcpy(y, planes[i][0], (size_t)W * H, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(u, planes[i][1], (size_t)cw * ch, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(v, planes[i][2], (size_t)cw * ch, cudaMemcpyDeviceToHost));
+        const int sx = (W + cw - 1) / cw, sy = (H + ch - 1) / ch;
+        if (i < 4)
+            printf("part 4, image %d: %dx%d, chroma %dx%d (1/%d x 1/%d)\n", i, W, H, cw, ch, sx, sy);
+        for (int r = 0; r < H; r++)
+            for (int c = 0; c < W; c++) {
+                double cb[2], cr[2];
+                /* nearest */
+                cb[0] = u[(r / sy) * cw + c / sx];
+                cr[0] = v[(r / sy) * cw + c / sx];
+                /* triangle: the chroma sample centres at (k + 0.5) * s - 0.5 */
+                double fx = (c + 0.5) / sx - 0.5, fy = (r + 0.5) / sy - 0.5;
+                int x0 = (int)floor(fx), y0 = (int)floor(fy);
+                double tx = fx - x0, ty = fy - y0;
+                int x1 = x0 + 1 < cw ? x0 + 1 : cw - 1, y1 = y0 + 1 < ch ? y0 + 1 : ch - 1;
+                x0 = x0 < 0 ? 0 : x0;
+                y0 = y0 < 0 ? 0 : y0;
+                const unsigned char *P[2] = {u, v};
+                double out[2];
+                for (int q = 0; q < 2; q++)
+                    out[q] = (1 - ty) * ((1 - tx) * P[q][y0 * cw + x0] + tx * P[q][y0 * cw + x1]) +
+                             ty * ((1 - tx) * P[q][y1 * cw + x0] + tx * P[q][y1 * cw + x1]);
+                cb[1] = out[0];
+                cr[1] = out[1];
+                const double Y = y[r * W + c];
+                for (int k = 0; k < 2; k++) {
+                    const unsigned char R = clamp8(Y + 1.402 * (cr[k] - 128));
+                    const unsigned char G = clamp8(Y - 0.344136 * (cb[k] - 128) - 0.714136 * (cr[k] - 128));
+                    const unsigned char B = clamp8(Y + 1.772 * (cb[k] - 128));
+                    const unsigned char *g = rgb + ((size_t)r * W + c) * 3;
+                    const int d[3] = {abs(R - g[0]), abs(G - g[1]), abs(B - g[2])};
+                    for (int q = 0; q < 3; q++) {
+                        worst[k] = d[q] > worst[k] ? d[q] : worst[k];
+                        sum[k] += d[q];
+                        off[k] += d[q] > 1;
+                    }
+                }
+                count += 3;
+            }
+        free(rgb), free(y), free(u), free(v);
+    }
+    if (count)
+        for (int k = 0; k < 2; k++)
+            printf("part 4, RGBI against YUV converted here, %s chroma: max %.0f, mean %.4f, %.4f%% off by >1\n",
+                   k ? "triangle" : "nearest", worst[k], sum[k] / count, 100.0 * off[k] / count);
+}
+
 int main(int argc, char **argv)
 {
     n_images = argc - 1 < MAX_IMAGES ? argc - 1 : MAX_IMAGES;
@@ -215,7 +318,7 @@ int main(int argc, char **argv)
         const char *name;
     } formats[] = {{NVJPEG_OUTPUT_RGBI, "RGBI"}, {NVJPEG_OUTPUT_RGB, "RGB"}, {NVJPEG_OUTPUT_YUV, "YUV"},
                    {NVJPEG_OUTPUT_Y, "Y"}, {NVJPEG_OUTPUT_BGRI, "BGRI"}};
-    /* PARTS=23 runs parts 2 and 3 only (default: all three) */
+    /* PARTS=23 runs parts 2 and 3 only (default: all four) */
     const char *parts = getenv("PARTS");
 #define WANT(c) (!parts || strchr(parts, c))
     if (WANT('1')) {
@@ -257,6 +360,8 @@ int main(int argc, char **argv)
                 measure(label, NVJPEG_OUTPUT_RGBI, n, mode, 0);
         }
     }
+    if (WANT('4'))
+        part4();
     destroy_decoder();
     return 0;
 }
