@@ -28,6 +28,34 @@ def jpeg(arr: np.ndarray, **kw) -> bytes:
     return buf.getvalue()
 
 
+def box_params(rng: np.random.Generator, shapes: list[tuple[int, int]], size: tuple[int, int]) -> np.ndarray:
+    """For each (H, W) in ``shapes``, the GPU decoder's parameters of a sample (top, left, h, w,
+    rh, rw, oy, ox, flip; Note [image resampling] in src/core/jpeg_cuda.c) for an output of
+    ``size``: at random, a training crop (a random box resized to the output, flipped or not) or
+    an evaluation one (the shorter side resized, the centre window)."""
+    ps = []
+    for (H, W) in shapes:
+        if rng.random() < 0.5:
+            h = int(rng.integers(1, H + 1))
+            w = int(rng.integers(1, W + 1))
+            ps.append([rng.integers(0, H - h + 1), rng.integers(0, W - w + 1), h, w, size[0], size[1],
+                       0, 0, rng.integers(0, 2)])
+        else:
+            s = max(size)
+            rh, rw = (s, max(s, int(s * W / H))) if H <= W else (max(s, int(s * H / W)), s)
+            ps.append([0, 0, H, W, rh, rw, (rh - size[0]) // 2, (rw - size[1]) // 2, 0])
+    return np.array(ps, np.int32)
+
+
+def resized_crop(img: np.ndarray, p, size: tuple[int, int]) -> np.ndarray:
+    """Pillow's path for parameters ``p`` (box_params), as torchvision's resized_crop takes it on
+    a PIL image, then the output window and the flip: uint8 (H, W, 3)."""
+    top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
+    im = Image.fromarray(img).crop((left, top, left + w, top + h)).resize((rw, rh), Image.BILINEAR)
+    out = np.asarray(im)[oy:oy + size[0], ox:ox + size[1]]
+    return out[:, ::-1] if flip else out
+
+
 def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
     rng = np.random.default_rng(seed)
     return [(int(h), int(w)) for h, w in rng.integers(20, 90, size=(n, 2))]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import pinloader
+from image_helpers import box_params, jpeg, photo, resized_crop
 from pinloader import _C, _cudart
 
 pytestmark = [
@@ -39,49 +40,10 @@ def dec():
     d.close()
 
 
-def _photo(h, w, seed):
-    """A smooth, photo-like RGB image with some noise (JPEG-friendly, not flat)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    img = np.stack([128 + 100 * np.sin(x / (7 + c * 3) + y / (11 + c)) for c in range(3)], -1)
-    img += rng.normal(0, 8, img.shape)
-    return np.clip(img, 0, 255).astype(np.uint8)
-
-
-def _jpeg(arr, **kw):
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=kw.pop("quality", 90), **kw)
-    return buf.getvalue()
-
-
-def _reference(img, p, size):
-    """Pillow's path, as torchvision's resized_crop on a PIL image takes it, then the window
-    and the flip: uint8 (H, W, 3)."""
-    top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
-    im = Image.fromarray(img).crop((left, top, left + w, top + h)).resize((rw, rh), Image.BILINEAR)
-    out = np.asarray(im)[oy:oy + size[0], ox:ox + size[1]]
-    return out[:, ::-1] if flip else out
-
-
 def _pack(blobs):
     lengths = np.array([len(b) for b in blobs], np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     return np.frombuffer(b"".join(blobs), np.uint8), offsets, lengths
-
-
-def _params(rng, shapes, size):
-    ps = []
-    for (H, W) in shapes:
-        if rng.random() < 0.5:  # a training crop
-            h = int(rng.integers(1, H + 1))
-            w = int(rng.integers(1, W + 1))
-            ps.append([rng.integers(0, H - h + 1), rng.integers(0, W - w + 1), h, w, size[0], size[1],
-                       0, 0, rng.integers(0, 2)])
-        else:  # evaluation: shorter side resized, centre window
-            s = max(size)
-            rh, rw = (s, max(s, int(s * W / H))) if H <= W else (max(s, int(s * H / W)), s)
-            ps.append([0, 0, H, W, rh, rw, (rh - size[0]) // 2, (rw - size[1]) // 2, 0])
-    return np.array(ps, np.int32)
 
 
 def _run(dec, torch, base, offsets, lengths, params, size, dtype="uint8", channels_last=True, raw=None,
@@ -97,16 +59,16 @@ def test_resampling_is_pillows(dec, torch):
     than one level away, and nearly all of them equal."""
     rng = np.random.default_rng(0)
     shapes = [(37, 53), (224, 224), (500, 375), (96, 700), (1, 1), (3, 900), (1200, 1500)]
-    imgs = [_photo(h, w, i) for i, (h, w) in enumerate(shapes)]
+    imgs = [photo(h, w, i) for i, (h, w) in enumerate(shapes)]
     for size in [(224, 224), (32, 48), (1, 1)]:
-        params = _params(rng, shapes, size)
+        params = box_params(rng, shapes, size)
         raw = dict(enumerate(imgs))
         n = len(imgs)
         out, status = _run(dec, torch, np.zeros(1, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64),
                            params, size, raw=raw)
         assert status.tolist() == [0] * n
         for i in range(n):
-            d = np.abs(out[i].numpy().astype(int) - _reference(imgs[i], params[i], size).astype(int))
+            d = np.abs(out[i].numpy().astype(int) - resized_crop(imgs[i], params[i], size).astype(int))
             where = f"sample {i}, size {size}, params {params[i].tolist()}"
             assert d.max() <= 1, where
             assert (d == 0).mean() >= 0.99, where
@@ -115,11 +77,11 @@ def test_resampling_is_pillows(dec, torch):
 def test_jpeg_decode_within_tolerance_of_pillow(dec, torch):
     rng = np.random.default_rng(1)
     shapes = [(375, 500), (500, 333), (224, 224), (480, 640), (64, 48)]
-    imgs = [_photo(h, w, 10 + i) for i, (h, w) in enumerate(shapes)]
-    blobs = [_jpeg(a) for a in imgs]
+    imgs = [photo(h, w, 10 + i) for i, (h, w) in enumerate(shapes)]
+    blobs = [jpeg(a) for a in imgs]
     base, offsets, lengths = _pack(blobs)
     size = (224, 224)
-    params = _params(rng, shapes, size)
+    params = box_params(rng, shapes, size)
     before = dec.info()
     out, status = _run(dec, torch, base, offsets, lengths, params, size)
     after = dec.info()
@@ -138,7 +100,7 @@ def test_jpeg_decode_within_tolerance_of_pillow(dec, torch):
         assert after["cuda_ns"] - before["cuda_ns"] > 1000
     diffs = []
     for i, b in enumerate(blobs):
-        ref = _reference(np.asarray(Image.open(io.BytesIO(b)).convert("RGB")), params[i], size)
+        ref = resized_crop(np.asarray(Image.open(io.BytesIO(b)).convert("RGB")), params[i], size)
         d = np.abs(out[i].numpy().astype(int) - ref.astype(int))
         diffs.append((d.max(), d.mean()))
     print("max/mean abs difference to Pillow, per image:", diffs)
@@ -225,7 +187,7 @@ def test_the_engines_call_does_not_wait_for_other_streams(mode, connections, wai
     if _under_compute_sanitizer():
         pytest.skip("under compute-sanitizer, whose child process would run 600 instrumented matrix products")
     from helpers import describe, run_py
-    base, offsets, lengths = _pack([_jpeg(_photo(375, 500, 40 + i)) for i in range(32)])
+    base, offsets, lengths = _pack([jpeg(photo(375, 500, 40 + i)) for i in range(32)])
     batch = tmp_path / "batch.npz"
     np.savez(batch, base=base, offsets=offsets, lengths=lengths)
     argv: tuple[str, ...] = (mode, str(batch))
@@ -239,7 +201,7 @@ def test_the_engines_call_does_not_wait_for_other_streams(mode, connections, wai
         if c.stdout.split()[-1] == "True":
             pytest.skip("the pipelined control did not wait with 8 hardware queues on this GPU and driver")
         one = tmp_path / "one.jpg"
-        one.write_bytes(_jpeg(_photo(64, 64, 1)))
+        one.write_bytes(jpeg(photo(64, 64, 1)))
         argv += (str(one),)
         expect = ["loader", "32", "32"]
     given = connections not in (None, "loader")
@@ -262,7 +224,7 @@ def test_a_loader_made_once_cuda_is_in_use_leaves_the_queues_alone(tmp_path):
     pytest.importorskip("cupy")
     from helpers import describe, run_py
     one = tmp_path / "one.jpg"
-    one.write_bytes(_jpeg(_photo(64, 64, 1)))
+    one.write_bytes(jpeg(photo(64, 64, 1)))
     code = r"""
 import os, sys
 import cupy
@@ -284,21 +246,21 @@ loader.close()
 
 def test_every_kind_of_sample_in_one_batch(dec, torch):
     rng = np.random.default_rng(2)
-    a = _photo(120, 160, 3)
-    gray = _photo(90, 70, 4)[..., 0]
+    a = photo(120, 160, 3)
+    gray = photo(90, 70, 4)[..., 0]
     buf = io.BytesIO()
     Image.fromarray(a).save(buf, format="PNG")
     png = buf.getvalue()
     cmyk = io.BytesIO()
     Image.fromarray(a).convert("CMYK").save(cmyk, format="JPEG", quality=90)
-    good = _jpeg(a)
-    blobs = [good, _jpeg(a, progressive=True), _jpeg(gray), png, good[: len(good) // 3],
+    good = jpeg(a)
+    blobs = [good, jpeg(a, progressive=True), jpeg(gray), png, good[: len(good) // 3],
              b"not an image at all", cmyk.getvalue(), b"", good]
     shapes = [(120, 160), (120, 160), (90, 70), (120, 160), (120, 160), (10, 10), (120, 160), (10, 10),
               (120, 160)]
     base, offsets, lengths = _pack(blobs)
     size = (32, 32)
-    params = _params(rng, shapes, size)
+    params = box_params(rng, shapes, size)
     raw = {3: a}  # the PNG, decoded by the host
     out, status = _run(dec, torch, base, offsets, lengths, params, size, raw=raw)
     st = status.tolist()
@@ -306,7 +268,7 @@ def test_every_kind_of_sample_in_one_batch(dec, torch):
     assert st[5] == 1 and st[7] == 1  # not a JPEG; empty
     assert st[4] in (1, 5)            # truncated: bad header, or no end marker (host judges)
     assert st[6] in (0, 3)            # CMYK: decoded, or refused as unsupported
-    assert np.abs(out[3].numpy().astype(int) - _reference(a, params[3], size).astype(int)).max() <= 1
+    assert np.abs(out[3].numpy().astype(int) - resized_crop(a, params[3], size).astype(int)).max() <= 1
     for i in (4, 5, 7):
         assert not out[i].numpy().any(), f"failed sample {i} must be zero-filled"
     g = out[2].numpy().astype(int)
@@ -314,8 +276,8 @@ def test_every_kind_of_sample_in_one_batch(dec, torch):
 
 
 def test_box_outside_the_image_is_a_status(dec, torch):
-    a = _photo(50, 60, 5)
-    base, offsets, lengths = _pack([_jpeg(a), _jpeg(a)])
+    a = photo(50, 60, 5)
+    base, offsets, lengths = _pack([jpeg(a), jpeg(a)])
     params = np.array([[0, 0, 51, 60, 8, 8, 0, 0, 0], [0, 0, 50, 60, 8, 8, 0, 0, 0]], np.int32)
     _, status = _run(dec, torch, base, offsets, lengths, params, (8, 8))
     assert status.tolist() == [4, 0]
@@ -326,10 +288,10 @@ def test_box_outside_the_image_is_a_status(dec, torch):
 def test_dtypes_and_layouts_scale_the_uint8_result(dec, torch, dtype, channels_last):
     rng = np.random.default_rng(3)
     shapes = [(100, 130), (77, 64), (300, 200)]
-    blobs = [_jpeg(_photo(h, w, 20 + i)) for i, (h, w) in enumerate(shapes)]
+    blobs = [jpeg(photo(h, w, 20 + i)) for i, (h, w) in enumerate(shapes)]
     base, offsets, lengths = _pack(blobs)
     size = (40, 56)
-    params = _params(rng, shapes, size)
+    params = box_params(rng, shapes, size)
     u8, st0 = _run(dec, torch, base, offsets, lengths, params, size, "uint8", True)
     mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
     scale, bias = 1 / (255 * std), -mean / std
@@ -350,12 +312,12 @@ def test_dtypes_and_layouts_scale_the_uint8_result(dec, torch, dtype, channels_l
 def test_memory_stays_flat_and_blocks_come_back(dec, torch):
     rng = np.random.default_rng(4)
     shapes = [(int(h), int(w)) for h, w in rng.integers(50, 400, size=(32, 2))]
-    blobs = [_jpeg(_photo(h, w, i)) for i, (h, w) in enumerate(shapes)]
+    blobs = [jpeg(photo(h, w, i)) for i, (h, w) in enumerate(shapes)]
     base, offsets, lengths = _pack(blobs)
     blocks0 = _C._testing.live_device_blocks("cuda")
     ws = []
     for r in range(30):
-        params = _params(rng, shapes, (64, 64))
+        params = box_params(rng, shapes, (64, 64))
         arr, status = dec.decode(base, offsets, lengths, params, (64, 64), (1, 1, 1), (0, 0, 0), "uint8", False)
         t = torch.from_dlpack(arr)
         t.float().mean().item()
@@ -368,7 +330,7 @@ def test_memory_stays_flat_and_blocks_come_back(dec, torch):
 
 
 def test_hostile_arguments_are_clean_errors(dec):
-    base, offsets, lengths = _pack([_jpeg(_photo(20, 20, 0))])
+    base, offsets, lengths = _pack([jpeg(photo(20, 20, 0))])
     p = np.array([[0, 0, 20, 20, 8, 8, 0, 0, 0]], np.int32)
     with pytest.raises(ValueError, match="outside"):
         dec.decode(base, offsets + 5, lengths, p, (8, 8), (1, 1, 1), (0, 0, 0), "uint8", False)
@@ -392,14 +354,14 @@ def test_a_file_without_an_end_marker_goes_to_the_host(dec, torch):
     """Note [truncated JPEGs]: nvJPEG decodes a cut file without complaint, so a sample whose
     last bytes hold no end-of-image marker gets status 5 (the host decoder judges it); a few
     bytes of padding after the marker are still decoded on the GPU."""
-    a = _photo(200, 260, 6)
-    good = _jpeg(a)
+    a = photo(200, 260, 6)
+    good = jpeg(a)
     assert good[-2:] == b"\xff\xd9"
     blobs = [good, good[:-2], good[: len(good) * 2 // 3], good + b"\0" * 100, good + b"\0" * 5000, good]
     shapes = [(200, 260)] * len(blobs)
     base, offsets, lengths = _pack(blobs)
     size = (24, 24)
-    params = _params(np.random.default_rng(7), shapes, size)
+    params = box_params(np.random.default_rng(7), shapes, size)
     out, status = _run(dec, torch, base, offsets, lengths, params, size)
     assert status.tolist() == [0, 5, 5, 0, 5, 0]
     for i in (1, 2, 4):
@@ -412,8 +374,8 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
     crops decoded as a region by the engines against the same crops of the whole image decoded
     by the same decoder (an identity resize of the whole image, handed back through raw=)."""
     shapes = [(480, 640), (500, 375), (333, 500), (720, 1280)]
-    imgs = [_photo(h, w, 30 + i) for i, (h, w) in enumerate(shapes)]
-    blobs = [_jpeg(a) for a in imgs]
+    imgs = [photo(h, w, 30 + i) for i, (h, w) in enumerate(shapes)]
+    blobs = [jpeg(a) for a in imgs]
     whole = []
     for b, (H, W) in zip(blobs, shapes):
         base, offsets, lengths = _pack([b])
@@ -446,7 +408,6 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
     assert (d == 0).mean() >= 0.99
 
 
-
 def _overlap_a_and_b(dec, torch):
     """Batch A's kernels held back on the decoder's stream (a stream hold), batch B of the same
     sizes (so the same workspace) decoded meanwhile, then the hold opened: (A as it came out,
@@ -454,8 +415,8 @@ def _overlap_a_and_b(dec, torch):
     if dec.info()["engines"] == 0:
         pytest.skip("this GPU has no JPEG engines: its CUDA decoder keeps stream order")
     size = (64, 64)
-    blobs_a = [_jpeg(_photo(128, 160, s)) for s in range(8)]
-    blobs_b = [_jpeg(_photo(128, 160, 100 + s)) for s in range(8)]
+    blobs_a = [jpeg(photo(128, 160, s)) for s in range(8)]
+    blobs_b = [jpeg(photo(128, 160, 100 + s)) for s in range(8)]
     p = np.array([[0, 0, 128, 160, 64, 64, 0, 0, 0]] * 8, np.int32)
     a, b = _pack(blobs_a), _pack(blobs_b)
     want_a, st = _run(dec, torch, *a, p, size)

@@ -166,6 +166,7 @@ def test_sdist_carries_what_the_tests_need(tmp_path):
     need = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
             "pinloader/py.typed", "pinloader/_C.pyi", "pinloader/_version.py",
             "tests/conftest.py", "tests/helpers.py", "tests/fuzz_strategies.py", "tests/cuda_api_check.c",
+            "tests/image_kernel_emu.cpp", "tests/cuda_shim/cuda_fp16.h",
             "tests/typing/user_script.py", "tests/typing/stubtest_allowlist.txt"}
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "src").glob("*/*.[ch]")}
     need |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}

@@ -58,6 +58,7 @@
  * pl_jpeg_debug_pipelined) waits with 8. */
 #include "jpeg_cuda.h"
 
+#include "image_rows.h"
 #include "nvjpeg_api.h"
 #include "util.h"
 
@@ -379,25 +380,6 @@ static void publish_counts(pl_jpeg *j)
     pthread_mutex_lock(&j->shown_mu);
     j->shown = j->counts;
     pthread_mutex_unlock(&j->shown_mu);
-}
-
-/* The rows [*first, *first + *n) of a box of `in` rows that the output rows [y0, y0 + oh) of
- * its resize to `out` rows read, with a row of margin on each side (the device computes the
- * exact span with the same formula; the margin keeps a last-bit difference harmless). */
-static void rows_read(int in, int out, int y0, int oh, int *first, int *n)
-{
-    const double scale = (double)in / (double)out;
-    const double support = scale < 1.0 ? 1.0 : scale;
-    const double c0 = ((double)y0 + 0.5) * scale, c1 = ((double)(y0 + oh - 1) + 0.5) * scale;
-    long lo = (long)(c0 - support + 0.5) - 1, hi = (long)(c1 + support + 0.5) + 1;
-    if (lo < 0)
-        lo = 0;
-    if (hi > in)
-        hi = in;
-    if (hi < lo)
-        hi = lo;
-    *first = (int)lo;
-    *n = (int)(hi - lo);
 }
 
 /* Note [truncated JPEGs]
@@ -723,7 +705,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
         size_t img = align256((size_t)sm[i].h * (size_t)sm[i].w * 3);
         int first, rows;
-        rows_read(p[2], p[4], p[6], o->oh, &first, &rows);
+        pl_image_rows_read(p[2], p[4], p[6], o->oh, &first, &rows);
         size_t tmp = align256((size_t)rows * (size_t)o->ow * 3);
         sm[i].img_off = ws;
         if (__builtin_add_overflow(ws, img, &ws)) {
@@ -821,7 +803,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         d[i].oy = p[6];
         d[i].ox = p[7];
         d[i].flip = p[8] != 0;
-        rows_read(p[2], p[4], p[6], o->oh, &d[i].y_first, &d[i].ny);
+        pl_image_rows_read(p[2], p[4], p[6], o->oh, &d[i].y_first, &d[i].ny);
         if (d[i].ny > max_rows)
             max_rows = d[i].ny;
     }
