@@ -3,8 +3,9 @@
  * run thread by thread over its grid. tests/test_image_kernel_host.py builds it (with ASan and
  * UBSan where the compiler has them, so a read outside a sample's image or rows is an error) and
  * checks its batches against Pillow: the kernels' logic, indexing and arithmetic, on any machine.
- * The device's own float rounding (nvcc contracts a multiply and an add into one FMA) and its
- * scheduling are the GPU tests' (tests/test_jpeg_decoder_gpu.py).
+ * Built with -ffp-contract=off, every float operation rounds on its own; on the device nvcc
+ * contracts the output's multiply and add into one FMA (a last-bit difference in float32, which
+ * the GPU tests bound: tests/test_jpeg_decoder_gpu.py), and the device's scheduling is theirs too.
  *
  *   image_kernel_emu IN OUT [GRID_X]
  *
@@ -33,7 +34,7 @@ static pl_emu_dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(n)
-/* the round-to-nearest intrinsics: one IEEE operation each, as x86-64's SSE arithmetic is */
+/* the round-to-nearest intrinsics: one IEEE operation each (the build turns contraction off) */
 static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
@@ -103,18 +104,18 @@ int main(int argc, char **argv)
             return fail("short sample");
         const int live = s[0], H = s[1], W = s[2];
         pl_img_desc &e = d[i];
-        std::memset(&e, 0, sizeof e);
+        std::memset(&e, 0, sizeof e); /* a sample that failed: all zero, as jpeg_cuda.c leaves it */
+        if (!live)
+            continue;
         e.top = s[3], e.left = s[4], e.h = s[5], e.w = s[6], e.rh = s[7], e.rw = s[8], e.oy = s[9],
         e.ox = s[10], e.flip = s[11];
         if (H < 1 || W < 1 || e.top < 0 || e.left < 0 || e.h < 1 || e.w < 1 || e.top + e.h > H ||
             e.left + e.w > W || e.oy < 0 || e.ox < 0 || e.oy + oh > e.rh || e.ox + ow > e.rw)
             return fail("a sample's box is outside its image or output");
         pl_image_rows_read(e.h, e.rh, e.oy, oh, &e.y_first, &e.ny);
-        if (!live)
-            continue;
         const size_t bytes = (size_t)H * W * 3;
         images[i] = (unsigned char *)malloc(bytes);
-        rows[i] = (unsigned char *)malloc((size_t)e.ny * ow * 3 + 1);
+        rows[i] = (unsigned char *)malloc(max((size_t)e.ny * ow * 3, (size_t)1));
         if (!images[i] || !rows[i] || fread(images[i], 1, bytes, in) != bytes)
             return fail("short image");
         e.src = images[i];

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import pinloader
-from image_helpers import box_params, jpeg, photo, resized_crop
 from pinloader import _C, _cudart
 
 pytestmark = [
@@ -26,6 +25,7 @@ pytestmark = [
 ]
 
 Image = pytest.importorskip("PIL.Image")
+from image_helpers import box_params, jpeg, photo, resized_crop  # noqa: E402  (needs Pillow)
 
 
 @pytest.fixture(scope="module")

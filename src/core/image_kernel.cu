@@ -7,8 +7,11 @@
  * The filter is Pillow's (libImaging/Resample.c): a triangle of support max(scale, 1) around
  * each output pixel's centre in the box, weights normalised to sum 1 and rounded to 22-bit
  * fixed point, a horizontal pass into 8-bit rows and then a vertical pass, each rounding to 8
- * bits. torchvision's resized_crop on PIL images is exactly this arithmetic (crop, then
- * resize), so on the same decoded pixels the GPU and the host backend agree to the bit. The
+ * bits. torchvision's resized_crop on PIL images is this arithmetic (crop, then resize), so on
+ * the same decoded pixels the GPU and the host backend agree to the bit where Pillow takes its
+ * passes in this order; recent Pillow releases take first the pass that shrinks more, and where
+ * that is the vertical one a value can differ by one level (tests/test_image_kernel_host.py
+ * compares both ways). The
  * weights are computed in double precision with the round-to-nearest intrinsics, which keep
  * the compiler from fusing a multiply and an add into one rounding: Pillow's C, on x86-64,
  * rounds each operation, and a weight that lands on the other side of a fixed-point step would

@@ -1,5 +1,6 @@
 /* The part of CUDA's cuda_fp16.h that src/core/image_kernel.cu uses, for its host emulation
- * (tests/image_kernel_emu.cpp): float to half with round-to-nearest-even, as the device does. */
+ * (tests/image_kernel_emu.cpp): float to half with round-to-nearest-even, a NaN as CUDA's
+ * canonical one (0x7fff). */
 #ifndef PL_TEST_CUDA_FP16_H
 #define PL_TEST_CUDA_FP16_H
 #include <cstring>
@@ -15,8 +16,8 @@ static inline __half __float2half_rn(float f)
     const unsigned int sign = (x >> 16) & 0x8000u;
     const unsigned int mag = x & 0x7fffffffu;
     __half h;
-    if (mag > 0x7f800000u) { /* NaN: a quiet NaN */
-        h.bits = (unsigned short)(sign | 0x7e00u);
+    if (mag > 0x7f800000u) { /* NaN: CUDA's canonical NaN */
+        h.bits = 0x7fffu;
         return h;
     }
     if (mag >= 0x477ff000u) { /* rounds to at least 65520: infinity */
