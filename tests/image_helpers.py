@@ -47,11 +47,16 @@ def box_params(rng: np.random.Generator, shapes: list[tuple[int, int]], size: tu
     return np.array(ps, np.int32)
 
 
-def resized_crop(img: np.ndarray, p, size: tuple[int, int]) -> np.ndarray:
+def resized_crop(img: np.ndarray, p, size: tuple[int, int], across_first: bool = False) -> np.ndarray:
     """Pillow's path for parameters ``p`` (box_params), as torchvision's resized_crop takes it on
-    a PIL image, then the output window and the flip: uint8 (H, W, 3)."""
+    a PIL image, then the output window and the flip: uint8 (H, W, 3). ``across_first``: Pillow's
+    horizontal pass alone, then its vertical pass alone, the image kernels' order (Pillow's own
+    resize runs first the pass that shrinks more)."""
     top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
-    im = Image.fromarray(img).crop((left, top, left + w, top + h)).resize((rw, rh), Image.BILINEAR)
+    im = Image.fromarray(img).crop((left, top, left + w, top + h))
+    if across_first:
+        im = im.resize((rw, h), Image.BILINEAR)
+    im = im.resize((rw, rh), Image.BILINEAR)
     out = np.asarray(im)[oy:oy + size[0], ox:ox + size[1]]
     return out[:, ::-1] if flip else out
 
