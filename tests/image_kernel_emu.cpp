@@ -39,6 +39,8 @@ static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline unsigned __float2uint_rn(float v) { return (unsigned)std::nearbyint(v); }
 static inline unsigned __float_as_uint(float v)
 {

@@ -179,7 +179,8 @@ __device__ __forceinline__ void vertical(const pl_img_desc *descs, T *out, int o
         }
         const int xo = d.flip ? ow - 1 - x : x;
         for (int c = 0; c < 3; c++) {
-            const float f = live ? (float)v[c] * a.scale[c] + a.bias[c] : 0.0f;
+            /* two roundings, as the host backend's NumPy makes them: no fused multiply-add */
+            const float f = live ? __fadd_rn(__fmul_rn((float)v[c], a.scale[c]), a.bias[c]) : 0.0f;
             const T t = live ? cast_out<T>(f) : T{};
             if (channels_last)
                 o[((long long)y * ow + xo) * 3 + c] = t;
