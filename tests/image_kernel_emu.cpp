@@ -1,11 +1,11 @@
 /* The image kernels of src/core/image_kernel.cu run on the host: the CUDA source compiled as C++
  * with the few CUDA names it uses defined here (and tests/cuda_shim/cuda_fp16.h), each launch
  * run thread by thread over its grid. tests/test_image_kernel_host.py builds it (with ASan and
- * UBSan where the compiler has them, so a read outside a sample's image or rows is an error) and
- * checks its batches against Pillow: the kernels' logic, indexing and arithmetic, on any machine.
- * Built with -ffp-contract=off, every float operation rounds on its own; on the device nvcc
- * contracts the output's multiply and add into one FMA (a last-bit difference in float32, which
- * the GPU tests bound: tests/test_jpeg_decoder_gpu.py), and the device's scheduling is theirs too.
+ * UBSan where the compiler has them, so an access outside a sample's image, rows or weight table
+ * is an error) and checks its batches against Pillow: the kernels' logic, indexing and arithmetic,
+ * on any machine. Built with -ffp-contract=off, every float operation rounds on its own, as the
+ * kernels' round-to-nearest intrinsics make them round on the device; the device's scheduling is
+ * the GPU tests' business (tests/test_jpeg_decoder_gpu.py).
  *
  *   image_kernel_emu IN OUT [GRID_X]
  *
@@ -96,8 +96,9 @@ int main(int argc, char **argv)
     if (n < 1 || n > 65535 || oh < 1 || ow < 1 || dtype < 0 || dtype > 3)
         return fail("bad header");
     const unsigned grid_x = argc > 3 ? (unsigned)atoi(argv[3]) : 0;
-    /* each image and each sample's rows in an allocation of its own size, for ASan */
+    /* each image, each sample's rows and each weight table in an allocation of its own size, for ASan */
     std::vector<unsigned char *> images(n, nullptr), rows(n, nullptr);
+    std::vector<int *> coefs(n, nullptr);
     std::vector<pl_img_desc> d(n);
     int max_rows = 0;
     for (int i = 0; i < n; i++) {
@@ -115,13 +116,18 @@ int main(int argc, char **argv)
             e.left + e.w > W || e.oy < 0 || e.ox < 0 || e.oy + oh > e.rh || e.ox + ow > e.rw)
             return fail("a sample's box is outside its image or output");
         pl_image_rows_read(e.h, e.rh, e.oy, oh, &e.y_first, &e.ny);
+        /* the weight table, as jpeg_cuda.c sizes it (Note [weight tables]) */
+        e.kh = pl_image_taps(e.w, e.rw);
+        e.kv = pl_image_taps(e.h, e.rh);
         const size_t bytes = (size_t)H * W * 3;
         images[i] = (unsigned char *)malloc(bytes);
         rows[i] = (unsigned char *)malloc(max((size_t)e.ny * ow * 3, (size_t)1));
-        if (!images[i] || !rows[i] || fread(images[i], 1, bytes, in) != bytes)
+        coefs[i] = (int *)malloc(((size_t)ow * (2 + e.kh) + (size_t)oh * (2 + e.kv)) * sizeof(int));
+        if (!images[i] || !rows[i] || !coefs[i] || fread(images[i], 1, bytes, in) != bytes)
             return fail("short image");
         e.src = images[i];
         e.tmp = rows[i];
+        e.coef = coefs[i];
         e.src_pitch = (long long)W * 3;
         max_rows = max(max_rows, e.ny);
     }
@@ -132,8 +138,11 @@ int main(int argc, char **argv)
     if (!out)
         return fail("out of memory");
     const pl_img_desc *descs = d.data();
-    if (max_rows > 0)
-        launch([&] { pl_image_h(descs, ow); }, grid_x ? grid_x : grid_for((long long)max_rows * ow), n);
+    if (max_rows > 0) {
+        launch([&] { pl_image_w(descs, oh, ow); }, grid_x ? grid_x : grid_for((long long)ow + oh), n);
+        launch([&] { pl_image_h(descs, ow); },
+               grid_x ? grid_x : grid_for((long long)((max_rows + PL_GROUP - 1) / PL_GROUP) * ow), n);
+    }
     const unsigned gv = grid_x ? grid_x : grid_for((long long)oh * ow);
     if (dtype == 0)
         launch([&] { pl_image_v_u8(descs, (unsigned char *)out, oh, ow, channels_last, a); }, gv, n);
@@ -149,6 +158,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < n; i++) {
         free(images[i]);
         free(rows[i]);
+        free(coefs[i]);
     }
     free(out);
     return 0;

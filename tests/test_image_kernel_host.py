@@ -2,9 +2,10 @@
 tests/image_kernel_emu.cpp, against Pillow: the resampling, the output window, the flip, the
 affine, the four dtypes and both layouts, with the GPU decoder's launch grids and with grids
 far smaller than the work (the kernels loop). Built with ASan and UBSan where the compiler has
-them: a kernel that read outside a sample's image or rows (sized by src/core/image_rows.h, as the
-GPU decoder sizes them) fails here. The device's own float rounding (one FMA for the output's
-multiply and add) is the GPU tests' business (tests/test_jpeg_decoder_gpu.py)."""
+them: a kernel that touched memory outside a sample's image, rows or weight table (sized by
+src/core/image_rows.h, as the GPU decoder sizes them) fails here. The kernels round every float
+operation on its own (round-to-nearest intrinsics), so the device's floats are these; its
+scheduling is the GPU tests' business (tests/test_jpeg_decoder_gpu.py)."""
 from __future__ import annotations
 
 import os

@@ -716,10 +716,10 @@ static int cuda_gather_launch(const pl_gather_args *g, pl_stream *s)
 
 /* The image kernels of src/core/image_kernel.cu (jpeg_cuda.c launches them), loaded once per
  * process like the gather kernels. */
-static const char *const image_kernel_names[5] = {"pl_image_h", "pl_image_v_u8", "pl_image_v_f32",
-                                                  "pl_image_v_f16", "pl_image_v_bf16"};
+static const char *const image_kernel_names[PL_IMAGE_KERNELS] = {
+    "pl_image_h", "pl_image_v_u8", "pl_image_v_f32", "pl_image_v_f16", "pl_image_v_bf16", "pl_image_w"};
 static pthread_once_t image_once = PTHREAD_ONCE_INIT;
-static pl_cudaKernel_t image_kernels[5]; /* written once in load_image */
+static pl_cudaKernel_t image_kernels[PL_IMAGE_KERNELS]; /* written once in load_image */
 static int image_error;                  /* written once in load_image */
 static const char *image_why;            /* written once in load_image */
 
@@ -738,7 +738,7 @@ static void load_image(void)
         image_why = "the driver could not load the image kernels (cudaLibraryLoadData)";
         return;
     }
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < PL_IMAGE_KERNELS; i++) {
         rc = cu_opt.cudaLibraryGetKernel(&image_kernels[i], lib, image_kernel_names[i]);
         if (rc != pl_cudaSuccess) {
             cu.cudaGetLastError();
@@ -764,7 +764,7 @@ int pl_cuda_image_launch(int device, int which, unsigned grid_x, unsigned grid_y
         *why = image_why;
         return image_error;
     }
-    if (which < 0 || which >= 5 || grid_x == 0 || grid_y == 0 || grid_y > 65535) {
+    if (which < 0 || which >= PL_IMAGE_KERNELS || grid_x == 0 || grid_y == 0 || grid_y > 65535) {
         *why = "an image kernel launch with an impossible shape";
         return PL_ERR_INVALID_VALUE;
     }

@@ -15,21 +15,34 @@
  * weights are computed in double precision with the round-to-nearest intrinsics, which keep
  * the compiler from fusing a multiply and an add into one rounding: Pillow's C, on x86-64,
  * rounds each operation, and a weight that lands on the other side of a fixed-point step would
- * change a pixel. Weights are recomputed per output pixel instead of being tabulated: with a
- * large box the filter spans hundreds of taps, and recomputing costs less than a table
- * round trip through memory. */
+ * change a pixel.
+ *
+ * Note [weight tables]
+ * A tap's weight depends on the output column (horizontal pass) or row (vertical pass) only,
+ * never on the other coordinate, so a first kernel (pl_image_w) computes each sample's weights
+ * once, one thread per output column and row, and the two passes read them from the sample's
+ * table (coef) instead of recomputing them for every pixel in double precision (which bounded
+ * the vertical pass on an H100, and would cost far more on GPUs with few FP64 units). A table
+ * holds, for the ow output columns, their first input column, their tap count and their weights
+ * tap-major (a warp's threads, consecutive columns, read consecutive words), then for each of
+ * the oh output rows its first input row, its tap count and its weights. A resize from `in` to
+ * `out` has at most pl_image_taps(in, out) taps (src/core/image_rows.h, Pillow's own bound);
+ * kh and kv are the sample's. A horizontal-pass thread makes PL_GROUP rows of one column, which
+ * share its weights; every output's sum runs over its taps in order, as Pillow's does. */
 
 #include <cuda_fp16.h>
 
 struct pl_img_desc {
     const unsigned char *src; /* the decoded image, interleaved RGB; NULL: zero the sample */
     unsigned char *tmp;       /* the horizontal pass's rows: ny rows of ow pixels */
+    int *coef;                /* the sample's weight table: Note [weight tables] */
     long long src_pitch;      /* bytes per row of src */
     int top, left, h, w;      /* the box in src: the image the filter sees */
     int rh, rw;               /* the box's size after the resize */
     int oy, ox;               /* the output window's corner in the resized box */
     int y_first, ny;          /* the box rows the vertical pass reads */
     int flip;                 /* mirror the output horizontally */
+    int kh, kv;               /* the table's taps per output column and per output row */
     int pad;
 };
 
@@ -38,6 +51,7 @@ struct pl_img_affine {
 };
 
 #define PL_PRECISION_BITS 22
+#define PL_GROUP 8 /* rows per horizontal-pass thread, sharing their column's weights */
 
 /* Pillow's precompute_coeffs for output index xx of a resize from in_size to out_size:
  * the first input index *xmin, the count *n and the weight sum *ww. */
@@ -91,35 +105,90 @@ __device__ __forceinline__ unsigned char clip8(int ss)
     return (unsigned char)(ss < 0 ? 0 : ss > 255 ? 255 : ss);
 }
 
-/* Horizontal pass: row r (0 <= r < ny) of tmp, output columns ox .. ox + ow - 1 of the
- * resized box. One thread per (row, column); blockIdx.y is the sample. */
+/* The weight tables (Note [weight tables]): one thread per output column (i < ow) and output row
+ * (ow <= i < ow + oh) of each sample; blockIdx.y is the sample. */
+extern "C" __global__ void __launch_bounds__(256)
+    pl_image_w(const pl_img_desc *descs, int oh, int ow)
+{
+    const pl_img_desc d = descs[blockIdx.y];
+    if (!d.src)
+        return;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)ow + oh;
+         i += (long long)gridDim.x * blockDim.x) {
+        const bool column = i < ow;
+        int first, n;
+        double center, ss;
+        if (column)
+            span(d.w, d.rw, (int)i + d.ox, &first, &n, &center, &ss);
+        else
+            span(d.h, d.rh, (int)(i - ow) + d.oy, &first, &n, &center, &ss);
+        const int k = column ? d.kh : d.kv;
+        if (n > k)
+            n = k; /* never: n <= 2 * ceil(support) + 1 (floor(c + s + 0.5) - floor(c - s + 0.5),
+                    * with a last-bit error far below a quotient's distance to an integer); it
+                    * only keeps the writes inside the table */
+        const double ww = weight_sum(first, n, center, ss);
+        int *w; /* the first weight; consecutive weights are `step` words apart */
+        long long step;
+        if (column) {
+            d.coef[i] = first;
+            d.coef[ow + i] = n;
+            w = d.coef + 2LL * ow + i;
+            step = ow;
+        } else {
+            int *row = d.coef + (long long)ow * (2 + d.kh) + (i - ow) * (2 + d.kv);
+            row[0] = first;
+            row[1] = n;
+            w = row + 2;
+            step = 1;
+        }
+        for (int x = 0; x < n; x++)
+            w[x * step] = fixed_weight(tri(x + first, center, ss), ww);
+    }
+}
+
+/* Horizontal pass: rows r (0 <= r < ny) of tmp, output columns ox .. ox + ow - 1 of the
+ * resized box. One thread per column and group of PL_GROUP rows; blockIdx.y is the sample. */
 extern "C" __global__ void __launch_bounds__(256)
     pl_image_h(const pl_img_desc *descs, int ow)
 {
     const pl_img_desc d = descs[blockIdx.y];
     if (!d.src)
         return;
-    const long long total = (long long)d.ny * ow;
+    const long long total = (long long)((d.ny + PL_GROUP - 1) / PL_GROUP) * ow;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
-        const int r = (int)(i / ow), c = (int)(i - (long long)r * ow);
-        int xmin, n;
-        double center, ss;
-        span(d.w, d.rw, c + d.ox, &xmin, &n, &center, &ss);
-        const double ww = weight_sum(xmin, n, center, ss);
-        const unsigned char *row =
-            d.src + (long long)(d.top + d.y_first + r) * d.src_pitch + (long long)(d.left + xmin) * 3;
-        int s0 = 1 << (PL_PRECISION_BITS - 1), s1 = s0, s2 = s0;
+        const int g = (int)(i / ow), c = (int)(i - (long long)g * ow);
+        const int r0 = g * PL_GROUP, rows = min(PL_GROUP, d.ny - r0);
+        const int xmin = d.coef[c], n = d.coef[ow + c];
+        const int *w = d.coef + 2LL * ow + c;
+        const unsigned char *first =
+            d.src + (long long)(d.top + d.y_first + r0) * d.src_pitch + (long long)(d.left + xmin) * 3;
+        int s[PL_GROUP][3];
+#pragma unroll
+        for (int j = 0; j < PL_GROUP; j++)
+            s[j][0] = s[j][1] = s[j][2] = 1 << (PL_PRECISION_BITS - 1);
         for (int x = 0; x < n; x++) {
-            const int k = fixed_weight(tri(x + xmin, center, ss), ww);
-            s0 += row[3 * x] * k;
-            s1 += row[3 * x + 1] * k;
-            s2 += row[3 * x + 2] * k;
+            const int k = w[(long long)x * ow];
+#pragma unroll
+            for (int j = 0; j < PL_GROUP; j++) {
+                if (j < rows) {
+                    const unsigned char *p = first + (long long)j * d.src_pitch + 3 * x;
+                    s[j][0] += p[0] * k;
+                    s[j][1] += p[1] * k;
+                    s[j][2] += p[2] * k;
+                }
+            }
         }
-        unsigned char *o = d.tmp + i * 3;
-        o[0] = clip8(s0);
-        o[1] = clip8(s1);
-        o[2] = clip8(s2);
+#pragma unroll
+        for (int j = 0; j < PL_GROUP; j++) {
+            if (j < rows) {
+                unsigned char *o = d.tmp + ((long long)(r0 + j) * ow + c) * 3;
+                o[0] = clip8(s[j][0]);
+                o[1] = clip8(s[j][1]);
+                o[2] = clip8(s[j][2]);
+            }
+        }
     }
 }
 
@@ -160,14 +229,12 @@ __device__ __forceinline__ void vertical(const pl_img_desc *descs, T *out, int o
         unsigned char v[3] = {0, 0, 0};
         const bool live = d.src != 0;
         if (live) {
-            int ymin, n;
-            double center, ss;
-            span(d.h, d.rh, y + d.oy, &ymin, &n, &center, &ss);
-            const double ww = weight_sum(ymin, n, center, ss);
+            const int *row = d.coef + (long long)ow * (2 + d.kh) + (long long)y * (2 + d.kv);
+            const int ymin = row[0], n = row[1];
             const unsigned char *col = d.tmp + ((long long)(ymin - d.y_first) * ow + x) * 3;
             int s0 = 1 << (PL_PRECISION_BITS - 1), s1 = s0, s2 = s0;
             for (int j = 0; j < n; j++) {
-                const int k = fixed_weight(tri(j + ymin, center, ss), ww);
+                const int k = row[2 + j];
                 const unsigned char *p = col + (long long)j * ow * 3;
                 s0 += p[0] * k;
                 s1 += p[1] * k;

@@ -1,6 +1,7 @@
-/* Which rows of a sample's box the image kernels read (src/core/image_kernel.cu): shared by the
- * GPU decoder (jpeg_cuda.c), which sizes the horizontal pass's rows by it, and the kernels' host
- * emulation in the test suite (tests/image_kernel_emu.cpp). Plain C, no CUDA. */
+/* What the image kernels (src/core/image_kernel.cu) need room for: the rows of a sample's box
+ * they read, and the taps of their weight tables. Shared by the GPU decoder (jpeg_cuda.c), which
+ * lays out its workspace by them, and the kernels' host emulation in the test suite
+ * (tests/image_kernel_emu.cpp). Plain C, no CUDA. */
 #ifndef PL_IMAGE_ROWS_H
 #define PL_IMAGE_ROWS_H
 
@@ -21,6 +22,16 @@ static inline void pl_image_rows_read(int in, int out, int y0, int oh, int *firs
         hi = lo;
     *first = (int)lo;
     *n = (int)(hi - lo);
+}
+
+/* The most taps a resize from `in` to `out` pixels (both >= 1) has: Pillow's ksize,
+ * 2 * ceil(support) + 1 with support = max(in / out, 1) (Note [weight tables] in image_kernel.cu).
+ * The integer ceiling equals the ceiling of the kernels' double quotient here: in <= 65535, so
+ * a quotient below an integer is too far below it to round up to it. */
+static inline int pl_image_taps(int in, int out)
+{
+    const int support = in > out ? (in - 1) / out + 1 : 1;
+    return 2 * support + 1;
 }
 
 #endif

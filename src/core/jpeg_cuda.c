@@ -14,13 +14,14 @@
  * Per batch:
  *   1. every header is parsed on the host (nvjpegJpegStreamParseHeader): the image's size, its
  *      components, and whether the hardware engines take it (nvjpegDecodeBatchedSupported);
- *   2. the workspace (decoded images, then the horizontal pass's rows) is grown if this batch
- *      needs more; it is reused across batches, never shrunk, freed with the decoder;
+ *   2. the workspace (each sample's decoded image, the horizontal pass's rows and the weight
+ *      tables: Note [weight tables] in image_kernel.cu) is grown if this batch needs more; it
+ *      is reused across batches, never shrunk, freed with the decoder;
  *   3. the hardware takes its share in one nvjpegDecodeBatched call; the rest, and every image
  *      of a hardware batch that failed as a whole, go through nvjpegDecode one by one, which
  *      tells which image is bad; host-decoded images are copied in;
- *   4. the samples' descriptors go to the device from a pinned ring slot, the two image kernels
- *      run, and the block's ready event is recorded.
+ *   4. the samples' descriptors go to the device from a pinned ring slot, the image kernels
+ *      run (the weight tables, then the two passes), and the block's ready event is recorded.
  * Everything is queued on the decoder's own stream, except what the hardware engines write (Note
  * [engines write at once]): before they write, the host waits for the previous batch's kernels.
  * Nothing else here waits for the GPU except a ring slot whose copy has not finished (Note
@@ -31,7 +32,7 @@
  * queued before it on the stream it is given: a device-side dependency (the stream's own queue,
  * or a cudaStreamWaitEvent) does not hold the write back, only a host wait does (reported on
  * H100 with nvJPEG 12.3.5, 12.4, 13.0.1 and 13.2.1; nvJPEG's CUDA decoder and its single-image
- * call keep stream order). The engines write into the workspace, which the previous batch's two
+ * call keep stream order). The engines write into the workspace, which the previous batch's
  * kernels read: on a GPU busy with training those kernels can still be queued when the next
  * batch's decode is called, and they would resample the next batch's pixels. So the decoder
  * records `ws_free` after each batch's kernels and the host waits for it before the engines'
@@ -158,16 +159,22 @@ static const char *nj_status_name(pl_nvjpegStatus_t s)
  * already over. */
 enum { RING = 4 };
 
+/* The rows each horizontal-pass thread makes: PL_GROUP in image_kernel.cu (that launch's grid is
+ * sized by it; any grid gives the same result). */
+enum { IMAGE_GROUP = 8 };
+
 /* Must match struct pl_img_desc in image_kernel.cu. */
 typedef struct img_desc {
     const unsigned char *src;
     unsigned char *tmp;
+    int *coef;
     long long src_pitch;
     int top, left, h, w;
     int rh, rw;
     int oy, ox;
     int y_first, ny;
     int flip;
+    int kh, kv;
     int pad;
 } img_desc;
 
@@ -411,7 +418,8 @@ typedef struct sample {
     int kind; /* 0 failed, 1 hardware, 2 CUDA decoder, 3 raw */
     int h, w; /* the image's */
     int ry, rx, rh, rw; /* the region decoded (the whole image unless Note [region decode]) */
-    size_t img_off, tmp_off;
+    size_t img_off, tmp_off, coef_off;
+    int kh, kv; /* the weight table's taps per column and row (Note [weight tables] in image_kernel.cu) */
 } sample;
 
 /* Note [region decode]
@@ -707,6 +715,15 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         int first, rows;
         pl_image_rows_read(p[2], p[4], p[6], o->oh, &first, &rows);
         size_t tmp = align256((size_t)rows * (size_t)o->ow * 3);
+        /* the weight table: ow * (2 + kh) + oh * (2 + kv) ints (kh, kv < 2^17: sides <= 65535) */
+        sm[i].kh = pl_image_taps(p[3], p[5]);
+        sm[i].kv = pl_image_taps(p[2], p[4]);
+        size_t coef_ints = 0, part;
+        int coef_over = __builtin_mul_overflow((size_t)o->ow, (size_t)(2 + sm[i].kh), &coef_ints) ||
+                        __builtin_mul_overflow((size_t)o->oh, (size_t)(2 + sm[i].kv), &part) ||
+                        __builtin_add_overflow(coef_ints, part, &coef_ints) ||
+                        __builtin_mul_overflow(coef_ints, sizeof(int), &coef_ints);
+        size_t coef = align256(coef_ints);
         sm[i].img_off = ws;
         if (__builtin_add_overflow(ws, img, &ws)) {
             *why = "the batch's decoded size overflows";
@@ -715,6 +732,12 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
         sm[i].tmp_off = ws;
         if (__builtin_add_overflow(ws, tmp, &ws)) {
+            *why = "the batch's decoded size overflows";
+            rc = PL_ERR_INVALID_VALUE;
+            goto done;
+        }
+        sm[i].coef_off = ws;
+        if (coef_over || coef < coef_ints || __builtin_add_overflow(ws, coef, &ws)) {
             *why = "the batch's decoded size overflows";
             rc = PL_ERR_INVALID_VALUE;
             goto done;
@@ -793,6 +816,9 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
         d[i].src = j->ws + sm[i].img_off;
         d[i].tmp = j->ws + sm[i].tmp_off;
+        d[i].coef = (int *)(void *)(j->ws + sm[i].coef_off);
+        d[i].kh = sm[i].kh;
+        d[i].kv = sm[i].kv;
         d[i].src_pitch = (long long)sm[i].rw * 3;
         d[i].top = p[0] - sm[i].ry;
         d[i].left = p[1] - sm[i].rx;
@@ -817,7 +843,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     }
     j->ring[slot].recorded = 1;
 
-    /* 4. the batch's block and the two passes */
+    /* 4. the batch's block and the kernels */
     t = lap(&laps[LAP_KERNELS], t);
     if ((rc = pl_block_alloc(blk, out_bytes, j->stream, 1)) != PL_OK) {
         *why = "the batch's device memory could not be allocated";
@@ -830,12 +856,21 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
     memcpy(a.scale, o->scale, sizeof a.scale);
     memcpy(a.bias, o->bias, sizeof a.bias);
     if (max_rows > 0) {
-        long long work = (long long)max_rows * ow;
-        unsigned gx = (unsigned)((work + 255) / 256);
+        /* the weight tables (Note [weight tables] in image_kernel.cu), then the horizontal pass;
+         * a live sample reads at least one row (pl_image_rows_read), so whenever the vertical
+         * pass reads a table, max_rows > 0 and the table was made */
+        unsigned gx = (unsigned)(((long long)ow + oh + 255) / 256);
+        if (gx > 4096)
+            gx = 4096;
+        void *wargs[] = {&descs, &oh, &ow};
+        if ((rc = pl_cuda_image_launch(j->device, PL_IMAGE_KERNEL_W, gx, (unsigned)n, wargs, j->stream, why)) != PL_OK)
+            goto done;
+        long long work = (long long)((max_rows + IMAGE_GROUP - 1) / IMAGE_GROUP) * ow;
+        gx = (unsigned)((work + 255) / 256);
         if (gx > 4096)
             gx = 4096;
         void *hargs[] = {&descs, &ow};
-        if ((rc = pl_cuda_image_launch(j->device, 0, gx, (unsigned)n, hargs, j->stream, why)) != PL_OK)
+        if ((rc = pl_cuda_image_launch(j->device, PL_IMAGE_KERNEL_H, gx, (unsigned)n, hargs, j->stream, why)) != PL_OK)
             goto done;
     }
     {
@@ -845,7 +880,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
             gx = 4096;
         void *out = blk->ptr;
         void *vargs[] = {&descs, &out, &oh, &ow, &cl, &a};
-        if ((rc = pl_cuda_image_launch(j->device, 1 + o->dtype, gx, (unsigned)n, vargs, j->stream, why)) != PL_OK)
+        if ((rc = pl_cuda_image_launch(j->device, PL_IMAGE_KERNEL_V + o->dtype, gx, (unsigned)n, vargs, j->stream, why)) != PL_OK)
             goto done;
     }
     if ((rc = b->event_record(blk->ready, j->stream)) != PL_OK) {

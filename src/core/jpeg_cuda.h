@@ -90,8 +90,10 @@ void pl_jpeg_debug_engine_waits(int on);
  * absence prevents. Off by default. */
 void pl_jpeg_debug_pipelined(int on);
 
-/* The image kernels (image_kernel.cu), launched by backend_cuda.c: which = 0 the horizontal
- * pass, 1 + PL_IMG_* the vertical pass for that dtype. args as cudaLaunchKernel takes them. */
+/* The image kernels (image_kernel.cu), launched by backend_cuda.c: which is PL_IMAGE_KERNEL_W
+ * (the weight tables), PL_IMAGE_KERNEL_H (the horizontal pass) or PL_IMAGE_KERNEL_V + PL_IMG_*
+ * (the vertical pass for that dtype). args as cudaLaunchKernel takes them. */
+enum { PL_IMAGE_KERNEL_H = 0, PL_IMAGE_KERNEL_V = 1, PL_IMAGE_KERNEL_W = 5, PL_IMAGE_KERNELS = 6 };
 int pl_cuda_image_launch(int device, int which, unsigned grid_x, unsigned grid_y, void **args,
                          pl_stream *s, const char **why);
 
