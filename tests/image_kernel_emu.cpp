@@ -141,7 +141,7 @@ int main(int argc, char **argv)
     if (max_rows > 0) {
         launch([&] { pl_image_w(descs, oh, ow); }, grid_x ? grid_x : grid_for((long long)ow + oh), n);
         launch([&] { pl_image_h(descs, ow); },
-               grid_x ? grid_x : grid_for((long long)((max_rows + PL_GROUP - 1) / PL_GROUP) * ow), n);
+               grid_x ? grid_x : grid_for((long long)((max_rows + PL_IMAGE_GROUP - 1) / PL_IMAGE_GROUP) * ow), n);
     }
     const unsigned gv = grid_x ? grid_x : grid_for((long long)oh * ow);
     if (dtype == 0)

@@ -27,10 +27,13 @@
  * tap-major (a warp's threads, consecutive columns, read consecutive words), then for each of
  * the oh output rows its first input row, its tap count and its weights. A resize from `in` to
  * `out` has at most pl_image_taps(in, out) taps (src/core/image_rows.h, Pillow's own bound);
- * kh and kv are the sample's. A horizontal-pass thread makes PL_GROUP rows of one column, which
- * share its weights; every output's sum runs over its taps in order, as Pillow's does. */
+ * kh and kv are the sample's. A horizontal-pass thread makes PL_IMAGE_GROUP (image_rows.h) rows
+ * of one column, which share its weights; every output's sum runs over its taps in order, as
+ * Pillow's does. */
 
 #include <cuda_fp16.h>
+
+#include "image_rows.h"
 
 struct pl_img_desc {
     const unsigned char *src; /* the decoded image, interleaved RGB; NULL: zero the sample */
@@ -51,7 +54,6 @@ struct pl_img_affine {
 };
 
 #define PL_PRECISION_BITS 22
-#define PL_GROUP 8 /* rows per horizontal-pass thread, sharing their column's weights */
 
 /* Pillow's precompute_coeffs for output index xx of a resize from in_size to out_size:
  * the first input index *xmin, the count *n and the weight sum *ww. */
@@ -148,30 +150,30 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 /* Horizontal pass: rows r (0 <= r < ny) of tmp, output columns ox .. ox + ow - 1 of the
- * resized box. One thread per column and group of PL_GROUP rows; blockIdx.y is the sample. */
+ * resized box. One thread per column and group of PL_IMAGE_GROUP rows; blockIdx.y is the sample. */
 extern "C" __global__ void __launch_bounds__(256)
     pl_image_h(const pl_img_desc *descs, int ow)
 {
     const pl_img_desc d = descs[blockIdx.y];
     if (!d.src)
         return;
-    const long long total = (long long)((d.ny + PL_GROUP - 1) / PL_GROUP) * ow;
+    const long long total = (long long)((d.ny + PL_IMAGE_GROUP - 1) / PL_IMAGE_GROUP) * ow;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int g = (int)(i / ow), c = (int)(i - (long long)g * ow);
-        const int r0 = g * PL_GROUP, rows = min(PL_GROUP, d.ny - r0);
+        const int r0 = g * PL_IMAGE_GROUP, rows = min(PL_IMAGE_GROUP, d.ny - r0);
         const int xmin = d.coef[c], n = d.coef[ow + c];
         const int *w = d.coef + 2LL * ow + c;
         const unsigned char *first =
             d.src + (long long)(d.top + d.y_first + r0) * d.src_pitch + (long long)(d.left + xmin) * 3;
-        int s[PL_GROUP][3];
+        int s[PL_IMAGE_GROUP][3];
 #pragma unroll
-        for (int j = 0; j < PL_GROUP; j++)
+        for (int j = 0; j < PL_IMAGE_GROUP; j++)
             s[j][0] = s[j][1] = s[j][2] = 1 << (PL_PRECISION_BITS - 1);
         for (int x = 0; x < n; x++) {
             const int k = w[(long long)x * ow];
 #pragma unroll
-            for (int j = 0; j < PL_GROUP; j++) {
+            for (int j = 0; j < PL_IMAGE_GROUP; j++) {
                 if (j < rows) {
                     const unsigned char *p = first + (long long)j * d.src_pitch + 3 * x;
                     s[j][0] += p[0] * k;
@@ -181,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(256)
             }
         }
 #pragma unroll
-        for (int j = 0; j < PL_GROUP; j++) {
+        for (int j = 0; j < PL_IMAGE_GROUP; j++) {
             if (j < rows) {
                 unsigned char *o = d.tmp + ((long long)(r0 + j) * ow + c) * 3;
                 o[0] = clip8(s[j][0]);

@@ -5,6 +5,10 @@
 #ifndef PL_IMAGE_ROWS_H
 #define PL_IMAGE_ROWS_H
 
+/* The rows each horizontal-pass thread makes, sharing their column's weights (the launch's grid
+ * is sized by it; any grid gives the same result). */
+#define PL_IMAGE_GROUP 8
+
 /* The rows [*first, *first + *n) of a box of `in` rows that the output rows [y0, y0 + oh) of
  * its resize to `out` rows read, with a row of margin on each side (the device computes the
  * exact span with the same formula; the margin keeps a last-bit difference harmless). */

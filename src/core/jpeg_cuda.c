@@ -159,10 +159,6 @@ static const char *nj_status_name(pl_nvjpegStatus_t s)
  * already over. */
 enum { RING = 4 };
 
-/* The rows each horizontal-pass thread makes: PL_GROUP in image_kernel.cu (that launch's grid is
- * sized by it; any grid gives the same result). */
-enum { IMAGE_GROUP = 8 };
-
 /* Must match struct pl_img_desc in image_kernel.cu. */
 typedef struct img_desc {
     const unsigned char *src;
@@ -865,7 +861,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         void *wargs[] = {&descs, &oh, &ow};
         if ((rc = pl_cuda_image_launch(j->device, PL_IMAGE_KERNEL_W, gx, (unsigned)n, wargs, j->stream, why)) != PL_OK)
             goto done;
-        long long work = (long long)((max_rows + IMAGE_GROUP - 1) / IMAGE_GROUP) * ow;
+        long long work = (long long)((max_rows + PL_IMAGE_GROUP - 1) / PL_IMAGE_GROUP) * ow;
         gx = (unsigned)((work + 255) / 256);
         if (gx > 4096)
             gx = 4096;
