@@ -124,7 +124,7 @@ def test_every_number_in_the_readme_results_is_in_the_committed_results():
                        for p in sorted(RESULTS.rglob("*")) if p.suffix in (".md", ".json"))
     section = _results_section()
     numbers = set(_NUMBER.findall(section.replace("–", " – ")))
-    assert {"0.783", "0.895", "1.094"} <= numbers, "the model rows, the DataLoader door's included"
+    assert {"0.783", "0.895", "1.006"} <= numbers, "the model rows, the DataLoader door's included"
     missing = sorted(n for n in numbers
                      if not re.search(rf"(?<![\d.,]){re.escape(n)}(?![\d])", corpus))
     assert not missing, f"numbers in the README's results that no committed result file has: {missing}"
