@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-LOADER_ROWS = ["imageloader_packed", "imageloader_packed_unreduced", "imageloader_tar", "imageloader_folder", "dataloader",
+LOADER_ROWS = ["imageloader_packed", "imageloader_tar", "imageloader_folder", "dataloader",
                "torchvision_gpu", "dali_default", "dali_best", "decoder_alone"]
 MODEL_ROWS = ["bound", "imageloader_packed", "dataloader", "dali_best"]
 MODELS = {"resnet50": "imagenet", "resnet18": "imagenet", "efficientnet_b0": "imagenet",
@@ -204,12 +204,9 @@ def cpu_seconds() -> float:
 
 # ---- rows: each a factory returning run(epoch) -> images seen ----
 
-def row_imageloader(ds: dict, key: str, args: Any, torch: Any, reduce: bool = True) -> tuple[Callable[[int], int], Any]:
-    """``reduce=False``: every image decoded at full size (the reductions of Note [reduced
-    decodes] in pinloader/_image_ops.py off, for this row's epochs only)."""
+def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
     import pinloader
     import pinloader.torch as pt
-    from pinloader import _image_ops as ops
     src = {"packed": ds["packed"], "tar": ds["tars"], "folder": ds["folder"]}[key]
     loader = pinloader.ImageLoader(src, args.batch, size=224, dtype=args.dtype, layout="NHWC",
                                    device=args.device, drop_last=True, on_error="raise")
@@ -219,17 +216,11 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any, reduce: bool = Tr
         loader.set_epoch(epoch)
         n = 0
         last = None
-        saved = ops.MAX_REDUCTION
-        if not reduce:
-            ops.MAX_REDUCTION = 0
-        try:
-            for b in door:
-                n += b["image"].shape[0]
-                last = b["image"]
-            if last is not None and last.is_cuda:
-                torch.cuda.current_stream().synchronize()
-        finally:
-            ops.MAX_REDUCTION = saved
+        for b in door:
+            n += b["image"].shape[0]
+            last = b["image"]
+        if last is not None and last.is_cuda:
+            torch.cuda.current_stream().synchronize()
         return n
     return run, loader
 
@@ -366,7 +357,6 @@ def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], 
 def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, Any]:
     factories: dict[str, Callable[[], tuple[Callable[[int], int], Any]]] = {
         "imageloader_packed": lambda: row_imageloader(ds, "packed", args, torch),
-        "imageloader_packed_unreduced": lambda: row_imageloader(ds, "packed", args, torch, reduce=False),
         "imageloader_tar": lambda: row_imageloader(ds, "tar", args, torch),
         "imageloader_folder": lambda: row_imageloader(ds, "folder", args, torch),
         "dataloader": lambda: row_dataloader(ds, args, torch),

@@ -139,12 +139,11 @@ class _Runner:
         cfg = self.cfg
         if cfg["train"]:
             u = ops.draws(cfg["seed"], epoch, idx)
-            p = ops.train_params(hw[:, :2], u, cfg["size"], cfg["scale"], cfg["ratio"], cfg["flip"])
-        else:
-            p = ops.eval_params(hw[:, :2], cfg["size"], cfg["resize"])
-            if cfg["flip"] and len(idx):  # the flip draw of a training crop (Note [counter-based draws])
-                p[:, 8] = ops.draws(cfg["seed"], epoch, idx)[:, ops.DRAWS - 1] < 0.5
-        return ops.reduce_params(p, hw[:, :3])
+            return ops.train_params(hw[:, :2], u, cfg["size"], cfg["scale"], cfg["ratio"], cfg["flip"])
+        p = ops.eval_params(hw[:, :2], cfg["size"], cfg["resize"])
+        if cfg["flip"] and len(idx):  # the flip draw of a training crop (Note [counter-based draws])
+            p[:, 8] = ops.draws(cfg["seed"], epoch, idx)[:, ops.DRAWS - 1] < 0.5
+        return p
 
     def header(self, i: int, data: Any) -> np.ndarray:
         """The sample's (h, w, components), from the cache or its header (then cached)."""
@@ -399,7 +398,7 @@ class _Runner:
         whys: dict[int, str] = dict(fails)
         ok[list(fails)] = False
         raw: dict[int, np.ndarray] = {}
-        fixed: dict[int, np.ndarray] = {}  # the parameters of the raw images, in their pixels (_raw)
+        fixed: dict[int, np.ndarray] = {}  # the parameters of raw images resampled already (_raw)
         hw = self.src.hw[idx].copy()
         recorded = ok & (hw[:, 0] > 0)  # sizes from sizes.npy, or read when first met
         unknown = np.flatnonzero(ok & (hw[:, 0] <= 0))
@@ -464,36 +463,30 @@ class _Runner:
     def _raw(self, epoch: int, idx: np.ndarray, base: np.ndarray, offs: np.ndarray, lens: np.ndarray, k: int,
              hw: np.ndarray, raw: dict[int, np.ndarray], fixed: dict[int, np.ndarray], whys: dict[int, str],
              ok: np.ndarray, reason: str) -> None:
-        """Decode sample k on the host for the GPU call's ``raw=``, at its reduction where Pillow
-        can (Note [reduced decodes] in pinloader/_image_ops.py); ``fixed[k]``: its parameters
-        in the decoded image's pixels. One with a side past what the call takes (_RAW_SIDE) is
-        cropped and resized here too, and ``fixed[k]`` then hands it over as it is."""
-        p = self.params(epoch, idx[k:k + 1], hw[k:k + 1])[0]
+        """Decode sample k on the host for the GPU call's ``raw=``; one with a side past what
+        the call takes (_RAW_SIDE) is cropped and resized here too, and ``fixed[k]`` is then the
+        parameters that hand it over as it is."""
         try:
-            # at the sample's reduction where Pillow can (Note [reduced decodes]): q is the box
-            # in img's pixels
-            img, q = ops.decode_reduced(base[int(offs[k]):int(offs[k]) + int(lens[k])], p,
-                                        (int(hw[k, 0]), int(hw[k, 1])))
-        except ops.SizeMismatchError as e:
-            # the size its crop is drawn for is not the image's: the host path's error
-            whys[k] = str(e)
-            ok[k] = False
-            return
+            img = ops.decode_rgb(base[int(offs[k]):int(offs[k]) + int(lens[k])])
         except ValueError as e:
             whys[k] = f"{reason}, and {e}"
             ok[k] = False
             return
-        q[9] = 0  # (a raw image's box is in its own pixels: Note [image resampling])
+        if tuple(img.shape[:2]) != (int(hw[k, 0]), int(hw[k, 1])):
+            # the size its crop is drawn for is not the image's: the host path's error
+            whys[k] = ops.size_mismatch(img.shape[:2], hw[k])
+            ok[k] = False
+            return
         if max(img.shape[:2]) > _RAW_SIDE:
             size = self.cfg["size"]
             try:
-                img = np.ascontiguousarray(ops.resample(img, q, size))
+                p = self.params(epoch, idx[k:k + 1], hw[k:k + 1])[0]
+                img = np.ascontiguousarray(ops.resample(img, p, size))
             except ValueError as e:
                 whys[k] = f"{reason}, and {e}"
                 ok[k] = False
                 return
-            q = np.array([0, 0, size[0], size[1], size[0], size[1], 0, 0, 0, 0], np.int32)
-        fixed[k] = q
+            fixed[k] = np.array([0, 0, size[0], size[1], size[0], size[1], 0, 0, 0], np.int32)
         raw[k] = img
         self.host_reason(reason)
 
@@ -542,7 +535,7 @@ def _decoder_info(decoders: list[Any]) -> dict[str, Any]:
     return out
 
 
-_SUMMED_INFO = frozenset({"batches", "hardware", "roi", "reduced", "cuda", "raw", "failed", "workspace_bytes",
+_SUMMED_INFO = frozenset({"batches", "hardware", "roi", "cuda", "raw", "failed", "workspace_bytes",
                           "headers_ns", "engines_wait_ns", "engines_ns", "cuda_ns", "block_ns", "kernels_ns"})
 
 

@@ -3,11 +3,10 @@ decoded: the crop sampler, the evaluation resize, the normalization constants, t
 reader, and the host decoder (Pillow, libjpeg-turbo).
 
 Note [image parameters]
-Every sample is described by ten integers (Note [image resampling] in src/core/jpeg_cuda.c):
+Every sample is described by nine integers (Note [image resampling] in src/core/jpeg_cuda.c):
 the box (top, left, height, width) in the decoded image, the size (rh, rw) the box is resized
-to, the corner (oy, ox) of the output window in the resized box, a horizontal flip, and the
-reduction k of Note [reduced decodes] (the box is then in the image reduced by 2**k). The GPU
-decoder and the host decoder take the same ten, so the two backends crop alike:
+to, the corner (oy, ox) of the output window in the resized box, and a horizontal flip. The GPU
+decoder and the host decoder take the same nine, so the two backends crop alike:
 
 * ``train=True``: torchvision's ``RandomResizedCrop.get_params`` (ten tries of an area drawn in
   ``scale`` and a log-uniform aspect ratio in ``ratio``, rounded with Python's round, accepted
@@ -17,24 +16,6 @@ decoder and the host decoder take the same ten, so the two backends crop alike:
   to ``int(resize * long / short)``) then ``CenterCrop(size)`` (the corner
   ``int(round((resized - size) / 2))``): the whole image is the box. With ``flip=True`` the
   window is flipped as a training crop is, by the same draw.
-
-Note [reduced decodes]
-A JPEG can be decoded at 1/2, 1/4 or 1/8 of its size for a fraction of the work: libjpeg-turbo
-scales in its inverse DCT (Pillow's ``Image.draft``), the GPU's JPEG engines do the same
-(nvjpegDecodeParamsSetScaleFactor). A box much larger than its output gains nothing from its
-full resolution, since the antialiased resize averages it away, so a JPEG's box is decoded at
-the largest reduction 2**k (k <= 3) that leaves it at least ``REDUCING_GAP`` times its output
-on both sides (Pillow's ``thumbnail`` keeps the same gap of 2 for the same reason): a high-res
-image's large training crops and its evaluation resize, never an ImageNet-sized image's 224-px
-crop. The box is then given in the reduced image, whose sides are ``ceil(side / 2**k)`` as
-libjpeg makes them: each edge ``e`` becomes ``(e + 2**(k-1)) >> k`` (the nearest reduced pixel
-edge), and the tenth parameter is k. Both backends decode at the reduction where their decoder
-can; where it cannot (a decoder without scaling, an image the engines refuse, a format other
-than JPEG) the image is decoded whole and the box taken back to full-size pixels (each edge
-times 2**k, clamped to the image: ``full_box``; Note [the engines' reduction] in
-src/core/jpeg_cuda.c), which resamples a box within 2**(k-1) pixels
-of the drawn one. The pixels then differ from a reduced decode's by what a resize from a
-different resolution changes (measured in docs/guides/images.rst), the box does not.
 
 Note [counter-based draws]
 The random numbers come from SplitMix64 keyed by (seed, epoch, sample index): the key is mixed
@@ -159,51 +140,6 @@ def train_params(hw: np.ndarray, u: np.ndarray, size: tuple[int, int], scale: Se
 
 
 _I32 = 2**31 - 1
-REDUCING_GAP = 2
-MAX_REDUCTION = 3
-
-
-def reduce_params(p: np.ndarray, hw: np.ndarray) -> np.ndarray:
-    """int32 (B, 10): the nine parameters ``p`` of each sample with its reduction (Note
-    [reduced decodes]); ``hw`` (B, 3) heights, widths and JPEG components (0: not a JPEG,
-    which is never reduced)."""
-    p = np.asarray(p, np.int64).reshape(-1, 9)
-    hw = np.asarray(hw, np.int64).reshape(-1, 3)
-    out = np.zeros((len(p), 10), np.int64)
-    out[:, :9] = p
-    if not len(p):
-        return out.astype(np.int32)
-    k = np.zeros(len(p), np.int64)
-    for kk in range(1, MAX_REDUCTION + 1):
-        fits = ((hw[:, 2] > 0) & (p[:, 2] >= REDUCING_GAP * (p[:, 4] << kk))
-                & (p[:, 3] >= REDUCING_GAP * (p[:, 5] << kk)))
-        k = np.where(fits, kk, k)
-    r = k > 0
-    if r.any():
-        k_r, p_r = k[r], p[r]
-        half = 1 << (k_r - 1)
-        for e, size, side in ((0, 2, 0), (1, 3, 1)):  # (top, height, image height), (left, width, ...)
-            reduced_side = -(-hw[r, side] // (1 << k_r))
-            first = np.minimum((p_r[:, e] + half) >> k_r, reduced_side - 1)
-            last = np.minimum((p_r[:, e] + p_r[:, size] + half) >> k_r, reduced_side)
-            out[r, e] = first
-            out[r, size] = np.maximum(last - first, 1)
-        out[:, 9] = k
-    return out.astype(np.int32)
-
-
-def full_box(p: Sequence[int] | np.ndarray, height: int, width: int) -> np.ndarray:
-    """The ten parameters of a sample decoded whole although ``p`` reduces it: the box taken
-    back to the ``height`` x ``width`` image (Note [reduced decodes]), the reduction 0."""
-    q = np.array(p, np.int64).reshape(10)
-    k = int(q[9])
-    if k:
-        top, left = min(int(q[0]) << k, height - 1), min(int(q[1]) << k, width - 1)
-        q[0], q[1] = top, left
-        q[2] = max(1, min(int(q[2]) << k, height - top))
-        q[3] = max(1, min(int(q[3]) << k, width - left))
-        q[9] = 0
-    return q.astype(np.int32)
 
 
 def eval_params(hw: np.ndarray, size: tuple[int, int], resize: int) -> np.ndarray:
@@ -347,58 +283,10 @@ def decode_rgb(data: Any) -> np.ndarray:
     return arr
 
 
-def decode_reduced(data: Any, p: Sequence[int] | np.ndarray, expect: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decode one sample for its parameters ``p`` (ten): at its reduction where Pillow can
-    (Note [reduced decodes]), else whole. Returns the (h, w, 3) uint8 image and the ten
-    parameters in its pixels (``p``, or ``full_box(p)`` for a whole decode of a reduced
-    sample). ``expect``: the (h, w) the crop was drawn for (Note [host decode])."""
-    Image = _pil()
-    q = np.asarray(p, np.int32).reshape(10)
-    k = int(q[9])
-    try:
-        with Image.open(io.BytesIO(bytes(data))) as im:
-            W, H = im.size
-            if expect is not None and (H, W) != tuple(expect):
-                raise _SizeMismatch((H, W))
-            if k and im.format == "JPEG":
-                s = 1 << k
-                # libjpeg's scale: the largest power of two whose image is no smaller than the
-                # size asked for, which is 1/s here (W // (W // s) lies in [s, 2s))
-                im.draft("RGB", (W // s, H // s))
-                if im.size == (W, H):
-                    k = 0  # declined (a JPEG Pillow reads in several tiles): the whole image
-                elif im.size != (-(-W // s), -(-H // s)):
-                    raise ValueError(f"Pillow reduced the {H} x {W} JPEG to {im.size[1]} x {im.size[0]}, "
-                                     f"not 1/{s}")
-            else:
-                k = 0
-            im.load()
-            rgb = im.convert("RGB") if im.mode != "RGB" else im
-            arr = np.asarray(rgb)
-    except _SizeMismatch as e:
-        raise SizeMismatchError(size_mismatch(e.args[0], expect)) from None  # type: ignore[arg-type]
-    except MemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- see Note [Pillow's exceptions]
-        raise ValueError(f"cannot decode ({type(e).__name__}: {e})") from None
-    if k == 0 and q[9]:
-        q = full_box(q, H, W)
-    return arr, q
-
-
-class _SizeMismatch(Exception):
-    """decode_reduced's header size, not the expected one (raised out of Pillow's with)."""
-
-
-class SizeMismatchError(ValueError):
-    """An image that is not the size its crop was drawn for (``size_mismatch``'s text)."""
-
-
 def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """The box of ``img`` (h, w, 3 uint8) resized and windowed as ``p`` says (nine parameters,
-    or ten whose reduction ``img`` already has): (H, W, 3) uint8."""
+    """The box of ``img`` (h, w, 3 uint8) resized and windowed as ``p`` says: (H, W, 3) uint8."""
     Image = _pil()
-    top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p[:9])
+    top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
     H, W = img.shape[:2]
     if top < 0 or left < 0 or h < 1 or w < 1 or top + h > H or left + w > W:
         raise ValueError(f"the box (top {top}, left {left}, {h} x {w}) is outside the "
@@ -420,9 +308,6 @@ def resample(img: np.ndarray, p: Sequence[int] | np.ndarray, size: tuple[int, in
 def host_decode(data: Any, p: Sequence[int] | np.ndarray, size: tuple[int, int], expect: tuple[int, int] | None = None) -> np.ndarray:
     """Decode one sample and resample it: (H, W, 3) uint8. ``expect``: the (h, w) the crop was
     drawn for (the loader's size cache: a packed sizes.npy, or the header when first read)."""
-    if len(p) == 10:
-        img, q = decode_reduced(data, p, expect)
-        return resample(img, q, size)
     img = decode_rgb(data)
     if expect is not None and tuple(img.shape[:2]) != tuple(expect):
         raise ValueError(size_mismatch(img.shape[:2], expect))

@@ -308,8 +308,7 @@ class ImageLoader(_EpochLoader):
         return _resume.resumed_order(self._plan, _epoch_arg("ImageLoader", epoch), int(position))
 
     def params(self, epoch: int, indices: Any) -> np.ndarray:
-        """The resampling parameters (int32 (n, 10): the box, its resized size, the output
-        window's corner, the flip and the reduction; Note [image parameters] in
+        """The resampling parameters (int32 (n, 9), Note [image parameters] in
         pinloader/_image_ops.py) the loader uses for these samples in ``epoch``; the image sizes
         are read from the samples' headers."""
         idx = np.asarray(indices, np.int64).reshape(-1)

@@ -38,10 +38,6 @@ def _int_array(o, dtype, name, n, cols):
     if not np.can_cast(a.dtype, dtype, "safe"):
         raise TypeError(f"decode: {name} cannot be cast from {a.dtype} to {np.dtype(dtype)}")
     a = np.ascontiguousarray(a, dtype)
-    if cols == 10:  # the parameters: ten, or nine without the reduction
-        if a.shape not in ((n, 10), (n, 9)):
-            raise ValueError(f"decode: {name} must have shape ({n}, 10) or ({n}, 9)")
-        return np.concatenate([a, np.zeros((n, 1), dtype)], axis=1) if a.shape[1] == 9 else a
     want = (n, cols) if cols else (n,)
     if a.shape != want:
         raise ValueError(f"decode: {name} must have shape {want}")
@@ -91,7 +87,7 @@ class FakeJpegDecoder:
         self.closed = False
         self.calls: list[dict] = []
         self.capture_local: set = set()
-        self.counts = dict(batches=0, hardware=0, roi=0, reduced=0, cuda=0, raw=0, failed=0)
+        self.counts = dict(batches=0, hardware=0, roi=0, cuda=0, raw=0, failed=0)
         type(self).made.append(self)
 
     def close(self):
@@ -137,15 +133,13 @@ class FakeJpegDecoder:
             raise ValueError(f"decode: a batch holds 1 to 65535 samples, got {n}")
         off = _int_array(offsets, np.int64, "offsets", n, 0)
         ln = _int_array(lengths, np.int64, "lengths", n, 0)
-        par = _int_array(params, np.int32, "params", n, 10)
+        par = _int_array(params, np.int32, "params", n, 9)
         for i in range(n):
             if off[i] < 0 or ln[i] < 0 or int(off[i]) + int(ln[i]) > nbytes:
                 raise ValueError(f"decode: sample {i}: bytes [{off[i]}, {off[i]} + {ln[i]}) lie outside "
                                  f"base ({nbytes} bytes)")
             if par[i, 8] not in (0, 1):
                 raise ValueError(f"decode: params[{i}][8] (flip) must be 0 or 1")
-            if not 0 <= par[i, 9] <= 3:
-                raise ValueError(f"decode: params[{i}][9] (the reduction) must be 0 to 3")
         imgs: dict[int, np.ndarray] = {}
         for k, v in (raw or {}).items():
             if not isinstance(k, int) or not 0 <= k < n:
@@ -185,12 +179,9 @@ class FakeJpegDecoder:
                 return UNSUPPORTED
             if not has_end_marker(data):
                 return NO_END
-            full = (h, w)
-            k = int(p[9])  # the box is in the image reduced by 2**k (Note [reduced decodes] in pinloader/_image_ops.py)
-            h, w = -(-h // 2**k), -(-w // 2**k)
         else:
-            h, w = img.shape[:2]  # a raw image's box is in its pixels
-        top, left, bh, bw, rh, rw, oy, ox, _ = (int(x) for x in p[:9])
+            h, w = img.shape[:2]
+        top, left, bh, bw, rh, rw, oy, ox, _ = (int(x) for x in p)
         if (top < 0 or left < 0 or bh <= 0 or bw <= 0 or top + bh > h or left + bw > w or rh <= 0
                 or rw <= 0 or oy < 0 or ox < 0 or oy + size[0] > rh or ox + size[1] > rw):
             return BOX_OUTSIDE
@@ -199,14 +190,12 @@ class FakeJpegDecoder:
             if forced:
                 return forced
             try:
-                # the engines' reduced decode is libjpeg's DCT scaling here
-                img, p = ops.decode_reduced(data, p)
+                img = ops.decode_rgb(data)
             except ValueError:
                 return BAD_DATA
-            if img.shape[:2] != ((h, w) if p[9] else full):  # nvJPEG decodes to the frame header's size
+            if img.shape[:2] != (h, w):  # nvJPEG decodes to the frame header's size
                 return BAD_DATA
             self.counts["cuda"] += 1
-            self.counts["reduced"] += int(p[9] != 0)
         else:
             self.counts["raw"] += 1
         out[...] = ops.resample(img, p, size)

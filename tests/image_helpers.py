@@ -119,19 +119,10 @@ def make_sources(root: str, per_shard: int, n_per_class: int = 6) -> dict:
 
 
 def reference(data: bytes, p, size, dtype="float32", mean=MEAN, std=STD) -> np.ndarray:
-    """Pillow's path for one sample, written out independently of pinloader: decode (a JPEG at
-    the reduction p[9], libjpeg's DCT scaling, Note [reduced decodes] in
-    pinloader/_image_ops.py), RGB, crop the box, bilinear resize, window, flip, normalize;
-    (3, H, W)."""
-    top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p[:9])
-    k = int(p[9]) if len(p) > 9 else 0
-    im = Image.open(io.BytesIO(data))
-    if k:
-        assert im.format == "JPEG", "the loader reduced a non-JPEG"
-        width, height = im.size
-        im.draft("RGB", (width // 2**k, height // 2**k))
-        assert im.size == ((width + 2**k - 1) // 2**k, (height + 2**k - 1) // 2**k)
-    im = im.convert("RGB")
+    """Pillow's path for one sample, written out independently of pinloader: decode, RGB, crop
+    the box, bilinear resize, window, flip, normalize; (3, H, W)."""
+    top, left, h, w, rh, rw, oy, ox, flip = (int(v) for v in p)
+    im = Image.open(io.BytesIO(data)).convert("RGB")
     im = im.crop((left, top, left + w, top + h))
     if (h, w) != (rh, rw):
         im = im.resize((rw, rh), Image.BILINEAR)

@@ -380,7 +380,7 @@ class FakeGpuDecoder:
         # what the real decode() checks (src/py/jpeg_decoder.c)
         assert 1 <= n <= 65535
         assert np.asarray(offsets).dtype == np.asarray(lengths).dtype == np.int64
-        assert params.dtype == np.int32 and params.shape == (n, 10) and params.flags.c_contiguous
+        assert params.dtype == np.int32 and params.shape == (n, 9) and params.flags.c_contiguous
         assert set(np.unique(params[:, 8])) <= {0, 1}
         memoryview(base)  # a buffer
         for k, v in (raw or {}).items():
@@ -391,9 +391,8 @@ class FakeGpuDecoder:
         status = np.zeros(n, np.int32)
         for i in range(n):
             try:
-                q = params[i]
                 if raw and i in raw:
-                    img = raw[i]  # (its box in its pixels)
+                    img = raw[i]
                 else:
                     data = bytes(base[offsets[i]:offsets[i] + lengths[i]])
                     info = ops.jpeg_info(data)
@@ -403,12 +402,12 @@ class FakeGpuDecoder:
                     if info[2] not in (1, 3):
                         status[i] = 3
                         continue
-                    img, q = ops.decode_reduced(data, q)  # (the engines' reduction: libjpeg's)
-                top, left, h, w = (int(x) for x in q[:4])
+                    img = ops.decode_rgb(data)
+                top, left, h, w = (int(x) for x in params[i][:4])
                 if top + h > img.shape[0] or left + w > img.shape[1]:
                     status[i] = 4
                     continue
-                u8[i] = ops.resample(img, q, size)
+                u8[i] = ops.resample(img, params[i], size)
             except ValueError:
                 status[i] = 2
         out = u8.astype(np.float32) * np.float32(scale) + np.float32(bias) if dtype != "uint8" else u8
@@ -637,25 +636,3 @@ def test_rank_world_from_the_environment_and_errors_name_image_loader(data, monk
     with pytest.raises(TypeError, match=r"ImageLoader\(\) got an unexpected keyword argument 'max_pined_bytes' "
                                         r"\(did you mean 'max_pinned_bytes'\?\)"):
         ImageLoader(data["packed"], 3, device="cpu", rank=0, world_size=1, max_pined_bytes=1)
-
-
-@pytest.mark.parametrize("train", [True, False])
-def test_large_images_are_decoded_reduced_as_pillows_draft(tmp_path, train):
-    """Note [reduced decodes] in pinloader/_image_ops.py, on the host backend: a JPEG several times the output is decoded
-    at the reduction its parameters name (libjpeg's DCT scaling), exactly the independent
-    reference's pixels; a PNG of the same size is never reduced."""
-    a = photo(640, 900, 8)
-    items = [(str(tmp_path / "big.jpg"), 0), (str(tmp_path / "big.png"), 1)]
-    (tmp_path / "big.jpg").write_bytes(jpeg(a))
-    Image.fromarray(a).save(tmp_path / "big.png")
-    kw = dict(size=(40, 48), seed=2, train=train, scale=(0.5, 1.0), resize=48, shuffle=False,
-              device="cpu", dtype="uint8", layout="NCHW")
-    loader = ImageLoader(items, 2, **kw)
-    p = loader.params(0, [0, 1])
-    assert p[0, 9] > 0 and p[1, 9] == 0, p
-    (batch,) = list(loader)
-    for k, (path, _) in enumerate(items):
-        with open(path, "rb") as f:
-            np.testing.assert_array_equal(np.from_dlpack(batch["image"])[k],
-                                          reference(f.read(), p[k], (40, 48), dtype="uint8"))
-    loader.close()

@@ -80,29 +80,6 @@ def test_gpu_matches_host_uint8(data, torch, source, train):
     h.close()
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_gpu_reduces_large_images_as_the_host(tmp_path, torch, train):
-    """Note [reduced decodes] in pinloader/_image_ops.py: images several times the output are decoded reduced on both
-    backends (the engines' scaling, Pillow's draft), and agree within the reduced decodes'
-    tolerance (tests/test_jpeg_decoder_gpu.py)."""
-    items = []
-    for i, (h, w) in enumerate([(900, 1200), (1100, 800), (640, 960), (1333, 1001)]):
-        p = tmp_path / f"big{i}.jpg"
-        p.write_bytes(jpeg(photo(h, w, 50 + i)))
-        items.append((str(p), i))
-    kw = dict(size=48, seed=4, train=train, dtype="uint8", resize=56, scale=(0.5, 1.0))
-    g = ImageLoader(items, 2, device="cuda", decoder="gpu", **kw)
-    h = ImageLoader(items, 2, device="cpu", **kw)
-    p = g.params(0, range(4))
-    assert (p[:, 9] > 0).all(), p
-    compare(collect(g, torch), collect(h, torch), 48, 4.0)
-    s = g.stats()["gpu_decoder"]
-    if s["engines"]:
-        assert s["reduced"] == 4, s
-    g.close()
-    h.close()
-
-
 def test_gpu_flips_evaluation_crops_as_the_host(data, torch):
     kw = dict(size=(32, 40), seed=7, train=False, flip=True, dtype="uint8", resize=48)
     g = ImageLoader(data["packed"], 5, device="cuda", decoder="gpu", **kw)

@@ -300,7 +300,7 @@ def test_params_names_the_sample_it_cannot_size(tmp_path):
     (tmp_path / "b.jpg").write_bytes(b"not an image")
     items = [(str(good), 0), (str(tmp_path / "b.jpg"), 1), (str(tmp_path / "gone.jpg"), 2)]
     with ImageLoader(items, 2, size=8, device="cpu") as loader:
-        assert loader.params(0, [0]).shape == (1, 10)
+        assert loader.params(0, [0]).shape == (1, 9)
         with pytest.raises(ImageDecodeError, match=r"sample 1 \(.*b\.jpg\): not an image"):
             loader.params(0, [0, 1])
         with pytest.raises(ImageDecodeError, match=r"sample 2 \(.*gone\.jpg\): cannot be read \(\[Errno 2\]"):

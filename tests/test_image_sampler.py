@@ -3,7 +3,6 @@ counter-based draws, torchvision's RandomResizedCrop.get_params algorithm, its f
 the evaluation resize and center crop."""
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -299,71 +298,3 @@ def test_tar_scan_refuses_malformed_archives_without_crashing():
             assert 0 <= off and off + size <= len(b)
     with pytest.raises(TypeError):
         _C._tar_scan(42)
-
-
-# ---- Note [reduced decodes] ----
-
-def test_reduce_params_takes_the_largest_reduction_that_keeps_the_gap():
-    out = (56, 56)
-    boxes = [(0, 0, 1200, 1600), (0, 0, 895, 2000), (0, 0, 896, 896), (0, 0, 448, 448), (0, 0, 447, 4000),
-             (0, 0, 224, 224), (0, 0, 223, 900), (10, 20, 3000, 3000)]
-    p = np.array([[*b, *out, 0, 0, 0] for b in boxes], np.int32)
-    hw = np.array([[4000, 4000, 3]] * len(boxes))
-    got = ops.reduce_params(p, hw)[:, 9].tolist()
-    # a box of at least REDUCING_GAP * 2^k times the output on both sides, k <= 3
-    assert got == [3, 2, 3, 2, 1, 1, 0, 3]
-    # never a non-JPEG (components 0), never a 224-px crop of an ImageNet-sized image
-    assert (ops.reduce_params(p, np.array([[4000, 4000, 0]] * len(boxes)))[:, 9] == 0).all()
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        H, W = int(rng.integers(333, 501)), int(rng.integers(333, 501))
-        u = rng.random((8, ops.DRAWS))
-        q = ops.train_params(np.array([[H, W]] * 8), u, (224, 224), (0.08, 1.0), (3 / 4, 4 / 3), True)
-        assert (ops.reduce_params(q, np.array([[H, W, 3]] * 8)) == np.c_[q, np.zeros(8, np.int32)]).all()
-
-
-def test_reduced_boxes_lie_in_the_reduced_image_and_go_back_within_half_a_step():
-    rng = np.random.default_rng(1)
-    for _ in range(400):
-        H, W = int(rng.integers(200, 5000)), int(rng.integers(200, 5000))
-        h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
-        top, left = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
-        o = int(rng.integers(1, 64))
-        p = np.array([[top, left, h, w, o, o, 0, 0, 0]], np.int32)
-        q = ops.reduce_params(p, np.array([[H, W, 3]]))[0]
-        k = int(q[9])
-        if not k:
-            assert (q[:9] == p[0]).all()
-            continue
-        s = 1 << k
-        Hs, Ws = -(-H // s), -(-W // s)
-        assert 0 <= q[0] and q[0] + q[2] <= Hs and 0 <= q[1] and q[1] + q[3] <= Ws and q[2] >= 1 and q[3] >= 1
-        assert (q[4:9] == p[0, 4:9]).all()
-        f = ops.full_box(q, H, W)
-        assert f[9] == 0 and 0 <= f[0] and f[0] + f[2] <= H and 0 <= f[1] and f[1] + f[3] <= W
-        # each edge within half a reduced pixel of the drawn one (s / 2 full pixels), but for
-        # the clamp at the image's far edge
-        for e, size, side in ((0, 2, H), (1, 3, W)):
-            assert abs(int(f[e]) - int(p[0, e])) <= s // 2
-            far = int(f[e]) + int(f[size])
-            assert abs(far - (int(p[0, e]) + int(p[0, size]))) <= s // 2 or far == side
-
-
-def test_decode_reduced_is_pillows_draft_and_whole_for_other_formats():
-    from PIL import Image
-    from image_helpers import jpeg, photo
-    a = photo(301, 413, 3)
-    blob = jpeg(a)
-    p = np.array([0, 0, 75, 103, 8, 8, 0, 0, 0, 2], np.int32)  # k = 2: the image is 76 x 104
-    img, q = ops.decode_reduced(blob, p, (301, 413))
-    im = Image.open(io.BytesIO(blob))
-    im.draft("RGB", (103, 75))
-    assert img.shape == (76, 104, 3) and (q == p).all()
-    np.testing.assert_array_equal(img, np.asarray(im.convert("RGB")))
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, format="PNG")
-    img, q = ops.decode_reduced(buf.getvalue(), p)
-    assert img.shape == (301, 413, 3) and q.tolist() == [0, 0, 300, 412, 8, 8, 0, 0, 0, 0]
-    np.testing.assert_array_equal(img, a)
-    with pytest.raises(ValueError, match="decoded to 301 x 413, not the 300 x 413"):
-        ops.decode_reduced(blob, p, (300, 413))

@@ -110,51 +110,6 @@ def test_jpeg_decode_within_tolerance_of_pillow(dec, torch):
     assert max(a for _, a in diffs) <= 3.0
 
 
-def test_reduced_decodes_within_tolerance_of_pillows_draft(dec, torch):
-    """Note [reduced decodes] in pinloader/_image_ops.py: samples whose tenth parameter reduces them. The engines decode
-    them at 1/2, 1/4 or 1/8 (counted as ``reduced``), compared with Pillow's DCT-scaled decode
-    of the same reduction; a progressive JPEG, which the engines refuse, goes to the CUDA
-    decoder at full size with the box taken back to full-size pixels (full_box), compared with
-    Pillow's full decode of that box. Odd sides check the reduced image's ceil(side / 2^k)."""
-    from pinloader import _image_ops as ops
-    shapes = [(1200, 1600), (1001, 1333), (900, 1203), (1500, 1125), (700, 933)]
-    imgs = [photo(h, w, 30 + i) for i, (h, w) in enumerate(shapes)]
-    blobs = [jpeg(a) for a in imgs] + [jpeg(imgs[0], progressive=True)]
-    shapes = shapes + [shapes[0]]
-    size = (56, 56)
-    # whole images, large central boxes and the corner boxes that reach the right and bottom
-    # edges: reductions 1 to 3 (a box of at least 2 * 2^k * 56 pixels on both sides)
-    p9 = []
-    for i, (H, W) in enumerate(shapes):
-        h, w = [(H, W), (H * 3 // 4, W * 3 // 4), (H // 2 + 1, W // 2 + 3), (H - 5, W - 7)][i % 4]
-        top, left = H - h, W - w
-        p9.append([top, left, h, w, size[0], size[1], 0, 0, i % 2])
-    hw = np.array([(H, W, 3) for H, W in shapes])
-    params = ops.reduce_params(np.array(p9, np.int32), hw)
-    assert set(params[:, 9].tolist()) >= {1, 2, 3}, params[:, 9]
-    base, offsets, lengths = _pack(blobs)
-    before = dec.info()
-    out, status = _run(dec, torch, base, offsets, lengths, params, size)
-    after = dec.info()
-    assert status.tolist() == [0] * len(blobs)
-    if after["engines"]:
-        # every baseline JPEG reduced by the engines; the progressive one by the CUDA decoder
-        assert after["reduced"] - before["reduced"] == len(blobs) - 1, (before, after)
-        assert after["cuda"] - before["cuda"] == 1
-    diffs = []
-    for i, b in enumerate(blobs):
-        if i == 5 or not after["engines"]:
-            full = np.asarray(Image.open(io.BytesIO(b)).convert("RGB"))
-            ref = resized_crop(full, ops.full_box(params[i], *shapes[i])[:9], size)
-        else:
-            ref = ops.host_decode(b, params[i], size)
-        d = np.abs(out[i].numpy().astype(int) - ref.astype(int))
-        diffs.append((int(params[i, 9]), int(d.max()), round(float(d.mean()), 3)))
-    print("reduction, max/mean abs difference to Pillow, per image:", diffs)
-    assert max(m for _, m, _ in diffs) <= 48
-    assert max(a for _, _, a in diffs) <= 4.0
-
-
 _NO_WAIT_SCRIPT = r"""
 import os
 import sys

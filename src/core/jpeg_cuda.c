@@ -79,9 +79,6 @@ static struct {
 #undef X
 } nj;
 
-/* NULL where the library lacks it (nvjpeg_api.h); set with nj */
-static pl_nvjpegDecodeParamsSetScaleFactor_fn nj_set_scale;
-
 static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static int loaded;              /* guarded by load_mu; 1 once nj is filled */
 static char load_why[512];      /* guarded by load_mu */
@@ -130,7 +127,6 @@ static int load_nvjpeg(const char *const *libs, int nlibs, const char **why)
         pthread_mutex_unlock(&load_mu);
         return PL_ERR_NO_RUNTIME;
     }
-    *(void **)&nj_set_scale = dlsym(h, "nvjpegDecodeParamsSetScaleFactor");
     loaded = 1;
     pthread_mutex_unlock(&load_mu);
     return PL_OK;
@@ -203,7 +199,6 @@ struct pl_jpeg {
     pl_nvjpegDecodeParams_t *params; /* one per hardware sample, grown to the largest batch */
     int params_cap;
     int region; /* Note [region decode] on */
-    int reduce_off; /* the engines take no reduced images (Note [the engines' reduction]) */
     pl_event *ws_free;    /* recorded after a batch's kernels: Note [engines write at once] */
     int ws_free_recorded;
     int ws_sync_all;      /* the next engines' call waits for the whole stream (same Note) */
@@ -418,8 +413,6 @@ static size_t align256(size_t n)
 typedef struct sample {
     int kind; /* 0 failed, 1 hardware, 2 CUDA decoder, 3 raw */
     int h, w; /* the image's */
-    int k;    /* the decoded image's reduction (Note [the engines' reduction]): the engines' 1/2^k */
-    int32_t full[4]; /* the box in the whole image (the parameters' box unless they reduce it) */
     int ry, rx, rh, rw; /* the region decoded (the whole image unless Note [region decode]) */
     size_t img_off, tmp_off, coef_off;
     int kh, kv; /* the weight table's taps per column and row (Note [weight tables] in image_kernel.cu) */
@@ -458,39 +451,9 @@ static void region_of(const int32_t *p, int H, int W, sample *sm)
 
 static void whole_image(sample *sm)
 {
-    sm->k = 0;
     sm->ry = sm->rx = 0;
     sm->rh = sm->h;
     sm->rw = sm->w;
-}
-
-/* Note [the engines' reduction]
- * A sample's tenth parameter k says its box is in the image reduced by 2^k (each side
- * ceil(side / 2^k)), which libjpeg's DCT scaling and the engines' (nvjpegDecodeParamsSetScaleFactor)
- * both give; Note [reduced decodes] in pinloader/_image_ops.py says when the loader asks for it.
- * The engines decode such a sample reduced where nvJPEG has the function and accepts the image
- * at that scale (nvjpegDecodeBatchedSupportedEx); the image is then the region, whole, and the
- * box is the parameters'. Anywhere else (the CUDA decoder, which does not scale; an image the
- * engines refuse; an engines' call that failed) the image is decoded whole at full size and the
- * box is `full`, the parameters' box times 2^k clamped to the image (full_box in _image_ops.py
- * is the same), so a sample never fails for being reduced. An engines' call with reduced images
- * that fails although the CUDA decoder then decodes every image of it turns the reduction off
- * for the decoder (`reduce_off`): the engines then took no reduced images. The workspace, the
- * horizontal pass's rows and the weight tables are sized for the larger of the two boxes, so a
- * sample can fall back to the full size at any step. */
-static void full_box(const int32_t *p, int H, int W, int32_t out[4])
-{
-    const int k = p[9];
-    if (!k) {
-        memcpy(out, p, 4 * sizeof *out);
-        return;
-    }
-    const int64_t top = (int64_t)p[0] << k, left = (int64_t)p[1] << k;
-    out[0] = (int32_t)(top < H - 1 ? top : H - 1);
-    out[1] = (int32_t)(left < W - 1 ? left : W - 1);
-    const int64_t h = (int64_t)p[2] << k, w = (int64_t)p[3] << k;
-    out[2] = (int32_t)(h < H - out[0] ? h : H - out[0]);
-    out[3] = (int32_t)(w < W - out[1] ? w : W - out[1]);
 }
 
 static int ensure_params(pl_jpeg *j, int n, const char **why)
@@ -644,42 +607,6 @@ static void decode_one_cuda(pl_jpeg *j, const pl_jpeg_item *it, sample *sm, int3
     }
 }
 
-/* Whether the engines take sample sm (its header parsed into j->js), with dp set for it: at
- * its reduction k, whole (bh x bw, Note [the engines' reduction]); else at full size, its region where
- * that pays (Note [region decode]), or whole. dp is set in full each time (the parameters are
- * reused from batch to batch). */
-static int engines_take(pl_jpeg *j, pl_nvjpegDecodeParams_t dp, sample *sm, int k, int bh, int bw)
-{
-    int unsupported = 1;
-    if (k && nj_set_scale && !j->reduce_off &&
-        nj.nvjpegDecodeParamsSetROI(dp, 0, 0, -1, -1) == pl_NVJPEG_STATUS_SUCCESS &&
-        nj_set_scale(dp, (pl_nvjpegScaleFactor_t)k) == pl_NVJPEG_STATUS_SUCCESS &&
-        nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) == pl_NVJPEG_STATUS_SUCCESS &&
-        !unsupported) {
-        sm->k = k;
-        sm->rh = bh;
-        sm->rw = bw;
-        return 1;
-    }
-    if (nj_set_scale && nj_set_scale(dp, pl_NVJPEG_SCALE_NONE) != pl_NVJPEG_STATUS_SUCCESS)
-        return 0; /* (dp may still reduce: the CUDA decoder takes the image) */
-    unsupported = 1;
-    region_of(sm->full, sm->h, sm->w, sm);
-    if (j->region && (double)sm->rh * sm->rw <= 0.9 * (double)sm->h * sm->w &&
-        nj.nvjpegDecodeParamsSetROI(dp, sm->rx, sm->ry, sm->rw, sm->rh) == pl_NVJPEG_STATUS_SUCCESS &&
-        nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
-        unsupported = 1;
-    if (unsupported) {
-        whole_image(sm);
-        if (nj.nvjpegDecodeParamsSetROI(dp, 0, 0, -1, -1) != pl_NVJPEG_STATUS_SUCCESS ||
-            nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
-            unsupported = 1;
-    }
-    if (unsupported)
-        whole_image(sm);
-    return !unsupported;
-}
-
 int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_out *o,
                    pl_block *blk, int32_t *status, const char **why)
 {
@@ -752,39 +679,41 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
         whole_image(&sm[i]);
         const int32_t *p = it->p;
-        /* the box lies in the image, reduced by the sample's 2^k (Note [the engines' reduction]) */
-        const int k = it->raw ? 0 : p[9];
-        const int bh = k ? (int)(((int64_t)sm[i].h + (1 << k) - 1) >> k) : sm[i].h;
-        const int bw = k ? (int)(((int64_t)sm[i].w + (1 << k) - 1) >> k) : sm[i].w;
-        if (k < 0 || k > PL_JPEG_MAX_REDUCTION || p[0] < 0 || p[1] < 0 || p[2] <= 0 || p[3] <= 0 ||
-            (int64_t)p[0] + p[2] > bh || (int64_t)p[1] + p[3] > bw || p[4] <= 0 || p[5] <= 0 || p[6] < 0 ||
-            p[7] < 0 || (int64_t)p[6] + o->oh > p[4] || (int64_t)p[7] + o->ow > p[5]) {
+        if (p[0] < 0 || p[1] < 0 || p[2] <= 0 || p[3] <= 0 || (int64_t)p[0] + p[2] > sm[i].h ||
+            (int64_t)p[1] + p[3] > sm[i].w || p[4] <= 0 || p[5] <= 0 || p[6] < 0 || p[7] < 0 ||
+            (int64_t)p[6] + o->oh > p[4] || (int64_t)p[7] + o->ow > p[5]) {
             status[i] = PL_JPEG_BOX_OUTSIDE;
             sm[i].kind = 0;
             continue;
         }
-        if (k)
-            full_box(p, sm[i].h, sm[i].w, sm[i].full);
-        else
-            memcpy(sm[i].full, p, sizeof sm[i].full);
-        if (sm[i].kind == 2 && j->hw && engines_take(j, j->params[i], &sm[i], k, bh, bw))
-            sm[i].kind = 1; /* (j->js still holds this image's header) */
+        if (sm[i].kind == 2 && j->hw) {
+            /* the engines, with a region where it pays (Note [region decode]); j->js still
+             * holds this image's header */
+            pl_nvjpegDecodeParams_t dp = j->params[i];
+            int unsupported = 1;
+            region_of(p, sm[i].h, sm[i].w, &sm[i]);
+            if (j->region && (double)sm[i].rh * sm[i].rw <= 0.9 * (double)sm[i].h * sm[i].w &&
+                nj.nvjpegDecodeParamsSetROI(dp, sm[i].rx, sm[i].ry, sm[i].rw, sm[i].rh) == pl_NVJPEG_STATUS_SUCCESS &&
+                nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                unsupported = 1;
+            if (unsupported) {
+                whole_image(&sm[i]);
+                if (nj.nvjpegDecodeParamsSetROI(dp, 0, 0, -1, -1) != pl_NVJPEG_STATUS_SUCCESS ||
+                    nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                    unsupported = 1;
+            }
+            if (!unsupported)
+                sm[i].kind = 1;
+            else
+                whole_image(&sm[i]);
+        }
         size_t img = align256((size_t)sm[i].h * (size_t)sm[i].w * 3);
-        /* the rows and taps of the larger box: the full one when the engines' reduction falls
-         * back (Note [the engines' reduction]) */
-        int first, rows, rows_full;
+        int first, rows;
         pl_image_rows_read(p[2], p[4], p[6], o->oh, &first, &rows);
-        pl_image_rows_read(sm[i].full[2], p[4], p[6], o->oh, &first, &rows_full);
-        if (rows_full > rows)
-            rows = rows_full;
         size_t tmp = align256((size_t)rows * (size_t)o->ow * 3);
         /* the weight table: ow * (2 + kh) + oh * (2 + kv) ints (kh, kv < 2^17: sides <= 65535) */
         sm[i].kh = pl_image_taps(p[3], p[5]);
         sm[i].kv = pl_image_taps(p[2], p[4]);
-        if (pl_image_taps(sm[i].full[3], p[5]) > sm[i].kh)
-            sm[i].kh = pl_image_taps(sm[i].full[3], p[5]);
-        if (pl_image_taps(sm[i].full[2], p[4]) > sm[i].kv)
-            sm[i].kv = pl_image_taps(sm[i].full[2], p[4]);
         size_t coef_ints = 0, part;
         int coef_over = __builtin_mul_overflow((size_t)o->ow, (size_t)(2 + sm[i].kh), &coef_ints) ||
                         __builtin_mul_overflow((size_t)o->oh, (size_t)(2 + sm[i].kv), &part) ||
@@ -838,25 +767,13 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         t = lap(&laps[LAP_ENGINES], t); /* a failed call's images fall to the CUDA decoder's lap */
         if (s == pl_NVJPEG_STATUS_SUCCESS) {
             j->counts.hardware += (unsigned long long)n_hw;
-            for (int k = 0; k < n_hw; k++) {
-                const sample *h = &sm[hw_idx[k]];
-                if (h->k)
-                    j->counts.reduced++;
-                else if (h->rh != h->h || h->rw != h->w)
+            for (int k = 0; k < n_hw; k++)
+                if (sm[hw_idx[k]].rh != sm[hw_idx[k]].h || sm[hw_idx[k]].rw != sm[hw_idx[k]].w)
                     j->counts.roi++;
-            }
         } else {
-            /* One bad image fails the whole call: the CUDA decoder names it. When it names
-             * none and the call had reduced images, the reduction failed (Note [reduced
-             * decodes]). */
-            int had_reduced = 0, all_decoded = 1;
-            for (int k = 0; k < n_hw; k++) {
-                had_reduced |= sm[hw_idx[k]].k != 0;
+            /* One bad image fails the whole call: the CUDA decoder names it. */
+            for (int k = 0; k < n_hw; k++)
                 decode_one_cuda(j, &items[hw_idx[k]], &sm[hw_idx[k]], &status[hw_idx[k]]);
-                all_decoded &= status[hw_idx[k]] == PL_JPEG_DECODED;
-            }
-            if (had_reduced && all_decoded)
-                j->reduce_off = 1;
         }
     }
     for (int i = 0; i < n; i++) {
@@ -893,25 +810,22 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
             j->counts.failed++;
             continue;
         }
-        /* the box in the decoded image: the parameters' in a reduced decode, else the full
-         * image's (Note [the engines' reduction]); taps and rows within the sizes made for both */
-        const int32_t *box = sm[i].k ? p : sm[i].full;
         d[i].src = j->ws + sm[i].img_off;
         d[i].tmp = j->ws + sm[i].tmp_off;
         d[i].coef = (int *)(void *)(j->ws + sm[i].coef_off);
-        d[i].kh = pl_image_taps(box[3], p[5]);
-        d[i].kv = pl_image_taps(box[2], p[4]);
+        d[i].kh = sm[i].kh;
+        d[i].kv = sm[i].kv;
         d[i].src_pitch = (long long)sm[i].rw * 3;
-        d[i].top = box[0] - sm[i].ry;
-        d[i].left = box[1] - sm[i].rx;
-        d[i].h = box[2];
-        d[i].w = box[3];
+        d[i].top = p[0] - sm[i].ry;
+        d[i].left = p[1] - sm[i].rx;
+        d[i].h = p[2];
+        d[i].w = p[3];
         d[i].rh = p[4];
         d[i].rw = p[5];
         d[i].oy = p[6];
         d[i].ox = p[7];
         d[i].flip = p[8] != 0;
-        pl_image_rows_read(box[2], p[4], p[6], o->oh, &d[i].y_first, &d[i].ny);
+        pl_image_rows_read(p[2], p[4], p[6], o->oh, &d[i].y_first, &d[i].ny);
         if (d[i].ny > max_rows)
             max_rows = d[i].ny;
     }

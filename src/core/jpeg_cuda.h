@@ -16,16 +16,13 @@ typedef struct pl_jpeg pl_jpeg;
 /* One sample: encoded bytes, or an image the host decoded already (raw != NULL: interleaved RGB,
  * raw_h x raw_w, read during the call). p: the resampling parameters (Note [image resampling] in
  * jpeg_cuda.c): top, left, height, width of the box in the image; rh, rw, the box's size after the
- * resize; oy, ox, the output window's corner in the resized box; flip; the reduction k (0 to
- * PL_JPEG_MAX_REDUCTION: the box is in the image reduced by 2^k, Note [the engines' reduction] in
- * jpeg_cuda.c; ignored for a raw image, whose box is in its own pixels). */
-enum { PL_JPEG_PARAMS = 10, PL_JPEG_MAX_REDUCTION = 3 };
+ * resize; oy, ox, the output window's corner in the resized box; flip. */
 typedef struct pl_jpeg_item {
     const unsigned char *data;
     size_t len;
     const unsigned char *raw;
     int raw_h, raw_w;
-    int32_t p[PL_JPEG_PARAMS];
+    int32_t p[9];
 } pl_jpeg_item;
 
 enum { PL_IMG_U8 = 0, PL_IMG_F32 = 1, PL_IMG_F16 = 2, PL_IMG_BF16 = 3 };
@@ -51,7 +48,6 @@ enum {
 typedef struct pl_jpeg_counts {
     unsigned long long batches, hardware, cuda, raw, failed;
     unsigned long long roi; /* hardware decodes of a region only (Note [region decode]) */
-    unsigned long long reduced; /* hardware decodes at a reduced size (Note [the engines' reduction]) */
     unsigned engines, cores_per_engine; /* the hardware decoder's (0: none) */
     size_t workspace_bytes;
     /* Host time in pl_jpeg_decode by step, summed over the calls that succeeded (a failed

@@ -52,15 +52,6 @@ typedef struct pl_nvjpegImage {
     size_t pitch[PL_NVJPEG_MAX_COMPONENT];
 } pl_nvjpegImage_t;
 
-/* nvjpegScaleFactor_t: the output reduced by 2^k (the hardware backend's, Note [the
- * engines' reduction] in jpeg_cuda.c) */
-typedef enum pl_nvjpegScaleFactor {
-    pl_NVJPEG_SCALE_NONE = 0,
-    pl_NVJPEG_SCALE_1_BY_2 = 1,
-    pl_NVJPEG_SCALE_1_BY_4 = 2,
-    pl_NVJPEG_SCALE_1_BY_8 = 3,
-} pl_nvjpegScaleFactor_t;
-
 typedef struct pl_nvjpegHandle *pl_nvjpegHandle_t;
 typedef struct pl_nvjpegJpegState *pl_nvjpegJpegState_t;
 typedef struct pl_nvjpegJpegStream *pl_nvjpegJpegStream_t;
@@ -116,10 +107,5 @@ typedef struct pl_CUstream_st *pl_nvjpeg_cudaStream_t;
       (pl_nvjpegHandle_t handle, pl_nvjpegJpegState_t state, const unsigned char *const *data,     \
        const size_t *lengths, pl_nvjpegImage_t *destinations,                                      \
        pl_nvjpegDecodeParams_t *decode_params, pl_nvjpeg_cudaStream_t stream))
-
-/* Looked up apart from the table: an nvJPEG without it still decodes, never reduced (Note
- * [the engines' reduction] in jpeg_cuda.c). */
-typedef pl_nvjpegStatus_t (*pl_nvjpegDecodeParamsSetScaleFactor_fn)(pl_nvjpegDecodeParams_t decode_params,
-                                                                     pl_nvjpegScaleFactor_t scale_factor);
 
 #endif

@@ -5,8 +5,8 @@
  *                              channels_last, raw=None)
  *
  * base: a C-contiguous buffer of encoded bytes; sample i is base[offsets[i]:offsets[i] +
- * lengths[i]] (int64 arrays); params: int32 (B, 10) per sample, or (B, 9) for no reduction
- * (Note [image resampling] in jpeg_cuda.c); raw: {i: (h, w, 3) uint8 array} for samples the host decoded already. Returns a
+ * lengths[i]] (int64 arrays); params: int32 (B, 9) per sample (Note [image resampling] in
+ * jpeg_cuda.c); raw: {i: (h, w, 3) uint8 array} for samples the host decoded already. Returns a
  * DeviceArray (B, 3, H, W), or (B, H, W, 3) with channels_last, whose consumers wait on the
  * decode's ready event, and an int32 NumPy array of per-sample status (0 decoded; see the
  * PL_JPEG_* codes in jpeg_cuda.h). The decode runs without the GIL. */
@@ -142,15 +142,10 @@ static PyArrayObject *int_array(PyObject *o, int typenum, const char *name, npy_
     PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(o, typenum, 1, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
     if (!a)
         return NULL;
-    /* cols: the columns (the parameters: 9 or 10, Note [image parameters]), or 0 for one axis */
-    int ok = cols ? PyArray_NDIM(a) == 2 && PyArray_DIM(a, 0) == n &&
-                        (PyArray_DIM(a, 1) == cols || (cols == 10 && PyArray_DIM(a, 1) == 9))
+    int ok = cols ? PyArray_NDIM(a) == 2 && PyArray_DIM(a, 0) == n && PyArray_DIM(a, 1) == cols
                   : PyArray_NDIM(a) == 1 && PyArray_DIM(a, 0) == n;
     if (!ok) {
-        if (cols == 10)
-            PyErr_Format(PyExc_ValueError, "decode: %s must have shape (%zd, 10) or (%zd, 9)", name,
-                         (Py_ssize_t)n, (Py_ssize_t)n);
-        else if (cols)
+        if (cols)
             PyErr_Format(PyExc_ValueError, "decode: %s must have shape (%zd, %zd)", name, (Py_ssize_t)n,
                          (Py_ssize_t)cols);
         else
@@ -248,7 +243,7 @@ static PyObject *jd_decode(JpegDecoderObject *self, PyObject *args, PyObject *kw
     }
     if (!(offsets = int_array(offsets_o, NPY_INT64, "offsets", n, 0)) ||
         !(lengths = int_array(lengths_o, NPY_INT64, "lengths", n, 0)) ||
-        !(params = int_array(params_o, NPY_INT32, "params", n, 10)))
+        !(params = int_array(params_o, NPY_INT32, "params", n, 9)))
         goto error;
     if (!(items = PyMem_Calloc((size_t)n, sizeof *items)) || !(rawrefs = PyList_New(0))) {
         PyErr_NoMemory();
@@ -256,7 +251,6 @@ static PyObject *jd_decode(JpegDecoderObject *self, PyObject *args, PyObject *kw
     }
     const int64_t *off = PyArray_DATA(offsets), *len = PyArray_DATA(lengths);
     const int32_t *par = PyArray_DATA(params);
-    const npy_intp ncols = PyArray_DIM(params, 1); /* 9: no reduction */
     for (npy_intp i = 0; i < n; i++) {
         int64_t end;
         if (off[i] < 0 || len[i] < 0 || __builtin_add_overflow(off[i], len[i], &end) || end > (int64_t)view.len) {
@@ -267,14 +261,9 @@ static PyObject *jd_decode(JpegDecoderObject *self, PyObject *args, PyObject *kw
         }
         items[i].data = (const unsigned char *)view.buf + off[i];
         items[i].len = (size_t)len[i];
-        memcpy(items[i].p, par + ncols * i, (size_t)ncols * sizeof *par);
+        memcpy(items[i].p, par + 9 * i, sizeof items[i].p);
         if (items[i].p[8] != 0 && items[i].p[8] != 1) {
             PyErr_Format(PyExc_ValueError, "decode: params[%zd][8] (flip) must be 0 or 1", (Py_ssize_t)i);
-            goto error;
-        }
-        if (items[i].p[9] < 0 || items[i].p[9] > PL_JPEG_MAX_REDUCTION) {
-            PyErr_Format(PyExc_ValueError, "decode: params[%zd][9] (the reduction) must be 0 to %d",
-                         (Py_ssize_t)i, PL_JPEG_MAX_REDUCTION);
             goto error;
         }
     }
@@ -367,10 +356,9 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
     }
     pl_jpeg_counts c;
     pl_jpeg_get_counts(self->j, &c, pl_inherited(self->gen));
-    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "device",
+    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "device",
                          self->device, "engines", c.engines, "cores_per_engine", c.cores_per_engine,
-                         "batches", c.batches, "hardware", c.hardware, "roi", c.roi, "reduced", c.reduced,
-                         "cuda", c.cuda, "raw",
+                         "batches", c.batches, "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw",
                          c.raw, "failed", c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes,
                          "headers_ns", c.headers_ns, "engines_wait_ns", c.engines_wait_ns, "engines_ns",
                          c.engines_ns, "cuda_ns", c.cuda_ns, "block_ns", c.block_ns, "kernels_ns",
@@ -393,7 +381,7 @@ static PyMethodDef jd_methods[] = {
      "decode($self, /, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
      "--\n\nDecode a batch on the GPU: (DeviceArray, status)."},
     {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nThe counts as of the end of the last decode call: batches, images per decoder "
-     "(hardware, roi, reduced, cuda, raw, failed), the engines, the workspace, and the calls' host time by step "
+     "(hardware, roi, cuda, raw, failed), the engines, the workspace, and the calls' host time by step "
      "(headers_ns, engines_wait_ns, engines_ns, cuda_ns, block_ns, kernels_ns: "
      "src/core/jpeg_cuda.h)."},
     {"close", (PyCFunction)jd_close, METH_NOARGS, "close($self)\n--\n\nFree the decoder's GPU resources (idempotent)."},
