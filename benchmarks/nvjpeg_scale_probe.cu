@@ -10,9 +10,11 @@
 //
 // For each flag setting and scale: one batched hardware call of every image (RGB interleaved,
 // pageable input), one warm-up, then the mean host time of the call and the time until its stream
-// is done over 5 calls; a decode that fails prints its status and the run goes on. At scale 1 the
-// decoded pixels of the first images are written to OUT_DIR as raw RGB for the comparison with
-// Pillow (the script). A stand-alone tool: it includes nvjpeg.h and links libnvjpeg, where
+// is done over 5 calls; a decode that fails prints its status and the run goes on. At scale 1 and
+// 1/4 the decoded pixels of the first DUMPED images are written to OUT_DIR as raw RGB for the
+// comparison with Pillow (the script); at 1/2 to 1/8 every output buffer is filled with a 0xAB
+// sentinel first, and the bytes of the first DUMPED images that differ from it afterwards are
+// counted and printed. A stand-alone tool: it includes nvjpeg.h and links libnvjpeg, where
 // pinloader loads nvJPEG at run time.
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
