@@ -23,22 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define CK(x)                                                                                       \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s (line %d): %s\n", #x, __LINE__, cudaGetErrorString(e_));            \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
-#define NK(x)                                                                                       \
-    do {                                                                                            \
-        nvjpegStatus_t s_ = (x);                                                                    \
-        if (s_ != NVJPEG_STATUS_SUCCESS) {                                                          \
-            fprintf(stderr, "%s (line %d): status %d\n", #x, __LINE__, (int)s_);                    \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
+#include "nvjpeg_check.h"
 
 enum { MAX_IMAGES = 512, DUMPED = 3, CALLS = 5 };
 
