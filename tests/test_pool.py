@@ -496,7 +496,7 @@ def test_a_waiting_reservation_waits_on_the_oldest_release(tmp_path):
     # Note [slab reuse] in src/core/pool.c, against a fake backend (tests/pool_order_check.c):
     # waiting on the newest release would find the GPU idle when it wakes
     run_c_check(tmp_path, "pool_order_check.c",
-                ["pool.c", "pool_client.c", "pool_debug.c", "pool_default.c", "util.c", "numa.c"])
+                ["pool.c", "pool_debug.c", "pool_default.c", "util.c", "numa.c"])
 
 
 def test_expected_waits_learn_from_untold_waits_and_forget_a_stall(tmp_path):
@@ -505,7 +505,7 @@ def test_expected_waits_learn_from_untold_waits_and_forget_a_stall(tmp_path):
     # expectation, a stall is forgotten, long copies are told and then take fewer wake-ups and no
     # longer
     run_c_check(tmp_path, "pool_expect_check.c",
-                ["pool.c", "pool_client.c", "pool_debug.c", "pool_default.c", "poll.c", "util.c", "numa.c"],
+                ["pool.c", "pool_debug.c", "pool_default.c", "poll.c", "util.c", "numa.c"],
                 link_flags=["-Wl,--wrap=pl_now_ns", "-Wl,--wrap=pl_sleep_ns"])
 
 

@@ -1,7 +1,8 @@
 /* The pinned slab pool: slabs and their extents, polling of pending releases, reserve and
- * release, stats, trim and close. Clients are in pool_client.c, the default pools in
- * pool_default.c, debug mode (report, canaries, quarantine) in pool_debug.c; the structs they
- * share in pool_impl.h.
+ * release, stats, trim and close, and the clients that a reserve charges and a release
+ * uncharges (Note [pool clients] in pool.h). The default pools are in pool_default.c, debug
+ * mode (report, canaries, quarantine) in pool_debug.c; the structs they share in
+ * pool_impl.h.
  *
  * Note [region sizes]
  * A request of n bytes is rounded up to a multiple of max(256, 2^floor(log2 n) / 8): regions
@@ -797,4 +798,77 @@ void pl_pool_decref(pl_pool *p)
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p);
+}
+
+/* ---- clients (Note [pool clients] in pool.h) ---- */
+
+int pl_pool_client_open(pl_pool *p, size_t cap, pl_pool_client **out)
+{
+    if (pl_inherited(p->gen))
+        return PL_ERR_FORKED;
+    pl_pool_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        return PL_ERR_NO_MEMORY;
+    c->st.cap = cap ? cap : SIZE_MAX;
+    *out = c;
+    return PL_OK;
+}
+
+void pl_pool_client_set_cap(pl_pool *p, pl_pool_client *c, size_t cap)
+{
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    c->st.cap = cap ? cap : SIZE_MAX;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_raise_cap(pl_pool *p, pl_pool_client *c, size_t cap)
+{
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    if (cap > c->st.cap) {
+        c->st.cap = cap;
+        pthread_cond_broadcast(&p->cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_get_stats(pl_pool *p, pl_pool_client *c, pl_pool_client_stats *st)
+{
+    if (pl_inherited(p->gen)) {
+        memset(st, 0, sizeof(*st));
+        return;
+    }
+    pl_pool_poll(p);
+    pthread_mutex_lock(&p->mu);
+    *st = c->st;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_waits(pl_pool *p, pl_pool_client *c, uint64_t *waits, int64_t *wait_ns)
+{
+    *waits = 0;
+    *wait_ns = 0;
+    if (pl_inherited(p->gen))
+        return;
+    pthread_mutex_lock(&p->mu);
+    *waits = c->st.waits;
+    *wait_ns = c->st.wait_ns;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void pl_pool_client_close(pl_pool *p, pl_pool_client *c)
+{
+    if (!c || pl_inherited(p->gen))
+        return;
+    pl_pool_poll(p);
+    pthread_mutex_lock(&p->mu);
+    int idle = c->st.in_use == 0;
+    c->closed = 1;
+    pthread_mutex_unlock(&p->mu);
+    if (idle)
+        free(c); /* else region_free_locked (pool.c) frees it with its last region */
 }

@@ -1,6 +1,6 @@
 /* The pinned pool's private header: the pool and client structs and the functions the pool's
  * files share. pool.c holds the slabs, their extents, polling, reserve and release, stats, trim
- * and close; pool_client.c the clients (Note [pool clients] in pool.h); pool_default.c the
+ * and close, and the clients (Note [pool clients] in pool.h); pool_default.c the
  * default-pool registry and the shared cap (Note [default pool] there) and the atfork handler;
  * pool_debug.c the debug report, the canaries and the quarantine. The public header is
  * pool.h. */
