@@ -91,7 +91,7 @@ def prefetcher_dropped():
 
 def prefetcher_generated():
     # batches made on the fly and dropped by the source at once: the prefetcher keeps each one
-    # alive (its graves, src/py/pf_queue.c) until the copies that read it are done
+    # alive (its graves, src/py/pf_producer.c) until the copies that read it are done
     import pinloader
 
     def gen():

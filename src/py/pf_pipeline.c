@@ -1,7 +1,7 @@
 /* AsyncPrefetcher's pipeline, made by the constructor and freed once at the end (Note
  * [prefetcher lifecycle] in prefetcher.c): the copy stream, the pinned pool chosen and this
  * prefetcher's client in it (the pool policy), the staging threads; freeing it also drops the
- * queued batches and the graveyard (pf_queue.c). Freed by close() or dealloc in prefetcher.c,
+ * queued batches and the graveyard (pf_producer.c). Freed by close() or dealloc in prefetcher.c,
  * or by a producer left behind in user code (pf_producer.c). */
 #include "prefetcher_impl.h"
 

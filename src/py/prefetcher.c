@@ -3,8 +3,8 @@
  * batches out in order as DeviceArrays. This file holds the type: epochs, the consumer handoff,
  * the object's lifecycle, its construction, stats and getters. The producer thread is in
  * pf_producer.c, the pipeline (made and freed: copy stream, pool policy, stager) in
- * pf_pipeline.c, the constructor's options in pf_options.c, the queue and the graveyard in
- * pf_queue.c, the object's struct in prefetcher_impl.h.
+ * pf_pipeline.c, the constructor's options in pf_options.c, the queue and the graveyard with
+ * the producer, the object's struct in prefetcher_impl.h.
  *
  * Note [producer and the GIL]
  * The producer takes the GIL only to call next() on the source, read the item and build the

@@ -1,8 +1,8 @@
 /* AsyncPrefetcher's private header: the object, its batches and graves, and the functions
  * its files share. prefetcher.c holds the type (epochs, the consumer, the lifecycle,
- * construction, stats and getters), pf_producer.c the producer thread, pf_pipeline.c the
- * pipeline made and freed (copy stream, pool policy, stager), pf_options.c the constructor's
- * options, pf_queue.c the queue and the graveyard. The public header is prefetcher.h.
+ * construction, stats and getters), pf_producer.c the producer thread, the queue and the
+ * graveyard, pf_pipeline.c the pipeline made and freed (copy stream, pool policy, stager),
+ * pf_options.c the constructor's options. The public header is prefetcher.h.
  *
  * Locking: `mu` guards the queue, the flow-control counters and the stats; it is never held
  * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
@@ -141,13 +141,13 @@ static inline int pl_pf_is_closed(const pl_prefetcher_obj *self)
     return self->state >= PF_CLOSED;
 }
 
-/* ---- pf_queue.c: the graveyard and the queue ---- */
+/* ---- pf_producer.c: the graveyard and the queue ---- */
 
 /* GIL held, on the producer: drop objs (n of them, a PyMem_Raw array taken over) at a later GIL
  * hold; with blk, not before blk's ready event has completed. */
 void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block *blk);
 /* GIL held: drop what was buried; what waits for a copy is kept unless wait (Note [emptying
- * graves] in pf_queue.c). relax: the caller is a user's thread that has not lifted the capture
+ * graves] in pf_producer.c). relax: the caller is a user's thread that has not lifted the capture
  * ban (Note [releases during a capture] in src/core/backend.h). */
 void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait, int relax);
 /* Queue a batch for the consumer (takes mu) and count it in the stats. */
