@@ -367,6 +367,10 @@ def test_a_forked_child_draws_the_order_itself_while_the_parents_job_runs(tmp_pa
     (ahead,) = L._plan.ahead
     job = ahead.job
     assert job.threaded and not job.done
+    deadline = time.monotonic() + 60        # fork once its thread waits at the switch, not while
+    while _testing.order_jobs_parked() < 1: # it starts (a lock of the C library or a sanitizer's
+        assert time.monotonic() < deadline  # allocator it holds then stays held in the child)
+        time.sleep(0.001)
     out = sys.argv[1]
     pid = os.fork()
     if pid == 0:

@@ -185,6 +185,22 @@ def held():
         _testing.debug_hold_order_jobs(False)
 
 
+def test_held_threads_are_counted_while_they_wait_at_the_switch(held):
+    # the fork tests wait for this count before they fork (test_a_child_forked_while_...)
+    assert _testing.order_jobs_parked() == 0
+    jobs = [_OrderJob(1000, 0, e) for e in range(3)]
+    assert all(j.threaded and not j.done for j in jobs)
+    deadline = time.monotonic() + 60
+    while _testing.order_jobs_parked() < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert _testing.order_jobs_parked() == 3
+    assert not any(j.done for j in jobs)
+    _testing.debug_hold_order_jobs(False)
+    for e, j in enumerate(jobs):
+        assert j.result().tolist() == formula(1000, 0, e).tolist()
+    assert _testing.order_jobs_parked() == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are read from /proc")
 def test_the_job_runs_on_a_named_thread(held):
     job = _OrderJob(1000, 0, 0)
@@ -382,6 +398,10 @@ def test_a_child_forked_while_the_test_switch_holds_jobs_runs_its_own():
     """) + WAIT_CHILD.format(timeout=60.0, poll=0.01) + textwrap.dedent("""
     _testing.debug_hold_order_jobs(True)
     held = _OrderJob(5000, 1, 1)
+    deadline = time.monotonic() + 60        # fork once its thread waits at the switch, not while
+    while _testing.order_jobs_parked() < 1: # it starts (a lock of the C library or a sanitizer's
+        assert time.monotonic() < deadline  # allocator it holds then stays held in the child)
+        time.sleep(0.001)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -399,5 +419,5 @@ def test_a_child_forked_while_the_test_switch_holds_jobs_runs_its_own():
     assert sorted(held.result().tolist()) == list(range(5000))
     print("OK")
     """)
-    p = run_py(code, timeout=120)
+    p = run_py(code, timeout=180)  # the child's 60 s, its dump's 60 s
     assert p.returncode == 0 and "OK" in p.stdout, describe(p)

@@ -74,6 +74,7 @@ typedef struct {
 static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
 static int hold_on;
+static int hold_parked; /* threads waiting at the switch now */
 
 void pl_epoch_order_hold(int on)
 {
@@ -91,13 +92,30 @@ void pl_epoch_order_atfork_child(void)
     pl_mutex_reset_in_child(&hold_mu);
     memcpy(&hold_cv, &fresh_cv, sizeof fresh_cv);
     hold_on = 0;
+    hold_parked = 0;
+}
+
+/* How many job threads wait at the switch now. A test that forks while a job is held waits for
+ * its thread to get here first: a thread still starting (inside the C library or a sanitizer's
+ * allocator) may hold one of their locks at the fork, and the child's next thread would wait for
+ * it forever. */
+int pl_epoch_order_parked(void)
+{
+    pthread_mutex_lock(&hold_mu);
+    int n = hold_parked;
+    pthread_mutex_unlock(&hold_mu);
+    return n;
 }
 
 static void hold_wait(void)
 {
     pthread_mutex_lock(&hold_mu);
-    while (hold_on)
-        pthread_cond_wait(&hold_cv, &hold_mu);
+    if (hold_on) {
+        hold_parked++;
+        while (hold_on)
+            pthread_cond_wait(&hold_cv, &hold_mu);
+        hold_parked--;
+    }
     pthread_mutex_unlock(&hold_mu);
 }
 

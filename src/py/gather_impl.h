@@ -88,6 +88,7 @@ int pl_epoch_table_init(PyObject *m);
 int pl_epoch_order_init(PyObject *m);
 /* The test switch: while on, order jobs' threads wait before they begin (testing.c). */
 void pl_epoch_order_hold(int on);
+int pl_epoch_order_parked(void);
 
 /* ---- row_gather.c ---- */
 

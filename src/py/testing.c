@@ -210,6 +210,13 @@ static PyObject *t_debug_hold_order_jobs(PyObject *m, PyObject *arg)
     return set_switch(arg, pl_epoch_order_hold);
 }
 
+static PyObject *t_order_jobs_parked(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return PyLong_FromLong(pl_epoch_order_parked());
+}
+
 static PyObject *t_debug_jpeg_engine_waits(PyObject *m, PyObject *arg)
 {
     (void)m;
@@ -236,6 +243,9 @@ static PyMethodDef testing_methods[] = {
     {"debug_hold_order_jobs", t_debug_hold_order_jobs, METH_O,
      "debug_hold_order_jobs(on, /)\n--\n\nTest switch: while on, the threads of epoch order jobs "
      "(_OrderJob, Note [epoch orders] in src/py/epoch_order.c) wait before they begin."},
+    {"order_jobs_parked", t_order_jobs_parked, METH_NOARGS,
+     "order_jobs_parked()\n--\n\nHow many epoch order jobs' threads wait at the "
+     "debug_hold_order_jobs switch now: a test forks only once they all do."},
     {"debug_hold_copies", t_debug_hold_copies, METH_O,
      "debug_hold_copies(on, /)\n--\n\nTest switch, host backend only: while on, every host stream "
      "holds its queued work (copies included) and new device blocks are poisoned with 0xcd, so a "
