@@ -1,6 +1,6 @@
-/* The GPU image decoder (jpeg_cuda.h): nvJPEG loaded at run time, the hardware JPEG engines for
- * the images they take, nvJPEG's CUDA decoder for the others, and the image kernels for the
- * resize into the batch.
+/* The GPU image decoder (jpeg_cuda.h): nvJPEG (loaded at run time by nvjpeg_load.c), the
+ * hardware JPEG engines for the images they take, nvJPEG's CUDA decoder for the others, and the
+ * image kernels for the resize into the batch.
  *
  * Note [image resampling]
  * A sample is described by a box in its image (top, left, height, width), the size the box is
@@ -63,92 +63,12 @@
 #include "nvjpeg_api.h"
 #include "util.h"
 
-#include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ---- loading nvJPEG ---- */
-
-static struct {
-#define X(ret, name, params) ret(*name) params;
-    PL_NVJPEG_API(X)
-#undef X
-} nj;
-
-static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
-static int loaded;              /* guarded by load_mu; 1 once nj is filled */
-static char load_why[512];      /* guarded by load_mu */
-
-static const char *const nj_sonames[] = {"libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"};
-
-static int fill_table(void *h)
-{
-#define X(ret, name, params)                                                                       \
-    if (!(*(void **)&nj.name = dlsym(h, #name)))                                                   \
-        return -1;
-    PL_NVJPEG_API(X)
-#undef X
-    return 0;
-}
-
-/* The first libnvjpeg already in the process (torchvision loads one), then the loader's search
- * path, then the caller's candidates. */
-static int load_nvjpeg(const char *const *libs, int nlibs, const char **why)
-{
-    pthread_mutex_lock(&load_mu);
-    if (loaded) {
-        pthread_mutex_unlock(&load_mu);
-        return PL_OK;
-    }
-    void *h = NULL;
-    for (size_t i = 0; !h && i < sizeof nj_sonames / sizeof *nj_sonames; i++)
-        h = dlopen(nj_sonames[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    for (size_t i = 0; !h && i < sizeof nj_sonames / sizeof *nj_sonames; i++)
-        h = dlopen(nj_sonames[i], RTLD_NOW | RTLD_LOCAL);
-    for (int i = 0; !h && i < nlibs; i++)
-        h = dlopen(libs[i], RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-        snprintf(load_why, sizeof load_why,
-                 "no nvJPEG library found (libnvjpeg.so.13 or .12: install the nvidia-nvjpeg wheel, "
-                 "pip install 'pinloader[cuda]', or a CUDA toolkit)");
-        *why = load_why;
-        pthread_mutex_unlock(&load_mu);
-        return PL_ERR_NO_RUNTIME;
-    }
-    if (fill_table(h) < 0) {
-        snprintf(load_why, sizeof load_why, "the nvJPEG library found lacks a function pinloader uses");
-        memset(&nj, 0, sizeof nj);
-        dlclose(h);
-        *why = load_why;
-        pthread_mutex_unlock(&load_mu);
-        return PL_ERR_NO_RUNTIME;
-    }
-    loaded = 1;
-    pthread_mutex_unlock(&load_mu);
-    return PL_OK;
-}
-
-static const char *nj_status_name(pl_nvjpegStatus_t s)
-{
-    switch (s) {
-    case pl_NVJPEG_STATUS_SUCCESS: return "NVJPEG_STATUS_SUCCESS";
-    case pl_NVJPEG_STATUS_NOT_INITIALIZED: return "NVJPEG_STATUS_NOT_INITIALIZED";
-    case pl_NVJPEG_STATUS_INVALID_PARAMETER: return "NVJPEG_STATUS_INVALID_PARAMETER";
-    case pl_NVJPEG_STATUS_BAD_JPEG: return "NVJPEG_STATUS_BAD_JPEG";
-    case pl_NVJPEG_STATUS_JPEG_NOT_SUPPORTED: return "NVJPEG_STATUS_JPEG_NOT_SUPPORTED";
-    case pl_NVJPEG_STATUS_ALLOCATOR_FAILURE: return "NVJPEG_STATUS_ALLOCATOR_FAILURE";
-    case pl_NVJPEG_STATUS_EXECUTION_FAILED: return "NVJPEG_STATUS_EXECUTION_FAILED";
-    case pl_NVJPEG_STATUS_ARCH_MISMATCH: return "NVJPEG_STATUS_ARCH_MISMATCH";
-    case pl_NVJPEG_STATUS_INTERNAL_ERROR: return "NVJPEG_STATUS_INTERNAL_ERROR";
-    case pl_NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED: return "NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED";
-    case pl_NVJPEG_STATUS_INCOMPLETE_BITSTREAM: return "NVJPEG_STATUS_INCOMPLETE_BITSTREAM";
-    }
-    return "an unknown nvJPEG status";
-}
 
 /* ---- the decoder ---- */
 
@@ -217,7 +137,7 @@ void pl_jpeg_debug_pipelined(int on)
 static int nj_fail(pl_nvjpegStatus_t s, const char *what, const char **why)
 {
     static __thread char buf[160];
-    snprintf(buf, sizeof buf, "%s failed: %s", what, nj_status_name(s));
+    snprintf(buf, sizeof buf, "%s failed: %s", what, pl_nvjpeg_status_name(s));
     *why = buf;
     return PL_ERR_UNKNOWN;
 }
@@ -248,18 +168,18 @@ void pl_jpeg_destroy(pl_jpeg *j)
         b->event_destroy(j->ws_free);
     for (int i = 0; i < j->params_cap; i++)
         if (j->params[i])
-            nj.nvjpegDecodeParamsDestroy(j->params[i]);
+            pl_nj.nvjpegDecodeParamsDestroy(j->params[i]);
     free(j->params);
     if (j->js)
-        nj.nvjpegJpegStreamDestroy(j->js);
+        pl_nj.nvjpegJpegStreamDestroy(j->js);
     if (j->hw_state)
-        nj.nvjpegJpegStateDestroy(j->hw_state);
+        pl_nj.nvjpegJpegStateDestroy(j->hw_state);
     if (j->gen_state)
-        nj.nvjpegJpegStateDestroy(j->gen_state);
+        pl_nj.nvjpegJpegStateDestroy(j->gen_state);
     if (j->hw)
-        nj.nvjpegDestroy(j->hw);
+        pl_nj.nvjpegDestroy(j->hw);
     if (j->gen)
-        nj.nvjpegDestroy(j->gen);
+        pl_nj.nvjpegDestroy(j->gen);
     if (j->stream)
         b->stream_destroy(j->stream);
     pl_device_pop(b, j->device, prev);
@@ -276,7 +196,7 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
         *why = "the GPU image decoder needs the CUDA backend";
         return PL_ERR_INVALID_VALUE;
     }
-    int rc = load_nvjpeg(libs, nlibs, why);
+    int rc = pl_nvjpeg_load(libs, nlibs, why);
     if (rc != PL_OK)
         return rc;
     pl_jpeg *j = calloc(1, sizeof *j);
@@ -317,27 +237,27 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
      * elsewhere its creation fails and the CUDA decoder takes every image. Made without its
      * pipeline: Note [the engines' call beside training]. */
     const unsigned hw_flags = atomic_load(&pipelined) ? 0u : PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE;
-    if (nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, hw_flags, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
-        if (nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
+    if (pl_nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, hw_flags, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
+        if (pl_nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
             j->engines = j->cores = 0;
-        if ((s = nj.nvjpegJpegStateCreate(j->hw, &j->hw_state)) != pl_NVJPEG_STATUS_SUCCESS) {
-            nj.nvjpegDestroy(j->hw);
+        if ((s = pl_nj.nvjpegJpegStateCreate(j->hw, &j->hw_state)) != pl_NVJPEG_STATUS_SUCCESS) {
+            pl_nj.nvjpegDestroy(j->hw);
             j->hw = NULL;
             j->engines = j->cores = 0;
         }
     } else {
         j->hw = NULL;
     }
-    if ((s = nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_DEFAULT, NULL, NULL, 0, &j->gen)) != pl_NVJPEG_STATUS_SUCCESS) {
+    if ((s = pl_nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_DEFAULT, NULL, NULL, 0, &j->gen)) != pl_NVJPEG_STATUS_SUCCESS) {
         j->gen = NULL;
         rc = nj_fail(s, "nvjpegCreateEx", why);
         goto error;
     }
-    if ((s = nj.nvjpegJpegStateCreate(j->gen, &j->gen_state)) != pl_NVJPEG_STATUS_SUCCESS) {
+    if ((s = pl_nj.nvjpegJpegStateCreate(j->gen, &j->gen_state)) != pl_NVJPEG_STATUS_SUCCESS) {
         rc = nj_fail(s, "nvjpegJpegStateCreate", why);
         goto error;
     }
-    if ((s = nj.nvjpegJpegStreamCreate(j->hw ? j->hw : j->gen, &j->js)) != pl_NVJPEG_STATUS_SUCCESS) {
+    if ((s = pl_nj.nvjpegJpegStreamCreate(j->hw ? j->hw : j->gen, &j->js)) != pl_NVJPEG_STATUS_SUCCESS) {
         rc = nj_fail(s, "nvjpegJpegStreamCreate", why);
         goto error;
     }
@@ -468,12 +388,12 @@ static int ensure_params(pl_jpeg *j, int n, const char **why)
     j->params = p;
     for (int i = j->params_cap; i < n; i++) {
         p[i] = NULL;
-        pl_nvjpegStatus_t s = nj.nvjpegDecodeParamsCreate(j->hw, &p[i]);
+        pl_nvjpegStatus_t s = pl_nj.nvjpegDecodeParamsCreate(j->hw, &p[i]);
         if (s == pl_NVJPEG_STATUS_SUCCESS)
-            s = nj.nvjpegDecodeParamsSetOutputFormat(p[i], pl_NVJPEG_OUTPUT_RGBI);
+            s = pl_nj.nvjpegDecodeParamsSetOutputFormat(p[i], pl_NVJPEG_OUTPUT_RGBI);
         if (s != pl_NVJPEG_STATUS_SUCCESS) {
             if (p[i]) {
-                nj.nvjpegDecodeParamsDestroy(p[i]);
+                pl_nj.nvjpegDecodeParamsDestroy(p[i]);
                 p[i] = NULL;
             }
             j->params_cap = i;
@@ -596,7 +516,7 @@ static void decode_one_cuda(pl_jpeg *j, const pl_jpeg_item *it, sample *sm, int3
     whole_image(sm);
     dst.channel[0] = j->ws + sm->img_off;
     dst.pitch[0] = (size_t)sm->w * 3;
-    pl_nvjpegStatus_t s = nj.nvjpegDecode(j->gen, j->gen_state, it->data, it->len, pl_NVJPEG_OUTPUT_RGBI,
+    pl_nvjpegStatus_t s = pl_nj.nvjpegDecode(j->gen, j->gen_state, it->data, it->len, pl_NVJPEG_OUTPUT_RGBI,
                                           &dst, (pl_nvjpeg_cudaStream_t)j->stream);
     if (s == pl_NVJPEG_STATUS_SUCCESS) {
         sm->kind = 2;
@@ -658,9 +578,9 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         } else {
             unsigned w = 0, h = 0, comps = 0;
             if (!it->data || it->len == 0 ||
-                nj.nvjpegJpegStreamParseHeader(j->hw ? j->hw : j->gen, it->data, it->len, j->js) != pl_NVJPEG_STATUS_SUCCESS ||
-                nj.nvjpegJpegStreamGetFrameDimensions(j->js, &w, &h) != pl_NVJPEG_STATUS_SUCCESS ||
-                nj.nvjpegJpegStreamGetComponentsNum(j->js, &comps) != pl_NVJPEG_STATUS_SUCCESS ||
+                pl_nj.nvjpegJpegStreamParseHeader(j->hw ? j->hw : j->gen, it->data, it->len, j->js) != pl_NVJPEG_STATUS_SUCCESS ||
+                pl_nj.nvjpegJpegStreamGetFrameDimensions(j->js, &w, &h) != pl_NVJPEG_STATUS_SUCCESS ||
+                pl_nj.nvjpegJpegStreamGetComponentsNum(j->js, &comps) != pl_NVJPEG_STATUS_SUCCESS ||
                 w == 0 || h == 0 || w > 65535 || h > 65535) {
                 status[i] = PL_JPEG_BAD_HEADER;
                 continue;
@@ -693,13 +613,13 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
             int unsupported = 1;
             region_of(p, sm[i].h, sm[i].w, &sm[i]);
             if (j->region && (double)sm[i].rh * sm[i].rw <= 0.9 * (double)sm[i].h * sm[i].w &&
-                nj.nvjpegDecodeParamsSetROI(dp, sm[i].rx, sm[i].ry, sm[i].rw, sm[i].rh) == pl_NVJPEG_STATUS_SUCCESS &&
-                nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                pl_nj.nvjpegDecodeParamsSetROI(dp, sm[i].rx, sm[i].ry, sm[i].rw, sm[i].rh) == pl_NVJPEG_STATUS_SUCCESS &&
+                pl_nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
                 unsupported = 1;
             if (unsupported) {
                 whole_image(&sm[i]);
-                if (nj.nvjpegDecodeParamsSetROI(dp, 0, 0, -1, -1) != pl_NVJPEG_STATUS_SUCCESS ||
-                    nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
+                if (pl_nj.nvjpegDecodeParamsSetROI(dp, 0, 0, -1, -1) != pl_NVJPEG_STATUS_SUCCESS ||
+                    pl_nj.nvjpegDecodeBatchedSupportedEx(j->hw, j->js, dp, &unsupported) != pl_NVJPEG_STATUS_SUCCESS)
                     unsupported = 1;
             }
             if (!unsupported)
@@ -760,9 +680,9 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         goto done;
     t = lap(&laps[LAP_ENGINES_WAIT], t);
     if (n_hw) {
-        pl_nvjpegStatus_t s = nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
+        pl_nvjpegStatus_t s = pl_nj.nvjpegDecodeBatchedInitialize(j->hw, j->hw_state, n_hw, 1, pl_NVJPEG_OUTPUT_RGBI);
         if (s == pl_NVJPEG_STATUS_SUCCESS)
-            s = nj.nvjpegDecodeBatchedEx(j->hw, j->hw_state, hw_data, hw_len, hw_dst, hw_params,
+            s = pl_nj.nvjpegDecodeBatchedEx(j->hw, j->hw_state, hw_data, hw_len, hw_dst, hw_params,
                                          (pl_nvjpeg_cudaStream_t)j->stream);
         t = lap(&laps[LAP_ENGINES], t); /* a failed call's images fall to the CUDA decoder's lap */
         if (s == pl_NVJPEG_STATUS_SUCCESS) {

@@ -108,4 +108,18 @@ typedef struct pl_CUstream_st *pl_nvjpeg_cudaStream_t;
        const size_t *lengths, pl_nvjpegImage_t *destinations,                                      \
        pl_nvjpegDecodeParams_t *decode_params, pl_nvjpeg_cudaStream_t stream))
 
+/* The functions, filled by pl_nvjpeg_load (nvjpeg_load.c) */
+typedef struct pl_nvjpeg_fns {
+#define X(ret, name, params) ret(*name) params;
+    PL_NVJPEG_API(X)
+#undef X
+} pl_nvjpeg_fns;
+extern pl_nvjpeg_fns pl_nj;
+
+/* Loads nvJPEG once per process (later calls return at once): the first libnvjpeg already in the
+ * process, then the loader's search path, then libs. PL_OK (backend.h's codes), or
+ * PL_ERR_NO_RUNTIME with *why a sentence. */
+int pl_nvjpeg_load(const char *const *libs, int nlibs, const char **why);
+const char *pl_nvjpeg_status_name(pl_nvjpegStatus_t s);
+
 #endif
