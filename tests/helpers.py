@@ -440,9 +440,10 @@ def map_leaves(obj, fn):
     return fn(obj)
 
 
-def run_c_check(tmp_path, check, core_sources, link_flags=()):
+def run_c_check(tmp_path, check, core_sources, link_flags=(), cflags=()):
     """Build tests/<check> against src/core/<core_sources> (with ASan and UBSan where the compiler
-    has them) and run it: it must print "bad=0" and exit 0. Skips without a C compiler."""
+    has them; `cflags` before the sources) and run it: it must print "bad=0" and exit 0. Skips
+    without a C compiler."""
     import shutil
 
     import pytest
@@ -455,7 +456,8 @@ def run_c_check(tmp_path, check, core_sources, link_flags=()):
     exe = tmp_path / os.path.splitext(check)[0]
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # the sanitizer jobs preload their runtime into Python only
-    cmd = ([cc, "-std=gnu11", "-O1", "-fsanitize=address,undefined", "-I", core, os.path.join(root, "tests", check)]
+    cmd = ([cc, "-std=gnu11", "-O1", "-fsanitize=address,undefined", "-I", core, *cflags,
+            os.path.join(root, "tests", check)]
            + [os.path.join(core, f) for f in core_sources] + ["-o", str(exe), "-lpthread", *link_flags])
     if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
         cmd = [c for c in cmd if not c.startswith("-fsanitize")]

@@ -1,6 +1,7 @@
-/* Note [expected waits] in src/core/backend_cuda.c, on a virtual clock: the pool's clock
- * and its sleeps (pl_now_ns and pl_sleep_ns, both wrapped at link time) are one counter, so every
- * wait below lasts exactly as long as the model says and the checks are exact. The fake
+/* Note [expected waits] in src/core/backend_cuda.c, on a virtual clock: the pool's clock and
+ * its sleeps (pl_now_ns, defined here for a build with PL_EXTERN_CLOCK, and pl_sleep_ns, wrapped
+ * at link time) are one counter, so every wait below lasts exactly as long as the model says and
+ * the checks are exact. The fake
  * event_wait is the CUDA backend's: pl_event_poll (src/core/poll.c; a first sleep of 7/8 of the
  * expected wait, then naps from 1/16 of it, doubling to 0.2 ms); every sleep overruns by the
  * kernel's default timer slack, 50 us.
@@ -21,8 +22,7 @@
 static int64_t vnow = 1000000000, copy_ns, last_expect;
 static int bad, queries;
 
-int64_t __wrap_pl_now_ns(void);
-int64_t __wrap_pl_now_ns(void) { return vnow; }
+int64_t pl_now_ns(void) { return vnow; } /* built with PL_EXTERN_CLOCK (util.h) */
 void __wrap_pl_sleep_ns(int64_t ns);
 void __wrap_pl_sleep_ns(int64_t ns) { vnow += ns + SLACK_NS; }
 

@@ -501,12 +501,12 @@ def test_a_waiting_reservation_waits_on_the_oldest_release(tmp_path):
 
 def test_expected_waits_learn_from_untold_waits_and_forget_a_stall(tmp_path):
     # Note [expected waits] in src/core/backend_cuda.c, on a virtual clock (tests/pool_expect_check.c:
-    # the clock and pl_event_poll's sleeps wrapped at link time): short copies are never told an
+    # the clock its own, pl_event_poll's sleeps wrapped at link time): short copies are never told an
     # expectation, a stall is forgotten, long copies are told and then take fewer wake-ups and no
     # longer
     run_c_check(tmp_path, "pool_expect_check.c",
                 ["pool.c", "pool_debug.c", "pool_default.c", "poll.c", "util.c", "numa.c"],
-                link_flags=["-Wl,--wrap=pl_now_ns", "-Wl,--wrap=pl_sleep_ns"])
+                link_flags=["-Wl,--wrap=pl_sleep_ns"], cflags=["-DPL_EXTERN_CLOCK"])
 
 
 def test_deferred_frees_wait_for_their_uses_and_are_freed_where_memory_is_next_allocated(tmp_path):

@@ -17,16 +17,11 @@
 
 /* See Note [fork generations] in util.h. Written only by the child's atfork handler, which runs
  * while the child has a single thread. */
-static _Atomic uint32_t generation = 0;
-
-uint32_t pl_generation(void)
-{
-    return atomic_load_explicit(&generation, memory_order_relaxed);
-}
+_Atomic uint32_t pl_process_generation = 0;
 
 void pl_generation_bump_in_child(void)
 {
-    atomic_fetch_add_explicit(&generation, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pl_process_generation, 1, memory_order_relaxed);
 }
 
 void pl_mutex_reset_in_child(pthread_mutex_t *m)
@@ -43,13 +38,6 @@ int pl_cpu_count(void)
     return n > 0 ? (int)n : 1;
 }
 
-int64_t pl_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 void pl_sleep_ns(int64_t ns)
 {
     struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
@@ -64,14 +52,6 @@ void pl_thread_name(const char *name)
 #else
     (void)name;
 #endif
-}
-
-void pl_deadline(struct timespec *ts, int64_t ns)
-{
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    int64_t nsec = ts->tv_nsec + ns % 1000000000;
-    ts->tv_sec += (time_t)(ns / 1000000000 + nsec / 1000000000);
-    ts->tv_nsec = (long)(nsec % 1000000000);
 }
 
 int pl_cond_init(pthread_cond_t *c)
@@ -106,19 +86,19 @@ size_t pl_memlock_limit(void)
     return (size_t)rl.rlim_cur;
 }
 
+_Atomic int pl_debug_state = -1;
 static pthread_once_t debug_once = PTHREAD_ONCE_INIT;
-static int debug_on; /* written once under debug_once */
 
 static void read_debug_env(void)
 {
     const char *v = getenv("PINLOADER_DEBUG");
-    debug_on = v && *v && strcmp(v, "0") != 0;
+    atomic_store_explicit(&pl_debug_state, v && *v && strcmp(v, "0") != 0, memory_order_release);
 }
 
-int pl_debug_enabled(void)
+int pl_debug_read(void)
 {
     pthread_once(&debug_once, read_debug_env);
-    return debug_on;
+    return atomic_load_explicit(&pl_debug_state, memory_order_acquire);
 }
 
 /* ---- prefaulting allocation ---- */
