@@ -1,5 +1,6 @@
 /* Flatten's error helpers and leaf paths (Note [lazy paths] in flatten.h): the path of the leaf
- * being walked, kept as steps and rendered only for an error or a structure (flatten_impl.h).
+ * being walked is kept as steps, recorded inline by the walk (flatten_impl.h), and rendered here
+ * only for an error or a structure; a step whose text must be taken when walked is made here.
  * GIL held throughout. */
 #include "flatten_impl.h"
 
@@ -37,28 +38,7 @@ int pl_fl_text_of(PyObject *o, int use_repr, char *buf, size_t n)
     return 0;
 }
 
-/* getattr(o, name) where a missing attribute is not an error: 1 and *out set, 0 when missing,
- * -1 with whatever else the lookup raised. */
-int pl_fl_optional_attr(PyObject *o, const char *name, PyObject **out)
-{
-    *out = PyObject_GetAttrString(o, name);
-    if (*out)
-        return 1;
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-        return -1;
-    PyErr_Clear();
-    return 0;
-}
-
 /* ---- paths (Note [lazy paths] in flatten.h) ---- */
-
-typedef enum {
-    PATH_ROOT,  /* text: the root's name, borrowed */
-    PATH_INDEX, /* "[index]" */
-    PATH_KEY,   /* "[repr(obj)]", obj an exact str or int */
-    PATH_ATTR,  /* ".obj", obj an exact str */
-    PATH_TEXT,  /* text, owned: a key's "[repr]" or a name's ".str" taken when walked */
-} path_step_kind;
 
 static void path_append(pl_flat *f, const char *fmt, ...)
 {
@@ -71,58 +51,11 @@ static void path_append(pl_flat *f, const char *fmt, ...)
         f->path_len = PL_MIN(sizeof f->path - 1, old + (size_t)n);
 }
 
-/* Room for one more step (the walk's nesting limit bounds them; SystemError past it). */
-static pl_path_step *path_step(pl_flat *f, int kind, size_t *mark)
+/* A step whose text is taken now: a key that is not an exact str or int, or a name that is
+ * not an exact str ("[repr(key)]" for dict entries, ".name" for attributes; user code may run).
+ * -1 with an exception: a BaseException from that code, or MemoryError. */
+int pl_fl_path_push_taken(pl_flat *f, PyObject *key, int as_attr, size_t *mark)
 {
-    if (f->n_steps >= (int)(sizeof f->steps / sizeof f->steps[0])) {
-        PyErr_SetString(PyExc_SystemError, "pinloader: path deeper than the nesting limit");
-        return NULL;
-    }
-    *mark = (size_t)f->n_steps;
-    pl_path_step *p = &f->steps[f->n_steps++];
-    *p = (pl_path_step){kind, NULL, 0, NULL};
-    return p;
-}
-
-void pl_fl_path_pop(pl_flat *f, size_t mark)
-{
-    while (f->n_steps > (int)mark) {
-        pl_path_step *p = &f->steps[--f->n_steps];
-        if (p->kind == PATH_TEXT)
-            PyMem_RawFree(p->text);
-    }
-}
-
-void pl_fl_path_root(pl_flat *f, const char *root)
-{
-    size_t mark;
-    pl_path_step *p = path_step(f, PATH_ROOT, &mark); /* the first: never full */
-    if (p)
-        p->text = (char *)root;
-}
-
-size_t pl_fl_path_push_index(pl_flat *f, Py_ssize_t i)
-{
-    size_t mark;
-    pl_path_step *p = path_step(f, PATH_INDEX, &mark);
-    if (p)
-        p->index = i;
-    return p ? mark : (size_t)-1;
-}
-
-/* "[repr(key)]" for dict entries, ".name" for attributes. Exact str and int keys are rendered
- * when read; any other key's text is taken now (user code). -1 with an exception: a
- * BaseException from that code, or MemoryError. */
-int pl_fl_path_push_text(pl_flat *f, PyObject *key, int as_attr, size_t *mark)
-{
-    int lazy = as_attr ? PyUnicode_CheckExact(key) : PyUnicode_CheckExact(key) || PyLong_CheckExact(key);
-    if (lazy) {
-        pl_path_step *p = path_step(f, as_attr ? PATH_ATTR : PATH_KEY, mark);
-        if (!p)
-            return -1;
-        p->obj = key;
-        return 0;
-    }
     char text[160], step[164];
     if (pl_fl_text_of(key, !as_attr, text, sizeof text) < 0)
         return -1;
@@ -134,7 +67,7 @@ int pl_fl_path_push_text(pl_flat *f, PyObject *key, int as_attr, size_t *mark)
         return -1;
     }
     memcpy(copy, step, len + 1);
-    pl_path_step *p = path_step(f, PATH_TEXT, mark);
+    pl_path_step *p = pl_fl_path_step(f, PATH_TEXT, mark);
     if (!p) {
         PyMem_RawFree(copy);
         return -1;

@@ -1,7 +1,9 @@
 /* Flatten: the walk that classifies an item's objects (Note [one leaf classifier]) and reads
- * its leaves with flat_leaves.c, and the container rebuild. See Note [flatten in two passes] in
- * flatten.h; the files share flatten_impl.h. GIL held throughout. */
+ * its leaves with flat_leaves.c; the Python-iterable source, whose batches are the items next()
+ * gives, walked (Note [sources] in source.h); and the container rebuild. See Note [flatten in
+ * two passes] in flatten.h; the files share flatten_impl.h. GIL held throughout. */
 #include "flatten_impl.h"
+#include "source.h"
 
 #include "device_array.h"
 #include "gather.h"
@@ -14,6 +16,19 @@
 #define MAX_NEST PL_FLAT_MAX_NEST
 
 /* ---- the walk ---- */
+
+/* getattr(o, name) where a missing attribute is not an error: 1 and *out set, 0 when missing,
+ * -1 with whatever else the lookup raised. */
+static int optional_attr(PyObject *o, const char *name, PyObject **out)
+{
+    *out = PyObject_GetAttrString(o, name);
+    if (*out)
+        return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
 
 static int walk(pl_flat *f, PyObject *obj, PyObject *key, int level);
 
@@ -116,7 +131,7 @@ static int walk_dataclass(pl_flat *f, PyObject *obj, PyObject *key, PyObject *dc
     for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(fields); i++) {
         PyObject *pair = PyList_GET_ITEM(fields, i);
         PyObject *name = PyTuple_GET_ITEM(pair, 0), *init = NULL;
-        rc = pl_fl_optional_attr(PyTuple_GET_ITEM(pair, 1), "init", &init);
+        rc = optional_attr(PyTuple_GET_ITEM(pair, 1), "init", &init);
         int is_init = rc > 0 ? PyObject_IsTrue(init) : rc;
         Py_XDECREF(init);
         if (is_init < 0) {
@@ -191,7 +206,7 @@ static int classify(pl_flat *f, PyObject *obj, PyObject **attr)
         return OK_SEQ_SUBCLASS;
     if (PyTuple_Check(obj)) {
         PyObject *fields;
-        int has = pl_fl_optional_attr(obj, "_fields", &fields);
+        int has = optional_attr(obj, "_fields", &fields);
         if (has < 0)
             return -1;
         if (has && PyTuple_Check(fields)) {
@@ -203,15 +218,15 @@ static int classify(pl_flat *f, PyObject *obj, PyObject **attr)
     }
     if (PyDict_Check(obj))
         return OK_DICT;
-    int has = pl_fl_optional_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__", attr);
+    int has = optional_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__", attr);
     if (has)
         return has < 0 ? -1 : OK_DATACLASS;
     PyObject *devfn, *fn;
-    has = pl_fl_optional_attr(obj, "__dlpack_device__", &devfn);
+    has = optional_attr(obj, "__dlpack_device__", &devfn);
     if (has < 0)
         return -1;
     if (has) {
-        has = pl_fl_optional_attr(obj, "__dlpack__", &fn);
+        has = optional_attr(obj, "__dlpack__", &fn);
         Py_XDECREF(fn);
         if (has < 0) {
             Py_DECREF(devfn);
@@ -343,6 +358,100 @@ int pl_flat_walk(pl_flat *f, PyObject *item)
     return 0;
 }
 
+/* ---- the Python-iterable source (Note [sources] in source.h): next(), then the walk ---- */
+
+/* The exception set now gets a note naming the item the source raised at (3.11+). */
+static void note_source_item(uint64_t index)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value && tb)
+        PyException_SetTraceback(value, tb);
+    PyObject *note = value ? PyUnicode_FromFormat("raised by the source at item %llu of the epoch "
+                                                  "(pinloader producer thread)", (unsigned long long)index)
+                           : NULL;
+    if (note) {
+        PyObject *r = PyObject_CallMethod(value, "add_note", "O", note);
+        Py_XDECREF(r);
+        Py_DECREF(note);
+    }
+    PyErr_Clear(); /* a failed note leaves the source's exception as it was */
+    PyErr_Restore(type, value, tb);
+#else
+    (void)index;
+#endif
+}
+
+/* structure=: the item is a tuple of the structure's leaves, walked; the captured structure
+ * places them (the walked tree is dropped). 0, or -1 with an exception. */
+static int walk_leaf_tuple(pl_flat *f, PyObject *item, Py_ssize_t n)
+{
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != n) {
+        PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): each item must be a tuple of "
+                     "the structure's %zd leaves, got %.100s", n, Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    if (pl_flat_walk(f, item) < 0)
+        return -1;
+    pl_tree walked;
+    pl_flat_take_tree(f, &walked);
+    pl_tree_clear(&walked);
+    if (f->n_leaves != n) {
+        PyErr_Format(PyExc_TypeError, "AsyncPrefetcher(structure=...): %zd of the item's %zd entries "
+                     "are array leaves", (Py_ssize_t)f->n_leaves, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* GIL held: next() on the iterator `it` (NULL: an epoch with none, which is over), then the walk
+ * over the item (see Note [flatten in two passes] in flatten.h). */
+static int py_next(PyObject *it, void *state, pl_flat *f, pl_source_ctx *c, char *why, size_t n_why)
+{
+    (void)state;
+    (void)why;
+    (void)n_why;
+    Py_XINCREF(it); /* the epoch's iterator may be replaced by the code next() runs */
+    int64_t t0 = pl_now_ns();
+    PyObject *item = it ? PyIter_Next(it) : NULL;
+    c->next_ns = pl_now_ns() - t0;
+    Py_XDECREF(it);
+    if (atomic_load(c->stop)) {
+        /* closed while the source was running: what it gave is not wanted */
+        Py_XDECREF(item);
+        PyErr_Clear();
+        return PL_SOURCE_STOPPED;
+    }
+    if (!item) {
+        if (!PyErr_Occurred())
+            return PL_SOURCE_END;
+        note_source_item(c->index);
+        return PL_SOURCE_ERROR;
+    }
+    pl_flat_begin(f); /* the last item's leaf buffers are reused */
+    int rc = c->structure_leaves ? walk_leaf_tuple(f, item, c->structure_leaves) : pl_flat_walk(f, item);
+    Py_DECREF(item);
+    if (rc < 0) {
+        /* the item's owners go now; their finalizers must not see (or clobber) the error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        pl_flat_clear(f);
+        PyErr_Restore(type, value, tb);
+        return PL_SOURCE_ERROR;
+    }
+    return PL_SOURCE_BATCH;
+}
+
+const pl_source_ops pl_py_source = {
+    .name = "a Python iterable",
+    .needs_gil = 1,
+    .open = NULL,
+    .next = py_next,
+    .close = NULL,
+};
+
 /* ---- rebuild ---- */
 
 /* Where build_at is, for an error naming a container it could not rebuild: the chain of
@@ -373,7 +482,7 @@ static int frame_path(const build_frame *up, char *buf, size_t n)
         if (fr->parent->kind == FN_NAMEDTUPLE) {
             /* the field's name, as the walk wrote it; the index where the type has none */
             PyObject *fields;
-            if (pl_fl_optional_attr(fr->parent->obj, "_fields", &fields) < 0) {
+            if (optional_attr(fr->parent->obj, "_fields", &fields) < 0) {
                 if (pl_fl_pending_is_base_only())
                     return -1;
                 PyErr_Clear();

@@ -47,7 +47,7 @@ typedef struct pl_tree {
 enum { PL_FLAT_MAX_NEST = 256 };
 
 typedef struct pl_path_step {
-    int kind;        /* see path_step_kind in flat_path.c */
+    int kind;        /* see path_step_kind in flatten_impl.h */
     PyObject *obj;   /* borrowed (Note [lazy paths]) */
     Py_ssize_t index;
     char *text;      /* the root's (borrowed), or a key's taken at once (PyMem_Raw, owned) */

@@ -1,5 +1,6 @@
 /* What AsyncPrefetcher's producer thread reads batches from: one interface (pl_source_ops), the
- * Python-iterable source (source.c) and the native sources that types of this module register.
+ * Python-iterable source (flatten.c) and the native sources that types of this module register
+ * (their table in state.c).
  *
  * Note [sources]
  * The producer (pf_producer.c) drives a source without knowing what is behind it. A source puts
@@ -10,8 +11,8 @@
  * copies the leaves and queues the batch, the same way for every source.
  *
  * Two kinds of source:
- * - pl_py_source (source.c), any Python iterable: next() on the iterator and the walk over the
- *   item (flatten.c), with the GIL held, once per batch. It holds nothing between batches: the
+ * - pl_py_source (flatten.c), any Python iterable: next() on the iterator and the walk over the
+ *   item, with the GIL held, once per batch. It holds nothing between batches: the
  *   iterator is the prefetcher's (the epoch's), lent for each call.
  * - a native source: a type of this module that registers its ops (pl_source_register) and
  *   makes its batches in C, without the GIL, from state it set up when the producer opened it

@@ -1,7 +1,10 @@
 /* The module state (the types and exceptions of one pinloader._C module), its lookup from a
  * module or a type, the exceptions raised for backend errors and for objects inherited across
- * fork(), and the resolution of a user's device argument to a backend. */
+ * fork(), the resolution of a user's device argument to a backend, and the table of native
+ * sources. */
 #include "state.h"
+
+#include "source.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -265,4 +268,26 @@ int pl_resolve_device(pl_state *st, PyObject *device, const pl_backend **b, int 
     *b = cb;
     *dev = index;
     return 0;
+}
+
+/* ---- the native sources' table (Note [sources] in source.h) ---- */
+
+int pl_source_register(pl_state *st, PyTypeObject *type, const pl_source_ops *ops)
+{
+    if (st->n_sources >= PL_MAX_SOURCE_TYPES) {
+        PyErr_SetString(PyExc_RuntimeError, "pinloader: too many native source types (PL_MAX_SOURCE_TYPES)");
+        return -1;
+    }
+    st->sources[st->n_sources].type = type;
+    st->sources[st->n_sources].ops = ops;
+    st->n_sources++;
+    return 0;
+}
+
+const pl_source_ops *pl_source_ops_of(pl_state *st, PyObject *obj)
+{
+    for (int i = 0; i < st->n_sources; i++)
+        if (Py_IS_TYPE(obj, st->sources[i].type))
+            return st->sources[i].ops;
+    return NULL;
 }
