@@ -209,6 +209,12 @@ class _EpochLoader(ABC):
         prepare_order(self._plan, epoch + 1, whole=it.resumed is None)
         return self
 
+    def __next__(self) -> Any:
+        """The next batch (a loader whose items carry more than the batch overrides this)."""
+        batch = self._take()
+        self._it.consumed += 1
+        return batch
+
     def _take(self) -> Any:
         """The running prefetcher's next item, the epoch's end and failures recorded."""
         self._check_open()
@@ -238,7 +244,7 @@ class _EpochLoader(ABC):
         self._check_open()
         if self._pf is None or self._pf_settings is None or not _same_settings(self._pf_settings, settings):
             self._begin(settings)
-        return next(self)  # type: ignore[call-overload]
+        return next(self)
 
     def _pinloader_prefetcher(self, device: Any, depth: int, **opts: Any) -> "_LoaderDoor":
         """Let a door iterate this loader (no second pipeline): the door's device, depth and

@@ -413,11 +413,6 @@ class ArrayLoader(_EpochLoader):
         self._pf_settings = settings
         return pf
 
-    def __next__(self) -> Any:
-        batch = self._take()
-        self._it.consumed += 1
-        return batch
-
     # ---- the rest ----
 
     @property
