@@ -14,10 +14,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from ._C import Registration, RowBatches, RowGather, _EpochTables, _OrderJob
-from ._mapped import _file_mapping, _MappedName, _open_mapped_files
+from ._mapped import file_mapping, MappedName, open_mapped_files
 
 
-class _Plan:
+class Plan:
     """What an epoch's generator needs; shared by the loader and the prefetcher's source (the
     source must not reference the loader, which holds the prefetcher)."""
 
@@ -33,7 +33,7 @@ class _Plan:
     native = True  # RowBatches where it can be (False: the generator; for tests)
     source_kind = ""  # the last epoch's: "native" (a RowBatches) or "generator"
     source_reason = ""  # why the generator, when it was
-    files: dict[str, Any] | None = None  # _open_mapped_files, made at the first native epoch
+    files: dict[str, Any] | None = None  # open_mapped_files, made at the first native epoch
     leaves: list[Any] = []
     regs: dict[str, Registration] = {}  # leaf path -> its registration for the device gather
     dtypes: dict[str, Any] = {}  # leaf path -> the source's dtype when the loader was made
@@ -54,7 +54,7 @@ class _Plan:
         self.tables = None
 
 
-def _order(plan: _Plan, epoch: int) -> np.ndarray:
+def epoch_order(plan: Plan, epoch: int) -> np.ndarray:
     """The rank's item order of an epoch: see the module documentation."""
     cache = plan.cache
     if cache is not None and cache[0] == epoch:
@@ -69,8 +69,8 @@ def _order(plan: _Plan, epoch: int) -> np.ndarray:
     return order
 
 
-def _order_job(plan: _Plan, epoch: int, start: bool) -> _OrderJob:
-    """The job that makes the order _order caches, from the plan's settings only (Note [epoch
+def _order_job(plan: Plan, epoch: int, start: bool) -> _OrderJob:
+    """The job that makes the order epoch_order caches, from the plan's settings only (Note [epoch
     orders] in src/py/epoch_order.c): on a thread of its own when ``start``, else in its
     result()."""
     n, L = plan.num_items, plan.window
@@ -80,8 +80,8 @@ def _order_job(plan: _Plan, epoch: int, start: bool) -> _OrderJob:
                      window=L or 0, tables=plan.tables, start=start)
 
 
-def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
-    """The order _order caches, made here: the rank's items, read-only, and read in place by
+def _make_order(plan: Plan, epoch: int) -> np.ndarray:
+    """The order epoch_order caches, made here: the rank's items, read-only, and read in place by
     the batches' RowGathers (Note [epoch row tables] in src/py/epoch_table.c)."""
     order: np.ndarray = _order_job(plan, epoch, False).result()
     return order
@@ -96,7 +96,7 @@ def _make_order(plan: _Plan, epoch: int) -> np.ndarray:
 # small rows, longer than the batches themselves take. So as an epoch begins, the order of
 # the epoch that follows it by default (the next one; a set_epoch() to it, as
 # DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
-# own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and _order takes
+# own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and epoch_order takes
 # it from there: at once if it is done, else after waiting for the rest of it. Where the
 # beginning epoch's own order is to be drawn in place (the first epoch, or one after a
 # set_epoch() elsewhere; not a resumed epoch, whose order the resume draws), that job starts
@@ -124,14 +124,14 @@ _AHEAD_MAX = 2
 _AHEAD_EXTRA_BYTES = 512 << 20  # the most a job two epochs ahead holds (64 million items)
 
 
-def _job_bytes(plan: _Plan) -> int:
+def _job_bytes(plan: Plan) -> int:
     """What a job holds until its order is handed out: the order's block, and for a shard the
     whole permutation's block beside it (Note [epoch orders] in src/py/epoch_order.c)."""
     sharded = plan.world_size > 1 and plan.num_samples > 0
     return 8 * (plan.num_items + (plan.num_samples if sharded else 0))
 
 
-def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
+def _order_key(plan: Plan, epoch: int) -> tuple[Any, ...]:
     return (epoch, plan.num_items, plan.num_rows, plan.window, plan.shuffle, plan.seed,
             plan.world_size, plan.rank, plan.num_samples)
 
@@ -139,14 +139,14 @@ def _order_key(plan: _Plan, epoch: int) -> tuple[Any, ...]:
 class _AheadOrder:
     """An epoch's order being made on a thread of its own (Note [orders made ahead])."""
 
-    def __init__(self, plan: _Plan, epoch: int, whole: bool) -> None:
+    def __init__(self, plan: Plan, epoch: int, whole: bool) -> None:
         self.key = _order_key(plan, epoch)
         self.pid = os.getpid()
         self.whole = whole  # made as a whole epoch began: a wait for it says epochs are short
         self.job = _order_job(plan, epoch, True)
 
 
-def prepare_order(plan: _Plan, epoch: int, whole: bool = True, start: int | None = None) -> None:
+def prepare_order(plan: Plan, epoch: int, whole: bool = True, start: int | None = None) -> None:
     """Start making the orders of ``epoch`` and of the epochs after it up to the plan's depth
     (the first ``start`` of them only, when given), each on a thread of its own (Note [orders
     made ahead]); ``whole``: the epoch that began is a whole one (not the rest of a resumed
@@ -167,7 +167,7 @@ def prepare_order(plan: _Plan, epoch: int, whole: bool = True, start: int | None
             return
 
 
-def prepare_alongside(plan: _Plan, epoch: int) -> None:
+def prepare_alongside(plan: Plan, epoch: int) -> None:
     """As ``epoch - 1`` begins and before it takes its order: start ``epoch``'s job only when
     that order is to be drawn in place (no job of this process makes it, and it is not the
     cached one), so that both are made at once (Note [orders made ahead]). Otherwise nothing:
@@ -178,7 +178,7 @@ def prepare_alongside(plan: _Plan, epoch: int) -> None:
         prepare_order(plan, epoch, start=1)
 
 
-def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
+def _take_ahead(plan: Plan, epoch: int) -> np.ndarray | None:
     """The order of ``epoch`` made ahead for this plan, waiting for its thread if needed; None
     when there is none, or its table could not be handed out."""
     key = _order_key(plan, epoch)
@@ -202,17 +202,17 @@ def _take_ahead(plan: _Plan, epoch: int) -> np.ndarray | None:
     return order
 
 
-class _Epochs:
+class Epochs:
     """The re-iterable source given to the AsyncPrefetcher: each iter() is one epoch."""
 
-    def __init__(self, plan: _Plan) -> None:
+    def __init__(self, plan: Plan) -> None:
         self._plan = plan
 
     def __len__(self) -> int:
         return self._plan.n_batches
 
     def __iter__(self) -> Iterator[Any]:
-        return _epoch_batches(self._plan, self._plan.epoch)
+        return epoch_batches(self._plan, self._plan.epoch)
 
 
 def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
@@ -226,7 +226,7 @@ def _check_shape(path: str, src: Any, shape: tuple[int, ...]) -> None:
                          "ArrayLoader (resized or replaced while loading)")
 
 
-def _truncated(path: str, m: mmap.mmap | _MappedName, need: int, name: str) -> ValueError:
+def _truncated(path: str, m: mmap.mmap | MappedName, need: int, name: str) -> ValueError:
     try:
         now = f"{m.size()} bytes"
     except (OSError, ValueError) as e:
@@ -236,7 +236,7 @@ def _truncated(path: str, m: mmap.mmap | _MappedName, need: int, name: str) -> V
                       "rewritten or cut short under the ArrayLoader)")
 
 
-def _row_gather(plan: _Plan, path: str, src: Any, shape: tuple[int, ...], rows: Any,
+def _row_gather(plan: Plan, path: str, src: Any, shape: tuple[int, ...], rows: Any,
                 ahead: Any = None) -> RowGather:
     """A RowGather of ``rows`` of ``src`` (with ``ahead`` read ahead), with the leaf's
     registration: its own view of the source, checked against the shape and dtype the loader
@@ -254,7 +254,7 @@ def _row_gather(plan: _Plan, path: str, src: Any, shape: tuple[int, ...], rows: 
     return g
 
 
-def _epoch_batches(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
+def epoch_batches(plan: Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
     """The epoch's batches: a RowBatches (Note [native epochs] in src/py/row_batches.c), or the
     generator where a mapped file cannot be opened for its size check. A source found changed
     or cut short is the first batch's error, as the generator reports it, not iter()'s.
@@ -265,9 +265,9 @@ def _epoch_batches(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | No
         return _epoch_generator(plan, epoch, resumed)
     plan.source_kind, plan.source_reason = "native", ""
     try:
-        order, n_batches = resumed or (_order(plan, epoch), plan.n_batches)
+        order, n_batches = resumed or (epoch_order(plan, epoch), plan.n_batches)
         if plan.files is None:
-            plan.files = _open_mapped_files(plan.leaves)
+            plan.files = open_mapped_files(plan.leaves)
         leaves: list[tuple[str, RowGather, bool, Any, int, str | None]] = []
         for path, src, mapped, shape in plan.leaves:
             file, need, name = None, 0, None
@@ -296,22 +296,22 @@ def _raise_at_first_batch(e: Exception) -> Iterator[Any]:
     yield  # a generator
 
 
-def _epoch_generator(plan: _Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
+def _epoch_generator(plan: Plan, epoch: int, resumed: tuple[np.ndarray, int] | None = None) -> Iterator[Any]:
     # Note [truncated mappings]
     # Rows of a mapping past the end of its file fault with SIGBUS when a staging thread reads
     # them, which kills the process: another job may rewrite or cut the dataset at any time.
     # Before each batch is read, each file-mapped leaf's file size is checked against the end of
     # its mapping (one fstat), and a shorter file is an error naming the leaf and the file. A
-    # RowBatches checks it in C, on a descriptor that _open_mapped_files (pinloader/_mapped.py)
+    # RowBatches checks it in C, on a descriptor that open_mapped_files (pinloader/_mapped.py)
     # matched to the mapping (Note [native epochs] in src/py/row_batches.c); this generator, used
     # where no such descriptor can be had, checks it with mmap.size() before the batch's
     # RowGathers exist. A file cut while a batch is being staged, after its check, is not
     # caught: the check narrows the window to one batch.
-    order, n_batches = resumed or (_order(plan, epoch), plan.n_batches)
+    order, n_batches = resumed or (epoch_order(plan, epoch), plan.n_batches)
     bs = plan.batch_size
     any_mapped = any(mapped for _, _, mapped, _ in plan.leaves)
     files = [(path, *fm) for path, src, _, _ in plan.leaves
-             if (fm := _file_mapping(src)) is not None]
+             if (fm := file_mapping(src)) is not None]
     for b in range(n_batches):
         for path, m, need, name in files:
             try:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import _C, _resume
-from ._epoch_plan import _order, _Plan
+from ._epoch_plan import epoch_order, Plan
 from ._iter_state import IterState
 from . import _image_ops as ops
 
@@ -29,7 +29,7 @@ _MAX_DECODERS = 8  # PINLOADER_JPEG_DECODERS's bound (Note [decoder threads])
 _DEFAULT_DECODERS = 2  # its default (Note [decoder threads])
 
 
-def _decoders_wanted() -> int:
+def decoders_wanted() -> int:
     """GPU decoders per loader, each on its own thread: PINLOADER_JPEG_DECODERS, default
     _DEFAULT_DECODERS (Note [decoder threads])."""
     text = os.environ.get("PINLOADER_JPEG_DECODERS", "").strip()
@@ -63,7 +63,7 @@ class _Tag:
         self.batch = batch
 
 
-class _Runner:
+class Runner:
     """What the epochs' generators need, without a reference to the loader (the loader holds
     the prefetcher, which holds the source)."""
 
@@ -327,16 +327,16 @@ class _Runner:
 
     # Note [decoder threads]
     # Most of a batch's time on one GPU decoder is the host side of nvJPEG's batched calls, on the
-    # one thread that drives it. With PINLOADER_JPEG_DECODERS=K (default 2: on an H200 with
-    # ImageNet-like images two decoders were faster than one, three no faster than two, at more
-    # CPU; benchmarks/results/h200_2026-12-05), batch b is decoded by decoder b % K on one of K
+    # one thread that drives it. With PINLOADER_JPEG_DECODERS=K (default 2: two decoders keep the
+    # engines fed while each thread waits in its host calls; a third adds CPU, not images: see
+    # benchmarks/results/design_measurements.md), batch b is decoded by decoder b % K on one of K
     # threads, up to K batches at a time, each decoder with its own stream, workspace and lock; the
     # batches are handed on in order, and a batch's error reaches the epoch when its turn comes.
     # The reads stay on one thread, one batch ahead of the last decode begun. The crops depend on
     # (seed, epoch, sample) only, so the batches are the same whatever K is.
     def _gpu_epoch(self, epoch: int, order: np.ndarray, n_batches: int) -> Iterator[Any]:
         bs = self.cfg["batch_size"]
-        decs = self.decoders(_decoders_wanted())
+        decs = self.decoders(decoders_wanted())
         k = len(decs)
 
         def idx_of(b: int) -> np.ndarray:
@@ -523,7 +523,7 @@ class _Runner:
         self.src.close()
 
 
-def _decoder_info(decoders: list[Any]) -> dict[str, Any]:
+def decoder_info(decoders: list[Any]) -> dict[str, Any]:
     """The decoders' info() as one: the counts summed over them (Note [decoder threads]), the
     device and its engines as the first says, and ``decoders``, how many."""
     out = dict(decoders[0].info())
@@ -555,11 +555,11 @@ def _rows(raw: dict[int, np.ndarray], rows: np.ndarray) -> dict[int, np.ndarray]
     return {j: raw[int(k)] for j, k in enumerate(rows) if int(k) in raw}
 
 
-class _ImageEpochs(_resume.ResumableEpochs):
+class ImageEpochs(_resume.ResumableEpochs):
     """The prefetcher's source: each iter() is the plan's epoch, or the resumed part of it once a
     state was loaded (``resume``, set by pinloader/_resume.py)."""
 
-    def __init__(self, runner: _Runner, plan: _Plan, it: IterState) -> None:
+    def __init__(self, runner: Runner, plan: Plan, it: IterState) -> None:
         super().__init__(None, plan, it)
         self._runner = runner
 
@@ -571,5 +571,5 @@ class _ImageEpochs(_resume.ResumableEpochs):
         if r is not None and r[0] == plan.epoch:
             _, order, n_batches = r
         else:
-            order, n_batches = _order(plan, plan.epoch), plan.n_batches
+            order, n_batches = epoch_order(plan, plan.epoch), plan.n_batches
         return self._runner.epoch(plan.epoch, order, n_batches)

@@ -13,11 +13,11 @@ import numpy as np
 from . import _device, _resume
 from ._door import DEFAULT_DEPTH as _DOOR_DEFAULT_DEPTH
 from ._C import AsyncPrefetcher
-from ._epoch_plan import _Plan, prepare_alongside, prepare_order
+from ._epoch_plan import Plan, prepare_alongside, prepare_order
 from ._iter_state import IterState
 
 Settings = tuple[Any, int, dict[str, Any]]
-_L = TypeVar("_L", bound="_EpochLoader")
+_L = TypeVar("_L", bound="EpochLoader")
 
 
 # An epoch number must fit the int64 of a state and the uint64 the permutation is keyed by,
@@ -25,7 +25,7 @@ _L = TypeVar("_L", bound="_EpochLoader")
 _EPOCH_LIMIT = 1 << 63
 
 
-def _epoch_arg(who: str, epoch: Any) -> int:
+def epoch_arg(who: str, epoch: Any) -> int:
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
         raise TypeError(f"{who}: epoch must be an int, not {type(epoch).__name__}")
     if not 0 <= epoch < _EPOCH_LIMIT:
@@ -121,10 +121,10 @@ def _same_settings(a: tuple[Any, int, dict[str, Any]], b: tuple[Any, int, dict[s
 # Devices are compared as read by pinloader/_device.py (Note [device spellings]): "cpu" and
 # torch.device("cpu") agree, and a loader made with "cuda" runs a door's "cuda:N" on device N,
 # the device the door's arrays are made for.
-# _EpochLoader below is that logic, shared by both loaders.
+# EpochLoader below is that logic, shared by both loaders.
 
 
-class _EpochLoader(ABC):
+class EpochLoader(ABC):
     """A loader that is its own iterator over a prefetcher made per settings (its own or a
     door's). The subclass sets the attributes below and makes the prefetcher."""
 
@@ -133,7 +133,7 @@ class _EpochLoader(ABC):
     _pf: AsyncPrefetcher | None
     _pf_settings: Settings | None
     _it: IterState
-    _plan: _Plan
+    _plan: Plan
     _closed: bool
     _device: str | None  # canonical (Note [device spellings] in pinloader/_device.py)
     _depth: int | None

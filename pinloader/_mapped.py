@@ -1,8 +1,8 @@
 """The files under memory-mapped sources, for the ArrayLoader's checks of their size (Note
 [truncated mappings] in pinloader/_epoch_plan.py) and its read-ahead: which sources are mapped
-and how large their mappings are, the file each maps and the size it needs (_file_mapping, by
+and how large their mappings are, the file each maps and the size it needs (file_mapping, by
 the mmap a source holds or, where its owners hide it, by its address in /proc/self/maps), and
-read-only descriptors of those very files (_open_mapped_files), which a RowBatches checks with
+read-only descriptors of those very files (open_mapped_files), which a RowBatches checks with
 fstat() (Note [native epochs] in src/py/row_batches.c). Reads /proc/self/maps; knows nothing of
 epochs or loaders."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 
-def _base_chain(arr: Any) -> Iterator[Any]:
+def base_chain(arr: Any) -> Iterator[Any]:
     base = getattr(arr, "base", None)
     for _ in range(16):
         if base is None:
@@ -25,19 +25,19 @@ def _base_chain(arr: Any) -> Iterator[Any]:
         base = getattr(base, "base", None) if isinstance(base, np.ndarray) else None
 
 
-def _is_mapped(src: Any) -> bool:
+def is_mapped(src: Any) -> bool:
     """True for np.memmap / np.load(mmap_mode=...) arrays and mmap objects."""
     if isinstance(src, (mmap.mmap, np.memmap)):
         return True
-    return isinstance(src, np.ndarray) and any(isinstance(b, mmap.mmap) for b in _base_chain(src))
+    return isinstance(src, np.ndarray) and any(isinstance(b, mmap.mmap) for b in base_chain(src))
 
 
-def _mapping_bytes(src: Any) -> int:
+def mapping_bytes(src: Any) -> int:
     """Size of the memory mapping under ``src`` (0 when it is not memory-mapped)."""
     if isinstance(src, mmap.mmap):
         return len(src)
     if isinstance(src, np.ndarray):
-        for b in _base_chain(src):
+        for b in base_chain(src):
             if isinstance(b, mmap.mmap):
                 try:
                     return len(b)
@@ -101,17 +101,17 @@ def _maps_lines(addrs: list[int]) -> dict[int, list[str]]:
     return out
 
 
-def _open_mapped_files(leaves: Iterable[tuple[str, Any, Any, Any]]
-                       ) -> dict[str, tuple[_MappedFile | None, mmap.mmap | _MappedName, int, str]]:
+def open_mapped_files(leaves: Iterable[tuple[str, Any, Any, Any]]
+                       ) -> dict[str, tuple[_MappedFile | None, mmap.mmap | MappedName, int, str]]:
     """Per file-mapped leaf (by path) of ``leaves`` (a plan's ``(path, source, mapped, shape)``):
     a _MappedFile of the very file it maps (_open_matching: a name now naming another file, a
     FIFO or nothing at all gives None), and the mapping, the file size it needs and the file's
-    name (_file_mapping). Opened once per loader, one descriptor per file."""
-    found: dict[str, tuple[tuple[mmap.mmap | _MappedName, int, str], int | None]] = {}
+    name (file_mapping). Opened once per loader, one descriptor per file."""
+    found: dict[str, tuple[tuple[mmap.mmap | MappedName, int, str], int | None]] = {}
     for path, src, _, _ in leaves:
-        fm = _file_mapping(src)
+        fm = file_mapping(src)
         if fm is not None:
-            if isinstance(fm[0], _MappedName):
+            if isinstance(fm[0], MappedName):
                 found[path] = (fm, fm[0].addr)
                 continue
             try:
@@ -209,10 +209,10 @@ def _owners(src: Any) -> Iterator[Any]:
             return
 
 
-class _MappedName:
+class MappedName:
     """A file mapped under a source that hides its mmap (a torch tensor made by
     ``torch.from_numpy`` over a memmap, ``torch.from_file``), found by address in
-    /proc/self/maps: what _file_mapping gives in place of the mmap. ``size()`` stats the file by
+    /proc/self/maps: what file_mapping gives in place of the mmap. ``size()`` stats the file by
     name, for the generator's check; ``addr`` is the source's first byte."""
 
     __slots__ = ("name", "addr")
@@ -238,7 +238,7 @@ def _byte_bounds(src: Any) -> tuple[int, int] | None:
     return (int(lo), int(hi)) if hi > lo else None
 
 
-def _mapped_by_address(src: Any) -> tuple[_MappedName, int, str] | None:
+def _mapped_by_address(src: Any) -> tuple[MappedName, int, str] | None:
     """The file mapping under a source whose owners hide it: the mapping /proc/self/maps gives
     for its bytes (one mapping of a named file that still exists), the file size its last byte
     needs, and the file's name."""
@@ -259,10 +259,10 @@ def _mapped_by_address(src: Any) -> tuple[_MappedName, int, str] | None:
         return None
     if not inode or not name.startswith("/") or name.endswith(" (deleted)"):
         return None  # anonymous memory, or a file no name reaches any more
-    return _MappedName(name, lo), need, name
+    return MappedName(name, lo), need, name
 
 
-def _file_mapping(src: Any) -> tuple[mmap.mmap | _MappedName, int, str] | None:
+def file_mapping(src: Any) -> tuple[mmap.mmap | MappedName, int, str] | None:
     """The file mapping under ``src``: (its mmap, the file size it needs, the file's name), or
     None when ``src`` maps no file (Note [truncated mappings] in pinloader/_epoch_plan.py). A source whose owners hide the
     mmap is found by address instead (_mapped_by_address)."""

@@ -185,7 +185,7 @@ def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
     """The rank's item order for what remains of ``epoch`` once the ranks together consumed its
     first ``position`` items: see Resuming in the module documentation of array_loader."""
     from ._C import _epoch_table
-    from ._epoch_plan import _order
+    from ._epoch_plan import epoch_order
     n, world, rank = plan.num_items, plan.world_size, plan.rank
     g = min(max(int(position), 0), n)
     rest = n - g
@@ -198,7 +198,7 @@ def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
         whole = copy.copy(plan)
         whole.cache = None
         whole.rank, whole.world_size, whole.num_samples, whole.drop_last = 0, 1, n, False
-        full = _order(whole, epoch)
+        full = epoch_order(whole, epoch)
         # continue the order cyclically from position g: the padding wraps to the epoch's start
         out = full[(g + np.arange(rank, length, world, dtype=np.int64)) % n]
     return _epoch_table(out)  # read-only, read in place (Note [epoch row tables] in src/py/epoch_table.c)
@@ -228,12 +228,12 @@ class ResumableEpochs:
         return len(self._inner)
 
     def __iter__(self) -> Iterator[Any]:
-        from ._epoch_plan import _epoch_batches
+        from ._epoch_plan import epoch_batches
         plan, r = self._plan, self.resume
         if r is None or r[0] != plan.epoch:
             return iter(self._inner)
         epoch, order, n_batches = r
-        return _epoch_batches(plan, epoch, (order, n_batches))
+        return epoch_batches(plan, epoch, (order, n_batches))
 
 
 def _pending_applies(it: IterState, epoch: int) -> bool:

@@ -63,12 +63,10 @@ import numpy as np
 
 from . import _C, _device, _resume
 from ._C import AsyncPrefetcher, Registration, RowGather, register_rows
-from ._epoch_plan import _Epochs, _Plan
-# _order and _epoch_batches are read from here by tests and benchmarks as well
-from ._epoch_plan import _epoch_batches, _order  # noqa: F401
+from ._epoch_plan import Epochs, Plan, epoch_order
 from ._iter_state import IterState
-from ._loader_base import _EpochLoader, _epoch_arg, int_arg, prefetch_opts_arg, rank_world
-from ._mapped import _base_chain, _is_mapped, _mapping_bytes
+from ._loader_base import EpochLoader, epoch_arg, int_arg, prefetch_opts_arg, rank_world
+from ._mapped import base_chain, is_mapped, mapping_bytes
 
 __all__ = ["ArrayLoader"]
 
@@ -99,8 +97,8 @@ def _wants_readahead(src: Any, readahead: bool | None) -> bool:
     microseconds each), which pays off only when the rows must come from storage: by default
     it is given for mappings larger than the memory available to the page cache."""
     if readahead is not None:
-        return bool(readahead) and _is_mapped(src)
-    size = _mapping_bytes(src)
+        return bool(readahead) and is_mapped(src)
+    size = mapping_bytes(src)
     avail = _mem_available()
     return size > 0 and avail is not None and size > avail
 
@@ -112,7 +110,7 @@ def _hold(src: Any) -> list[memoryview]:
     src/py/row_gather.c: torch refuses to resize its storage from then on)."""
     target = src
     if isinstance(src, np.ndarray):
-        target = next((b for b in _base_chain(src) if not isinstance(b, np.ndarray)), None)
+        target = next((b for b in base_chain(src) if not isinstance(b, np.ndarray)), None)
     if target is None or isinstance(target, np.ndarray):
         return []
     try:
@@ -131,7 +129,7 @@ def _int_arg(name: str, value: Any, lo: int) -> int:
 _LOADER_KEYWORDS = ("batch_size", "shuffle", "seed", "drop_last", "device", "depth", "rank",
                     "world_size", "windows", "readahead", "gather", "max_registered_bytes")
 
-class ArrayLoader(_EpochLoader):
+class ArrayLoader(EpochLoader):
     """Shuffled, sharded batches of rows of arrays, gathered into pinned memory and copied to a
     device by native threads: no worker processes, no collate, no Python per sample.
 
@@ -303,7 +301,7 @@ class ArrayLoader(_EpochLoader):
         n_batches = (self.num_samples // self.batch_size if self.drop_last
                      else -(-self.num_samples // self.batch_size))
 
-        plan = _Plan()
+        plan = Plan()
         plan.leaves = plan_leaves
         plan.dtypes = dtypes
         self._structure = arrays
@@ -316,7 +314,7 @@ class ArrayLoader(_EpochLoader):
         self._plan = plan
         # where the iteration is: epochs, batches handed out, a loaded state to resume at
         self._it = IterState()
-        self._source = _resume.ResumableEpochs(_Epochs(plan), plan, self._it)
+        self._source = _resume.ResumableEpochs(Epochs(plan), plan, self._it)
 
     # ---- the device gather ----
 
@@ -370,16 +368,16 @@ class ArrayLoader(_EpochLoader):
         ``windows`` the first row of each window. Batch ``b`` of the epoch is items
         ``[b*batch_size, (b+1)*batch_size)`` of it, so a plain loop can reproduce the loader
         exactly."""
-        epoch = _epoch_arg("ArrayLoader", epoch)
+        epoch = epoch_arg("ArrayLoader", epoch)
         # a view whose base is the table's capsule, not the loader's cached array: nothing
         # handed out reaches the cache (ndarray.__setstate__ on the cached array would free
         # the table under it; see gather_epoch_view in src/py/epoch_table.c)
-        return _C._epoch_view(_order(self._plan, epoch))
+        return _C._epoch_view(epoch_order(self._plan, epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``); 0 <=
         epoch < 2**63."""
-        self._it.requested = _epoch_arg("ArrayLoader", epoch)
+        self._it.requested = epoch_arg("ArrayLoader", epoch)
 
     @property
     def epoch(self) -> int | None:
@@ -512,5 +510,5 @@ class ArrayLoader(_EpochLoader):
                 raise TypeError(f"ArrayLoader: {name} must be an int, not {type(v).__name__}")
         if position < 0:
             raise ValueError(f"ArrayLoader: position must be >= 0, got {position}")
-        epoch = _epoch_arg("ArrayLoader", epoch)
+        epoch = epoch_arg("ArrayLoader", epoch)
         return _resume.resumed_order(self._plan, epoch, int(position))

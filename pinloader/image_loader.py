@@ -42,12 +42,12 @@ import numpy as np
 
 from . import _C, _cudart, _device, _hardware_queues, _resume
 from ._C import AsyncPrefetcher
-from ._epoch_plan import _order, _Plan
-from ._image_epochs import ImageDecodeError, _decoder_info, _decoders_wanted, _ImageEpochs, _Runner
+from ._epoch_plan import epoch_order, Plan
+from ._image_epochs import ImageDecodeError, decoder_info, decoders_wanted, ImageEpochs, Runner
 from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
-from ._loader_base import _EpochLoader, _epoch_arg, int_arg, prefetch_opts_arg, rank_world
+from ._loader_base import EpochLoader, epoch_arg, int_arg, prefetch_opts_arg, rank_world
 
 __all__ = ["ImageLoader", "ImageDecodeError"]
 
@@ -93,7 +93,7 @@ def _range(name: str, v: Any, lo: float) -> tuple[float, float]:
     return a, b
 
 
-class ImageLoader(_EpochLoader):
+class ImageLoader(EpochLoader):
     """Shuffled, sharded batches of images from JPEG files, tar shards or a packed file,
     decoded on the GPU (nvJPEG) or on the host (Pillow), with torchvision's crops.
 
@@ -177,9 +177,9 @@ class ImageLoader(_EpochLoader):
                  **prefetch_opts: Any) -> None:
         self._pf: AsyncPrefetcher | None = None
         self._closed = False
-        self._runner: _Runner | None = None
+        self._runner: Runner | None = None
         self.batch_size = _int_arg("batch_size", batch_size, 1)
-        _decoders_wanted()  # a bad PINLOADER_JPEG_DECODERS is refused here, not at the first batch
+        decoders_wanted()  # a bad PINLOADER_JPEG_DECODERS is refused here, not at the first batch
         if self.batch_size > _MAX_BATCH:
             # the GPU decoder's call takes this many; one limit whichever decoder runs, so a
             # job made on a laptop does not fail on the GPU machine
@@ -267,7 +267,7 @@ class ImageLoader(_EpochLoader):
             self.num_samples = -(-self.num_items // self.world_size)
         n_batches = (self.num_samples // self.batch_size if self.drop_last
                      else -(-self.num_samples // self.batch_size))
-        plan = _Plan()
+        plan = Plan()
         # the resume machinery's record of the sources (pinloader/_resume.py fingerprint)
         plan.leaves = [(f"images[{src.kind}]", None, False, (self.num_items,))]
         plan.dtypes = {plan.leaves[0][0]: "encoded"}
@@ -282,10 +282,10 @@ class ImageLoader(_EpochLoader):
                    flip=self.train if flip is None else bool(flip), seed=self.seed,
                    dtype=dtype, channels_last=_LAYOUTS[layout], keys=keys,
                    norm=ops.norm_constants(mean, std, dtype), workers=workers, on_error=on_error)
-        self._runner = _Runner(src, cfg)
+        self._runner = Runner(src, cfg)
         # where the iteration is: epochs, batches handed out, a loaded state to resume at
         self._it = IterState()
-        self._source = _ImageEpochs(self._runner, plan, self._it)
+        self._source = ImageEpochs(self._runner, plan, self._it)
         self._decoder_kind = ""
         self._decoder_reason = ""
         self._decoder_key: tuple[str, bool] | None = None
@@ -295,7 +295,7 @@ class ImageLoader(_EpochLoader):
 
     def indices(self, epoch: int) -> np.ndarray:
         """This rank's sample order for ``epoch`` (as :meth:`pinloader.ArrayLoader.indices`)."""
-        return _order(self._plan, _epoch_arg("ImageLoader", epoch)).view()
+        return epoch_order(self._plan, epoch_arg("ImageLoader", epoch)).view()
 
     def indices_after(self, epoch: int, position: int) -> np.ndarray:
         """This rank's sample order for what is left of ``epoch`` once the ranks together were
@@ -305,7 +305,7 @@ class ImageLoader(_EpochLoader):
                 raise TypeError(f"ImageLoader: {name} must be an int, not {type(v).__name__}")
         if position < 0:
             raise ValueError(f"ImageLoader: position must be >= 0, got {position}")
-        return _resume.resumed_order(self._plan, _epoch_arg("ImageLoader", epoch), int(position))
+        return _resume.resumed_order(self._plan, epoch_arg("ImageLoader", epoch), int(position))
 
     def params(self, epoch: int, indices: Any) -> np.ndarray:
         """The resampling parameters (int32 (n, 9), Note [image parameters] in
@@ -314,7 +314,7 @@ class ImageLoader(_EpochLoader):
         idx = np.asarray(indices, np.int64).reshape(-1)
         runner = self._runner
         assert runner is not None
-        epoch = _epoch_arg("ImageLoader", epoch)
+        epoch = epoch_arg("ImageLoader", epoch)
 
         def size(i: int) -> np.ndarray:
             if not 0 <= i < self.num_items:  # (a negative index would name another sample)
@@ -332,7 +332,7 @@ class ImageLoader(_EpochLoader):
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``)."""
-        self._it.requested = _epoch_arg("ImageLoader", epoch)
+        self._it.requested = epoch_arg("ImageLoader", epoch)
 
     @property
     def epoch(self) -> int | None:
@@ -450,7 +450,7 @@ class ImageLoader(_EpochLoader):
                      host_decoded=c["host_decoded"], host_decoded_reasons=dict(c["host_decoded_reasons"]))
             if runner.decoder is not None:
                 try:
-                    s["gpu_decoder"] = _decoder_info([runner.decoder, *runner.extra_decoders])
+                    s["gpu_decoder"] = decoder_info([runner.decoder, *runner.extra_decoders])
                 except ValueError:
                     pass
         return s

@@ -67,7 +67,7 @@ class FakeJpegDecoder:
     """``_C.JpegDecoder`` on the host: ``decode()`` takes and checks the same arguments and
     returns ``(image, status)`` as the real one, each sample decoded by Pillow
     (``_image_ops.decode_rgb``) and resampled by ``_image_ops.resample``, then normalized, cast
-    and laid out as the host path does (``_Runner._store`` and ``_final``). The statuses are the
+    and laid out as the host path does (``Runner._store`` and ``_final``). The statuses are the
     ones jpeg_cuda.c gives, in its order: 1 no header (the project's header reader finds none),
     3 components other than 1 or 3, 5 no end-of-image marker near the end, 4 the box outside
     the image, 2 the data does not decode (Pillow refuses it). ``inject``: a test's

@@ -12,7 +12,7 @@ import pytest
 
 import pinloader
 from pinloader import _C
-from pinloader._epoch_plan import _epoch_batches
+from pinloader._epoch_plan import epoch_batches
 from helpers import collect, describe, ids, run_py
 
 DEVICE = "cpu"
@@ -72,7 +72,7 @@ def test_windows_native():
 def test_row_batches_read_from_python_give_the_same_row_gathers():
     d = source(100)
     L = pinloader.ArrayLoader(d, 30, device=DEVICE, seed=1)
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     assert isinstance(rb, _C.RowBatches) and not rb.adopted
     assert rb.__length_hint__() == 4
     batches = list(rb)
@@ -90,14 +90,14 @@ def test_row_batches_read_from_python_give_the_same_row_gathers():
 def test_an_epoch_has_one_reader():
     d = source(100)
     L = pinloader.ArrayLoader(d, 30, device=DEVICE, seed=1)
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     next(rb)
     # a prefetcher given an epoch already being read refuses it, as the batch's error
     pf = pinloader.AsyncPrefetcher(rb, device=DEVICE, structure=d)
     with pytest.raises(RuntimeError, match="already being read"):
         next(pf)
     pf.close()
-    fresh = _epoch_batches(L._plan, 0)
+    fresh = epoch_batches(L._plan, 0)
     with pinloader.AsyncPrefetcher(fresh, device=DEVICE, structure=d) as pf:
         assert len([b for b in pf]) == 4
     assert fresh.adopted
@@ -148,7 +148,7 @@ def cut_after_one_batch(tmp_path):
     mm[:] = np.arange(1000, dtype=np.int32)[:, None]
     mm.flush()
     L = pinloader.ArrayLoader({"x": mm}, 100, device=DEVICE, shuffle=False)
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     assert next(rb)[0].rows[0] == 0
     os.truncate(path, 100)
     return path, L, rb
@@ -173,7 +173,7 @@ def test_deleted_mapped_file_falls_back_to_the_generator(tmp_path):
     mm.flush()
     os.unlink(path)
     with pinloader.ArrayLoader({"x": mm}, 50, device=DEVICE, seed=4) as L:
-        assert not isinstance(_epoch_batches(L._plan, 0), _C.RowBatches)
+        assert not isinstance(epoch_batches(L._plan, 0), _C.RowBatches)
         got = np.concatenate([g["x"] for g in collect(L)])
         assert np.array_equal(got[:, 0], L.indices(0))
         st = L.stats()

@@ -188,7 +188,7 @@ def test_fork_while_a_decoder_thread_counts(data):
     assert L.stats()["decoder"] == "gpu" and L.stats()["gpu_decoder"]["decoders"] == 2
     held, done = threading.Event(), threading.Event()
 
-    def counting():  # as a decoder thread in _Runner.count() at the moment of fork
+    def counting():  # as a decoder thread in Runner.count() at the moment of fork
         with L._runner.lock:
             held.set()
             done.wait(60)

@@ -1,4 +1,4 @@
-"""ImageLoader's GPU path (pinloader/_image_epochs.py: _Runner._gpu_epoch, _gpu_batch, _raw,
+"""ImageLoader's GPU path (pinloader/_image_epochs.py: Runner._gpu_epoch, _gpu_batch, _raw,
 _decode) on the host backend, against FakeJpegDecoder: a stand-in for ``_C.JpegDecoder`` that
 keeps ``decode()``'s contract (src/py/jpeg_decoder.c: its arguments as the C code checks them,
 the per-sample statuses of src/core/jpeg_cuda.h, a failed sample's output zero, the shape,

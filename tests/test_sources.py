@@ -14,7 +14,7 @@ import pytest
 
 import pinloader
 from pinloader import _C
-from pinloader._epoch_plan import _epoch_batches
+from pinloader._epoch_plan import epoch_batches
 
 DEVICE = "cpu"
 
@@ -30,7 +30,7 @@ def loader(n=100, bs=30):
 
 def test_row_batches_without_a_structure_are_a_python_iterable():
     d, L = loader()
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     with pinloader.AsyncPrefetcher(rb, device=DEVICE) as pf:
         got = [tuple(host(x) for x in b) for b in pf]
         holds = pf.stats()["producer_gil_holds"]
@@ -45,7 +45,7 @@ def test_row_batches_without_a_structure_are_a_python_iterable():
 
 def test_row_batches_with_a_structure_are_read_natively():
     d, L = loader()
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     with pinloader.AsyncPrefetcher(rb, device=DEVICE, structure=d) as pf:
         got = [{k: host(v) for k, v in b.items()} for b in pf]
         holds = pf.stats()["producer_gil_holds"]
@@ -59,7 +59,7 @@ def test_row_batches_with_a_structure_are_read_natively():
 
 def test_a_native_source_with_other_leaves_than_the_structure_is_refused():
     d, L = loader()
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     pf = pinloader.AsyncPrefetcher(rb, device=DEVICE, structure={"x": d["x"], "i": d["i"], "y": d["i"]})
     with pytest.raises(TypeError, match="the source's batches have 2 leaves, the structure 3"):
         next(pf)
@@ -79,7 +79,7 @@ class Alternating:
         e = self.epoch
         self.epoch += 1
         if e % 2 == 0:
-            rb = _epoch_batches(self.L._plan, e)
+            rb = epoch_batches(self.L._plan, e)
             self.sources.append(rb)
             return rb
         order = self.L.indices(e)
@@ -135,7 +135,7 @@ def test_a_native_source_left_mid_epoch_is_released(end):
     # the producer holds the opened RowBatches (and its reader's state) between batches; closing
     # the prefetcher, or dropping it unclosed, mid-epoch releases it
     d, L = loader(1000, 10)
-    rb = _epoch_batches(L._plan, 0)
+    rb = epoch_batches(L._plan, 0)
     pf = pinloader.AsyncPrefetcher(rb, device=DEVICE, structure=d, depth=2)
     first = next(pf)
     assert rb.adopted and np.array_equal(host(first["i"]), L.indices(0)[:10])
