@@ -367,9 +367,12 @@ def test_a_forked_child_draws_the_order_itself_while_the_parents_job_runs(tmp_pa
     (ahead,) = L._plan.ahead
     job = ahead.job
     assert job.threaded and not job.done
-    deadline = time.monotonic() + 60        # fork once its thread waits at the switch, not while
-    while _testing.order_jobs_parked() < 1: # it starts (a lock of the C library or a sanitizer's
-        assert time.monotonic() < deadline  # allocator it holds then stays held in the child)
+    # Fork once the job's thread waits at the switch and the producer waits for room (its queue
+    # full: depth 3), not while either may be inside an allocation: a lock of the C library's or
+    # a sanitizer's allocator held then stays held in the child.
+    deadline = time.monotonic() + 60
+    while _testing.order_jobs_parked() < 1 or L.stats()["queued"] < 3:
+        assert time.monotonic() < deadline
         time.sleep(0.001)
     out = sys.argv[1]
     pid = os.fork()
