@@ -12,7 +12,10 @@ a small library of its own, preloaded, counts every function entered (its
 ``__cyg_profile_func_enter``). Each walk runs 100 and then 200 batches after a warm-up, in fresh
 processes; a function entered at least 90 more times in the second run is entered once a batch
 or more, and ``addr2line`` names its file. Python files are counted the same way with
-``sys.setprofile`` on every thread. Needs a C compiler and binutils; no GPU.
+``sys.setprofile`` on the consumer's thread (the producer thread runs no package Python in these
+two walks: the DataLoader's own code, or none). The walks are the library's as shipped:
+PINLOADER_DEBUG and PINLOADER_SANITIZE are left out of the build's and the runs' environment.
+Needs a C compiler and binutils; no GPU.
 """
 import argparse
 import collections
@@ -79,7 +82,7 @@ __attribute__((no_instrument_function, destructor)) static void dump(void)
 """
 
 DRIVER = r"""
-import collections, os, sys, threading
+import collections, os, sys
 kind, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 import numpy as np
 import pinloader
@@ -98,11 +101,9 @@ else:
 for _ in range(5):
     next(it)
 sys.setprofile(prof)
-threading.setprofile(prof)
 for _ in range(n):
     next(it)
 sys.setprofile(None)
-threading.setprofile(None)
 with open(out, "w") as f:
     for name, c in files.items():
         f.write(f"{name} {c}\n")
@@ -116,13 +117,22 @@ def run(cmd, **kw):
     return r.stdout
 
 
+def clean_env(**extra):
+    """This environment without what would change the walk or the build (debug mode, a
+    sanitizer build, a preloaded runtime), with extra set."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PINLOADER_DEBUG", "PINLOADER_SANITIZE", "LD_PRELOAD")}
+    env.update(extra)
+    return env
+
+
 def build(work):
     for name in ("src", "pinloader"):
         shutil.copytree(os.path.join(ROOT, name), os.path.join(work, name),
                         ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(os.path.join(ROOT, name), work)
-    env = dict(os.environ, CFLAGS="-finstrument-functions -g -O1")
+    env = clean_env(CFLAGS="-finstrument-functions -g -O1")
     run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=work, env=env)
     with open(os.path.join(work, "shim.c"), "w") as f:
         f.write(SHIM)
@@ -134,8 +144,7 @@ def build(work):
 
 def counts(work, kind, n):
     out_c, out_py = os.path.join(work, f"{kind}{n}.c.txt"), os.path.join(work, f"{kind}{n}.py.txt")
-    env = dict(os.environ, PL_WALK_OUT=out_c, LD_PRELOAD=os.path.join(work, "shim.so"),
-               PYTHONPATH=work)
+    env = clean_env(PL_WALK_OUT=out_c, LD_PRELOAD=os.path.join(work, "shim.so"), PYTHONPATH=work)
     run([sys.executable, os.path.join(work, "driver.py"), kind, str(n), out_py], cwd=work, env=env)
     c = {}
     lib = None
@@ -157,8 +166,8 @@ def walk(work, kind, as_json=False):
     files = collections.defaultdict(set)
     for fn, loc in zip(lines[0::2], lines[1::2]):
         path = loc.split(":")[0]
-        if f"{os.sep}src{os.sep}" in path:
-            files[path.split(f"{os.sep}src{os.sep}", 1)[1]].add(fn)
+        if f"{os.sep}src{os.sep}" in path:  # the tree's src/ (the last: the scratch folder may hold one)
+            files[path.rsplit(f"{os.sep}src{os.sep}", 1)[1]].add(fn)
     pyfiles = sorted(name for name, k in py2.items() if k - py1.get(name, 0) >= 90)
     cfiles = sorted(f for f in files if f.endswith(".c"))
     headers = sorted(f for f in files if not f.endswith(".c"))
