@@ -87,18 +87,14 @@ size_t pl_memlock_limit(void)
 }
 
 _Atomic int pl_debug_state = -1;
-static pthread_once_t debug_once = PTHREAD_ONCE_INIT;
 
-static void read_debug_env(void)
-{
-    const char *v = getenv("PINLOADER_DEBUG");
-    atomic_store_explicit(&pl_debug_state, v && *v && strcmp(v, "0") != 0, memory_order_release);
-}
-
+/* Threads that come here at once all read the same variable and store the same answer. */
 int pl_debug_read(void)
 {
-    pthread_once(&debug_once, read_debug_env);
-    return atomic_load_explicit(&pl_debug_state, memory_order_acquire);
+    const char *v = getenv("PINLOADER_DEBUG");
+    int on = v && *v && strcmp(v, "0") != 0;
+    atomic_store_explicit(&pl_debug_state, on, memory_order_relaxed);
+    return on;
 }
 
 /* ---- prefaulting allocation ---- */

@@ -110,7 +110,7 @@ extern _Atomic int pl_debug_state;
 int pl_debug_read(void);
 static inline int pl_debug_enabled(void)
 {
-    int on = atomic_load_explicit(&pl_debug_state, memory_order_acquire);
+    int on = atomic_load_explicit(&pl_debug_state, memory_order_relaxed);
     return on >= 0 ? on : pl_debug_read();
 }
 

@@ -1,9 +1,10 @@
 /* Flatten's private header: the nodes of a walked item and the functions its files share.
- * flatten.c holds the walk (Note [one leaf classifier]) and the rebuild; flat_leaves.c the leaf
- * readers (NumPy arrays, RowGathers, DLPack exporters, buffer-protocol objects) and the
- * nodes, leaves and owners they add; flat_path.c the error helpers and the leaf paths' text
- * (Note [lazy paths] in flatten.h), their steps recorded by the inline functions below. The public header is flatten.h. GIL held throughout, except
- * where a function says otherwise. */
+ * flatten.c holds the walk (Note [one leaf classifier]), the Python-iterable source and the
+ * rebuild; flat_leaves.c the leaf readers (NumPy arrays, RowGathers, DLPack exporters,
+ * buffer-protocol objects) and the nodes, leaves and owners they add; flat_path.c the error
+ * helpers and the leaf paths' text (Note [lazy paths] in flatten.h), their steps recorded by the
+ * inline functions below. The public header is flatten.h. GIL held throughout, except where a
+ * function says otherwise. */
 #ifndef PL_FLATTEN_IMPL_H
 #define PL_FLATTEN_IMPL_H
 
@@ -27,6 +28,7 @@ struct pl_flat_node {
     Py_ssize_t n;   /* children, which follow in preorder */
     int leaf;
 };
+
 /* ---- the path's steps (Note [lazy paths] in flatten.h) ----
  * Recorded inline: the walk pushes and pops one for every container entry it visits. */
 
