@@ -46,6 +46,17 @@ def decoders_wanted() -> int:
     return k
 
 
+def decoder_options() -> dict[str, Any]:
+    """What the GPU decoders are made with, from the environment (read where the loader is made,
+    so that a bad value is refused there, and again when an epoch makes its decoders):
+    PINLOADER_JPEG_INTERPOLATE, unset, empty or "1" (on) or "0" (Note [interpolated chroma] in
+    src/core/nvjpeg_load.c)."""
+    interp = os.environ.get("PINLOADER_JPEG_INTERPOLATE", "")
+    if interp not in ("", "0", "1"):
+        raise ValueError(f'PINLOADER_JPEG_INTERPOLATE must be "0" or "1", got {interp[:40]!r}')
+    return {"interpolate": interp != "0"}
+
+
 class ImageDecodeError(ValueError):
     """A sample that cannot be read or decoded (``on_error="raise"``): names the sample index
     and its file or shard member."""

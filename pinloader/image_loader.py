@@ -43,7 +43,7 @@ import numpy as np
 from . import _C, _cudart, _device, _hardware_queues, _resume
 from ._C import AsyncPrefetcher
 from ._epoch_plan import epoch_order, Plan
-from ._image_epochs import ImageDecodeError, decoder_info, decoders_wanted, ImageEpochs, Runner
+from ._image_epochs import ImageDecodeError, decoder_info, decoder_options, decoders_wanted, ImageEpochs, Runner
 from ._iter_state import IterState
 from . import _image_ops as ops
 from ._image_sources import make_source
@@ -180,6 +180,7 @@ class ImageLoader(EpochLoader):
         self._runner: Runner | None = None
         self.batch_size = _int_arg("batch_size", batch_size, 1)
         decoders_wanted()  # a bad PINLOADER_JPEG_DECODERS is refused here, not at the first batch
+        decoder_options()  # and a bad PINLOADER_JPEG_INTERPOLATE
         if self.batch_size > _MAX_BATCH:
             # the GPU decoder's call takes this many; one limit whichever decoder runs, so a
             # job made on a laptop does not fail on the GPU machine
@@ -361,9 +362,11 @@ class ImageLoader(EpochLoader):
         elif device == "cpu":  # canonical (Note [device spellings] in pinloader/_device.py)
             why = f"device={device!r}"
         if not why:
+            opts = decoder_options()
             try:
-                runner.decoder = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates())
-                runner.decoder_factory = lambda: _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates())
+                runner.decoder = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates(), **opts)
+                runner.decoder_factory = lambda: _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates(),
+                                                                **opts)
             except (RuntimeError, ValueError, OSError, _C.CudaError) as e:
                 why = f"the GPU decoder is not available ({e})"
         if why and self.decoder == "gpu":

@@ -55,7 +55,7 @@ def _triple(o, name):
 
 
 def has_end_marker(data: bytes) -> bool:
-    """jpeg_cuda.c's has_end_marker (Note [truncated JPEGs]): FF D9 in the last END_WINDOW bytes."""
+    """jpeg_header.c's pl_jpeg_has_end_marker (Note [truncated JPEGs]): FF D9 in the last END_WINDOW bytes."""
     return data.rfind(b"\xff\xd9", max(0, len(data) - END_WINDOW)) >= 0
 
 
@@ -77,13 +77,14 @@ class FakeJpegDecoder:
     made: list = []       # every decoder made (the fixture gives each test its own list)
     inject = None         # staticmethod(f(bytes, call number) -> status), or None
 
-    def __init__(self, device, libraries=()):
+    def __init__(self, device, libraries=(), interpolate=True):
         if device == "cpu":  # what pl_resolve_device finds for the host backend
             raise ValueError(f"JpegDecoder decodes on a CUDA device; {device!r} is the host backend")
         for k, lib in enumerate(list(libraries or ())):
             if not isinstance(lib, str):
                 raise TypeError(f"libraries[{k}] must be a str, not {type(lib).__name__}")
         self.device = device
+        self.options = {"interpolate": interpolate}  # as ImageLoader made it
         self.closed = False
         self.calls: list[dict] = []
         self.capture_local: set = set()

@@ -85,10 +85,10 @@ def test_close_mid_epoch_with_decoder_threads(gpu, data, monkeypatch):
 def test_a_decoder_that_cannot_be_made_leaves_the_others(gpu, data, monkeypatch):
     monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "3")
 
-    def two_at_most(device, libraries=()):
+    def two_at_most(device, libraries=(), **options):
         if len(FakeJpegDecoder.made) >= 2:
             raise RuntimeError("JpegDecoder: out of device memory for a workspace")
-        return FakeJpegDecoder(device, libraries=libraries)
+        return FakeJpegDecoder(device, libraries=libraries, **options)
 
     monkeypatch.setattr(_C, "JpegDecoder", two_at_most)
     want, _ = host_run(data["packed"], 4, size=8, seed=1)
@@ -122,11 +122,11 @@ def test_close_while_an_epoch_makes_its_decoders(gpu, data, monkeypatch, capfd):
     gpu.made.clear()
     entered, release = threading.Event(), threading.Event()
 
-    def slow(device, libraries=()):
+    def slow(device, libraries=(), **options):
         if len(FakeJpegDecoder.made) >= 1:  # the extra decoders, made on the producer thread
             entered.set()
             release.wait(20)
-        return FakeJpegDecoder(device, libraries=libraries)
+        return FakeJpegDecoder(device, libraries=libraries, **options)
 
     monkeypatch.setattr(_C, "JpegDecoder", slow)
     loader = ImageLoader(data["packed"], 2, size=8)
@@ -219,3 +219,30 @@ def test_fork_while_a_decoder_thread_counts(data):
     """)
     p = run_py(code, timeout=120, argv=[data["packed"]])
     assert p.returncode == 0 and "OK" in p.stdout, describe(p)
+
+
+def test_the_interpolate_switch_is_read_as_the_decoder_takes_it(data, monkeypatch):
+    from pinloader._image_epochs import decoder_options
+    for text, want in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv("PINLOADER_JPEG_INTERPOLATE", text)
+        assert decoder_options() == {"interpolate": want}
+    monkeypatch.delenv("PINLOADER_JPEG_INTERPOLATE")
+    assert decoder_options() == {"interpolate": True}
+
+
+@pytest.mark.parametrize("text", ["2", "on", "off", "true", " 0", "00"])
+def test_a_bad_interpolate_switch_is_refused_where_the_loader_is_made(data, monkeypatch, text):
+    monkeypatch.setenv("PINLOADER_JPEG_INTERPOLATE", text)
+    with pytest.raises(ValueError, match='PINLOADER_JPEG_INTERPOLATE must be "0" or "1"'):
+        ImageLoader(data["packed"], 4, size=8, device="cpu")
+
+
+def test_every_decoder_is_made_with_the_options_of_the_environment(gpu, data, monkeypatch):
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "3")
+    monkeypatch.setenv("PINLOADER_JPEG_INTERPOLATE", "0")
+    gpu.made.clear()
+    with ImageLoader(data["packed"], 4, size=8) as loader:
+        for _ in loader:
+            pass
+    assert len(gpu.made) == 3
+    assert [d.options for d in gpu.made] == [{"interpolate": False}] * 3

@@ -87,7 +87,7 @@ def test_the_decoder_is_chosen_and_kept(gpu, data):
         s = loader.stats()
         assert s["decoder"] == "host" and "static" in s["decoder_reason"]
     # a decoder that cannot be made: the host decoder, with the reason; "gpu" refuses
-    def broken(device, libraries=()):
+    def broken(device, libraries=(), **options):
         raise RuntimeError("JpegDecoder: nvJPEG was not found")
     gpu.made.clear()
     _C.JpegDecoder = broken  # restored by the fixture's monkeypatch

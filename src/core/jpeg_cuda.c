@@ -60,6 +60,7 @@
 #include "jpeg_cuda.h"
 
 #include "image_rows.h"
+#include "jpeg_header.h"
 #include "nvjpeg_api.h"
 #include "util.h"
 
@@ -104,6 +105,7 @@ struct pl_jpeg {
     pl_stream *stream;
     pl_nvjpegHandle_t hw, gen; /* hw: NULL where the GPU has no JPEG engines */
     pl_nvjpegJpegState_t hw_state, gen_state;
+    int interp; /* Note [interpolated chroma] in nvjpeg_load.c: asked for */
     pl_nvjpegJpegStream_t js;
     unsigned engines, cores;
     unsigned char *ws; /* device workspace */
@@ -172,14 +174,8 @@ void pl_jpeg_destroy(pl_jpeg *j)
     free(j->params);
     if (j->js)
         pl_nj.nvjpegJpegStreamDestroy(j->js);
-    if (j->hw_state)
-        pl_nj.nvjpegJpegStateDestroy(j->hw_state);
-    if (j->gen_state)
-        pl_nj.nvjpegJpegStateDestroy(j->gen_state);
-    if (j->hw)
-        pl_nj.nvjpegDestroy(j->hw);
-    if (j->gen)
-        pl_nj.nvjpegDestroy(j->gen);
+    pl_nvjpeg_destroy_decoder(j->hw, j->hw_state);
+    pl_nvjpeg_destroy_decoder(j->gen, j->gen_state);
     if (j->stream)
         b->stream_destroy(j->stream);
     pl_device_pop(b, j->device, prev);
@@ -189,7 +185,7 @@ void pl_jpeg_destroy(pl_jpeg *j)
 }
 
 int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int nlibs,
-                   pl_jpeg **out, char *why_buf, size_t why_len, const char **why)
+                   int interpolate, pl_jpeg **out, char *why_buf, size_t why_len, const char **why)
 {
     *out = NULL;
     if (b->kind != PL_BACKEND_CUDA) {
@@ -213,6 +209,7 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     const char *env = getenv("PINLOADER_JPEG_REGION");
     j->region = env && strcmp(env, "1") == 0;
+    j->interp = interpolate != 0;
     int prev = -1;
     if ((rc = pl_device_push(b, device, &prev)) != PL_OK) {
         free(j);
@@ -237,24 +234,15 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
      * elsewhere its creation fails and the CUDA decoder takes every image. Made without its
      * pipeline: Note [the engines' call beside training]. */
     const unsigned hw_flags = atomic_load(&pipelined) ? 0u : PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE;
-    if (pl_nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_HARDWARE, NULL, NULL, hw_flags, &j->hw) == pl_NVJPEG_STATUS_SUCCESS) {
-        if (pl_nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
-            j->engines = j->cores = 0;
-        if ((s = pl_nj.nvjpegJpegStateCreate(j->hw, &j->hw_state)) != pl_NVJPEG_STATUS_SUCCESS) {
-            pl_nj.nvjpegDestroy(j->hw);
-            j->hw = NULL;
-            j->engines = j->cores = 0;
-        }
-    } else {
-        j->hw = NULL;
-    }
-    if ((s = pl_nj.nvjpegCreateEx(pl_NVJPEG_BACKEND_DEFAULT, NULL, NULL, 0, &j->gen)) != pl_NVJPEG_STATUS_SUCCESS) {
-        j->gen = NULL;
-        rc = nj_fail(s, "nvjpegCreateEx", why);
-        goto error;
-    }
-    if ((s = pl_nj.nvjpegJpegStateCreate(j->gen, &j->gen_state)) != pl_NVJPEG_STATUS_SUCCESS) {
-        rc = nj_fail(s, "nvjpegJpegStateCreate", why);
+    int hw_interp, gen_interp;
+    const char *what;
+    if (pl_nvjpeg_make_decoder(pl_NVJPEG_BACKEND_HARDWARE, hw_flags, j->interp, &j->hw, &j->hw_state, &hw_interp,
+                               &what) == pl_NVJPEG_STATUS_SUCCESS &&
+        pl_nj.nvjpegGetHardwareDecoderInfo(j->hw, &j->engines, &j->cores) != pl_NVJPEG_STATUS_SUCCESS)
+        j->engines = j->cores = 0;
+    if ((s = pl_nvjpeg_make_decoder(pl_NVJPEG_BACKEND_DEFAULT, 0u, j->interp, &j->gen, &j->gen_state, &gen_interp,
+                                    &what)) != pl_NVJPEG_STATUS_SUCCESS) {
+        rc = nj_fail(s, what, why);
         goto error;
     }
     if ((s = pl_nj.nvjpegJpegStreamCreate(j->hw ? j->hw : j->gen, &j->js)) != pl_NVJPEG_STATUS_SUCCESS) {
@@ -263,6 +251,7 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     }
     j->counts.engines = j->engines;
     j->counts.cores_per_engine = j->cores;
+    j->counts.chroma_interpolated = j->hw ? hw_interp : gen_interp;
     j->shown = j->counts;
     pl_device_pop(b, device, prev);
     *out = j;
@@ -305,26 +294,6 @@ static void publish_counts(pl_jpeg *j)
     pthread_mutex_unlock(&j->shown_mu);
 }
 
-/* Note [truncated JPEGs]
- * nvJPEG's decoders accept a file cut short and fill the missing blocks, so a truncated file
- * would train as a grey-bottomed image without a word. A complete JPEG ends with the EOI marker
- * (FF D9), and the entropy-coded data can never hold FF D9 (a data byte FF is always followed
- * by 00 or a restart marker D0-D7), so a file whose last bytes hold no FF D9 was cut inside its
- * data, or has something appended after the image (some cameras append a preview or a video).
- * The GPU cannot tell which; such a sample gets PL_JPEG_NO_END and the caller decodes it on the
- * host, whose decoder reports a truncation as an error and ignores appended data. The search
- * covers the last END_WINDOW bytes, which also allows for padding after EOI. */
-enum { END_WINDOW = 4096 };
-
-static int has_end_marker(const unsigned char *p, size_t n)
-{
-    size_t lo = n > END_WINDOW ? n - END_WINDOW : 0;
-    for (size_t i = n; i >= lo + 2; i--)
-        if (p[i - 2] == 0xFF && p[i - 1] == 0xD9)
-            return 1;
-    return 0;
-}
-
 static size_t align256(size_t n)
 {
     return (n + 255) & ~(size_t)255;
@@ -332,6 +301,7 @@ static size_t align256(size_t n)
 
 typedef struct sample {
     int kind; /* 0 failed, 1 hardware, 2 CUDA decoder, 3 raw */
+    int tried; /* decode_one_cuda has decoded it, or tried to */
     int h, w; /* the image's */
     int ry, rx, rh, rw; /* the region decoded (the whole image unless Note [region decode]) */
     size_t img_off, tmp_off, coef_off;
@@ -516,6 +486,7 @@ static void decode_one_cuda(pl_jpeg *j, const pl_jpeg_item *it, sample *sm, int3
     whole_image(sm);
     dst.channel[0] = j->ws + sm->img_off;
     dst.pitch[0] = (size_t)sm->w * 3;
+    sm->tried = 1;
     pl_nvjpegStatus_t s = pl_nj.nvjpegDecode(j->gen, j->gen_state, it->data, it->len, pl_NVJPEG_OUTPUT_RGBI,
                                           &dst, (pl_nvjpeg_cudaStream_t)j->stream);
     if (s == pl_NVJPEG_STATUS_SUCCESS) {
@@ -589,7 +560,7 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
                 status[i] = PL_JPEG_UNSUPPORTED;
                 continue;
             }
-            if (!has_end_marker(it->data, it->len)) {
+            if (!pl_jpeg_has_end_marker(it->data, it->len)) {
                 status[i] = PL_JPEG_NO_END;
                 continue;
             }
@@ -697,12 +668,8 @@ int pl_jpeg_decode(pl_jpeg *j, int n, const pl_jpeg_item *items, const pl_jpeg_o
         }
     }
     for (int i = 0; i < n; i++) {
-        if (sm[i].kind == 2 && status[i] == PL_JPEG_DECODED && !items[i].raw) {
-            int already = 0;
-            for (int k = 0; k < n_hw && !already; k++)
-                already = hw_idx[k] == i;
-            if (!already)
-                decode_one_cuda(j, &items[i], &sm[i], &status[i]);
+        if (sm[i].kind == 2 && !sm[i].tried && status[i] == PL_JPEG_DECODED && !items[i].raw) {
+            decode_one_cuda(j, &items[i], &sm[i], &status[i]);
         } else if (sm[i].kind == 3) {
             size_t nb = (size_t)sm[i].h * (size_t)sm[i].w * 3;
             if ((rc = b->memcpy_h2d_async(j->ws + sm[i].img_off, items[i].raw, nb, j->stream)) != PL_OK) {

@@ -41,8 +41,9 @@ enum {
     PL_JPEG_BAD_DATA = 2,    /* the header parsed, the decode failed (corrupt or truncated data) */
     PL_JPEG_UNSUPPORTED = 3, /* a JPEG nvJPEG does not decode (components other than 1 or 3) */
     PL_JPEG_BOX_OUTSIDE = 4, /* the box does not lie inside the image */
-    PL_JPEG_NO_END = 5,      /* no end-of-image marker near the end (Note [truncated JPEGs]):
-                                truncated, or data after the image; the host decoder judges */
+    PL_JPEG_NO_END = 5,      /* no end-of-image marker near the end (Note [truncated JPEGs] in
+                                jpeg_header.c): truncated, or data after the image; the host
+                                decoder judges */
 };
 
 typedef struct pl_jpeg_counts {
@@ -60,13 +61,17 @@ typedef struct pl_jpeg_counts {
      * for blocks to come back); kernels_ns, the descriptors (a ring slot may wait for its
      * copy), the kernels' launches and the events. */
     unsigned long long headers_ns, engines_wait_ns, engines_ns, cuda_ns, block_ns, kernels_ns;
+    /* Note [interpolated chroma] in nvjpeg_load.c: 1 where the engines (or, without engines,
+     * the CUDA decoder) interpolate chroma as libjpeg-turbo does */
+    int chroma_interpolated;
 } pl_jpeg_counts;
 
 /* A decoder on `device` of CUDA backend b. libs: paths to try for libnvjpeg after the ones already
- * loaded and the loader's search path. Returns PL_OK, or an error with *why a sentence (static
- * or in why_buf). */
+ * loaded and the loader's search path; interpolate: chroma upsampled with interpolation where
+ * nvJPEG takes it (Note [interpolated chroma] in nvjpeg_load.c). Returns PL_OK, or an error with
+ * *why a sentence (static or in why_buf). */
 int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int nlibs,
-                   pl_jpeg **out, char *why_buf, size_t why_len, const char **why);
+                   int interpolate, pl_jpeg **out, char *why_buf, size_t why_len, const char **why);
 void pl_jpeg_destroy(pl_jpeg *j);
 
 /* Decode n samples into blk (created on j's device, no memory yet): allocates blk's memory

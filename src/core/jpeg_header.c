@@ -46,3 +46,23 @@ int pl_jpeg_header(const unsigned char *p, size_t n, int *h, int *w, int *c)
     }
     return -1;
 }
+
+/* Note [truncated JPEGs]
+ * nvJPEG's decoders accept a file cut short and fill the missing blocks, so a truncated file
+ * would train as a grey-bottomed image without a word. A complete JPEG ends with the EOI marker
+ * (FF D9), and the entropy-coded data can never hold FF D9 (a data byte FF is always followed
+ * by 00 or a restart marker D0-D7), so a file whose last bytes hold no FF D9 was cut inside its
+ * data, or has something appended after the image (some cameras append a preview or a video).
+ * The GPU cannot tell which; such a sample gets PL_JPEG_NO_END (jpeg_cuda.h) and the caller decodes it
+ * on the host, whose decoder reports a truncation as an error and ignores appended data. The search
+ * covers the last END_WINDOW bytes, which also allows for padding after EOI. */
+enum { END_WINDOW = 4096 };
+
+int pl_jpeg_has_end_marker(const unsigned char *p, size_t n)
+{
+    size_t lo = n > END_WINDOW ? n - END_WINDOW : 0;
+    for (size_t i = n; i >= lo + 2; i--)
+        if (p[i - 2] == 0xFF && p[i - 1] == 0xD9)
+            return 1;
+    return 0;
+}

@@ -10,4 +10,8 @@
  * header lies before the first scan or the end of the bytes. Never reads past p + n. */
 int pl_jpeg_header(const unsigned char *p, size_t n, int *h, int *w, int *c);
 
+/* 1 where the last bytes of the n at p hold an end-of-image marker (FF D9), else 0 (Note
+ * [truncated JPEGs] in jpeg_header.c). */
+int pl_jpeg_has_end_marker(const unsigned char *p, size_t n);
+
 #endif

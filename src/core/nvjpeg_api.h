@@ -33,6 +33,7 @@ typedef enum pl_nvjpegBackend {
 
 /* nvjpegCreateEx's flags (nvjpeg.h's NVJPEG_FLAGS_*) */
 #define PL_NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE 1u
+#define PL_NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION 32u
 
 typedef enum pl_nvjpegOutputFormat {
     pl_NVJPEG_OUTPUT_RGBI = 5, /* interleaved RGB, one plane */
@@ -121,5 +122,13 @@ extern pl_nvjpeg_fns pl_nj;
  * PL_ERR_NO_RUNTIME with *why a sentence. */
 int pl_nvjpeg_load(const char *const *libs, int nlibs, const char **why);
 const char *pl_nvjpeg_status_name(pl_nvjpegStatus_t s);
+/* A decoder: a handle of backend made with flags, and with
+ * NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION where interp is set and nvJPEG takes it (*interpolated
+ * then 1; Note [interpolated chroma] in nvjpeg_load.c), and a decoding state of it. On failure
+ * *h and *state are NULL and *what names the nvJPEG call that failed, whose status is returned. */
+pl_nvjpegStatus_t pl_nvjpeg_make_decoder(pl_nvjpegBackend_t backend, unsigned flags, int interp, pl_nvjpegHandle_t *h,
+                                         pl_nvjpegJpegState_t *state, int *interpolated, const char **what);
+/* Destroys what pl_nvjpeg_make_decoder made; either may be NULL. */
+void pl_nvjpeg_destroy_decoder(pl_nvjpegHandle_t h, pl_nvjpegJpegState_t state);
 
 #endif

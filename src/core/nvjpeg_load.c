@@ -1,5 +1,5 @@
-/* nvJPEG loaded at run time (nvjpeg_api.h): the function table and the library's status names.
- * No Python. */
+/* nvJPEG loaded at run time (nvjpeg_api.h): the function table, the library's status names, and
+ * handles made with interpolated chroma where nvJPEG takes it. No Python. */
 #include "nvjpeg_api.h"
 
 #include "backend.h"
@@ -80,4 +80,60 @@ const char *pl_nvjpeg_status_name(pl_nvjpegStatus_t s)
     case pl_NVJPEG_STATUS_INCOMPLETE_BITSTREAM: return "NVJPEG_STATUS_INCOMPLETE_BITSTREAM";
     }
     return "an unknown nvJPEG status";
+}
+
+/* Note [interpolated chroma]
+ * In a 4:2:0 or 4:2:2 JPEG each chroma sample covers two or four pixels. libjpeg-turbo (Pillow's
+ * decoder, the host backend's) interpolates between the nearest chroma samples ("fancy
+ * upsampling"); nvJPEG's hardware engines repeat the nearest one unless the handle is made with
+ * NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION. On an H100 the engines' images were a mean of
+ * 0.14-0.94 levels and up to 34 from Pillow's without the flag, and a mean of 0.000 and at most 1
+ * with it, and whole-image decodes were no slower (benchmarks/results/h100_2026-12-06g/README.md).
+ * So every handle is made with the flag, and again without it where an nvJPEG refuses it; a
+ * decoder made with interpolate = 0 (ImageLoader: PINLOADER_JPEG_INTERPOLATE=0) leaves it off,
+ * to measure. info()["chroma_interpolated"] says whether the engines (without engines, the CUDA
+ * decoder) got it; whether nvJPEG's CUDA decoder (the images the engines refuse) honours it
+ * is not measured. */
+static pl_nvjpegStatus_t make_handle(pl_nvjpegBackend_t backend, unsigned flags, int interp, pl_nvjpegHandle_t *h,
+                                     int *interpolated)
+{
+    if (interp && pl_nj.nvjpegCreateEx(backend, NULL, NULL, flags | PL_NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, h) ==
+                      pl_NVJPEG_STATUS_SUCCESS) {
+        *interpolated = 1;
+        return pl_NVJPEG_STATUS_SUCCESS;
+    }
+    *h = NULL;
+    pl_nvjpegStatus_t s = pl_nj.nvjpegCreateEx(backend, NULL, NULL, flags, h);
+    if (s != pl_NVJPEG_STATUS_SUCCESS)
+        *h = NULL;
+    return s;
+}
+
+pl_nvjpegStatus_t pl_nvjpeg_make_decoder(pl_nvjpegBackend_t backend, unsigned flags, int interp, pl_nvjpegHandle_t *h,
+                                         pl_nvjpegJpegState_t *state, int *interpolated, const char **what)
+{
+    *h = NULL;
+    *state = NULL;
+    *interpolated = 0;
+    pl_nvjpegStatus_t s = make_handle(backend, flags, interp, h, interpolated);
+    if (s != pl_NVJPEG_STATUS_SUCCESS) {
+        *what = "nvjpegCreateEx";
+        return s;
+    }
+    if ((s = pl_nj.nvjpegJpegStateCreate(*h, state)) != pl_NVJPEG_STATUS_SUCCESS) {
+        *what = "nvjpegJpegStateCreate";
+        pl_nj.nvjpegDestroy(*h);
+        *h = NULL;
+        *state = NULL;
+        *interpolated = 0;
+    }
+    return s;
+}
+
+void pl_nvjpeg_destroy_decoder(pl_nvjpegHandle_t h, pl_nvjpegJpegState_t state)
+{
+    if (state)
+        pl_nj.nvjpegJpegStateDestroy(state);
+    if (h)
+        pl_nj.nvjpegDestroy(h);
 }

@@ -1,6 +1,6 @@
 /* pinloader._C.JpegDecoder: the GPU image decoder (src/core/jpeg_cuda.h) for ImageLoader.
  *
- *   dec = JpegDecoder(device, libraries=())
+ *   dec = JpegDecoder(device, libraries=(), interpolate=True)
  *   image, status = dec.decode(base, offsets, lengths, params, size, scale, bias, dtype,
  *                              channels_last, raw=None)
  *
@@ -46,9 +46,10 @@ static void jd_close_impl(JpegDecoderObject *self)
 
 static PyObject *jd_new(PyTypeObject *tp, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"device", "libraries", NULL};
+    static char *kwlist[] = {"device", "libraries", "interpolate", NULL};
     PyObject *device = Py_None, *libs = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O:JpegDecoder", kwlist, &device, &libs))
+    int interpolate = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Op:JpegDecoder", kwlist, &device, &libs, &interpolate))
         return NULL;
     pl_state *st = pl_state_of_type(tp);
     const pl_backend *b;
@@ -103,7 +104,7 @@ static PyObject *jd_new(PyTypeObject *tp, PyObject *args, PyObject *kwds)
     int rc;
     pl_jpeg *j = NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = pl_jpeg_create(b, dev, paths, (int)n, &j, why_buf, sizeof why_buf, &why);
+    rc = pl_jpeg_create(b, dev, paths, (int)n, interpolate, &j, why_buf, sizeof why_buf, &why);
     Py_END_ALLOW_THREADS
     PyMem_Free(paths);
     Py_XDECREF(fast);
@@ -356,13 +357,13 @@ static PyObject *jd_info(JpegDecoderObject *self, PyObject *noargs)
     }
     pl_jpeg_counts c;
     pl_jpeg_get_counts(self->j, &c, pl_inherited(self->gen));
-    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "device",
+    return Py_BuildValue("{s:i,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:O}", "device",
                          self->device, "engines", c.engines, "cores_per_engine", c.cores_per_engine,
                          "batches", c.batches, "hardware", c.hardware, "roi", c.roi, "cuda", c.cuda, "raw",
                          c.raw, "failed", c.failed, "workspace_bytes", (Py_ssize_t)c.workspace_bytes,
                          "headers_ns", c.headers_ns, "engines_wait_ns", c.engines_wait_ns, "engines_ns",
                          c.engines_ns, "cuda_ns", c.cuda_ns, "block_ns", c.block_ns, "kernels_ns",
-                         c.kernels_ns);
+                         c.kernels_ns, "chroma_interpolated", c.chroma_interpolated ? Py_True : Py_False);
 }
 
 /* For ImageLoader's decoder threads (Note [decoder threads] in pinloader/_image_epochs.py):
@@ -381,9 +382,9 @@ static PyMethodDef jd_methods[] = {
      "decode($self, /, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None)\n"
      "--\n\nDecode a batch on the GPU: (DeviceArray, status)."},
     {"info", (PyCFunction)jd_info, METH_NOARGS, "info($self)\n--\n\nThe counts as of the end of the last decode call: batches, images per decoder "
-     "(hardware, roi, cuda, raw, failed), the engines, the workspace, and the calls' host time by step "
-     "(headers_ns, engines_wait_ns, engines_ns, cuda_ns, block_ns, kernels_ns: "
-     "src/core/jpeg_cuda.h)."},
+     "(hardware, roi, cuda, raw, failed), the engines, the workspace, the calls' host time by step "
+     "(headers_ns, engines_wait_ns, engines_ns, cuda_ns, block_ns, kernels_ns) and chroma_interpolated: "
+     "src/core/jpeg_cuda.h."},
     {"close", (PyCFunction)jd_close, METH_NOARGS, "close($self)\n--\n\nFree the decoder's GPU resources (idempotent)."},
     {"ignore_other_captures", (PyCFunction)jd_ignore_other_captures, METH_NOARGS,
      "ignore_other_captures($self)\n--\n\nThe calling thread's CUDA calls ignore the stream captures other "
@@ -395,7 +396,9 @@ static PyType_Slot jd_slots[] = {
     {Py_tp_new, jd_new},
     {Py_tp_dealloc, jd_dealloc},
     {Py_tp_methods, jd_methods},
-    {Py_tp_doc, "JpegDecoder(device, libraries=())\n--\n\nThe GPU JPEG decoder behind ImageLoader."},
+    {Py_tp_doc, "JpegDecoder(device, libraries=(), interpolate=True)\n--\n\nThe GPU JPEG decoder behind "
+                "ImageLoader; interpolate: chroma upsampled as libjpeg-turbo does (Note [interpolated chroma] in "
+                "src/core/nvjpeg_load.c)."},
     {0, NULL},
 };
 
