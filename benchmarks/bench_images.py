@@ -225,6 +225,32 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable
     return run, loader
 
 
+def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+    """imageloader_packed with one environment variable set while its decoders are made (they
+    read it then): --variant NAME:VAR=VALUE, for the decoder's measurement switches
+    (PINLOADER_JPEG_INTERPOLATE, PINLOADER_JPEG_REGION, PINLOADER_JPEG_DECODERS)."""
+    var, _, value = spec.partition(":")[2].partition("=")
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        run, loader = row_imageloader(ds, "packed", args, torch)
+        run(10_000)  # the first epoch makes the decoders
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+    return run, loader
+
+
+def _variant(text: str) -> str:
+    name, sep, rest = text.partition(":")
+    var, eq, _ = rest.partition("=")
+    if not sep or not eq or not name.isidentifier() or not var.startswith("PINLOADER_"):
+        raise argparse.ArgumentTypeError(f"--variant wants NAME:PINLOADER_VAR=VALUE, got {text!r}")
+    return text
+
+
 def _v2_train(torch: Any) -> Any:
     from torchvision.transforms import v2
     # crop and flip the PIL image (Pillow's resize, the classic recipe), then to a tensor
@@ -365,10 +391,16 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         "dali_best": lambda: row_dali(ds, args, torch, 0.9),
         "decoder_alone": lambda: row_decoder_alone(ds, args, torch),
     }
+    names = list(args.rows)
+    for spec in args.variant:
+        name = "imageloader_packed_" + spec.partition(":")[0]
+        factories[name] = lambda spec=spec: row_imageloader_variant(ds, spec, args, torch)
+        names.append(name)
     rows: dict[str, Any] = {}
     runners: dict[str, Callable[[int], int]] = {}
     holders = []
-    for name in args.rows:
+    holder_of: dict[str, Any] = {}
+    for name in names:
         made, err = C.guarded(factories[name])
         if err is not None:
             rows[name] = {"skipped": err["error"]}
@@ -376,6 +408,7 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
             continue
         run, holder = made
         holders.append(holder)
+        holder_of[name] = holder
         _, err = C.guarded(run, 10_000)  # warm-up epoch
         if err is not None:
             rows[name] = err
@@ -395,6 +428,11 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
             rows[name]["ips"].append(n / (t1 - t0))
             rows[name]["cpu_per_1000"].append((c1 - c0) / max(n, 1) * 1000)
             C.log(f"[{size_class}] round {r} {name}: {n / (t1 - t0):,.0f} img/s")
+    for name, h in holder_of.items():  # the GPU decoders' own counts, for the record
+        gd = (h.stats().get("gpu_decoder") or {}) if hasattr(h, "stats") and name in runners else {}
+        if gd:
+            rows[name]["gpu_decoder"] = {k: gd[k] for k in ("hardware", "cuda", "chroma_interpolated", "decoders")
+                                               if k in gd}
     for h in holders:
         C.close_quietly(h)
     for v in rows.values():
@@ -625,6 +663,10 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
             else:
                 table.append([name, f"not run: {v.get('skipped') or v.get('error')}", ""])
         lines.append(C.md_table(["row", "images/s", "CPU-s per 1,000 images"], table, "lrr"))
+        for name, v in rows.items():
+            if v.get("gpu_decoder"):
+                lines += ["", f"{name}'s GPU decoders at the end: " +
+                          ", ".join(f"{k} {val}" for k, val in v["gpu_decoder"].items())]
         lines += ratio_lines(rows)
     for mname, rec in models.items():
         lines += ["", f"## {mname} ({rec['size_class']} images), batch {args.batch}, {args.steps} steps "
@@ -668,6 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", type=C.choice_list(LOADER_ROWS), default=list(LOADER_ROWS))
+    ap.add_argument("--variant", type=_variant, action="append", default=[],
+                    help="NAME:PINLOADER_VAR=VALUE: a row imageloader_packed_NAME whose decoders are "
+                         "made with that variable set (repeatable)")
     ap.add_argument("--models", type=C.choice_list(list(MODELS)), default=[],
                     help="real models against the bound (e.g. resnet50,resnet18,efficientnet_b0,vit_b_16)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per row per round")

@@ -73,3 +73,18 @@ def test_the_decode_call_by_step_is_rendered():
     assert "| imageloader_packed | 105 (100–110) | 0.85 (0.80–0.90) | 1.50 (1.00–2.00) | 35.0 (30.0–40.0) |" in text
     assert ("imageloader_packed's decode call per batch by step, ms (the C decoder's own clock): headers 2.00 "
             "(1.50–2.50); engines_wait 2.00 (1.50–2.50); engines 2.00") in text
+
+
+@pytest.mark.parametrize("spec", ["nointerp:PINLOADER_JPEG_INTERPOLATE=0", "d4:PINLOADER_JPEG_DECODERS=4"])
+def test_a_variant_names_a_pinloader_variable(spec):
+    """--variant NAME:PINLOADER_VAR=VALUE, a packed ImageLoader row made with that variable set."""
+    assert _bench_images()._variant(spec) == spec
+
+
+@pytest.mark.parametrize("spec", ["nointerp", "x:PATH=1", "no interp:PINLOADER_JPEG_INTERPOLATE=0",
+                                  "n:PINLOADER_JPEG_INTERPOLATE", ":PINLOADER_JPEG_INTERPOLATE=0"])
+def test_a_bad_variant_is_refused(spec):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--variant wants NAME:PINLOADER_VAR=VALUE"):
+        _bench_images()._variant(spec)
