@@ -230,7 +230,7 @@ class EpochLoader(ABC):
             self._it.failed = True
             raise
         # (a KeyboardInterrupt leaves the prefetcher as it was: the batch it interrupted comes
-        # with the next next(), Note [interrupted handout] in src/py/prefetcher.c)
+        # with the next next(), Note [interrupted handout] in src/py/pf_producer.c)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""

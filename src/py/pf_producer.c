@@ -1,11 +1,12 @@
-/* AsyncPrefetcher's producer thread: it waits for room in the queue, asks the epoch's source for
- * a batch (Note [sources] in source.h) -- a Python iterable with the GIL (Note [GIL handoff]),
- * a native source opened once with the GIL and then without it -- then, without the GIL, copies
- * the batch with transfer.c and queues it. A producer that close() left inside user code frees
- * the pipeline itself when it comes back (Note [stuck producers] in prefetcher.c). Also the
- * queue it fills (both ends: the consumer takes from it in prefetcher.c) and its graveyard, the
- * objects it drops at its next GIL hold (Note [producer and the GIL] in prefetcher.c). The
- * object and its batches are in prefetcher_impl.h. */
+/* AsyncPrefetcher's batch queue, both ends. The producer thread waits for room in the queue,
+ * asks the epoch's source for a batch (Note [sources] in source.h) -- a Python iterable with the
+ * GIL (Note [GIL handoff]), a native source opened once with the GIL and then without it --
+ * then, without the GIL, copies the batch with transfer.c and queues it. A producer that close()
+ * left inside user code frees the pipeline itself when it comes back (Note [stuck producers] in
+ * prefetcher.c). The consumer's next() (the type's tp_iternext, at the end) takes the batch and
+ * hands it out with handout.c. Also the producer's graveyard, the objects it drops at its next
+ * GIL hold (Note [producer and the GIL] in prefetcher.c). The object and its batches are in
+ * prefetcher_impl.h. */
 #include "prefetcher_impl.h"
 
 #include "source.h"
@@ -13,6 +14,7 @@
 #include "util.h"
 
 #include <sched.h>
+#include <signal.h>
 #include <string.h>
 
 /* ---- a batch's errors ---- */
@@ -148,7 +150,8 @@ static void producer_give_gil_for_good(producer *p)
     }
 }
 
-void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self)
+/* The consumer's side of Note [GIL handoff] (GIL held). */
+static void lend_gil_to_producer(pl_prefetcher_obj *self)
 {
     if (!atomic_load(&self->gil_wanted))
         return;
@@ -576,9 +579,9 @@ void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait, int relax)
 
 /* ---- queue ---- */
 
-/* Put a batch the consumer took back at the head of the queue (Note [interrupted handout] in
- * prefetcher.c): it is the next one handed out. */
-void pl_pf_requeue_batch(pl_prefetcher_obj *self, batch *bt)
+/* Put a batch the consumer took back at the head of the queue (Note [interrupted handout]): it
+ * is the next one handed out. */
+static void requeue_batch(pl_prefetcher_obj *self, batch *bt)
 {
     pthread_mutex_lock(&self->mu);
     bt->next = self->head;
@@ -618,7 +621,7 @@ void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt)
     pthread_mutex_unlock(&self->mu);
 }
 
-batch *pl_pf_take_batch(pl_prefetcher_obj *self, int *waited)
+static batch *take_batch(pl_prefetcher_obj *self, int *waited)
 {
     for (;;) {
         pthread_mutex_lock(&self->mu);
@@ -667,4 +670,165 @@ void pl_pf_batch_free(batch *bt)
     if (bt->blk)
         pl_block_decref(bt->blk);
     PyMem_RawFree(bt);
+}
+
+/* ---- the consumer's end: next() (GIL held) ---- */
+
+/* A StopIteration raised by user code while a batch is made or handed out (a convert=, a
+ * structure's constructor, the stream callable) would end the consumer's for loop silently and
+ * lose the epoch's other batches: as PEP 479 does for generators, it becomes a RuntimeError
+ * whose cause it is. */
+static void stop_iteration_to_runtime_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_StopIteration))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb && value)
+        PyException_SetTraceback(value, tb);
+    PyErr_SetString(PyExc_RuntimeError, "user code raised StopIteration while a batch was made or "
+                    "handed out (a convert=, a structure's constructor, the stream callable)");
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 && value) {
+        PyException_SetCause(v2, Py_NewRef(value));
+        PyException_SetContext(v2, Py_NewRef(value));
+    }
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
+{
+    if (bt->exc) {
+        PyObject *exc = bt->exc;
+        bt->exc = NULL;
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+        stop_iteration_to_runtime_error();
+        return NULL;
+    }
+    if (bt->err_value) {
+        PyErr_SetString(PyExc_ValueError, bt->err_what);
+        return NULL;
+    }
+    if (bt->err_code == PL_ERR_OVER_CAP) {
+        PyErr_SetString(self->st->PoolExhausted, bt->err_what);
+        return NULL;
+    }
+    if (bt->err_code == PL_ERR_INVALID_VALUE && strstr(bt->err_what, "PinnedPool was closed")) {
+        PyErr_SetString(PyExc_ValueError, bt->err_what);
+        return NULL;
+    }
+    return pl_raise_backend(self->st, self->b, bt->err_code, bt->err_what);
+}
+
+/* Note [interrupted handout]
+ * A Ctrl-C (or any signal whose handler raises) that lands while a batch is handed out must not
+ * lose the batch:
+ *   - The handout fails with it (a wait, a convert= callback: a KeyboardInterrupt or
+ *     SystemExit, not an Exception): the batch goes back to the head of the queue, not counted
+ *     as handed out, and the next next() hands it out again (a convert= callback sees it
+ *     twice). An Exception from the handout (a convert= that raises ValueError) is that
+ *     batch's error, raised by this next().
+ *   - It arrives during C code that does not look (the static copy, freeing the batch's
+ *     block), and CPython would raise it as soon as next() returns, in the caller, dropping the
+ *     batch next() returned. The signal is checked once the batch is out: next() raises, and
+ *     keeps what it made (`stash`) for the next next(). A new epoch or close() drops it.
+ * A signal that lands after that check, in the few instructions before the caller stores the
+ * batch (more with a Python wrapper such as ArrayLoader.__next__), can still drop it: only
+ * CPython could close that window. The tests raise the signal from C where the check finds it
+ * (the switch below) rather than by timer, which would hit the window now and then. */
+
+/* A test switch (pinloader._C._testing.debug_signal_after_handout): the next handout ends with
+ * this signal raised from C, as one that lands during the static copy would be, so the second case
+ * above runs every time instead of by chance. 0: off. Never on a data path. */
+static atomic_int signal_after_handout;
+
+PyObject *pl_pf_debug_signal_after_handout(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    long sig = PyLong_AsLong(arg);
+    if (sig == -1 && PyErr_Occurred())
+        return NULL;
+    if (sig < 0 || sig >= NSIG)
+        return PyErr_Format(PyExc_ValueError, "debug_signal_after_handout: %ld is not a signal number", sig);
+    atomic_store(&signal_after_handout, (int)sig);
+    Py_RETURN_NONE;
+}
+
+PyObject *pl_pf_next(PyObject *op)
+{
+    pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
+    if (pl_pf_check_usable(self) < 0 ||
+        pl_pf_check_not_producer(self, "next()", "it would wait for a batch only this thread can make") < 0)
+        return NULL;
+    if (self->state != PF_OPEN)
+        return NULL; /* StopIteration */
+    if (self->stash) { /* Note [interrupted handout] */
+        PyObject *out = self->stash;
+        self->stash = NULL;
+        self->consumed_in_epoch++;
+        return out;
+    }
+    lend_gil_to_producer(self);
+    pl_pf_empty_graves(self, 0, 1); /* the consumer: a user's thread */
+    int64_t t0 = pl_now_ns();
+    int waited = 0;
+    batch *bt = take_batch(self, &waited);
+    if (!bt)
+        return NULL;
+    int64_t wait = waited ? pl_now_ns() - t0 : 0;
+    pthread_mutex_lock(&self->mu);
+    self->wait_samples[self->n_waits % WAIT_SAMPLES] = (double)wait / 1e6;
+    self->n_waits++;
+    self->wait_ns_total += wait;
+    pthread_mutex_unlock(&self->mu);
+
+    if (bt->kind == B_END) {
+        self->state = PF_EPOCH_DONE;
+        pl_pf_batch_free(bt);
+        return NULL;
+    }
+    if (bt->kind == B_ERROR) {
+        self->state = PF_FAILED;
+        raise_batch_error(self, bt);
+        pl_pf_batch_free(bt);
+        return NULL;
+    }
+    self->consumed_in_epoch++;
+    PyObject *out = bt->output;
+    bt->output = NULL;
+    if (bt->leaves) {
+        /* bt (its block reference, which the views borrow) lives until the handout is done */
+        const pl_tree *tree = self->templ.n_nodes ? &self->templ : &bt->tree;
+        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, bt->leaves);
+    }
+    if (!out && !PyErr_ExceptionMatches(PyExc_Exception) && self->state == PF_OPEN) {
+        /* Note [interrupted handout] (closed meanwhile, by user code: the batch is freed) */
+        self->consumed_in_epoch--;
+        requeue_batch(self, bt);
+        return NULL;
+    }
+    if (!out)
+        stop_iteration_to_runtime_error();
+    pl_pf_batch_free(bt);
+    int sig = out && atomic_load_explicit(&signal_after_handout, memory_order_relaxed)
+                  ? atomic_exchange(&signal_after_handout, 0) : 0;
+    if (sig)
+        raise(sig);
+    if (out && PyErr_CheckSignals() < 0) {
+        if (self->state == PF_OPEN) {
+            self->stash = out;
+            self->consumed_in_epoch--;
+        } else {
+            Py_DECREF(out);
+        }
+        return NULL;
+    }
+    return out;
 }

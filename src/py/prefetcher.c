@@ -1,10 +1,10 @@
 /* AsyncPrefetcher: a native producer thread that pulls items from any Python iterable, reads
  * them with flatten.c, copies each batch to one device block with transfer.c, and hands the
- * batches out in order as DeviceArrays. This file holds the type: epochs, the consumer handoff,
- * the object's lifecycle, its construction, stats and getters. The producer thread is in
- * pf_producer.c, the pipeline (made and freed: copy stream, pool policy, stager) in
- * pf_pipeline.c, the constructor's options in pf_options.c, the queue and the graveyard with
- * the producer, the object's struct in prefetcher_impl.h.
+ * batches out in order as DeviceArrays. This file holds the type: epochs, the object's
+ * lifecycle, its construction, stats and getters. The batch queue with both its ends (the
+ * producer thread, the consumer's next()) and the graveyard are in pf_producer.c, the pipeline
+ * (made and freed: copy stream, pool policy, stager) in pf_pipeline.c, the constructor's
+ * options in pf_options.c, the object's struct and the methods' checks in prefetcher_impl.h.
  *
  * Note [producer and the GIL]
  * The producer takes the GIL only to call next() on the source, read the item and build the
@@ -51,7 +51,7 @@
 #include <string.h>
 #include <structmember.h>
 
-/* ---- consumer side (GIL held) ---- */
+/* ---- epochs (GIL held) ---- */
 
 /* Start the next epoch over `it`, a new iterator of the source (stolen). */
 static void start_epoch(pl_prefetcher_obj *self, PyObject *it)
@@ -60,7 +60,7 @@ static void start_epoch(pl_prefetcher_obj *self, PyObject *it)
     self->it_epoch++;
     self->consumer_epoch = self->it_epoch;
     self->consumed_in_epoch = 0;
-    Py_CLEAR(self->stash); /* a batch of the epoch before (Note [interrupted handout]) */
+    Py_CLEAR(self->stash); /* a batch of the epoch before (Note [interrupted handout] in pf_producer.c) */
     self->state = PF_OPEN;
     pthread_mutex_lock(&self->mu);
     self->requested_epoch = self->it_epoch;
@@ -68,55 +68,11 @@ static void start_epoch(pl_prefetcher_obj *self, PyObject *it)
     pthread_mutex_unlock(&self->mu);
 }
 
-static int check_inherited(pl_prefetcher_obj *self)
-{
-    if (pl_inherited(self->gen)) {
-        PyErr_SetString(PyExc_RuntimeError, "this AsyncPrefetcher was created before fork(): it "
-                        "cannot be used in the child process (its threads and CUDA state stay in "
-                        "the parent); create a new one in the child, or start worker processes "
-                        "with the 'spawn' method");
-        return -1;
-    }
-    return 0;
-}
-
-static int check_usable(pl_prefetcher_obj *self)
-{
-    if (check_inherited(self) < 0)
-        return -1;
-    if (pl_pf_is_closed(self)) {
-        PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher is closed");
-        return -1;
-    }
-    return 0;
-}
-
-/* Note [re-entry from the producer]
- * The producer runs user code with the GIL: the source's next(), and what flatten calls for an
- * item (a __dlpack__, a namedtuple's or dataclass's constructor, a finalizer). That code may
- * reach this very prefetcher. next() there would wait for a batch that only the waiting thread
- * can make (for ever: signals are delivered to the main thread only, so not even Ctrl-C ends
- * it), and iter() would restart the epoch from inside it, so that each item starts a new
- * epoch. Both are refused with a RuntimeError, which reaches the consumer as that item's error.
- * What does not wait on the producer stays allowed there: stats(), and close(), which detaches
- * the producer (Note [stuck producers]). A DeviceArray of the batch being built refuses to be
- * exported (check_exportable in device_array.c). */
-static int check_not_producer(pl_prefetcher_obj *self, const char *what, const char *why)
-{
-    if (self->thread_started && pthread_equal(self->thread, pthread_self())) {
-        PyErr_Format(PyExc_RuntimeError, "AsyncPrefetcher: %s was called on the prefetcher's own "
-                     "producer thread, by user code it runs for an item (the source's next(), a "
-                     "__dlpack__, a container's constructor): %s", what, why);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *pf_iter(PyObject *op)
 {
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (check_usable(self) < 0 || check_not_producer(self, "iter()", "it would restart the epoch "
-                                                                  "being read") < 0)
+    if (pl_pf_check_usable(self) < 0 ||
+        pl_pf_check_not_producer(self, "iter()", "it would restart the epoch being read") < 0)
         return NULL;
     if (self->state == PF_FAILED || (self->consumed_in_epoch == 0 && self->state == PF_OPEN))
         return Py_NewRef(op); /* finished for good, or the current epoch is still fresh */
@@ -142,165 +98,6 @@ static PyObject *pf_iter(PyObject *op)
     }
     start_epoch(self, it);
     return Py_NewRef(op);
-}
-
-/* A StopIteration raised by user code while a batch is made or handed out (a convert=, a
- * structure's constructor, the stream callable) would end the consumer's for loop silently and
- * lose the epoch's other batches: as PEP 479 does for generators, it becomes a RuntimeError
- * whose cause it is. */
-static void stop_iteration_to_runtime_error(void)
-{
-    if (!PyErr_ExceptionMatches(PyExc_StopIteration))
-        return;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb && value)
-        PyException_SetTraceback(value, tb);
-    PyErr_SetString(PyExc_RuntimeError, "user code raised StopIteration while a batch was made or "
-                    "handed out (a convert=, a structure's constructor, the stream callable)");
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (v2 && value) {
-        PyException_SetCause(v2, Py_NewRef(value));
-        PyException_SetContext(v2, Py_NewRef(value));
-    }
-    PyErr_Restore(t2, v2, tb2);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-}
-
-static PyObject *raise_batch_error(pl_prefetcher_obj *self, batch *bt)
-{
-    if (bt->exc) {
-        PyObject *exc = bt->exc;
-        bt->exc = NULL;
-        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-        Py_DECREF(exc);
-        stop_iteration_to_runtime_error();
-        return NULL;
-    }
-    if (bt->err_value) {
-        PyErr_SetString(PyExc_ValueError, bt->err_what);
-        return NULL;
-    }
-    if (bt->err_code == PL_ERR_OVER_CAP) {
-        PyErr_SetString(self->st->PoolExhausted, bt->err_what);
-        return NULL;
-    }
-    if (bt->err_code == PL_ERR_INVALID_VALUE && strstr(bt->err_what, "PinnedPool was closed")) {
-        PyErr_SetString(PyExc_ValueError, bt->err_what);
-        return NULL;
-    }
-    return pl_raise_backend(self->st, self->b, bt->err_code, bt->err_what);
-}
-
-/* Note [interrupted handout]
- * A Ctrl-C (or any signal whose handler raises) that lands while a batch is handed out must not
- * lose the batch:
- *   - The handout fails with it (a wait, a convert= callback: a KeyboardInterrupt or
- *     SystemExit, not an Exception): the batch goes back to the head of the queue, not counted
- *     as handed out, and the next next() hands it out again (a convert= callback sees it
- *     twice). An Exception from the handout (a convert= that raises ValueError) is that
- *     batch's error, raised by this next().
- *   - It arrives during C code that does not look (the static copy, freeing the batch's
- *     block), and CPython would raise it as soon as next() returns, in the caller, dropping the
- *     batch next() returned. The signal is checked once the batch is out: next() raises, and
- *     keeps what it made (`stash`) for the next next(). A new epoch or close() drops it.
- * A signal that lands after that check, in the few instructions before the caller stores the
- * batch (more with a Python wrapper such as ArrayLoader.__next__), can still drop it: only
- * CPython could close that window. The tests raise the signal from C where the check finds it
- * (the switch below) rather than by timer, which would hit the window now and then. */
-
-/* A test switch (pinloader._C._testing.debug_signal_after_handout): the next handout ends with
- * this signal raised from C, as one that lands during the static copy would be, so the second case
- * above runs every time instead of by chance. 0: off. Never on a data path. */
-static atomic_int signal_after_handout;
-
-PyObject *pl_pf_debug_signal_after_handout(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    long sig = PyLong_AsLong(arg);
-    if (sig == -1 && PyErr_Occurred())
-        return NULL;
-    if (sig < 0 || sig >= NSIG)
-        return PyErr_Format(PyExc_ValueError, "debug_signal_after_handout: %ld is not a signal number", sig);
-    atomic_store(&signal_after_handout, (int)sig);
-    Py_RETURN_NONE;
-}
-
-static PyObject *pf_next(PyObject *op)
-{
-    pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (check_usable(self) < 0 || check_not_producer(self, "next()", "it would wait for a batch "
-                                                                  "only this thread can make") < 0)
-        return NULL;
-    if (self->state != PF_OPEN)
-        return NULL; /* StopIteration */
-    if (self->stash) { /* Note [interrupted handout] */
-        PyObject *out = self->stash;
-        self->stash = NULL;
-        self->consumed_in_epoch++;
-        return out;
-    }
-    pl_pf_lend_gil_to_producer(self);
-    pl_pf_empty_graves(self, 0, 1); /* the consumer: a user's thread */
-    int64_t t0 = pl_now_ns();
-    int waited = 0;
-    batch *bt = pl_pf_take_batch(self, &waited);
-    if (!bt)
-        return NULL;
-    int64_t wait = waited ? pl_now_ns() - t0 : 0;
-    pthread_mutex_lock(&self->mu);
-    self->wait_samples[self->n_waits % WAIT_SAMPLES] = (double)wait / 1e6;
-    self->n_waits++;
-    self->wait_ns_total += wait;
-    pthread_mutex_unlock(&self->mu);
-
-    if (bt->kind == B_END) {
-        self->state = PF_EPOCH_DONE;
-        pl_pf_batch_free(bt);
-        return NULL;
-    }
-    if (bt->kind == B_ERROR) {
-        self->state = PF_FAILED;
-        raise_batch_error(self, bt);
-        pl_pf_batch_free(bt);
-        return NULL;
-    }
-    self->consumed_in_epoch++;
-    PyObject *out = bt->output;
-    bt->output = NULL;
-    if (bt->leaves) {
-        /* bt (its block reference, which the views borrow) lives until the handout is done */
-        const pl_tree *tree = self->templ.n_nodes ? &self->templ : &bt->tree;
-        out = pl_handout_batch(self->st, self->b, self->device, &self->handout, tree, bt->leaves);
-    }
-    if (!out && !PyErr_ExceptionMatches(PyExc_Exception) && self->state == PF_OPEN) {
-        /* Note [interrupted handout] (closed meanwhile, by user code: the batch is freed) */
-        self->consumed_in_epoch--;
-        pl_pf_requeue_batch(self, bt);
-        return NULL;
-    }
-    if (!out)
-        stop_iteration_to_runtime_error();
-    pl_pf_batch_free(bt);
-    int sig = out && atomic_load_explicit(&signal_after_handout, memory_order_relaxed)
-                  ? atomic_exchange(&signal_after_handout, 0) : 0;
-    if (sig)
-        raise(sig);
-    if (out && PyErr_CheckSignals() < 0) {
-        if (self->state == PF_OPEN) {
-            self->stash = out;
-            self->consumed_in_epoch--;
-        } else {
-            Py_DECREF(out);
-        }
-        return NULL;
-    }
-    return out;
 }
 
 /* ---- lifecycle (see Note [prefetcher lifecycle]) ---- */
@@ -593,7 +390,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
     pl_prefetcher_obj *self = (pl_prefetcher_obj *)op;
-    if (check_inherited(self) < 0)
+    if (pl_pf_check_inherited(self) < 0)
         return NULL;
     double samples[WAIT_SAMPLES];
     pthread_mutex_lock(&self->mu);
@@ -647,7 +444,7 @@ static PyObject *pf_stats(PyObject *op, PyObject *noargs)
 static PyObject *pf_enter(PyObject *op, PyObject *noargs)
 {
     (void)noargs;
-    if (check_usable((pl_prefetcher_obj *)op) < 0)
+    if (pl_pf_check_usable((pl_prefetcher_obj *)op) < 0)
         return NULL;
     return Py_NewRef(op);
 }
@@ -760,7 +557,7 @@ static PyType_Slot pf_slots[] = {
     {Py_tp_traverse, pf_traverse},
     {Py_tp_clear, pf_clear},
     {Py_tp_iter, pf_iter},
-    {Py_tp_iternext, pf_next},
+    {Py_tp_iternext, pl_pf_next},
     {Py_tp_methods, pf_methods},
     {Py_tp_getset, pf_getset},
     {Py_tp_members, pf_members},

@@ -1,8 +1,9 @@
-/* AsyncPrefetcher's private header: the object, its batches and graves, and the functions
- * its files share. prefetcher.c holds the type (epochs, the consumer, the lifecycle,
- * construction, stats and getters), pf_producer.c the producer thread, the queue and the
- * graveyard, pf_pipeline.c the pipeline made and freed (copy stream, pool policy, stager),
- * pf_options.c the constructor's options. The public header is prefetcher.h.
+/* AsyncPrefetcher's private header: the object, its batches and graves, the methods' checks,
+ * and the functions its files share. prefetcher.c holds the type (epochs, the lifecycle,
+ * construction, stats and getters), pf_producer.c the batch queue with both its ends (the
+ * producer thread, the consumer's next()) and the graveyard, pf_pipeline.c the pipeline made
+ * and freed (copy stream, pool policy, stager), pf_options.c the constructor's options. The
+ * public header is prefetcher.h.
  *
  * Locking: `mu` guards the queue, the flow-control counters and the stats; it is never held
  * while taking the GIL, and the consumer releases the GIL before waiting on it. `stop` is an
@@ -18,6 +19,7 @@
 #include "handout.h"
 #include "pool.h"
 #include "stager.h"
+#include "util.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -93,7 +95,7 @@ struct pl_prefetcher_obj {
     uint64_t consumer_epoch;
     uint64_t consumed_in_epoch;
     PyObject *stash; /* a batch made while a signal arrived (Note [interrupted handout] in
-                      * prefetcher.c); the consumer thread's, under the GIL */
+                      * pf_producer.c); the consumer thread's, under the GIL */
     grave *graves;
 
     atomic_int gil_wanted; /* the producer is waiting for the GIL (see Note [GIL handoff] in
@@ -141,6 +143,52 @@ static inline int pl_pf_is_closed(const pl_prefetcher_obj *self)
     return self->state >= PF_CLOSED;
 }
 
+/* ---- the checks of the object's methods (GIL held) ---- */
+
+static inline int pl_pf_check_inherited(pl_prefetcher_obj *self)
+{
+    if (pl_inherited(self->gen)) {
+        PyErr_SetString(PyExc_RuntimeError, "this AsyncPrefetcher was created before fork(): it "
+                        "cannot be used in the child process (its threads and CUDA state stay in "
+                        "the parent); create a new one in the child, or start worker processes "
+                        "with the 'spawn' method");
+        return -1;
+    }
+    return 0;
+}
+
+static inline int pl_pf_check_usable(pl_prefetcher_obj *self)
+{
+    if (pl_pf_check_inherited(self) < 0)
+        return -1;
+    if (pl_pf_is_closed(self)) {
+        PyErr_SetString(PyExc_ValueError, "AsyncPrefetcher is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* Note [re-entry from the producer]
+ * The producer runs user code with the GIL: the source's next(), and what flatten calls for an
+ * item (a __dlpack__, a namedtuple's or dataclass's constructor, a finalizer). That code may
+ * reach this very prefetcher. next() there would wait for a batch that only the waiting thread
+ * can make (for ever: signals are delivered to the main thread only, so not even Ctrl-C ends
+ * it), and iter() would restart the epoch from inside it, so that each item starts a new
+ * epoch. Both are refused with a RuntimeError, which reaches the consumer as that item's error.
+ * What does not wait on the producer stays allowed there: stats(), and close(), which detaches
+ * the producer (Note [stuck producers] in prefetcher.c). A DeviceArray of the batch being built
+ * refuses to be exported (check_exportable in device_array.c). */
+static inline int pl_pf_check_not_producer(pl_prefetcher_obj *self, const char *what, const char *why)
+{
+    if (self->thread_started && pthread_equal(self->thread, pthread_self())) {
+        PyErr_Format(PyExc_RuntimeError, "AsyncPrefetcher: %s was called on the prefetcher's own "
+                     "producer thread, by user code it runs for an item (the source's next(), a "
+                     "__dlpack__, a container's constructor): %s", what, why);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- pf_producer.c: the graveyard and the queue ---- */
 
 /* GIL held, on the producer: drop objs (n of them, a PyMem_Raw array taken over) at a later GIL
@@ -152,20 +200,15 @@ void pl_pf_bury(pl_prefetcher_obj *self, PyObject **objs, Py_ssize_t n, pl_block
 void pl_pf_empty_graves(pl_prefetcher_obj *self, int wait, int relax);
 /* Queue a batch for the consumer (takes mu) and count it in the stats. */
 void pl_pf_push_batch(pl_prefetcher_obj *self, batch *bt);
-/* GIL held, the consumer: take the next batch of the current epoch, waiting (GIL released,
- * interruptible) until there is one; *waited is set if it waited. Returns NULL with an
- * exception, or NULL with none when the epoch is over. */
-batch *pl_pf_take_batch(pl_prefetcher_obj *self, int *waited);
-/* Put a batch the consumer took back at the head of the queue (takes mu); not counted again. */
-void pl_pf_requeue_batch(pl_prefetcher_obj *self, batch *bt);
 void pl_pf_batch_free(batch *bt);
 
-/* ---- pf_producer.c: the producer thread ---- */
+/* ---- pf_producer.c: the producer thread and the consumer's next() ---- */
 
 /* The producer thread's body (pthread_create's start routine; arg is the prefetcher). */
 void *pl_pf_producer_main(void *arg);
-/* The consumer's side of Note [GIL handoff] in pf_producer.c (GIL held). */
-void pl_pf_lend_gil_to_producer(pl_prefetcher_obj *self);
+/* next(prefetcher), the type's tp_iternext: the consumer takes the next batch from the queue and
+ * hands it out (GIL held). */
+PyObject *pl_pf_next(PyObject *op);
 
 /* ---- pf_pipeline.c: the pipeline ---- */
 

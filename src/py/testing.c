@@ -266,7 +266,7 @@ static PyMethodDef testing_methods[] = {
     {"debug_signal_after_handout", pl_pf_debug_signal_after_handout, METH_O,
      "debug_signal_after_handout(signum, /)\n--\n\nTest switch: the next batch handed out ends with "
      "signal signum raised from C, as one that lands during the static copy would be (0: off; "
-     "Note [interrupted handout] in src/py/prefetcher.c)."},
+     "Note [interrupted handout] in src/py/pf_producer.c)."},
     {"debug_violation", t_debug_violation, METH_NOARGS,
      "debug_violation()\n--\n\nTest probe: the first misuse of pinned memory that debug mode "
      "(PINLOADER_DEBUG=1) reported in this process, or None."},
