@@ -168,7 +168,7 @@ def rank_worker(args):
     t0 = time.time()
     rec = staging_rate(torch, pl, src, args.rank_batches, device, None, pool, args.depth)
     rec.update(start=t0, end=time.time(), device=device, bytes=args.rank_batches * src.nbytes,
-               budget=pl._C._cpu_budget() if hasattr(pl._C, "_cpu_budget") else None)
+               budget=pl._C.cpu_budget() if hasattr(pl._C, "cpu_budget") else None)
     pool.close()
     print("RANK " + json.dumps(rec), flush=True)
     return 0
@@ -217,7 +217,7 @@ def staging_sweep(args, script):
     device = args.device if cuda else "cpu"
     started = time.perf_counter()
     machine = common.machine_info(torch if cuda else None, args.device)
-    budget = pl._C._cpu_budget() if hasattr(pl._C, "_cpu_budget") else {}
+    budget = pl._C.cpu_budget() if hasattr(pl._C, "cpu_budget") else {}
     limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = args.sweep_threads or default_sweep_threads(limit)
     size = args.staging_bytes

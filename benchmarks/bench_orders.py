@@ -7,10 +7,10 @@ A loader makes the order of epoch e + 1 while epoch e runs; when an epoch is sho
 epoch's first batch waits for it. Rows, interleaved over --rounds rounds, each the time from the
 job's start until its order is there (ms, median and range):
 
-  python_thread  what the loader did before _OrderJob: a Python thread calling
+  python_thread  what the loader did before OrderJob: a Python thread calling
                  pinloader._C.permutation, which fills a freshly allocated table
-  job_fresh      pinloader._C._OrderJob, a C thread that never takes the GIL, fresh blocks
-  job_reuse      the same with the loader's _EpochTables: the block of the order before last
+  job_fresh      pinloader._C.OrderJob, a C thread that never takes the GIL, fresh blocks
+  job_reuse      the same with the loader's EpochTables: the block of the order before last
                  (what a run of epochs does; Note [epoch table reuse] in src/py/epoch_table.c)
 
 each with the main thread --main:
@@ -66,7 +66,7 @@ def run_python_thread(pl, n: int, epoch: int, main: str) -> float:
 
 def run_job(pl, n: int, epoch: int, main: str, tables) -> float:
     t0 = time.perf_counter()
-    job = pl._C._OrderJob(n, 0, epoch, tables=tables)
+    job = pl._C.OrderJob(n, 0, epoch, tables=tables)
     if main == "busy":
         _spin(lambda: job.done)
     order = job.result()
@@ -114,9 +114,9 @@ def main() -> None:
         args.items, args.rounds, args.loader_epochs = 70_000, 2, 6
     pl, _ = C.import_pinloader()
     info = C.machine_info(None)
-    tables = pl._C._EpochTables()
+    tables = pl._C.EpochTables()
     # the reuse row's steady state: a block of the size is there before the first timed job
-    pl._C._OrderJob(args.items, 0, 0, tables=tables).result()
+    pl._C.OrderJob(args.items, 0, 0, tables=tables).result()
     times: dict[str, list[float]] = {f"{r} {m}": [] for r in args.rows for m in args.main}
     epoch = 1
     for rnd in range(args.rounds):

@@ -32,12 +32,12 @@ elif mode in ("after_load", "after_init"):
 elif mode == "after_pinloader_import":
     importlib.import_module("pinloader")
     from pinloader import _C
-    print("driver after import:", _C._cuda_driver_state(), end=" ")
+    print("driver after import:", _C.cuda_driver_state(), end=" ")
     os.environ[V] = "32"
 elif mode == "after_cupy_import":
     importlib.import_module("cupy")
     from pinloader import _C
-    print("driver after cupy import:", _C._cuda_driver_state(), end=" ")
+    print("driver after cupy import:", _C.cuda_driver_state(), end=" ")
     os.environ[V] = "32"
 import numpy as np
 from PIL import Image

@@ -15,7 +15,7 @@ from . import _C
 from ._stats import CudaInfo, PoolStats, PrefetcherStats
 from ._version import __version__
 
-_C._set_cudart_candidates(_cudart.candidates())
+_C.set_cudart_candidates(_cudart.candidates())
 
 from ._C import (  # noqa: E402
     AsyncPrefetcher,
@@ -62,4 +62,4 @@ __all__ = [
 
 # Stop live prefetchers' threads before the interpreter finalizes: a native thread that asks
 # for the GIL during finalization would hang there.
-_atexit.register(_C._shutdown)
+_atexit.register(_C.shutdown)

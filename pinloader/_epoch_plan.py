@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._C import Registration, RowBatches, RowGather, _EpochTables, _OrderJob
+from ._C import Registration, RowBatches, RowGather, EpochTables, OrderJob
 from ._mapped import file_mapping, MappedName, open_mapped_files
 
 
@@ -29,7 +29,7 @@ class Plan:
     ahead_depth = 1
     # the blocks of orders no longer used, for the next (Note [epoch table reuse] in
     # src/py/epoch_table.c); the loader makes one, and clears it when it closes
-    tables: _EpochTables | None = None
+    tables: EpochTables | None = None
     native = True  # RowBatches where it can be (False: the generator; for tests)
     source_kind = ""  # the last epoch's: "native" (a RowBatches) or "generator"
     source_reason = ""  # why the generator, when it was
@@ -43,7 +43,7 @@ class Plan:
     shuffle = drop_last = False
 
     def __init__(self) -> None:
-        self.tables = _EpochTables()
+        self.tables = EpochTables()
 
     def release_orders(self) -> None:
         """Drop the cached order, the job making the next one and the blocks kept for reuse
@@ -69,12 +69,12 @@ def epoch_order(plan: Plan, epoch: int) -> np.ndarray:
     return order
 
 
-def _order_job(plan: Plan, epoch: int, start: bool) -> _OrderJob:
+def _order_job(plan: Plan, epoch: int, start: bool) -> OrderJob:
     """The job that makes the order epoch_order caches, from the plan's settings only (Note [epoch
     orders] in src/py/epoch_order.c): on a thread of its own when ``start``, else in its
     result()."""
     n, L = plan.num_items, plan.window
-    return _OrderJob(n, plan.seed, epoch, shuffle=plan.shuffle,
+    return OrderJob(n, plan.seed, epoch, shuffle=plan.shuffle,
                      phase_range=0 if L is None else plan.num_rows - n * L,
                      world_size=plan.world_size, rank=plan.rank, count=plan.num_samples,
                      window=L or 0, tables=plan.tables, start=start)
@@ -95,7 +95,7 @@ def _make_order(plan: Plan, epoch: int) -> np.ndarray:
 # would wait that long for the next epoch's first batch, every epoch: for a short epoch of
 # small rows, longer than the batches themselves take. So as an epoch begins, the order of
 # the epoch that follows it by default (the next one; a set_epoch() to it, as
-# DistributedSampler users call it, names the same) is made by an _OrderJob on a thread of its
+# DistributedSampler users call it, names the same) is made by an OrderJob on a thread of its
 # own that never takes the GIL (Note [epoch orders] in src/py/epoch_order.c), and epoch_order takes
 # it from there: at once if it is done, else after waiting for the rest of it. Where the
 # beginning epoch's own order is to be drawn in place (the first epoch, or one after a
@@ -117,7 +117,7 @@ def _make_order(plan: Plan, epoch: int) -> np.ndarray:
 # made, 8 bytes an item of the rank's shard each (two tables; three once orders are made two
 # epochs ahead, or while an order is drawn in place beside the next one's job and the last
 # epoch's batches still hold theirs), a sharded job also the whole permutation's 8 bytes an
-# item until its order is handed out (_job_bytes), and the plan's _EpochTables keeps at most
+# item until its order is handed out (_job_bytes), and the plan's EpochTables keeps at most
 # two blocks more for reuse (Note [epoch table reuse]).
 _AHEAD_MIN_ITEMS = 1 << 16
 _AHEAD_MAX = 2

@@ -71,7 +71,7 @@ def _decide() -> tuple[int | None, str]:
         return _users(text), f"{VARIABLE}={text[:40]!r} was set before the loader was made"
     if os.environ.get("PINLOADER_BACKEND") == "host":  # pinloader's host backend, forced: no CUDA
         return None, "PINLOADER_BACKEND=host"
-    state = _C._cuda_driver_state()
+    state = _C.cuda_driver_state()
     if state == "uninitialized":
         os.environ[VARIABLE] = str(WANTED)
         _set_here = True

@@ -415,7 +415,7 @@ class Runner:
         unknown = np.flatnonzero(ok & (hw[:, 0] <= 0))
         if len(unknown):
             # first meeting: the headers, read in C, and cached (Pillow reads other formats')
-            hw[unknown] = _C._jpeg_info(base, offs[unknown], lens[unknown])
+            hw[unknown] = _C.jpeg_info(base, offs[unknown], lens[unknown])
             for k in unknown[hw[unknown, 0] <= 0]:
                 try:
                     hw[k] = ops.image_info(base[int(offs[k]):int(offs[k]) + int(lens[k])])
@@ -428,7 +428,7 @@ class Runner:
         # (ops.host_decode's expect): a JPEG's header tells before nvJPEG crops the wrong box
         rec = np.flatnonzero(recorded & ((hw[:, 2] == 1) | (hw[:, 2] == 3)))
         if len(rec):
-            real = _C._jpeg_info(base, offs[rec], lens[rec])
+            real = _C.jpeg_info(base, offs[rec], lens[rec])
             differs = (real[:, 0] > 0) & ((real[:, 0] != hw[rec, 0]) | (real[:, 1] != hw[rec, 1]))
             for m in np.flatnonzero(differs).tolist():
                 r = int(rec[m])

@@ -80,7 +80,7 @@ class FileSource:
         """Sample i's file, read as ``read`` reads it: a FIFO or a device under an image's name
         is an OSError, never a blocking open."""
         path = self.paths[int(i)]
-        data, _, lengths, errs = _C._read_files([path], 1)
+        data, _, lengths, errs = _C.read_files([path], 1)
         e = int(errs[0])
         if e:
             raise OSError(e, os.strerror(e), path) if e > 0 else OSError("not a regular file")
@@ -91,7 +91,7 @@ class FileSource:
         """The files of ``idx`` in one buffer, read by native threads without the GIL (Note
         [file reader threads] in src/py/image_host.c), and {position in idx: why} for those
         that could not be read (their length -1)."""
-        data, offsets, lengths, errs = _C._read_files([self.paths[int(i)] for i in idx], self.threads)
+        data, offsets, lengths, errs = _C.read_files([self.paths[int(i)] for i in idx], self.threads)
         fails: dict[int, str] = {}
         for k in np.flatnonzero(errs):
             e = int(errs[k])
@@ -175,7 +175,7 @@ class MappedSource:
         self.file_names = file_names
         if mapping is None:
             sizes = [os.path.getsize(f) for f in file_names]
-            region, starts = _C._map_files(file_names)
+            region, starts = _C.map_files(file_names)
         else:
             region, starts, sizes = mapping
         self.region: np.ndarray | None = region
@@ -331,11 +331,11 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
     """WebDataset-style shards: each sample ``key.jpg`` (or another image extension) with
     ``key.cls`` (its label as decimal text); a ``key.cls`` without an image member is an
     error, other keys' members are not samples. The shards are mapped as one region and each one's
-    headers are read in place, once, in C (``_C._tar_scan``: ustar, pax and GNU long names)."""
+    headers are read in place, once, in C (``_C.tar_scan``: ustar, pax and GNU long names)."""
     names_f = [os.fspath(x) for x in shards]
     try:
         sizes = [os.path.getsize(f) for f in names_f]
-        region, starts = _C._map_files(names_f)
+        region, starts = _C.map_files(names_f)
     except OSError as e:
         raise ImageSourceError(f"ImageLoader: cannot open the tar shards ({e})") from None
     file_of: list[int] = []
@@ -347,7 +347,7 @@ def tar_source(shards: Sequence[str]) -> MappedSource:
         lo = int(starts[f])
         view = region[lo:lo + sizes[f]]
         try:
-            blob, cols = _C._tar_scan(view)
+            blob, cols = _C.tar_scan(view)
         except ValueError as e:
             raise ImageSourceError(f"ImageLoader: cannot read the tar shard {shard} ({e})") from None
         samples: dict[str, dict[str, tuple[int, int, str]]] = {}

@@ -184,7 +184,7 @@ def validate(loader: Any, plan: Any, state: Any, allow_changed: Iterable[str]) -
 def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
     """The rank's item order for what remains of ``epoch`` once the ranks together consumed its
     first ``position`` items: see Resuming in the module documentation of array_loader."""
-    from ._C import _epoch_table
+    from ._C import epoch_table
     from ._epoch_plan import epoch_order
     n, world, rank = plan.num_items, plan.world_size, plan.rank
     g = min(max(int(position), 0), n)
@@ -201,7 +201,7 @@ def resumed_order(plan: Any, epoch: int, position: int) -> np.ndarray:
         full = epoch_order(whole, epoch)
         # continue the order cyclically from position g: the padding wraps to the epoch's start
         out = full[(g + np.arange(rank, length, world, dtype=np.int64)) % n]
-    return _epoch_table(out)  # read-only, read in place (Note [epoch row tables] in src/py/epoch_table.c)
+    return epoch_table(out)  # read-only, read in place (Note [epoch row tables] in src/py/epoch_table.c)
 
 
 def batches_of(plan: Any, items: int) -> int:

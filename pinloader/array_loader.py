@@ -255,7 +255,7 @@ class ArrayLoader(EpochLoader):
         # The structure is walked by the prefetcher's own walker (src/py/flatten.c), here for
         # the leaves and their paths, and once more by AsyncPrefetcher(structure=arrays), which
         # keeps it: each batch is then a flat tuple of RowGathers placed in that structure in C.
-        leaves, others = _C._leaves(arrays, "arrays")
+        leaves, others = _C.leaves(arrays, "arrays")
         if others:
             path, obj = others[0]
             raise TypeError(f"{path}: ArrayLoader needs arrays (NumPy arrays, memory maps, DLPack "
@@ -372,7 +372,7 @@ class ArrayLoader(EpochLoader):
         # a view whose base is the table's capsule, not the loader's cached array: nothing
         # handed out reaches the cache (ndarray.__setstate__ on the cached array would free
         # the table under it; see gather_epoch_view in src/py/epoch_table.c)
-        return _C._epoch_view(epoch_order(self._plan, epoch))
+        return _C.epoch_view(epoch_order(self._plan, epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (as ``DistributedSampler.set_epoch``); 0 <=
@@ -391,7 +391,7 @@ class ArrayLoader(EpochLoader):
         is made (at the first iteration, and again after an error or a load_state_dict): a
         structure changed since the loader was made (a dict reordered, an entry replaced) would
         put each batch's arrays under the wrong names."""
-        leaves, _ = _C._leaves(self._structure, "arrays")
+        leaves, _ = _C.leaves(self._structure, "arrays")
         now = [(path, id(src)) for path, src in leaves]
         if now != [(path, id(src)) for path, src, _, _ in self._plan.leaves]:
             raise ValueError("ArrayLoader: arrays was changed after the loader was made (entries "

@@ -35,9 +35,9 @@ CALIBRATION_REPEATS = 5  # each try, and the final measurement, is a median of t
 
 def _cpus() -> int:
     """The CPUs this process may use: its affinity mask, capped by the cgroup CPU quota (rounded
-    up), as pinloader's own staging default counts them (``pinloader._C._cpu_budget()``)."""
+    up), as pinloader's own staging default counts them (``pinloader._C.cpu_budget()``)."""
     try:
-        budget = pinloader._C._cpu_budget()
+        budget = pinloader._C.cpu_budget()
         n = int(budget["affinity"]) or int(budget["online"])
         quota = budget.get("quota")
         if quota:

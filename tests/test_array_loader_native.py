@@ -110,7 +110,7 @@ def test_an_epoch_has_one_reader():
 def test_row_batches_constructor_refuses_bad_arguments():
     a = np.zeros((10, 3), np.float32)
     probe = _C.RowGather(a, [])
-    table = _C._epoch_table(np.arange(10))
+    table = _C.epoch_table(np.arange(10))
     leaf = ("arrays", probe, False, None, 0, None)
     with pytest.raises(TypeError, match="epoch table"):
         _C.RowBatches([leaf], np.arange(10), 3, 4)
@@ -132,7 +132,7 @@ def test_row_batches_constructor_refuses_bad_arguments():
         _C.RowBatches([("arrays", probe, False, -3, 10, "f")], table, 3, 4)  # a negative descriptor
     # rows outside a leaf's source: checked once, against the table's range
     with pytest.raises(IndexError, match="rows 0 to 10"):
-        _C.RowBatches([leaf], _C._epoch_table(np.arange(11)), 3, 4)
+        _C.RowBatches([leaf], _C.epoch_table(np.arange(11)), 3, 4)
     win = _C.RowGather(a, [], window=4)
     with pytest.raises(IndexError, match="7 items"):
         _C.RowBatches([("arrays", win, False, None, 0, None)], table, 3, 4)
@@ -242,7 +242,7 @@ def test_an_epochs_sources_live_until_its_last_device_gather_is_done():
             reg, why = _C.register_rows(a, None, "cpu")
             probe = _C.RowGather(a, np.empty(0, np.int64), None, None, reg)
             reg.close()  # the RowGather keeps its own hold on the registered range
-            return _C.RowBatches([("x", probe, False, None, 0, None)], _C._epoch_table(np.arange(N)), BS, N // BS)
+            return _C.RowBatches([("x", probe, False, None, 0, None)], _C.epoch_table(np.arange(N)), BS, N // BS)
     pf = AsyncPrefetcher(Src(), device="cpu", depth=2, structure=(np.empty((1, D), np.float32),))
     bad = 0
     for e in range(1, 9):
@@ -267,7 +267,7 @@ def test_closing_the_registration_does_not_pull_the_range_from_under_an_epoch():
     reg, why = _C.register_rows(a, None, "cpu")
     assert reg is not None, why
     rb = _C.RowBatches([("x", _C.RowGather(a, [], None, None, reg), False, None, 0, None)],
-                       _C._epoch_table(np.arange(4096)), 64, 64)
+                       _C.epoch_table(np.arange(4096)), 64, 64)
     pf = pinloader.AsyncPrefetcher(rb, device="cpu", depth=1, structure=(np.empty((1, 1024), np.float32),))
     first = next(pf)
     reg.close()  # the epoch's probe still holds the range

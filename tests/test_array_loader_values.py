@@ -122,7 +122,7 @@ def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
     import sys
 
     a = sample((1000, 5), np.float32, 8)
-    order = _C._epoch_table(np.random.default_rng(2).permutation(1000))
+    order = _C.epoch_table(np.random.default_rng(2).permutation(1000))
     assert order.dtype == np.int64 and not order.flags.writeable
     for arr in (order, order[10:20], order[::2], order.view(np.uint64)):
         with pytest.raises(ValueError):
@@ -155,23 +155,23 @@ def test_epoch_tables_are_read_only_and_read_in_place_by_rowgathers():
             (y,), = list(pf)
             assert np.array_equal(np.from_dlpack(y), a[expect])
     # a table whose entries do not all fit the source: each row checked, the first bad one named
-    wide = _C._epoch_table(np.r_[np.arange(10), 5000])
+    wide = _C.epoch_table(np.r_[np.arange(10), 5000])
     assert np.array_equal(_C.RowGather(a, wide[:10]).rows, np.arange(10))
     with pytest.raises(IndexError, match=r"rows\[10\] = 5000 is out of range for a source of 1000 rows"):
         _C.RowGather(a, wide)
     # a strided view of a table is copied (only contiguous slices are read in place)
-    s = _C._epoch_table(np.arange(64))[::3]
+    s = _C.epoch_table(np.arange(64))[::3]
     assert np.array_equal(_C.RowGather(a, s).rows, np.arange(0, 64, 3))
     # windows: each window checked to fit, by the table's largest entry
-    assert _C.RowGather(a, _C._epoch_table([0, 990]), window=10).shape == (2, 10, 5)
+    assert _C.RowGather(a, _C.epoch_table([0, 990]), window=10).shape == (2, 10, 5)
     with pytest.raises(IndexError, match="a window of 10 rows"):
-        _C.RowGather(a, _C._epoch_table([0, 991]), window=10)
+        _C.RowGather(a, _C.epoch_table([0, 991]), window=10)
     with pytest.raises(ValueError, match="1-D"):
-        _C._epoch_table(np.zeros((2, 2), np.int64))
+        _C.epoch_table(np.zeros((2, 2), np.int64))
     for lossy in (np.array([0.5, 1.0]), np.array([2**63], np.uint64)):  # never truncated
         with pytest.raises(TypeError):
-            _C._epoch_table(lossy)
-    assert _C._epoch_table(np.array([3, 1], np.int32)).tolist() == [3, 1]
+            _C.epoch_table(lossy)
+    assert _C.epoch_table(np.array([3, 1], np.int32)).tolist() == [3, 1]
 
 
 @settings(max_examples=40, deadline=None)

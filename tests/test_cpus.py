@@ -43,11 +43,11 @@ def _v2(root, membership, files):
 
 def _budget(monkeypatch, root):
     monkeypatch.setenv("PINLOADER_CGROUP_ROOT", str(root))
-    return _C._cpu_budget()
+    return _C.cpu_budget()
 
 
 def test_default_matches_the_budget_and_the_prefetcher_uses_it():
-    b = _C._cpu_budget()
+    b = _C.cpu_budget()
     assert b["online"] >= 1 and 1 <= b["affinity"] <= max(b["online"], b["affinity"])
     assert b["local_ranks"] == 1
     assert _C.default_staging_threads() == b["staging_threads"] == _expected(b)
@@ -120,7 +120,7 @@ def test_missing_cgroup_tree(tmp_path, monkeypatch):
                                           ("4x", 1), ("", 1), ("999999999999", 1)])
 def test_local_world_size_divides_the_cpus(monkeypatch, value, ranks):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
-    b = _C._cpu_budget()
+    b = _C.cpu_budget()
     assert b["local_ranks"] == ranks
     assert b["staging_threads"] == _expected(b) == max(1, b["affinity"] // ranks)
 
@@ -132,14 +132,14 @@ def test_local_world_size_divides_the_cpus(monkeypatch, value, ranks):
 def test_local_world_size_is_read_alike_for_the_pool_and_the_staging_threads(monkeypatch, value, ranks):
     # before: the pool accepted 2..65536 and the staging threads 1..2**20
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
-    assert _C._cpu_budget()["local_ranks"] == ranks
+    assert _C.cpu_budget()["local_ranks"] == ranks
     full = _C.default_pinned_cap()
     assert _C.default_pool_cap() == max(full // ranks, 256)
 
 
 def test_local_ranks_more_than_cpus_still_one_thread(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
-    b = _C._cpu_budget()
+    b = _C.cpu_budget()
     assert b["staging_threads"] == 1
 
 
@@ -151,7 +151,7 @@ def test_affinity_mask_is_followed():
             "from pinloader import _C\n"
             "import pinloader\n"
             "pf = pinloader.AsyncPrefetcher([])\n"
-            "print(json.dumps([_C._cpu_budget(), pf.staging_threads]))\n"
+            "print(json.dumps([_C.cpu_budget(), pf.staging_threads]))\n"
             "pf.close()\n")
     out = run_py(code, timeout=60, env_remove=("PINLOADER_CGROUP_ROOT",))
     assert out.returncode == 0, out.stderr

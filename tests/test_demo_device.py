@@ -73,10 +73,10 @@ def test_demo_counts_the_batches_it_timed_and_a_warm_p99():
 def test_demo_cpus_follow_the_cpu_budget(monkeypatch):
     from pinloader import _C
 
-    monkeypatch.setattr(_C, "_cpu_budget", lambda: {"online": 16, "affinity": 16, "quota": 2.5,
+    monkeypatch.setattr(_C, "cpu_budget", lambda: {"online": 16, "affinity": 16, "quota": 2.5,
                                                     "local_ranks": 1})
     assert demo._cpus() == 3
-    monkeypatch.setattr(_C, "_cpu_budget", lambda: {"online": 16, "affinity": 4, "quota": None,
+    monkeypatch.setattr(_C, "cpu_budget", lambda: {"online": 16, "affinity": 4, "quota": None,
                                                     "local_ranks": 1})
     assert demo._cpus() == 4
 

@@ -1,5 +1,5 @@
-"""The epoch order made in C (pinloader._C._OrderJob, Note [epoch orders] in
-src/py/epoch_order.c) and the reuse of its tables' blocks (_EpochTables, Note [epoch table reuse]
+"""The epoch order made in C (pinloader._C.OrderJob, Note [epoch orders] in
+src/py/epoch_order.c) and the reuse of its tables' blocks (EpochTables, Note [epoch table reuse]
 in src/py/epoch_table.c).
 
 The order must be the documented one item for item, on a thread of its own or in place, with
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pinloader import _C
-from pinloader._C import _EpochTables, _OrderJob, _testing
+from pinloader._C import EpochTables, OrderJob, _testing
 from helpers import WAIT_CHILD, describe, ref_order, run_py
 
 
@@ -61,9 +61,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[f"n{c[0]}-w{c[1]}r{c[2]}c{c[3]}-L{c[4]}p{c[5]}-s{int(c[6])}" for c in CASES])
 def test_the_order_is_the_documented_one(case, start, reuse):
     n, world, rank, count, window, phase_range, shuffle = case
-    tables = _EpochTables() if reuse else None
+    tables = EpochTables() if reuse else None
     for epoch in (0, 1, 2**64 - 1):
-        job = _OrderJob(n, 7, epoch, shuffle=shuffle, phase_range=phase_range, world_size=world,
+        job = OrderJob(n, 7, epoch, shuffle=shuffle, phase_range=phase_range, world_size=world,
                         rank=rank, count=count, window=window, tables=tables, start=start)
         got = job.result()
         want = formula(n, 7, epoch, shuffle, phase_range, world, rank, count, window)
@@ -88,7 +88,7 @@ def test_the_loader_order_matches_the_python_reference():
     for rank in range(world):
         for drop_last in (False, True):
             count = n // world if drop_last else -(-n // world)
-            got = _OrderJob(n, 1, 4, phase_range=rows - n * window, world_size=world, rank=rank,
+            got = OrderJob(n, 1, 4, phase_range=rows - n * window, world_size=world, rank=rank,
                             count=count, window=window).result()
             assert got.tolist() == ref_order(rows, bs, 1, 4, rank=rank, world=world,
                                              drop_last=drop_last, window=window)
@@ -99,21 +99,21 @@ def data_address(a):
 
 
 def test_a_dropped_table_is_reused_and_a_held_one_is_not():
-    tables = _EpochTables()
+    tables = EpochTables()
     n = 50_000
-    a = _OrderJob(n, 0, 0, tables=tables).result()
+    a = OrderJob(n, 0, 0, tables=tables).result()
     where = data_address(a)
     del a
     assert tables.spare_bytes >= n * 8
-    b = _OrderJob(n, 0, 1, tables=tables).result()  # made in the block of epoch 0's table
+    b = OrderJob(n, 0, 1, tables=tables).result()  # made in the block of epoch 0's table
     assert tables.reused == 1 and data_address(b) == where
     assert b.tolist() == formula(n, 0, 1).tolist()
     # held three ways: a view whose base is the capsule, a slice, a RowGather borrowing its rows
-    held = [_C._epoch_view(b), b[10:20], _C.RowGather(np.zeros((n, 2), np.uint8), b[:100])]
+    held = [_C.epoch_view(b), b[10:20], _C.RowGather(np.zeros((n, 2), np.uint8), b[:100])]
     want = b.copy()
     del b
     for k, h in enumerate(held):
-        c = _OrderJob(n, 0, 2 + k, tables=tables).result()
+        c = OrderJob(n, 0, 2 + k, tables=tables).result()
         assert data_address(c) != where  # the held block is not written
         assert np.array_equal(c, formula(n, 0, 2 + k))
         del c
@@ -126,21 +126,21 @@ def test_a_dropped_table_is_reused_and_a_held_one_is_not():
 
 
 def test_a_block_serves_tables_of_half_its_size_to_its_size():
-    tables = _EpochTables()
-    a = _OrderJob(1000, 0, 0, tables=tables).result()
+    tables = EpochTables()
+    a = OrderJob(1000, 0, 0, tables=tables).result()
     del a
-    small = _OrderJob(400, 0, 0, tables=tables).result()  # under half: a block of its own
+    small = OrderJob(400, 0, 0, tables=tables).result()  # under half: a block of its own
     assert tables.reused == 0
-    near = _OrderJob(600, 0, 0, tables=tables).result()
+    near = OrderJob(600, 0, 0, tables=tables).result()
     assert tables.reused == 1
     assert small.tolist() == formula(400, 0, 0).tolist() and near.tolist() == formula(600, 0, 0).tolist()
 
 
 def test_a_shard_returns_its_permutation_block():
-    tables = _EpochTables()
+    tables = EpochTables()
     n, world = 100_000, 4
     for epoch in range(3):
-        got = _OrderJob(n, 3, epoch, world_size=world, rank=1, count=n // world, tables=tables).result()
+        got = OrderJob(n, 3, epoch, world_size=world, rank=1, count=n // world, tables=tables).result()
         assert got.tolist() == formula(n, 3, epoch, world=world, rank=1, count=n // world).tolist()
         del got
     # epoch 1 and 2 reuse both the permutation's block and the shard's
@@ -173,7 +173,7 @@ def test_bad_arguments_are_clear_errors(kwargs, err):
     args.update(kwargs)
     n, seed, epoch = args.pop("n"), args.pop("seed"), args.pop("epoch")
     with pytest.raises(err):
-        _OrderJob(n, seed, epoch, **args)
+        OrderJob(n, seed, epoch, **args)
 
 
 @pytest.fixture
@@ -191,10 +191,10 @@ def test_held_threads_are_counted_while_they_wait_at_the_switch():
     code = textwrap.dedent("""
     import time
     import numpy as np
-    from pinloader._C import _OrderJob, _testing
+    from pinloader._C import OrderJob, _testing
     assert _testing.order_jobs_parked() == 0
     _testing.debug_hold_order_jobs(True)
-    jobs = [_OrderJob(1000, 0, e) for e in range(3)]
+    jobs = [OrderJob(1000, 0, e) for e in range(3)]
     assert all(j.threaded and not j.done for j in jobs)
     deadline = time.monotonic() + 60
     while _testing.order_jobs_parked() < 3 and time.monotonic() < deadline:
@@ -214,7 +214,7 @@ def test_held_threads_are_counted_while_they_wait_at_the_switch():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are read from /proc")
 def test_the_job_runs_on_a_named_thread(held):
-    job = _OrderJob(1000, 0, 0)
+    job = OrderJob(1000, 0, 0)
     assert job.threaded and not job.done
     def names():
         out = set()
@@ -237,7 +237,7 @@ def test_the_job_runs_on_a_named_thread(held):
 def test_the_thread_never_needs_the_gil():
     # With a switch interval of an hour no other Python thread runs while this one spins: the
     # job is done all the same, so its thread never asked for the GIL.
-    job = _OrderJob(200_000, 1, 1)
+    job = OrderJob(200_000, 1, 1)
     old = sys.getswitchinterval()
     sys.setswitchinterval(3600.0)
     try:
@@ -253,7 +253,7 @@ def test_the_thread_never_needs_the_gil():
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
 def test_ctrl_c_while_waiting_leaves_the_job_whole(held):
-    job = _OrderJob(5000, 2, 3)
+    job = OrderJob(5000, 2, 3)
     main = threading.get_ident()
     timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
     timer.start()
@@ -268,19 +268,19 @@ def test_ctrl_c_while_waiting_leaves_the_job_whole(held):
 
 
 def test_a_job_dropped_while_its_thread_runs_is_freed_by_the_thread(held):
-    tables = _EpochTables()
-    jobs = [_OrderJob(10_000 + k, 0, k, world_size=2, rank=1, count=5000, tables=tables) for k in range(8)]
+    tables = EpochTables()
+    jobs = [OrderJob(10_000 + k, 0, k, world_size=2, rank=1, count=5000, tables=tables) for k in range(8)]
     del jobs  # their threads are still held: each frees its work when it ends
     _testing.debug_hold_order_jobs(False)
     # the threads end on their own; a new job after them works, and nothing came back to the
     # cache from a thread (keeping a block needs the GIL)
-    assert _OrderJob(3000, 0, 0, tables=tables).result().tolist() == formula(3000, 0, 0).tolist()
+    assert OrderJob(3000, 0, 0, tables=tables).result().tolist() == formula(3000, 0, 0).tolist()
     assert tables.reused == 0
 
 
 def test_a_thread_that_cannot_start_leaves_the_order_to_result():
     # start=False is the path a failed pthread_create takes
-    job = _OrderJob(3000, 4, 4, start=False)
+    job = OrderJob(3000, 4, 4, start=False)
     assert not job.threaded and not job.done
     assert job.result().tolist() == formula(3000, 4, 4).tolist()
 
@@ -292,7 +292,7 @@ def test_result_called_from_two_threads_at_once_gives_both_the_order(held, start
     # frees its permutation's block when it is handed out: a second maker still writing it would
     # write freed memory (ASan).
     n, world = 2_000_000 if not start else 100_000, 2
-    job = _OrderJob(n, 5, 6, world_size=world, rank=1, count=n // world, start=start)
+    job = OrderJob(n, 5, 6, world_size=world, rank=1, count=n // world, start=start)
     barrier = threading.Barrier(2)
     got = [None, None]
 
@@ -324,11 +324,11 @@ def test_a_child_forked_while_another_thread_makes_the_order_in_place_makes_it_i
     import os, sys, threading, time, warnings
     import numpy as np
     from pinloader import _C
-    from pinloader._C import _OrderJob
+    from pinloader._C import OrderJob
     warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
     """) + WAIT_CHILD.format(timeout=60.0, poll=0.01) + textwrap.dedent("""
     n = 8_000_000
-    job = _OrderJob(n, 1, 2, world_size=2, rank=1, count=n // 2, start=False)
+    job = OrderJob(n, 1, 2, world_size=2, rank=1, count=n // 2, start=False)
     go = threading.Barrier(2)
     def make():
         go.wait()
@@ -373,14 +373,14 @@ def order_cases(draw):
                 reuse=draw(st.booleans()))
 
 
-_PROPERTY_TABLES = _EpochTables()  # shared across examples: blocks of every size come and go
+_PROPERTY_TABLES = EpochTables()  # shared across examples: blocks of every size come and go
 
 
 @settings(max_examples=300, deadline=None)
 @given(case=order_cases())
 def test_any_order_is_the_formulas_and_its_range_is_exact(case):
     c = case
-    job = _OrderJob(c["n"], c["seed"], c["epoch"], shuffle=c["shuffle"], phase_range=c["phase_range"],
+    job = OrderJob(c["n"], c["seed"], c["epoch"], shuffle=c["shuffle"], phase_range=c["phase_range"],
                     world_size=c["world"], rank=c["rank"], count=c["count"], window=c["window"],
                     tables=_PROPERTY_TABLES if c["reuse"] else None, start=c["start"])
     got = job.result()
@@ -405,10 +405,10 @@ def test_a_child_forked_while_the_test_switch_holds_jobs_runs_its_own():
     import os, sys, time, warnings
     warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
     import numpy as np
-    from pinloader._C import _OrderJob, _testing
+    from pinloader._C import OrderJob, _testing
     """) + WAIT_CHILD.format(timeout=60.0, poll=0.01) + textwrap.dedent("""
     _testing.debug_hold_order_jobs(True)
-    held = _OrderJob(5000, 1, 1)
+    held = OrderJob(5000, 1, 1)
     deadline = time.monotonic() + 60        # fork once its thread waits at the switch, not while
     while _testing.order_jobs_parked() < 1: # it starts (a lock of the C library or a sanitizer's
         assert time.monotonic() < deadline  # allocator it holds then stays held in the child)
@@ -417,7 +417,7 @@ def test_a_child_forked_while_the_test_switch_holds_jobs_runs_its_own():
     if pid == 0:
         code = 1
         try:
-            mine = _OrderJob(3000, 2, 2).result()          # its thread runs: the switch is off
+            mine = OrderJob(3000, 2, 2).result()          # its thread runs: the switch is off
             assert sorted(mine.tolist()) == list(range(3000))
             assert sorted(held.result().tolist()) == list(range(5000))  # made here, in place
             code = 0

@@ -1,11 +1,11 @@
 """Fuzz target: the host-side image code that parses untrusted files never crashes, and never lies.
 
-* ``_C._jpeg_info``: Pillow-made JPEGs (gray, RGB, CMYK, progressive) mutated (bytes flipped,
+* ``_C.jpeg_info``: Pillow-made JPEGs (gray, RGB, CMYK, progressive) mutated (bytes flipped,
   inserted, cut; frame headers with huge or zero dimensions and 0 or 255 components;
   zero-length segments; segment lengths past the end). Each sample is the last bytes of an
   exactly-sized buffer (an over-read is an ASan error) and the first bytes of another followed
   by junk; both must give what pinloader/_image_ops.py's jpeg_info gives for the sample alone.
-* ``_C._tar_scan``: ``tarfile``-made shards (ustar, GNU long names, pax) mutated (bytes flipped
+* ``_C.tar_scan``: ``tarfile``-made shards (ustar, GNU long names, pax) mutated (bytes flipped
   with the checksum fixed or not, sizes past the end, octal and base-256 sizes overflowing or
   negative, pax records with bad lengths, long names without terminators, cuts). A shard is
   read or refused with a ValueError naming the byte; what is read must lie inside the shard
@@ -18,7 +18,7 @@
   of the files.
 * Resumed packs over a hand-edited ``progress.txt``: refused with a ValueError naming the file,
   or a packed dataset whose samples are exactly the source's.
-* ``_C._read_files`` and ``_C._map_files`` over random lists of regular files (empty, one byte,
+* ``_C.read_files`` and ``_C.map_files`` over random lists of regular files (empty, one byte,
   page-sized and not), a folder, a FIFO, links, a missing path, ``/dev/null``, bytes and PathLike
   paths, a path with a NUL byte and a non-path: each file's bytes exactly, or its error.
 * ImageLoader (host decoder, ``on_error="skip"``) over folders and packed datasets of mutated
@@ -167,11 +167,11 @@ def test_jpeg_info_of_mutated_headers_reads_only_the_sample(sample, junk):
     # the sample at the end of an exact buffer, then at the start of one followed by junk
     pad = b"\xff" * 5
     base = exact(pad + sample)
-    got = _C._jpeg_info(base, np.array([len(pad)], np.int64), np.array([len(sample)], np.int64))
+    got = _C.jpeg_info(base, np.array([len(pad)], np.int64), np.array([len(sample)], np.int64))
     assert got.dtype == np.int32 and got.shape == (1, 3)
     assert tuple(got[0].tolist()) == want
     base = exact(sample + junk)
-    got = _C._jpeg_info(base, np.array([0, len(sample)], np.int64), np.array([len(sample), len(junk)], np.int64))
+    got = _C.jpeg_info(base, np.array([0, len(sample)], np.int64), np.array([len(sample), len(junk)], np.int64))
     assert tuple(got[0].tolist()) == want
     assert tuple(got[1].tolist()) == expected_info(junk)
 
@@ -180,7 +180,7 @@ def test_jpeg_info_of_pillow_jpegs_is_pillows():
     for b in JPEGS:
         with Image.open(io.BytesIO(b)) as im:
             want = (im.size[1], im.size[0], len(im.getbands()))
-        assert tuple(_C._jpeg_info(exact(b), np.array([0]), np.array([len(b)]))[0].tolist()) == want
+        assert tuple(_C.jpeg_info(exact(b), np.array([0]), np.array([len(b)]))[0].tolist()) == want
 
 
 @SETTINGS
@@ -192,13 +192,13 @@ def test_jpeg_info_refuses_samples_outside_the_base(n, offs, lens):
     o, ln = np.array(offs, np.int64), np.array(lens, np.int64)
     inside = len(offs) == len(lens) and all(a >= 0 and b >= 0 and a + b <= n for a, b in zip(offs, lens))
     if inside:
-        got = _C._jpeg_info(base, o, ln)
+        got = _C.jpeg_info(base, o, ln)
         assert got.shape == (len(offs), 3)
         for k, (a, b) in enumerate(zip(offs, lens)):
             assert tuple(got[k].tolist()) == expected_info(JPEGS[0][a:a + b])
     else:
-        with pytest.raises(ValueError, match="_jpeg_info: (sample|offsets and lengths)"):
-            _C._jpeg_info(base, o, ln)
+        with pytest.raises(ValueError, match="jpeg_info: (sample|offsets and lengths)"):
+            _C.jpeg_info(base, o, ln)
 
 
 def test_jpeg_info_refuses_offsets_it_cannot_read_as_int64():
@@ -206,7 +206,7 @@ def test_jpeg_info_refuses_offsets_it_cannot_read_as_int64():
     for bad in (np.array([0.5]), np.array([[0]]), np.array(0), np.array([2**63], np.uint64), "x", None,
                 [1.5], ["1"], [True], [2**63]):
         with pytest.raises(ValueError, match="offsets must be a 1-d array of integers"):
-            _C._jpeg_info(base, bad, np.array([1]))
+            _C.jpeg_info(base, bad, np.array([1]))
 
 
 # ---- tar shards ----------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def tar_samples(draw):
             fix = False
         elif kind == "type":
             # not 'g': tarfile applies a global header's path and size to every member after
-            # it, which _tar_scan (as GNU tar and WebDataset writers) leaves aside
+            # it, which tar_scan (as GNU tar and WebDataset writers) leaves aside
             b[h + 156] = draw(st.sampled_from(b"0123456xX LKS7\0"))
         elif kind == "magic":
             b[h + 257:h + 265] = draw(st.sampled_from([b"ustar\x0000", b"ustar  \0", b"\0" * 8]))
@@ -360,9 +360,9 @@ def test_tar_scan_of_mutated_shards_reads_inside_and_agrees_with_tarfile(shard):
     log(("tar", shard))
     TRIED_IMAGES["tar"] += 1
     try:
-        names, cols = _C._tar_scan(exact(shard))
+        names, cols = _C.tar_scan(exact(shard))
     except ValueError as e:
-        assert str(e).startswith("_tar_scan: at byte "), str(e)
+        assert str(e).startswith("tar_scan: at byte "), str(e)
         return
     TRIED_IMAGES["tar_read"] += 1
     assert cols.dtype == np.int64 and cols.ndim == 2 and cols.shape[1] == 3
@@ -377,11 +377,11 @@ def test_tar_scan_of_mutated_shards_reads_inside_and_agrees_with_tarfile(shard):
         e0 = end
     theirs = tarfile_members(shard)
     if theirs is None:
-        return  # tarfile refuses fields _tar_scan does not read (mode, uid, mtime, ...)
+        return  # tarfile refuses fields tar_scan does not read (mode, uid, mtime, ...)
     # tarfile stops without an error at a header it cannot read after the first: what it read
-    # before must be what _tar_scan read
+    # before must be what tar_scan read
     members, _ = theirs
-    assert ours[:len(members)] == members, f"_tar_scan read {ours!r:.500}, tarfile {members!r:.500}"
+    assert ours[:len(members)] == members, f"tar_scan read {ours!r:.500}, tarfile {members!r:.500}"
 
 
 @st.composite
@@ -430,7 +430,7 @@ def test_mutated_webdataset_shards_are_refused_or_read_exactly(shard):
         try:
             TRIED_IMAGES["wds_read"] += 1
             base, offs, lens, _ = src.read(np.arange(len(src)))
-            names, cols = _C._tar_scan(exact(shard))
+            names, cols = _C.tar_scan(exact(shard))
             members, e0 = {}, 0
             for end, off, size in cols.tolist():
                 members[names[e0:end].decode("utf-8", "surrogateescape")] = shard[off:off + size]
@@ -449,7 +449,7 @@ def test_tar_scan_of_real_shards_is_tarfiles():
     for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
         long = "p" * 150 + "/" + "q" * 95 if fmt == tarfile.USTAR_FORMAT else "r" * 300
         b = _shard(fmt, ["a.jpg", long + ".jpg", "b.cls"], [3, 1000, 0], True)
-        names, cols = _C._tar_scan(exact(b))
+        names, cols = _C.tar_scan(exact(b))
         got = []
         e0 = 0
         for end, off, size in cols.tolist():
@@ -704,7 +704,7 @@ def test_reading_random_files_gives_their_bytes_or_a_clear_error(paths, threads)
     bad_nul = any("\0" in os.fsdecode(os.fspath(p)) for p in paths if not isinstance(p, int))
     want = [None if isinstance(p, int) else files.get(os.fsdecode(os.fspath(p)).split("\0")[0]) for p in paths]
     try:
-        data, offsets, lengths, errors = _C._read_files(paths, threads)
+        data, offsets, lengths, errors = _C.read_files(paths, threads)
     except TypeError:
         assert bad_type
     except ValueError as e:
@@ -719,7 +719,7 @@ def test_reading_random_files_gives_their_bytes_or_a_clear_error(paths, threads)
             else:
                 assert errors[k] == 0 and bytes(data[o:o + n]) == w
     try:
-        region, starts = _C._map_files(paths)
+        region, starts = _C.map_files(paths)
     except TypeError:
         assert bad_type
     except ValueError as e:

@@ -15,13 +15,13 @@ VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 class _Driver:
-    """_C's _cuda_driver_state, answering `state`, counting the questions."""
+    """_C's cuda_driver_state, answering `state`, counting the questions."""
 
     def __init__(self, state):
         self.state = state
         self.asked = 0
 
-    def _cuda_driver_state(self):
+    def cuda_driver_state(self):
         self.asked += 1
         return self.state
 
@@ -103,7 +103,7 @@ import os, sys, time
 from pinloader import _hardware_queues as hq
 
 class Driver:
-    def _cuda_driver_state(self):
+    def cuda_driver_state(self):
         return "initialized"
 
 hq._C = Driver()
@@ -147,14 +147,14 @@ def test_threads_ask_once(driver):
 def test_driver_state_here():
     # this machine's answer, never initializing the driver: with no libcuda to load, "absent"
     import ctypes
-    got = _C._cuda_driver_state()
+    got = _C.cuda_driver_state()
     assert got in ("absent", "uninitialized", "initialized", "unknown")
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         assert got == "absent"
     with pytest.raises(TypeError):
-        _C._cuda_driver_state(0)
+        _C.cuda_driver_state(0)
 
 
 def test_a_host_loader_does_not_ask_and_a_default_one_asks_once(tmp_path, driver):

@@ -442,21 +442,21 @@ def test_static_stateful_door_ends_its_epoch():
 # ---- smaller checks the newer code relies on (each fails on a plausible slip) ----
 
 def test_a_row_gather_over_an_epoch_table_with_negative_rows_is_refused():
-    from pinloader._C import RowGather, _epoch_table
+    from pinloader._C import RowGather, epoch_table
     src = np.arange(10.0)
     with pytest.raises(IndexError, match=r"rows\[0\] = -1 is out of range"):
-        RowGather(src, _epoch_table([-1, 0]))
+        RowGather(src, epoch_table([-1, 0]))
     # a slice of a table whose range starts below 0 is copied and checked row by row
-    g = RowGather(src, _epoch_table([-1, 0, 1])[1:])
+    g = RowGather(src, epoch_table([-1, 0, 1])[1:])
     assert g.source_shape == (10,)
 
 
 def test_row_batches_refuse_more_batches_than_the_order_holds():
-    from pinloader._C import RowBatches, RowGather, _epoch_table
+    from pinloader._C import RowBatches, RowGather, epoch_table
     probe = RowGather(np.arange(9.0), np.empty(0, np.int64))
     with pytest.raises(ValueError, match="4 batches of 3 rows do not fit an order of 9 rows"):
-        RowBatches([("x", probe, False, None, 0, None)], _epoch_table(np.arange(9)), 3, 4)
-    RowBatches([("x", probe, False, None, 0, None)], _epoch_table(np.arange(9)), 3, 3)
+        RowBatches([("x", probe, False, None, 0, None)], epoch_table(np.arange(9)), 3, 4)
+    RowBatches([("x", probe, False, None, 0, None)], epoch_table(np.arange(9)), 3, 3)
 
 
 def test_consumed_after_a_world_size_change_is_at_the_new_world_size():

@@ -1,5 +1,5 @@
 """Hostile image datasets, one case each (tests/test_fuzz_images.py found them): tar shards that
-``_C._tar_scan`` must read as ``tarfile`` does or refuse, packed datasets with hand-edited .npy
+``_C.tar_scan`` must read as ``tarfile`` does or refuse, packed datasets with hand-edited .npy
 files, and resumed packs over an edited or damaged ``progress.txt``."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def data(b: bytes) -> bytes:
 
 
 def scan(shard: bytes) -> list[tuple[str, int, int]]:
-    names, cols = _C._tar_scan(np.frombuffer(shard, np.uint8))
+    names, cols = _C.tar_scan(np.frombuffer(shard, np.uint8))
     out, e0 = [], 0
     for end, off, size in cols.tolist():
         out.append((names[e0:end].decode(), off, size))
@@ -91,7 +91,7 @@ def test_a_long_name_ends_at_its_first_nul_and_must_have_one():
     name = b"n" * 100  # no NUL within its size
     shard = header("././@LongLink", len(name), tarfile.GNUTYPE_LONGNAME) + data(name) + header("x.jpg") + END
     with pytest.raises(ValueError, match="at byte 0: a GNU long name is not NUL-terminated"):
-        _C._tar_scan(np.frombuffer(shard, np.uint8))
+        _C.tar_scan(np.frombuffer(shard, np.uint8))
 
 
 # ---- packed datasets -----------------------------------------------------------------------------
@@ -297,7 +297,7 @@ class _ClearsTheList:
 def test_reading_paths_whose_fspath_changes_their_list(tmp_path):
     f = tmp_path / "a.bin"
     f.write_bytes(b"abc")
-    for read in (lambda p: _C._read_files(p, 2), _C._map_files):
+    for read in (lambda p: _C.read_files(p, 2), _C.map_files):
         paths: list = []
         paths.extend([_ClearsTheList(paths, str(f)), str(f), str(f)])
         got = read(paths)

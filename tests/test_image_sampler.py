@@ -161,16 +161,16 @@ def test_native_header_reader_agrees_with_python():
     offsets = np.zeros(len(blobs), np.int64)
     offsets[1:] = np.cumsum(lengths)[:-1]
     base = np.frombuffer(b"".join(blobs) + b"\0", np.uint8)
-    got = _C._jpeg_info(base, offsets, lengths)
+    got = _C.jpeg_info(base, offsets, lengths)
     for k, b in enumerate(blobs):
         want = ops.jpeg_info(b)
         assert tuple(got[k]) == (want if want is not None else (-1, -1, -1)), k
     with pytest.raises(ValueError, match="outside"):
-        _C._jpeg_info(base, offsets + 10**6, lengths)
+        _C.jpeg_info(base, offsets + 10**6, lengths)
     with pytest.raises(ValueError, match="outside"):
-        _C._jpeg_info(base, offsets, lengths - 10**6)
+        _C.jpeg_info(base, offsets, lengths - 10**6)
     with pytest.raises(ValueError, match="differ"):
-        _C._jpeg_info(base, offsets, lengths[:-1])
+        _C.jpeg_info(base, offsets, lengths[:-1])
 
 
 def test_native_file_reader(tmp_path):
@@ -185,18 +185,18 @@ def test_native_file_reader(tmp_path):
     os.mkfifo(fifo)
     paths += [str(tmp_path / "missing"), str(tmp_path), str(fifo)]
     for threads in (1, 3, 64):
-        data, off, ln, err = _C._read_files(paths, threads)
+        data, off, ln, err = _C.read_files(paths, threads)
         for k in range(4):
             with open(paths[k], "rb") as f:
                 assert data[off[k]:off[k] + ln[k]].tobytes() == f.read()
             assert err[k] == 0
         assert err[4] == 2 and err[5] == -1 and err[6] == -1 and (ln[4:] == 0).all()
-    data, off, ln, err = _C._read_files([], 4)
+    data, off, ln, err = _C.read_files([], 4)
     assert len(off) == 0 and data.size == 1
     with pytest.raises(ValueError, match="threads"):
-        _C._read_files(paths, 0)
+        _C.read_files(paths, 0)
     with pytest.raises(ValueError):
-        _C._read_files(["a\0b"], 1)
+        _C.read_files(["a\0b"], 1)
 
 
 def test_native_file_mapping(tmp_path):
@@ -207,19 +207,19 @@ def test_native_file_mapping(tmp_path):
         p = tmp_path / f"f{k}"
         p.write_bytes(b)
         paths.append(str(p))
-    region, starts = _C._map_files(paths)
+    region, starts = _C.map_files(paths)
     assert not region.flags.writeable and region.dtype == np.uint8
     for b, s in zip(blobs, starts):
         assert region[s:s + len(b)].tobytes() == b
     assert (np.diff(starts) >= 0).all() and (starts % 4096 == 0).all()
     # bytes past a file's end, in its last page, are zeros (not the next file's)
     assert not region[starts[0] + 10:starts[0] + 100].any()
-    region2, starts2 = _C._map_files([])
+    region2, starts2 = _C.map_files([])
     assert region2.shape == (0,) and starts2.shape == (0,)
     with pytest.raises(FileNotFoundError):
-        _C._map_files([str(tmp_path / "missing")])
+        _C.map_files([str(tmp_path / "missing")])
     with pytest.raises(OSError, match="not a regular file"):
-        _C._map_files([str(tmp_path)])
+        _C.map_files([str(tmp_path)])
     del region  # unmapped with its last view
 
 
@@ -245,7 +245,7 @@ def _tar_bytes(fmt, members):
 
 def _scan(blob):
     from pinloader import _C
-    names, cols = _C._tar_scan(np.frombuffer(blob, np.uint8))
+    names, cols = _C.tar_scan(np.frombuffer(blob, np.uint8))
     out, start = [], 0
     for end, off, size in cols.tolist():
         out.append((names[start:end].decode("utf-8", "surrogateescape"), off, size))
@@ -297,4 +297,4 @@ def test_tar_scan_refuses_malformed_archives_without_crashing():
         for _, off, size in got:
             assert 0 <= off and off + size <= len(b)
     with pytest.raises(TypeError):
-        _C._tar_scan(42)
+        _C.tar_scan(42)

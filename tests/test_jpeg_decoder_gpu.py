@@ -161,10 +161,10 @@ import pinloader
 from pinloader import _C, _cudart
 
 if len(sys.argv) > 3:  # an ImageLoader made before CUDA is used asks for the queues itself
-    assert _C._cuda_driver_state() == "uninitialized", "the driver was initialized before the loader"
+    assert _C.cuda_driver_state() == "uninitialized", "the driver was initialized before the loader"
     loader = pinloader.ImageLoader([(sys.argv[3], 0)], 1, device="cuda:0")
     # making a loader never initializes CUDA (a fork, or CUDA_VISIBLE_DEVICES set, after it works)
-    assert _C._cuda_driver_state() == "uninitialized", "making the loader initialized the driver"
+    assert _C.cuda_driver_state() == "uninitialized", "making the loader initialized the driver"
     print("loader", os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), loader.stats()["cuda_connections"])
     loader.close()
 import cupy
@@ -274,7 +274,7 @@ import cupy
 import pinloader
 from pinloader import _C
 cupy.zeros(1)  # the user's framework used CUDA first
-before = _C._cuda_driver_state()
+before = _C.cuda_driver_state()
 loader = pinloader.ImageLoader([(sys.argv[1], 0)], 1, device="cuda:0")
 st = loader.stats()
 print(before, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), st["cuda_connections"], "|", st["cuda_connections_reason"])

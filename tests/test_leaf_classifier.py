@@ -1,5 +1,5 @@
 """One classifier of what a leaf is (Note [one leaf classifier] in src/py/flatten.c): the per-item
-walk (AsyncPrefetcher over items) and structure mode (``pinloader._C._leaves`` and
+walk (AsyncPrefetcher over items) and structure mode (``pinloader._C.leaves`` and
 ``AsyncPrefetcher(structure=)``, which ArrayLoader uses) agree on every container kind and every
 leaf kind, and every container comes back with its own type."""
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_both_walks_classify_and_rebuild_alike(container, leaf_kind):
     leaf, other = make_leaf(), np.arange(3, dtype=np.int64)  # `other` keeps structure= non-empty
     item = make(leaf, other)
 
-    found, passed = _C._leaves(item, "item")
+    found, passed = _C.leaves(item, "item")
     assert any(obj is leaf for _, obj in (found if is_array else passed)), (found, passed)
     assert not any(obj is leaf for _, obj in (passed if is_array else found)), (found, passed)
 
@@ -151,7 +151,7 @@ def test_a_failing_rebuild_names_the_container_and_chains_the_cause():
     assert isinstance(info.value.__cause__, ValueError)
     assert "Pairs wants two items" in str(info.value)
     # structure mode names it the same way
-    found, _ = _C._leaves(item, "item")
+    found, _ = _C.leaves(item, "item")
     with pinloader.AsyncPrefetcher([tuple(leaf for _, leaf in found)], device=DEVICE,
                                    structure=item) as pf:
         with pytest.raises(TypeError, match=r"item\['x'\]\[1\]\.b: cannot rebuild the .*Pairs"):

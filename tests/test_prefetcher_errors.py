@@ -334,6 +334,6 @@ def test_paths_name_every_step_kind_and_take_user_reprs_once_per_walk():
     # structure mode records the same paths, the text of each taken once
     fields = NT(np.zeros(1), [np.zeros(1)])
     named = type("Named", (tuple,), {"_fields": (_Name("first"),)})((np.zeros(1),))
-    found, _ = pinloader._C._leaves({"x": fields, 3: named, -1: [{"y": np.zeros(1)}]}, "root")
+    found, _ = pinloader._C.leaves({"x": fields, 3: named, -1: [{"y": np.zeros(1)}]}, "root")
     assert [p for p, _ in found] == ["root['x'].image", "root['x'].label[0]", "root[3].first",
                                      "root[-1][0]['y']"]

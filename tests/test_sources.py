@@ -83,7 +83,7 @@ class Alternating:
             self.sources.append(rb)
             return rb
         order = self.L.indices(e)
-        leaves, _ = _C._leaves(self.d, "batch")  # (path, leaf) in the structure's walk order
+        leaves, _ = _C.leaves(self.d, "batch")  # (path, leaf) in the structure's walk order
         return (tuple(leaf[order[s:s + 30]] for _, leaf in leaves) for s in range(0, 100, 30))
 
 

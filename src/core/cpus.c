@@ -18,7 +18,7 @@
  * PINLOADER_CGROUP_ROOT (tests only) names a directory that stands in for "/" when reading
  * /proc/self/cgroup and /sys/fs/cgroup.
  *
- * No Python: src/py/cpu_budget.c is the Python face (default_staging_threads(), _cpu_budget()). */
+ * No Python: src/py/cpu_budget.c is the Python face (default_staging_threads(), cpu_budget()). */
 #include "cpus.h"
 #include "util.h"
 

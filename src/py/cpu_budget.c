@@ -1,4 +1,4 @@
-/* pinloader._C.default_staging_threads() and _cpu_budget(): the Python face of the CPU budget
+/* pinloader._C.default_staging_threads() and cpu_budget(): the Python face of the CPU budget
  * (Note [staging threads] in src/core/cpus.c). */
 #include "cpu_budget.h"
 
@@ -35,8 +35,8 @@ static PyMethodDef cpus_methods[] = {
      "The staging thread count AsyncPrefetcher uses when staging_threads is None: the CPUs this\n"
      "process may use (affinity mask, cgroup CPU quota) divided among the local ranks\n"
      "(LOCAL_WORLD_SIZE), at least 1 and at most max_staging_threads."},
-    {"_cpu_budget", cpu_budget, METH_NOARGS,
-     "_cpu_budget()\n--\n\nWhat default_staging_threads() is derived from, as a dict."},
+    {"cpu_budget", cpu_budget, METH_NOARGS,
+     "cpu_budget()\n--\n\nWhat default_staging_threads() is derived from, as a dict."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-/* default_staging_threads() and _cpu_budget() (cpu_budget.c). */
+/* default_staging_threads() and cpu_budget() (cpu_budget.c). */
 #ifndef PL_CPU_BUDGET_H
 #define PL_CPU_BUDGET_H
 

@@ -1,4 +1,4 @@
-/* pinloader._C._OrderJob: an epoch's sampling order (the permutation cut to a rank's shard and
+/* pinloader._C.OrderJob: an epoch's sampling order (the permutation cut to a rank's shard and
  * mapped to window starts), made on a thread that never touches Python. Note [epoch orders]. */
 #include "gather_impl.h"
 
@@ -19,7 +19,7 @@
  *   window L > 0:                  order[k] = phase + order[k] * L
  * tests/helpers.py's ref_order is the Python reference it must match item for item.
  *
- * _OrderJob makes it with the GIL held only to take the blocks (Note [epoch table reuse] in
+ * OrderJob makes it with the GIL held only to take the blocks (Note [epoch table reuse] in
  * epoch_table.c) and to hand the table out. A job made with start=True makes it on a thread of
  * its own (pl-epoch-order) that never touches Python: the loader makes the next epoch's order
  * this way while the training loop runs (Note [orders made ahead] in pinloader/_epoch_plan.py),
@@ -60,7 +60,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     order_work *w;
-    PyObject *tables; /* an _EpochTables, or NULL */
+    PyObject *tables; /* an EpochTables, or NULL */
     PyObject *result; /* the table, once handed out */
     uint32_t gen;     /* Note [fork generations] */
     int threaded;     /* a thread makes the order */
@@ -208,7 +208,7 @@ static void *order_main(void *arg)
 static int64_t arg_i64(PyObject *o, const char *name, int64_t lo, int64_t hi)
 {
     if (PyBool_Check(o) || !PyLong_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "_OrderJob: %s must be an int, not %.100s", name, Py_TYPE(o)->tp_name);
+        PyErr_Format(PyExc_TypeError, "OrderJob: %s must be an int, not %.100s", name, Py_TYPE(o)->tp_name);
         return -1;
     }
     int overflow;
@@ -216,7 +216,7 @@ static int64_t arg_i64(PyObject *o, const char *name, int64_t lo, int64_t hi)
     if (v == -1 && PyErr_Occurred())
         return -1;
     if (overflow || v < lo || v > hi) {
-        PyErr_Format(PyExc_ValueError, "_OrderJob: %s must be in [%lld, %lld], got %R", name,
+        PyErr_Format(PyExc_ValueError, "OrderJob: %s must be in [%lld, %lld], got %R", name,
                      (long long)lo, (long long)hi, o);
         return -1;
     }
@@ -230,12 +230,12 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *n_o, *seed_o, *epoch_o, *phase_o = NULL, *world_o = NULL, *rank_o = NULL, *count_o = Py_None,
              *window_o = NULL, *tables = Py_None, *shuffle_o = Py_True, *start_o = Py_True;
     /* shuffle and start: bools only, not any object's truth (None is not False) */
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOO:_OrderJob", kwlist, &n_o, &seed_o, &epoch_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOO:OrderJob", kwlist, &n_o, &seed_o, &epoch_o,
                                      &shuffle_o, &phase_o, &world_o, &rank_o, &count_o, &window_o, &tables,
                                      &start_o))
         return NULL;
     if (!PyBool_Check(shuffle_o) || !PyBool_Check(start_o))
-        return PyErr_Format(PyExc_TypeError, "_OrderJob: %s must be a bool, not %.100s",
+        return PyErr_Format(PyExc_TypeError, "OrderJob: %s must be a bool, not %.100s",
                             PyBool_Check(shuffle_o) ? "start" : "shuffle",
                             Py_TYPE(PyBool_Check(shuffle_o) ? start_o : shuffle_o)->tp_name);
     const int shuffle = shuffle_o == Py_True, start = start_o == Py_True;
@@ -253,19 +253,19 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (phase_range < 0 || world < 0 || rank < 0 || count < 0 || window < 0)
         return NULL;
     if (rank >= world)
-        return PyErr_Format(PyExc_ValueError, "_OrderJob: rank must be < world_size, got rank=%lld, "
+        return PyErr_Format(PyExc_ValueError, "OrderJob: rank must be < world_size, got rank=%lld, "
                             "world_size=%lld", (long long)rank, (long long)world);
     if (window && n && ((uint64_t)(n - 1) > (uint64_t)(INT64_MAX - phase_range) / (uint64_t)window))
-        return PyErr_Format(PyExc_ValueError, "_OrderJob: %lld windows of %lld rows after a phase of up "
+        return PyErr_Format(PyExc_ValueError, "OrderJob: %lld windows of %lld rows after a phase of up "
                             "to %lld overflow int64", (long long)n, (long long)window, (long long)phase_range);
     if (tables == Py_None)
         tables = NULL;
     else if (!pl_is_epoch_tables(tables))
-        return PyErr_Format(PyExc_TypeError, "_OrderJob: tables must be an _EpochTables or None, not %.100s",
+        return PyErr_Format(PyExc_TypeError, "OrderJob: tables must be an EpochTables or None, not %.100s",
                             Py_TYPE(tables)->tp_name);
     const int sharded = world > 1 && count > 0;
     if (sharded && n == 0)
-        return PyErr_Format(PyExc_ValueError, "_OrderJob: a shard of %lld items of no items", (long long)count);
+        return PyErr_Format(PyExc_ValueError, "OrderJob: a shard of %lld items of no items", (long long)count);
 
     order_work *w = PyMem_RawCalloc(1, sizeof *w);
     if (!w)
@@ -296,7 +296,7 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         pl_epoch_table_give(tables, w->out);
         pl_epoch_table_give(tables, w->perm);
         PyMem_RawFree(w);
-        return PyErr_Format(PyExc_RuntimeError, "_OrderJob: could not make a lock");
+        return PyErr_Format(PyExc_RuntimeError, "OrderJob: could not make a lock");
     }
     OrderJobObject *self = (OrderJobObject *)type->tp_alloc(type, 0);
     if (!self) {
@@ -342,7 +342,7 @@ static PyObject *job_result(PyObject *op, PyObject *noargs)
         if (self->result)
             return Py_NewRef(self->result);
         if (self->handed)
-            return PyErr_Format(PyExc_RuntimeError, "_OrderJob: the order could not be handed out");
+            return PyErr_Format(PyExc_RuntimeError, "OrderJob: the order could not be handed out");
         if (self->making && !pl_inherited(self->making_gen)) {
             /* another Python thread makes it in place, in these blocks: wait for it */
             Py_BEGIN_ALLOW_THREADS
@@ -441,7 +441,7 @@ static PyGetSetDef job_getset[] = {
 };
 
 static PyType_Slot job_slots[] = {
-    {Py_tp_doc, "_OrderJob(n, seed, epoch, *, shuffle=True, phase_range=0, world_size=1, rank=0, "
+    {Py_tp_doc, "OrderJob(n, seed, epoch, *, shuffle=True, phase_range=0, world_size=1, rank=0, "
                 "count=None, window=0, tables=None, start=True)\n--\n\n"
                 "An epoch's order, made on a thread of its own when start (Note [epoch orders] in "
                 "src/py/epoch_order.c)."},
@@ -453,7 +453,7 @@ static PyType_Slot job_slots[] = {
 };
 
 static PyType_Spec job_spec = {
-    .name = "pinloader._C._OrderJob",
+    .name = "pinloader._C.OrderJob",
     .basicsize = sizeof(OrderJobObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = job_slots,
@@ -462,7 +462,7 @@ static PyType_Spec job_spec = {
 int pl_epoch_order_init(PyObject *m)
 {
     PyObject *tp = PyType_FromModuleAndSpec(m, &job_spec, NULL);
-    int rc = tp ? PyModule_AddObjectRef(m, "_OrderJob", tp) : -1;
+    int rc = tp ? PyModule_AddObjectRef(m, "OrderJob", tp) : -1;
     Py_XDECREF(tp);
     return rc;
 }

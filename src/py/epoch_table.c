@@ -1,4 +1,4 @@
-/* The epoch tables (pinloader._C._epoch_table and _epoch_view) that ArrayLoader's epoch orders
+/* The epoch tables (pinloader._C.epoch_table and epoch_view) that ArrayLoader's epoch orders
  * are read from in place, and pinloader._C.permutation, the epoch's sampling order (shared with
  * row_gather.c and row_batches.c through gather_impl.h).
  *
@@ -25,7 +25,7 @@
 /* Note [epoch row tables]
  * A loader's epoch order is made once per epoch and read a batch at a time. The RowGathers of its
  * batches need not copy and check their rows (16 bytes of memory traffic per row on the producer,
- * read and written, every batch) when the order is immutable and checked once: _epoch_table(order)
+ * read and written, every batch) when the order is immutable and checked once: epoch_table(order)
  * copies it into an epoch table, memory owned by a capsule that exports no buffer, and returns a
  * read-only int64 array over it (NumPy refuses to make it or a view of it writeable, since its
  * base offers no writable buffer; only raw-pointer tools such as ctypes or a hand-made
@@ -36,20 +36,20 @@
  * to the array, which ndarray.__setstate__ can re-point elsewhere) and reads the rows in place;
  * they are checked against the source once, by the table's range. Anything else (other arrays,
  * lists, a table whose range does not fit the source) is copied and checked row by row.
- * permutation() returns an epoch table too. _epoch_table takes integers only by NumPy's safe
+ * permutation() returns an epoch table too. epoch_table takes integers only by NumPy's safe
  * casts: floats, or uint64 that int64 cannot hold, are a TypeError, never a silently truncated
  * order. */
-#define EPOCH_TABLE_CAPSULE "pinloader._epoch_table"
+#define EPOCH_TABLE_CAPSULE "pinloader.epoch_table"
 
 /* Note [epoch table reuse]
  * A loader makes a table of 8 bytes an item every epoch (32 MiB for 4 million rows). Fresh from
  * the allocator, such a block is new pages from the kernel, and the first write of each 4 KiB
  * page faults: on a 2-core test host that doubles the time the permutation takes (10 ms of
- * shuffling, 12 ms of faults for 4 million items). So a loader's plan holds an _EpochTables
+ * shuffling, 12 ms of faults for 4 million items). So a loader's plan holds an EpochTables
  * (pinloader/_epoch_plan.py), which keeps up to TABLE_SPARES blocks that its tables no longer
  * need (the largest, when more come back), and the next table of a size that fits takes one: in a run of epochs the table
  * of epoch e + 1 is made in the block of epoch e - 1, whose pages are already there. A table's
- * capsule holds a reference to the _EpochTables it came from and gives its block back when its
+ * capsule holds a reference to the EpochTables it came from and gives its block back when its
  * last reference goes: only then, so a table a user or a RowGather still holds (indices(), a
  * batch's rows) is never written. A block is taken only for a table of at least half its size,
  * and clear() (the loader's close()) frees the spares: the memory kept is at most TABLE_SPARES
@@ -227,7 +227,7 @@ int pl_borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out, Py
     return 1;
 }
 
-/* pinloader._C._epoch_table(order): see the Note. */
+/* pinloader._C.epoch_table(order): see the Note. */
 static PyObject *gather_epoch_table(PyObject *m, PyObject *obj)
 {
     (void)m;
@@ -253,7 +253,7 @@ static PyObject *gather_epoch_table(PyObject *m, PyObject *obj)
     return out;
 }
 
-/* pinloader._C._epoch_view(table): a new read-only array over the same entries as `table` (an
+/* pinloader._C.epoch_view(table): a new read-only array over the same entries as `table` (an
  * epoch table, or a slice of one) whose base is the table's capsule itself. What the loader hands
  * out is such a view: `view.base` is the capsule, which user code cannot re-point or free, so
  * ndarray.__setstate__ on anything handed out never reaches the loader's own cached order (a
@@ -265,7 +265,7 @@ static PyObject *gather_epoch_view(PyObject *m, PyObject *obj)
     PyObject *cap;
     const epoch_table *t = PyArray_Check(obj) ? pl_epoch_table_of((PyArrayObject *)obj, &cap) : NULL;
     if (!t)
-        return PyErr_Format(PyExc_TypeError, "_epoch_view: not an epoch table (_epoch_table)");
+        return PyErr_Format(PyExc_TypeError, "epoch_view: not an epoch table (epoch_table)");
     PyArrayObject *a = (PyArrayObject *)obj;
     npy_intp dim = PyArray_SIZE(a);
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(NPY_INT64), 1, &dim, NULL,
@@ -410,16 +410,16 @@ static PyObject *gather_permutation(PyObject *m, PyObject *args, PyObject *kwds)
 
 static PyMethodDef epoch_table_functions[] = {
     {"permutation", (PyCFunction)(void (*)(void))gather_permutation, METH_VARARGS | METH_KEYWORDS, permutation_doc},
-    {"_epoch_view", gather_epoch_view, METH_O, "_epoch_view(table, /)\n--\n\n"
+    {"epoch_view", gather_epoch_view, METH_O, "epoch_view(table, /)\n--\n\n"
      "A read-only array over the entries of an epoch table (or a slice of one) whose base is the\n"
      "table's capsule: what ArrayLoader.indices hands out (see gather_epoch_view)."},
-    {"_epoch_table", gather_epoch_table, METH_O, "_epoch_table(order, /)\n--\n\n"
+    {"epoch_table", gather_epoch_table, METH_O, "epoch_table(order, /)\n--\n\n"
      "order (1-D integers) as a read-only int64 array over an epoch table, which RowGathers of its\n"
      "slices read in place (Note [epoch row tables] in src/py/epoch_table.c)."},
     {NULL, NULL, 0, NULL},
 };
 
-/* ---- _EpochTables (Note [epoch table reuse]) ---- */
+/* ---- EpochTables (Note [epoch table reuse]) ---- */
 
 static void tables_clear_spares(EpochTablesObject *c)
 {
@@ -429,8 +429,8 @@ static void tables_clear_spares(EpochTablesObject *c)
 
 static PyObject *tables_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if ((kwds && PyDict_GET_SIZE(kwds)) || !PyArg_ParseTuple(args, ":_EpochTables"))
-        return kwds && PyDict_GET_SIZE(kwds) ? PyErr_Format(PyExc_TypeError, "_EpochTables() takes no arguments") : NULL;
+    if ((kwds && PyDict_GET_SIZE(kwds)) || !PyArg_ParseTuple(args, ":EpochTables"))
+        return kwds && PyDict_GET_SIZE(kwds) ? PyErr_Format(PyExc_TypeError, "EpochTables() takes no arguments") : NULL;
     return type->tp_alloc(type, 0);
 }
 
@@ -477,7 +477,7 @@ static PyGetSetDef tables_getset[] = {
 };
 
 static PyType_Slot tables_slots[] = {
-    {Py_tp_doc, "_EpochTables()\n--\n\nThe blocks of a loader's epoch tables kept for reuse "
+    {Py_tp_doc, "EpochTables()\n--\n\nThe blocks of a loader's epoch tables kept for reuse "
                 "(Note [epoch table reuse] in src/py/epoch_table.c)."},
     {Py_tp_new, tables_new},
     {Py_tp_dealloc, tables_dealloc},
@@ -487,7 +487,7 @@ static PyType_Slot tables_slots[] = {
 };
 
 static PyType_Spec tables_spec = {
-    .name = "pinloader._C._EpochTables",
+    .name = "pinloader._C.EpochTables",
     .basicsize = sizeof(EpochTablesObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = tables_slots,
@@ -496,7 +496,7 @@ static PyType_Spec tables_spec = {
 int pl_epoch_table_init(PyObject *m)
 {
     PyTypeObject *tp = (PyTypeObject *)PyType_FromModuleAndSpec(m, &tables_spec, NULL);
-    if (!tp || PyModule_AddObjectRef(m, "_EpochTables", (PyObject *)tp) < 0) {
+    if (!tp || PyModule_AddObjectRef(m, "EpochTables", (PyObject *)tp) < 0) {
         Py_XDECREF(tp);
         return -1;
     }

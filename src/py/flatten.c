@@ -783,11 +783,11 @@ void pl_flat_clear(pl_flat *f)
     pl_flat_init(f, f->st, f->b, f->device);
 }
 
-/* pinloader._C._leaves(obj, root, /): see flatten_functions. */
+/* pinloader._C.leaves(obj, root, /): see flatten_functions. */
 static PyObject *leaves_of(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !PyUnicode_Check(args[1]))
-        return PyErr_Format(PyExc_TypeError, "_leaves(obj, root: str)");
+        return PyErr_Format(PyExc_TypeError, "leaves(obj, root: str)");
     const char *root = PyUnicode_AsUTF8(args[1]);
     if (!root)
         return NULL;
@@ -806,8 +806,8 @@ static PyObject *leaves_of(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef flatten_functions[] = {
-    {"_leaves", (PyCFunction)(void (*)(void))leaves_of, METH_FASTCALL,
-     "_leaves(obj, root, /)\n--\n\n(leaves, others): the array-like leaves of obj as (path, leaf) "
+    {"leaves", (PyCFunction)(void (*)(void))leaves_of, METH_FASTCALL,
+     "leaves(obj, root, /)\n--\n\n(leaves, others): the array-like leaves of obj as (path, leaf) "
      "pairs in the order the prefetcher walks it (the walk AsyncPrefetcher's structure= "
      "captures), and the other non-container objects in it, also as (path, object)."},
     {NULL, NULL, 0, NULL},

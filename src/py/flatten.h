@@ -119,14 +119,14 @@ PyObject *pl_tree_build(const pl_tree *t, PyObject *leaves);
 void pl_tree_clear(pl_tree *t);
 /* "(2, 3)", "(4,)", "()": a shape as error messages write it, cut to fit n bytes. */
 void pl_shape_text(char *buf, size_t n, int ndim, const int64_t *shape);
-/* Add pinloader._C._leaves to the module. */
+/* Add pinloader._C.leaves to the module. */
 int pl_flatten_init(PyObject *m);
 int pl_tree_traverse(const pl_tree *t, visitproc visit, void *arg);
 /* Structure mode: walk obj (its path named `root`) recording containers, pass-through objects
  * and array-like leaves without reading any leaf; *found gets a new list of (path, leaf) in
  * walk order, and *passed (when not NULL) a new list of the pass-through objects, also as
  * (path, object). The tree is then taken with pl_flat_take_tree. Used to capture an ArrayLoader's
- * structure once (AsyncPrefetcher's structure=, pinloader._C._leaves). */
+ * structure once (AsyncPrefetcher's structure=, pinloader._C.leaves). */
 int pl_flat_structure(pl_flat *f, PyObject *obj, const char *root, PyObject **found,
                       PyObject **passed);
 /* ArrayLoader batches made without the GIL (Note [native epochs] in row_batches.c): the leaves of

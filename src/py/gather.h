@@ -31,7 +31,7 @@ static inline int pl_row_gather_check(pl_state *st, PyObject *o)
 }
 
 /* ArrayLoader's native types (RowGather, Registration, RowBatches, registered as a native source;
- * the epoch tables and _OrderJob) added to module m. */
+ * the epoch tables and OrderJob) added to module m. */
 int pl_array_types_init(PyObject *m, pl_state *st);
 /* The fork child handler's part (module.c): epoch_order.c's test switch re-made, off. */
 void pl_epoch_order_atfork_child(void);

@@ -61,10 +61,10 @@ const epoch_table *pl_epoch_table_of(PyArrayObject *a, PyObject **cap);
  * (*owner: a new reference to the table's capsule). Returns 1 if borrowed, else 0. */
 int pl_borrow_rows(PyObject *obj, int64_t span, int64_t limit, int64_t **out, Py_ssize_t *n_out,
                    PyObject **owner);
-/* o is an _EpochTables (Note [epoch table reuse] in epoch_table.c). */
+/* o is an EpochTables (Note [epoch table reuse] in epoch_table.c). */
 int pl_is_epoch_tables(PyObject *o);
 /* GIL held: a block for an epoch table of n entries (n set, lo/hi not), taken from `tables`
- * (an _EpochTables, Note [epoch table reuse]; NULL: none) when it has one big enough, else
+ * (an EpochTables, Note [epoch table reuse]; NULL: none) when it has one big enough, else
  * allocated; NULL with MemoryError when memory is short. */
 epoch_table *pl_epoch_table_take(PyObject *tables, int64_t n);
 /* GIL held (or tables NULL): block t back to `tables`, or freed when it keeps enough. */
@@ -79,12 +79,12 @@ void pl_permute(int64_t *p, int64_t n, uint64_t seed, uint64_t epoch, uint64_t p
                 uint64_t *phase);
 /* An int (not a bool) modulo 2**64 into *out, or -1 with TypeError naming `name`. */
 int pl_as_u64(PyObject *o, const char *name, uint64_t *out);
-/* permutation, _epoch_table, _epoch_view and _EpochTables, added to module m. */
+/* permutation, epoch_table, epoch_view and EpochTables, added to module m. */
 int pl_epoch_table_init(PyObject *m);
 
 /* ---- epoch_order.c ---- */
 
-/* _OrderJob (Note [epoch orders]), added to module m (by pl_array_types_init, after the tables). */
+/* OrderJob (Note [epoch orders]), added to module m (by pl_array_types_init, after the tables). */
 int pl_epoch_order_init(PyObject *m);
 /* The test switch: while on, order jobs' threads wait before they begin (testing.c). */
 void pl_epoch_order_hold(int on);

@@ -1,14 +1,14 @@
-/* pinloader._C._jpeg_info and pinloader._C._read_files: the host work of ImageLoader
+/* pinloader._C.jpeg_info and pinloader._C.read_files: the host work of ImageLoader
  * (pinloader/image_loader.py) that would otherwise cost Python per sample.
  *
- *   hwc = _jpeg_info(base, offsets, lengths)
+ *   hwc = jpeg_info(base, offsets, lengths)
  *       int32 (n, 3): each sample's height, width and components from its JPEG frame header
  *       (src/core/jpeg_header.h), or -1s where there is none (not a JPEG, truncated). Sample i
  *       is base[offsets[i]:offsets[i] + lengths[i]]; one outside base is a ValueError.
- *   data, offsets, lengths, errors = _read_files(paths, threads)
+ *   data, offsets, lengths, errors = read_files(paths, threads)
  *       The files' bytes, one after the other, in one uint8 array; errors: int32 per file, 0 or
  *       the errno of the open or read that failed (-1: not a regular file), its length then 0.
- *   region, starts = _map_files(paths)
+ *   region, starts = map_files(paths)
  *       The files mapped read-only one after the other into one range of addresses (Note [one
  *       region of files]): a read-only uint8 array over all of them, and where each begins.
  *
@@ -63,7 +63,7 @@ static PyObject *ih_jpeg_info(PyObject *m, PyObject *args)
 {
     (void)m;
     PyObject *base, *off_o, *len_o;
-    if (!PyArg_ParseTuple(args, "OOO:_jpeg_info", &base, &off_o, &len_o))
+    if (!PyArg_ParseTuple(args, "OOO:jpeg_info", &base, &off_o, &len_o))
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(base, &view, PyBUF_SIMPLE) < 0)
@@ -73,14 +73,14 @@ static PyObject *ih_jpeg_info(PyObject *m, PyObject *args)
         goto error;
     npy_intp n = PyArray_DIM(off, 0);
     if (PyArray_DIM(len, 0) != n) {
-        PyErr_SetString(PyExc_ValueError, "_jpeg_info: offsets and lengths differ in length");
+        PyErr_SetString(PyExc_ValueError, "jpeg_info: offsets and lengths differ in length");
         goto error;
     }
     const int64_t *o = PyArray_DATA(off), *l = PyArray_DATA(len);
     for (npy_intp i = 0; i < n; i++) {
         int64_t end;
         if (o[i] < 0 || l[i] < 0 || __builtin_add_overflow(o[i], l[i], &end) || end > (int64_t)view.len) {
-            PyErr_Format(PyExc_ValueError, "_jpeg_info: sample %zd: bytes [%lld, %lld + %lld) lie outside "
+            PyErr_Format(PyExc_ValueError, "jpeg_info: sample %zd: bytes [%lld, %lld + %lld) lie outside "
                          "base (%zd bytes)", (Py_ssize_t)i, (long long)o[i], (long long)o[i],
                          (long long)l[i], view.len);
             goto error;
@@ -199,13 +199,13 @@ static PyObject *ih_read_files(PyObject *m, PyObject *args)
     (void)m;
     PyObject *paths_o;
     int threads;
-    if (!PyArg_ParseTuple(args, "Oi:_read_files", &paths_o, &threads))
+    if (!PyArg_ParseTuple(args, "Oi:read_files", &paths_o, &threads))
         return NULL;
     if (threads < 1 || threads > MAX_READERS) {
-        PyErr_Format(PyExc_ValueError, "_read_files: threads must be in 1..%d, got %d", MAX_READERS, threads);
+        PyErr_Format(PyExc_ValueError, "read_files: threads must be in 1..%d, got %d", MAX_READERS, threads);
         return NULL;
     }
-    PyObject *seq = paths_tuple(paths_o, "_read_files: paths must be a sequence");
+    PyObject *seq = paths_tuple(paths_o, "read_files: paths must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -254,7 +254,7 @@ static PyObject *ih_read_files(PyObject *m, PyObject *args)
         o[i] = (int64_t)total;
         l[i] = (int64_t)j.sizes[i];
         if (__builtin_add_overflow(total, j.sizes[i], &total) || total > (size_t)NPY_MAX_INTP) {
-            PyErr_SetString(PyExc_OverflowError, "_read_files: the files are larger than an array can hold");
+            PyErr_SetString(PyExc_OverflowError, "read_files: the files are larger than an array can hold");
             goto done;
         }
     }
@@ -315,7 +315,7 @@ static void region_free(PyObject *cap)
 static PyObject *ih_map_files(PyObject *m, PyObject *paths_o)
 {
     (void)m;
-    PyObject *seq = paths_tuple(paths_o, "_map_files: paths must be a sequence");
+    PyObject *seq = paths_tuple(paths_o, "map_files: paths must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -360,14 +360,14 @@ static PyObject *ih_map_files(PyObject *m, PyObject *paths_o)
             goto done;
         }
         if (!S_ISREG(sb.st_mode)) {
-            PyErr_Format(PyExc_OSError, "_map_files: %s is not a regular file", path);
+            PyErr_Format(PyExc_OSError, "map_files: %s is not a regular file", path);
             goto done;
         }
         sizes[i] = (size_t)sb.st_size;
         st[i] = (int64_t)total;
         size_t pages = (sizes[i] + page - 1) / page * page;
         if (__builtin_add_overflow(total, pages, &total) || total > (size_t)NPY_MAX_INTP / 2) {
-            PyErr_SetString(PyExc_OverflowError, "_map_files: the files are larger than one mapping can hold");
+            PyErr_SetString(PyExc_OverflowError, "map_files: the files are larger than one mapping can hold");
             goto done;
         }
     }
@@ -506,7 +506,7 @@ static PyObject *ih_tar_scan(PyObject *m, PyObject *arg)
         goto done;
     }
     if (rc > 0) {
-        PyErr_Format(PyExc_ValueError, "_tar_scan: at byte %lld: %s", (long long)where, why);
+        PyErr_Format(PyExc_ValueError, "tar_scan: at byte %lld: %s", (long long)where, why);
         goto done;
     }
     npy_intp dims[2] = {(npy_intp)a.n, 3};
@@ -526,19 +526,19 @@ done:
 }
 
 static PyMethodDef image_host_methods[] = {
-    {"_jpeg_info", ih_jpeg_info, METH_VARARGS,
-     "_jpeg_info(base, offsets, lengths, /)\n--\n\nint32 (n, 3): each sample's JPEG height, width "
+    {"jpeg_info", ih_jpeg_info, METH_VARARGS,
+     "jpeg_info(base, offsets, lengths, /)\n--\n\nint32 (n, 3): each sample's JPEG height, width "
      "and components (-1s where there is no JPEG frame header)."},
-    {"_read_files", ih_read_files, METH_VARARGS,
-     "_read_files(paths, threads, /)\n--\n\n(data, offsets, lengths, errors): the files read by "
+    {"read_files", ih_read_files, METH_VARARGS,
+     "read_files(paths, threads, /)\n--\n\n(data, offsets, lengths, errors): the files read by "
      "native threads into one uint8 array; errors int32 per file (0, an errno, or -1: not a "
      "regular file)."},
-    {"_tar_scan", ih_tar_scan, METH_O,
-     "_tar_scan(archive, /)\n--\n\n(names, members): a tar archive's regular files, in order: "
+    {"tar_scan", ih_tar_scan, METH_O,
+     "tar_scan(archive, /)\n--\n\n(names, members): a tar archive's regular files, in order: "
      "their names one after the other (bytes) and int64 (n, 3) rows of name end, data offset and "
      "size. A malformed archive is a ValueError naming the byte."},
-    {"_map_files", ih_map_files, METH_O,
-     "_map_files(paths, /)\n--\n\n(region, starts): the files mapped read-only one after the other "
+    {"map_files", ih_map_files, METH_O,
+     "map_files(paths, /)\n--\n\n(region, starts): the files mapped read-only one after the other "
      "into one range of addresses, as one read-only uint8 array, and where each begins."},
     {NULL, NULL, 0, NULL},
 };

@@ -165,11 +165,11 @@ static PyMethodDef module_methods[] = {
     {"default_pinned_cap", mod_default_pinned_cap, METH_NOARGS,
      "default_pinned_cap()\n--\n\nThe default PinnedPool cap in bytes: a quarter of physical memory, "
      "at most half of RLIMIT_MEMLOCK where that binds."},
-    {"_cuda_driver_state", mod_cuda_driver_state, METH_NOARGS,
-     "_cuda_driver_state()\n--\n\nThe CUDA driver in this process, without initializing it: "
+    {"cuda_driver_state", mod_cuda_driver_state, METH_NOARGS,
+     "cuda_driver_state()\n--\n\nThe CUDA driver in this process, without initializing it: "
      "'absent' (no libcuda), 'uninitialized', 'initialized' or 'unknown'."},
-    {"_set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
-    {"_shutdown", mod_shutdown, METH_NOARGS, NULL},
+    {"set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
+    {"shutdown", mod_shutdown, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,7 +5,7 @@
 #include "state.h"
 
 int pl_prefetcher_init(PyObject *m, pl_state *st);
-/* Close every live prefetcher (pinloader._C._shutdown(), at interpreter exit). */
+/* Close every live prefetcher (pinloader._C.shutdown(), at interpreter exit). */
 void pl_prefetcher_shutdown_all(pl_state *st);
 /* pinloader._C._testing.debug_signal_after_handout(signum): a test switch, Note [interrupted
  * handout]. */

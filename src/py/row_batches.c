@@ -286,7 +286,7 @@ static PyObject *rb_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *cap;
     const epoch_table *t = PyArray_Check(order) ? pl_epoch_table_of((PyArrayObject *)order, &cap) : NULL;
     if (!t)
-        return PyErr_Format(PyExc_TypeError, "RowBatches: order must be an epoch table (_epoch_table), "
+        return PyErr_Format(PyExc_TypeError, "RowBatches: order must be an epoch table (epoch_table), "
                             "not %.100s", Py_TYPE(order)->tp_name);
     int64_t n_rows = PyArray_SIZE((PyArrayObject *)order);
     if (bs < 1 || nb < 0 || nb > n_rows / bs + (n_rows % bs != 0))
@@ -449,7 +449,7 @@ PyDoc_STRVAR(rb_doc,
 "readahead, file, need, name): probe a RowGather over the source (its rows unused), file None\n"
 "or an object with fileno() (held) of the file the source maps, named `name`, whose size must\n"
 "stay >= need.\n"
-"`order`: an epoch table (_epoch_table). An AsyncPrefetcher makes the batches in C without\n"
+"`order`: an epoch table (epoch_table). An AsyncPrefetcher makes the batches in C without\n"
 "the GIL; iterated from Python it yields tuples of RowGathers. One reader per epoch.");
 
 static PyType_Slot rb_slots[] = {

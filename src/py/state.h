@@ -46,7 +46,7 @@ typedef struct {
     /* The PinnedPool objects of the default pools, by (backend name, device); made on first
      * use. Guarded by the GIL. */
     PyObject *default_pools;
-    /* Live prefetchers, closed by _shutdown() at interpreter exit. Guarded by the GIL. */
+    /* Live prefetchers, closed by shutdown() at interpreter exit. Guarded by the GIL. */
     pl_prefetcher_obj *live;
 } pl_state;
 

@@ -242,7 +242,7 @@ static PyMethodDef testing_methods[] = {
                "Prim.hold (tests/test_jpeg_decoder_gpu.py)")},
     {"debug_hold_order_jobs", t_debug_hold_order_jobs, METH_O,
      "debug_hold_order_jobs(on, /)\n--\n\nTest switch: while on, the threads of epoch order jobs "
-     "(_OrderJob, Note [epoch orders] in src/py/epoch_order.c) wait before they begin."},
+     "(OrderJob, Note [epoch orders] in src/py/epoch_order.c) wait before they begin."},
     {"order_jobs_parked", t_order_jobs_parked, METH_NOARGS,
      "order_jobs_parked()\n--\n\nHow many epoch order jobs' threads wait at the "
      "debug_hold_order_jobs switch now: a test forks only once they all do."},
