@@ -15,10 +15,18 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import _common as common
+
+
+def _cpu_budget(pl: Any) -> Any:
+    """The extension's CPU budget (cpu_budget(); _cpu_budget() in builds before 2026-12-07), or
+    None where the build has neither."""
+    fn = getattr(pl._C, "cpu_budget", None) or getattr(pl._C, "_cpu_budget", None)
+    return fn() if fn else None
 
 
 def host_memcpy_gbps(dst, src, threads, iters, warmup=2):
@@ -168,7 +176,7 @@ def rank_worker(args):
     t0 = time.time()
     rec = staging_rate(torch, pl, src, args.rank_batches, device, None, pool, args.depth)
     rec.update(start=t0, end=time.time(), device=device, bytes=args.rank_batches * src.nbytes,
-               budget=pl._C.cpu_budget() if hasattr(pl._C, "cpu_budget") else None)
+               budget=_cpu_budget(pl))
     pool.close()
     print("RANK " + json.dumps(rec), flush=True)
     return 0
@@ -217,7 +225,7 @@ def staging_sweep(args, script):
     device = args.device if cuda else "cpu"
     started = time.perf_counter()
     machine = common.machine_info(torch if cuda else None, args.device)
-    budget = pl._C.cpu_budget() if hasattr(pl._C, "cpu_budget") else {}
+    budget = _cpu_budget(pl) or {}
     limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = args.sweep_threads or default_sweep_threads(limit)
     size = args.staging_bytes

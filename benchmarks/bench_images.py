@@ -225,29 +225,38 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable
     return run, loader
 
 
+# The decoder's measurement switches a --variant row may set (each read by the loader as it makes
+# or runs its GPU decoders: Note [interpolated chroma] in src/core/nvjpeg_load.c, Note [region
+# decode] in src/core/jpeg_cuda.c, Note [decoder threads] in pinloader/_image_epochs.py)
+VARIANT_VARS = ("PINLOADER_JPEG_INTERPOLATE", "PINLOADER_JPEG_REGION", "PINLOADER_JPEG_DECODERS")
+
+
 def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
-    """imageloader_packed with one environment variable set while its decoders are made (they
-    read it then): --variant NAME:VAR=VALUE, for the decoder's measurement switches
-    (PINLOADER_JPEG_INTERPOLATE, PINLOADER_JPEG_REGION, PINLOADER_JPEG_DECODERS)."""
+    """imageloader_packed with one environment variable set whenever the row is made or run (the
+    loader reads its decoder switches then, some at every epoch): --variant NAME:VAR=VALUE."""
     var, _, value = spec.partition(":")[2].partition("=")
-    old = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        run, loader = row_imageloader(ds, "packed", args, torch)
-        run(10_000)  # the first epoch makes the decoders
-    finally:
-        if old is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = old
-    return run, loader
+
+    def with_var(fn: Callable[..., Any], *a: Any) -> Any:
+        old = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            return fn(*a)
+        finally:
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
+
+    run, loader = with_var(row_imageloader, ds, "packed", args, torch)
+    return (lambda r: with_var(run, r)), loader
 
 
 def _variant(text: str) -> str:
     name, sep, rest = text.partition(":")
     var, eq, _ = rest.partition("=")
-    if not sep or not eq or not name.isidentifier() or not var.startswith("PINLOADER_"):
-        raise argparse.ArgumentTypeError(f"--variant wants NAME:PINLOADER_VAR=VALUE, got {text!r}")
+    if not sep or not eq or not name.isidentifier() or var not in VARIANT_VARS:
+        raise argparse.ArgumentTypeError(f"--variant wants NAME:VAR=VALUE with VAR one of {', '.join(VARIANT_VARS)}, "
+                                         f"got {text!r}")
     return text
 
 
@@ -394,6 +403,8 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
     names = list(args.rows)
     for spec in args.variant:
         name = "imageloader_packed_" + spec.partition(":")[0]
+        if name in factories:
+            raise SystemExit(f"--variant {spec!r}: a row named {name} is already measured")
         factories[name] = lambda spec=spec: row_imageloader_variant(ds, spec, args, torch)
         names.append(name)
     rows: dict[str, Any] = {}
@@ -429,7 +440,8 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
             rows[name]["cpu_per_1000"].append((c1 - c0) / max(n, 1) * 1000)
             C.log(f"[{size_class}] round {r} {name}: {n / (t1 - t0):,.0f} img/s")
     for name, h in holder_of.items():  # the GPU decoders' own counts, for the record
-        gd = (h.stats().get("gpu_decoder") or {}) if hasattr(h, "stats") and name in runners else {}
+        st, _ = C.guarded(h.stats) if hasattr(h, "stats") and name in runners else (None, None)
+        gd = (st or {}).get("gpu_decoder") or {}
         if gd:
             rows[name]["gpu_decoder"] = {k: gd[k] for k in ("hardware", "cuda", "chroma_interpolated", "decoders")
                                                if k in gd}
@@ -711,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", type=C.choice_list(LOADER_ROWS), default=list(LOADER_ROWS))
     ap.add_argument("--variant", type=_variant, action="append", default=[],
-                    help="NAME:PINLOADER_VAR=VALUE: a row imageloader_packed_NAME whose decoders are "
-                         "made with that variable set (repeatable)")
+                    help="NAME:VAR=VALUE: a row imageloader_packed_NAME made and run with VAR set, VAR one "
+                         f"of {', '.join(VARIANT_VARS)} (repeatable)")
     ap.add_argument("--models", type=C.choice_list(list(MODELS)), default=[],
                     help="real models against the bound (e.g. resnet50,resnet18,efficientnet_b0,vit_b_16)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per row per round")

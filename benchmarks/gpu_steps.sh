@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU scripts (session_gpu.sh, share_gpu.sh): with R (the output folder),
+# Sourced by the one-call GPU scripts (session_gpu.sh): with R (the output folder),
 # PY and LIMIT (seconds for the whole call) set and SECONDS=0 at the start, `run NAME BUDGET_S
 # COMMAND...` runs the command under a timeout of the time left, output to $R/NAME.txt, if BUDGET_S
 # is left and NAME is not in SKIP; steps.txt gets each step's exit status and time.

@@ -48,7 +48,8 @@ def decoders_wanted() -> int:
 
 def decoder_options() -> dict[str, Any]:
     """What the GPU decoders are made with, from the environment (read where the loader is made,
-    so that a bad value is refused there, and again when an epoch makes its decoders):
+    so that a bad value is refused there, and again when the loader chooses the GPU decoder; the
+    decoders it makes after that, one per decoder thread, are made the same way):
     PINLOADER_JPEG_INTERPOLATE, unset, empty or "1" (on) or "0" (Note [interpolated chroma] in
     src/core/nvjpeg_load.c)."""
     interp = os.environ.get("PINLOADER_JPEG_INTERPOLATE", "")

@@ -362,11 +362,11 @@ class ImageLoader(EpochLoader):
         elif device == "cpu":  # canonical (Note [device spellings] in pinloader/_device.py)
             why = f"device={device!r}"
         if not why:
-            opts = decoder_options()
+            made_with = decoder_options()
             try:
-                runner.decoder = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates(), **opts)
+                runner.decoder = _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates(), **made_with)
                 runner.decoder_factory = lambda: _C.JpegDecoder(device, libraries=_cudart.nvjpeg_candidates(),
-                                                                **opts)
+                                                                **made_with)
             except (RuntimeError, ValueError, OSError, _C.CudaError) as e:
                 why = f"the GPU decoder is not available ({e})"
         if why and self.decoder == "gpu":
@@ -432,7 +432,8 @@ class ImageLoader(EpochLoader):
         succeeded and over the decoders: ``headers_ns``, ``engines_wait_ns`` (before the JPEG
         engines write: waiting for the previous batch's kernels, or for the whole stream after
         the workspace grew), ``engines_ns``, ``cuda_ns`` (nvJPEG's CUDA decoder),
-        ``block_ns`` (the batch's device memory), ``kernels_ns``; src/core/jpeg_cuda.h).
+        ``block_ns`` (the batch's device memory), ``kernels_ns``; and ``chroma_interpolated``,
+        whether the engines upsample chroma as libjpeg-turbo does; src/core/jpeg_cuda.h).
         Where the GPU decodes (or may, before the first batch): ``cuda_connections``, the CUDA
         driver's hardware work queues requested for this process's contexts (None when unknown,
         when there is no driver, or for a value the driver does not take), and

@@ -104,7 +104,8 @@ class FakeJpegDecoder:
         if self.closed:
             raise ValueError("info: the JpegDecoder is closed")
         return dict(device=0, engines=0, cores_per_engine=0, workspace_bytes=0, headers_ns=0, engines_wait_ns=0,
-                    engines_ns=0, cuda_ns=0, block_ns=0, kernels_ns=0, **self.counts)
+                    engines_ns=0, cuda_ns=0, block_ns=0, kernels_ns=0,
+                    chroma_interpolated=self.options["interpolate"], **self.counts)
 
     def decode(self, base, offsets, lengths, params, size, scale, bias, dtype, channels_last, raw=None):
         # the arguments, as jd_decode parses and checks them

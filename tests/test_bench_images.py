@@ -77,14 +77,41 @@ def test_the_decode_call_by_step_is_rendered():
 
 @pytest.mark.parametrize("spec", ["nointerp:PINLOADER_JPEG_INTERPOLATE=0", "d4:PINLOADER_JPEG_DECODERS=4"])
 def test_a_variant_names_a_pinloader_variable(spec):
-    """--variant NAME:PINLOADER_VAR=VALUE, a packed ImageLoader row made with that variable set."""
+    """--variant NAME:VAR=VALUE, a packed ImageLoader row made and run with that variable set."""
     assert _bench_images()._variant(spec) == spec
 
 
 @pytest.mark.parametrize("spec", ["nointerp", "x:PATH=1", "no interp:PINLOADER_JPEG_INTERPOLATE=0",
-                                  "n:PINLOADER_JPEG_INTERPOLATE", ":PINLOADER_JPEG_INTERPOLATE=0"])
+                                  "n:PINLOADER_JPEG_INTERPOLATE", ":PINLOADER_JPEG_INTERPOLATE=0",
+                                  "s20:PINLOADER_JPEG_CUDA_SHARE=0.2", "t:PINLOADER_JPEG_INTERPOLATEX=0"])
 def test_a_bad_variant_is_refused(spec):
     import argparse
 
-    with pytest.raises(argparse.ArgumentTypeError, match="--variant wants NAME:PINLOADER_VAR=VALUE"):
+    with pytest.raises(argparse.ArgumentTypeError, match="--variant wants NAME:VAR=VALUE with VAR one of PINLOADER_JPEG_INTERPOLATE"):
         _bench_images()._variant(spec)
+
+
+def test_a_variant_row_runs_every_epoch_with_its_variable_set(monkeypatch):
+    """The loader reads some switches at every epoch (PINLOADER_JPEG_DECODERS), so the variable is
+    set around every call of the row, and only then."""
+    import os
+
+    bench_images = _bench_images()
+    seen = []
+
+    def fake_row(ds, key, args, torch):
+        seen.append(("made", os.environ.get("PINLOADER_JPEG_DECODERS")))
+
+        def run(r):
+            seen.append((r, os.environ.get("PINLOADER_JPEG_DECODERS")))
+            return 1
+        return run, object()
+
+    monkeypatch.setattr(bench_images, "row_imageloader", fake_row)
+    monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "2")
+    run, _ = bench_images.row_imageloader_variant({}, "d4:PINLOADER_JPEG_DECODERS=4", None, None)
+    assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
+    run(0)
+    run(1)
+    assert seen == [("made", "4"), (0, "4"), (1, "4")]
+    assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"

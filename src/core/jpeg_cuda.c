@@ -320,7 +320,11 @@ typedef struct sample {
  * PINLOADER_JPEG_REGION=1 is in the environment when a decoder is made: they give the same pixels
  * (tests/test_jpeg_decoder_gpu.py::test_a_region_decode_equals_the_crop_of_a_whole_decode, run
  * with it set) but no more images per second, since the engines' time is not what bounds a batch
- * (the host side of the batched call is: Note [decoder threads] in pinloader/_image_epochs.py). */
+ * (the host side of the batched call is: Note [decoder threads] in pinloader/_image_epochs.py).
+ * With interpolated chroma (Note [interpolated chroma] in nvjpeg_load.c) the region decodes were
+ * slower still on an H100 (benchmarks/results/h100_2026-12-06g/README.md), and nvJPEG's notes
+ * report a fix, in 13.3, to the boundary of a region decoded with that flag; the region test has
+ * run on nvJPEG 13.0 only. */
 static void region_of(const int32_t *p, int H, int W, sample *sm)
 {
     long y0 = ((long)p[0] - 1) & ~15L, x0 = ((long)p[1] - 1) & ~15L;

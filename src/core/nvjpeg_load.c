@@ -92,8 +92,10 @@ const char *pl_nvjpeg_status_name(pl_nvjpegStatus_t s)
  * So every handle is made with the flag, and again without it where an nvJPEG refuses it; a
  * decoder made with interpolate = 0 (ImageLoader: PINLOADER_JPEG_INTERPOLATE=0) leaves it off,
  * to measure. info()["chroma_interpolated"] says whether the engines (without engines, the CUDA
- * decoder) got it; whether nvJPEG's CUDA decoder (the images the engines refuse) honours it
- * is not measured. */
+ * decoder) got it, that is, that nvJPEG took a handle made with it: an nvJPEG that accepted the
+ * flag and ignored it would be reported as interpolating (measured honouring it: nvJPEG 13.0 on
+ * an H100). Whether nvJPEG's CUDA decoder (the images the engines refuse) honours it is not
+ * measured. */
 static pl_nvjpegStatus_t make_handle(pl_nvjpegBackend_t backend, unsigned flags, int interp, pl_nvjpegHandle_t *h,
                                      int *interpolated)
 {

@@ -168,8 +168,11 @@ static PyMethodDef module_methods[] = {
     {"cuda_driver_state", mod_cuda_driver_state, METH_NOARGS,
      "cuda_driver_state()\n--\n\nThe CUDA driver in this process, without initializing it: "
      "'absent' (no libcuda), 'uninitialized', 'initialized' or 'unknown'."},
-    {"set_cudart_candidates", mod_set_cudart_candidates, METH_O, NULL},
-    {"shutdown", mod_shutdown, METH_NOARGS, NULL},
+    {"set_cudart_candidates", mod_set_cudart_candidates, METH_O,
+     "set_cudart_candidates(paths, /)\n--\n\nThe libcudart paths pinloader tries when it loads the CUDA "
+     "runtime (pinloader/_cudart.py's candidates)."},
+    {"shutdown", mod_shutdown, METH_NOARGS,
+     "shutdown()\n--\n\nClose every live AsyncPrefetcher (at interpreter exit)."},
     {NULL, NULL, 0, NULL},
 };
 
