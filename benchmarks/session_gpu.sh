@@ -22,8 +22,26 @@ mkdir -p "$R"
 PY="${PYTHON:-python3}"
 LIMIT="${LIMIT:-570}"
 SECONDS=0
-. benchmarks/gpu_steps.sh
-machine_info
+step() { echo "$1 rc=$2 t=${SECONDS}s" >>"$R/steps.txt"; }
+# run NAME BUDGET_S COMMAND...: the command under a timeout of what is left, if BUDGET_S is left
+run() {
+    local name=$1 budget=$2
+    shift 2
+    case " ${SKIP:-} " in *" $name "*) echo "$name skipped: SKIP" >>"$R/steps.txt"; return ;; esac
+    local left=$(( LIMIT - SECONDS ))
+    if [ "$left" -lt "$budget" ]; then
+        echo "$name skipped: ${left}s left, needs ${budget}s" >>"$R/steps.txt"
+        return
+    fi
+    timeout "$left" "$@" >"$R/$name.txt" 2>&1
+    step "$name" $?
+}
+{
+    nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
+    nproc
+    git log --oneline -1 2>/dev/null
+    "$PY" -c "import sys, numpy, torch, torchvision, PIL; print(sys.version.split()[0], numpy.__version__, torch.__version__, torchvision.__version__, PIL.__version__)"
+} >"$R/machine.txt" 2>&1
 # py-spy, when its wheel was carried (py_spy-*.whl in DALI_PARTS): bench_images.py's stall watch
 # then writes the native stacks too (benchmarks/results/h100_2026-12-05/README.md)
 for w in "${DALI_PARTS:-/tmp/dali_parts}"/py_spy-*.whl; do
