@@ -115,3 +115,27 @@ def test_a_variant_row_runs_every_epoch_with_its_variable_set(monkeypatch):
     run(1)
     assert seen == [("made", "4"), (0, "4"), (1, "4")]
     assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
+
+
+def test_a_dali_sweep_is_parsed_and_bad_configurations_are_refused():
+    import argparse
+    bi = _bench_images()
+    assert bi._dali_config("0.65:8, 0.9:12") == [(0.65, 8), (0.9, 12)]
+    assert bi.dali_row_name(0.9, 12) == "dali_0.9_12t"
+    for bad in ("0.9", "1.5:8", "0.9:0", "x:8", "0.9:eight"):
+        with pytest.raises(argparse.ArgumentTypeError, match="LOAD:THREADS"):
+            bi._dali_config(bad)
+
+
+def test_imageloader_is_compared_with_the_fastest_dali_row_of_each_round():
+    bi = _bench_images()
+    rows = {
+        "imageloader_packed": {"ips": [100.0, 100.0, 100.0], "cpu_per_1000": [1.0, 1.0, 1.0]},
+        "dali_0.65_8t": {"ips": [50.0, 80.0, 40.0], "cpu_per_1000": [4.0, 4.0, 4.0]},
+        "dali_0.9_8t": {"ips": [60.0, 50.0, 50.0], "cpu_per_1000": [2.0, 2.0, 2.0]},
+    }
+    text = "\n".join(bi.ratio_lines(rows))
+    line = next(x for x in text.splitlines() if "fastest of its rows" in x)
+    # rounds: 100/60, 100/80, 100/50 -> median 1.67 (1.25-2.00); CPU: 1/2, 1/4, 1/2
+    assert "1.67 (1.25–2.00)" in line or "1.67 (1.25-2.00)" in line, line
+    assert "0.50 (0.25–0.50)" in line or "0.50 (0.25-0.50)" in line, line
