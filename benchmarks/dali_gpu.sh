@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# ImageLoader beside NVIDIA DALI 2.4 on a GPU machine that cannot reach PyPI, in one call of at
-# most ~9.5 minutes (LIMIT seconds):
-#   1. DALI installed from wheels: DALI_PARTS (default /tmp/dali_parts) holds dali.part.* , the
-#      pieces of one tar of deps/*.whl (nvidia-dali-cuda130 2.4 and its dependencies), carried
-#      to the machine over several calls because one call takes at most 64 MiB (and py-spy's
-#      wheel, py_spy-*.whl, if it came too);
+# ImageLoader beside NVIDIA DALI 2.4 on a GPU machine that cannot reach PyPI, in calls of at most
+# ~9.5 minutes (LIMIT seconds) each:
+#   1. DALI installed from wheels, carried to the machine in pieces because one call takes at most
+#      64 MiB (DALI_PARTS, default /tmp/dali_parts), in one of two forms:
+#        dali.part.*     the pieces of one tar of deps/*.whl (nvidia-dali-cuda130 2.4 and its
+#                        dependencies; about 270 MB, six pieces of 45 MiB);
+#        dali.xz.part.*  the pieces of one tar.xz of the same wheels unpacked, one folder per
+#                        wheel named as its file (about 180 MB, four pieces), zipped again here:
+#          for w in deps/*.whl; do unzip -q "$w" -d "u/$(basename "$w" .whl)"; done
+#          tar -C u -cf - . | xz -9 -T0 | split -b 45m -d -a 1 - dali.xz.part.
+#      (and py-spy's wheel, py_spy-*.whl, if it came too);
 #   2. the extension built in place when it is not built yet;
-#   3. bench_images.py, ImageNet-like images: the loader-bound rows (ImageLoader packed, DALI at
-#      its default and its best hw_decoder_load, the DataLoader, the GPU decoder alone), then
-#      ResNet-50 and ResNet-18 fed by ImageLoader, the DataLoader and DALI against pre-decoded
-#      crops already on the GPU, rows interleaved over the rounds.
-# Results: $OUT/dali_gpu.tgz (json, markdown, log); the markdown is printed.
+#   3. STEPS (default "loader models"), bench_images.py with the datasets kept in /tmp:
+#        loader  loader-bound rows, ImageNet-like (4,096 images) and high-res (1,024) JPEGs:
+#                ImageLoader (packed; and tar shards and a folder on ImageNet-like), DALI at its
+#                default and at hw_decoder_load 0.9 and at each configuration of SWEEP, the
+#                DataLoader, torchvision's GPU decode (ImageNet-like), the GPU decoder alone;
+#        models  ResNet-50, ResNet-18 and EfficientNet-B0 on ImageNet-like, ViT-B/16 on high-res
+#                JPEGs, fed by ImageLoader, DALI (0.9) and the DataLoader against pre-decoded crops
+#                already on the GPU, rows interleaved over ROUNDS rounds.
+# Results: $OUT/dali_gpu.tgz (json, markdown, logs); the tables are printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/dali_gpu_out}"
@@ -20,7 +29,11 @@ PY="${PYTHON:-python3}"
 LIMIT="${LIMIT:-570}"
 PARTS="${DALI_PARTS:-/tmp/dali_parts}"
 ROUNDS="${ROUNDS:-5}"
+STEPS="${STEPS:-loader models}"
+SWEEP="${SWEEP:-0.8:8,0.99:8,0.65:12,0.9:12,0.99:12}"
+DATA="${DATA:-/tmp/pinloader_images}"
 SECONDS=0
+step() { echo "$1 rc=$2 t=${SECONDS}s" | tee -a "$R/steps.txt"; }
 {
     nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
     nproc
@@ -28,9 +41,31 @@ SECONDS=0
 } >"$R/machine.txt" 2>&1
 if ! "$PY" -c "import nvidia.dali" 2>/dev/null; then
     w=$(mktemp -d)
-    cat "$PARTS"/dali.part.* | tar -C "$w" -xf - &&
-        "$PY" -m pip install -q --no-index --find-links "$w/deps" nvidia-dali-cuda130 >"$R/install.txt" 2>&1
-    echo "dali install rc=$? t=${SECONDS}s" | tee -a "$R/steps.txt"
+    if ls "$PARTS"/dali.xz.part.* >/dev/null 2>&1; then
+        cat "$PARTS"/dali.xz.part.* | "$PY" -c "import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" "$w" &&
+            "$PY" - "$w" <<'EOF'
+# each unpacked wheel zipped again under its own name, stored (pip unpacks it at once)
+import os
+import sys
+import zipfile
+
+w = sys.argv[1]
+for d in sorted(os.listdir(w)):
+    top = os.path.join(w, d)
+    if os.path.isdir(top):
+        with zipfile.ZipFile(top + ".whl", "w", zipfile.ZIP_STORED) as z:
+            for root, _, files in os.walk(top):
+                for f in files:
+                    z.write(os.path.join(root, f), os.path.relpath(os.path.join(root, f), top))
+EOF
+        links="$w"
+    else
+        cat "$PARTS"/dali.part.* | tar -C "$w" -xf -
+        links="$w/deps"
+    fi
+    "$PY" -m pip install -q --no-index --find-links "$links" nvidia-dali-cuda130 >"$R/install.txt" 2>&1
+    step "dali install" $?
     rm -rf "$w"
 fi
 "$PY" -c "import nvidia.dali as d; print('dali', d.__version__)" >>"$R/machine.txt" 2>&1
@@ -42,19 +77,28 @@ for w in "$PARTS"/py_spy-*.whl; do
 done
 if ! "$PY" -c "import pinloader._C" 2>/dev/null; then
     "$PY" setup.py -q build_ext --inplace -j 16 >"$R/build.txt" 2>&1
-    echo "build rc=$? t=${SECONDS}s" | tee -a "$R/steps.txt"
+    step build $?
 fi
 # bench NAME ARGS...: bench_images.py under a timeout of the time left; each part publishes its
-# own results, so the loader-bound table survives a model table that runs out of time
+# own results, so a table that runs out of time leaves the others
 bench() {
     local name=$1
     shift
-    PYTHONUNBUFFERED=1 timeout $(( LIMIT - SECONDS )) "$PY" benchmarks/bench_images.py --size-class imagenet \
-        --images 4096 --rounds "$ROUNDS" --data-dir /tmp/pinloader_images --out "$R" --name "$name" --stall-s 90 "$@" \
-        >"$R/$name.log" 2>&1
-    echo "$name rc=$? t=${SECONDS}s" | tee -a "$R/steps.txt"
-    cat "$R/$name.md" 2>/dev/null || tail -30 "$R/$name.log"
+    PYTHONUNBUFFERED=1 timeout $(( LIMIT - SECONDS )) "$PY" benchmarks/bench_images.py --rounds "$ROUNDS" \
+        --data-dir "$DATA" --out "$R" --name "$name" --stall-s 90 "$@" >"$R/$name.log" 2>&1
+    step "$name" $?
+    sed -n '/^## /,$p' "$R/$name.md" 2>/dev/null || tail -30 "$R/$name.log"
 }
-bench images_dali --rows imageloader_packed,dali_default,dali_best,dataloader,decoder_alone
-bench models_dali --rows decoder_alone --models resnet50,resnet18 --steps 20 --drain 20
+case " $STEPS " in *" loader "*)
+    bench images_imagenet --size-class imagenet --images 4096 --dali-sweep "$SWEEP" \
+        --rows imageloader_packed,imageloader_tar,imageloader_folder,dali_default,dali_best,dataloader,torchvision_gpu,decoder_alone
+    bench images_highres --size-class highres --images 1024 --dali-sweep "$SWEEP" \
+        --rows imageloader_packed,dali_default,dali_best,dataloader,decoder_alone
+esac
+case " $STEPS " in *" models "*)
+    bench models_imagenet --size-class imagenet --images 4096 --rows decoder_alone --steps "${MODEL_STEPS:-30}" \
+        --drain 5 --models resnet50,resnet18,efficientnet_b0 --model-rows imageloader_packed,dali_best,dataloader
+    bench models_highres --size-class highres --images 1024 --rows decoder_alone --steps "${VIT_STEPS:-20}" \
+        --drain 5 --models vit_b_16 --model-rows imageloader_packed,dali_best,dataloader
+esac
 tar -C "$OUT" -czf "$OUT/dali_gpu.tgz" dali_gpu && rm -rf "$R"
