@@ -333,10 +333,12 @@ def row_torchvision_gpu(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int]
     return run, None
 
 
-def dali_iter(ds: dict, args: Any, torch: Any, hw_load: float, threads: int | None = None) -> Any:
+def dali_iter(ds: dict, args: Any, torch: Any, hw_load: float, threads: int | None = None,
+              auto_reset: bool = True) -> Any:
     """DALI's pipeline over the folder: decode a random crop on the GPU (mixed), resize to 224,
     mirror at random, normalize, HWC; its PyTorch iterator (``threads``: its CPU threads,
-    --dali-threads when None)."""
+    --dali-threads when None; ``auto_reset``: the next epoch begun as soon as one ends, as a
+    training feed wants it)."""
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
     dev = torch.device(args.device)
@@ -355,17 +357,23 @@ def dali_iter(ds: dict, args: Any, torch: Any, hw_load: float, threads: int | No
     p = pipe()
     p.build()
     return DALIGenericIterator([p], ["image", "label"], reader_name="r",
-                               last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
+                               last_batch_policy=LastBatchPolicy.DROP, auto_reset=auto_reset)
 
 
 def row_dali(ds: dict, args: Any, torch: Any, hw_load: float,
              threads: int | None = None) -> tuple[Callable[[int], int], Any]:
-    it = dali_iter(ds, args, torch, hw_load, threads)
+    # reset by hand at the start of each timed epoch: with auto_reset the iterator schedules the
+    # next epoch's first batches when one ends, and they would decode while the next row is timed
+    it = dali_iter(ds, args, torch, hw_load, threads, auto_reset=False)
+    ended = [False]
 
     def run(epoch: int) -> int:
+        if ended[0]:
+            it.reset()
         n = 0
         for b in it:
             n += b[0]["image"].shape[0]
+        ended[0] = True
         torch.cuda.synchronize()
         return n
     return run, None
@@ -456,7 +464,7 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
             C.log(f"[{size_class}] {name}: failed ({err['error']})")
             continue
         runners[name] = run
-        rows[name] = {"ips": [], "cpu_per_1000": []}
+        rows[name] = {"ips": [], "cpu_per_1000": [], "rounds": []}
     for r in range(args.rounds):
         names = list(runners) if r % 2 == 0 else list(runners)[::-1]
         for name in names:
@@ -468,6 +476,7 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
                 continue
             rows[name]["ips"].append(n / (t1 - t0))
             rows[name]["cpu_per_1000"].append((c1 - c0) / max(n, 1) * 1000)
+            rows[name]["rounds"].append(r)
             C.log(f"[{size_class}] round {r} {name}: {n / (t1 - t0):,.0f} img/s")
     for name, h in holder_of.items():  # the GPU decoders' own counts, for the record
         st, _ = C.guarded(h.stats) if hasattr(h, "stats") and name in runners else (None, None)
@@ -671,30 +680,42 @@ def models_table(datasets: dict[str, dict], args: Any, torch: Any) -> dict[str, 
 
 # ---- main ----
 
+def _by_round(v: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    """A loader-bound row's (images/s, CPU per 1,000) keyed by the round it was measured in (a
+    failed round has no entry; rows recorded without their rounds count theirs in order)."""
+    rounds = v.get("rounds", range(len(v.get("ips", []))))
+    return {int(r): (a, c) for r, a, c in zip(rounds, v.get("ips", []), v.get("cpu_per_1000", []))}
+
+
 def ratio_lines(rows: dict[str, Any], first: str = "imageloader_packed") -> list[str]:
     """The first ImageLoader row against each other row, round by round (the rows of a round
-    ran one after the other): images/s and CPU per image, median (range) over the rounds."""
+    ran one after the other; a round one of the two lost is left out): images/s and CPU per
+    image, median (range) over the rounds."""
     ran = [n for n in rows if rows[n].get("ips")]
     name = first if first in ran else next((n for n in ran if n.startswith("imageloader")), None)
     if name is None:
         return []
-    mine = rows[name]
+    mine = _by_round(rows[name])
     table = []
+
+    def add(label: str, pairs: list[tuple[tuple[float, float], tuple[float, float]]]) -> None:
+        speed = C.summarize([a[0] / b[0] for a, b in pairs if b[0] > 0])
+        cpu = C.summarize([a[1] / b[1] for a, b in pairs if b[1] > 0])
+        table.append([label, C.fmt_summary(speed, 2), C.fmt_summary(cpu, 2)])
+
     for other, v in rows.items():
-        if other == name or len(v.get("ips", [])) != len(mine["ips"]):
-            continue
-        speed = C.summarize([a / b for a, b in zip(mine["ips"], v["ips"]) if b > 0])
-        cpu = C.summarize([a / b for a, b in zip(mine["cpu_per_1000"], v["cpu_per_1000"]) if b > 0])
-        table.append([other, C.fmt_summary(speed, 2), C.fmt_summary(cpu, 2)])
-    # the strictest comparison: each round's fastest DALI configuration, whichever it was
-    dali = [v for n, v in rows.items() if n.startswith("dali_") and len(v.get("ips", [])) == len(mine["ips"])]
+        theirs = _by_round(v) if other != name else {}
+        pairs = [(mine[r], theirs[r]) for r in mine if r in theirs]
+        if pairs:
+            add(other, pairs)
+    # the strictest comparison: each round's fastest DALI configuration, whichever it was, among
+    # the DALI rows that measured that round
+    dali = [_by_round(v) for n, v in rows.items() if n.startswith("dali_") and v.get("ips")]
     if len(dali) > 1:
-        best = [max(range(len(dali)), key=lambda k: dali[k]["ips"][r]) for r in range(len(mine["ips"]))]
-        speed = C.summarize([a / dali[k]["ips"][r] for r, (a, k) in enumerate(zip(mine["ips"], best))
-                             if dali[k]["ips"][r] > 0])
-        cpu = C.summarize([a / dali[k]["cpu_per_1000"][r] for r, (a, k) in enumerate(zip(mine["cpu_per_1000"], best))
-                           if dali[k]["cpu_per_1000"][r] > 0])
-        table.append(["DALI, the fastest of its rows in each round", C.fmt_summary(speed, 2), C.fmt_summary(cpu, 2)])
+        pairs = [(mine[r], max((d[r] for d in dali if r in d), key=lambda x: x[0]))
+                 for r in mine if any(r in d for d in dali)]
+        if pairs:
+            add("DALI, the fastest of its rows in each round", pairs)
     if not table:
         return []
     return ["", f"Per round, {name} over each row of the same round:", "",

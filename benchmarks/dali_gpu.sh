@@ -29,8 +29,8 @@ PY="${PYTHON:-python3}"
 LIMIT="${LIMIT:-570}"
 PARTS="${DALI_PARTS:-/tmp/dali_parts}"
 ROUNDS="${ROUNDS:-5}"
-STEPS="${STEPS:-loader models}"
-SWEEP="${SWEEP:-0.8:8,0.99:8,0.65:12,0.9:12,0.99:12}"
+STEPS="${STEPS-loader models}"  # STEPS= for the install alone
+SWEEP="${SWEEP-0.8:8,0.99:8,0.65:12,0.9:12,0.99:12}"  # SWEEP= for none
 DATA="${DATA:-/tmp/pinloader_images}"
 SECONDS=0
 step() { echo "$1 rc=$2 t=${SECONDS}s" | tee -a "$R/steps.txt"; }
@@ -43,25 +43,30 @@ if ! "$PY" -c "import nvidia.dali" 2>/dev/null; then
     w=$(mktemp -d)
     if ls "$PARTS"/dali.xz.part.* >/dev/null 2>&1; then
         cat "$PARTS"/dali.xz.part.* | "$PY" -c "import sys, tarfile
-tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" "$w" &&
-            "$PY" - "$w" <<'EOF'
-# each unpacked wheel zipped again under its own name, stored (pip unpacks it at once)
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" "$w/u"
+        step "dali unpack" $?
+        "$PY" - "$w/u" "$w/wheels" <<'EOF'
+# each unpacked wheel zipped again under its own name, stored (pip unpacks it at once); the
+# timestamps unzip restored may be before 1980, which a zip cannot hold
 import os
 import sys
 import zipfile
 
-w = sys.argv[1]
-for d in sorted(os.listdir(w)):
-    top = os.path.join(w, d)
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+for d in sorted(os.listdir(src)):
+    top = os.path.join(src, d)
     if os.path.isdir(top):
-        with zipfile.ZipFile(top + ".whl", "w", zipfile.ZIP_STORED) as z:
+        with zipfile.ZipFile(os.path.join(dst, d + ".whl"), "w", zipfile.ZIP_STORED, strict_timestamps=False) as z:
             for root, _, files in os.walk(top):
                 for f in files:
                     z.write(os.path.join(root, f), os.path.relpath(os.path.join(root, f), top))
 EOF
-        links="$w"
+        step "dali rezip" $?
+        links="$w/wheels"
     else
         cat "$PARTS"/dali.part.* | tar -C "$w" -xf -
+        step "dali unpack" $?
         links="$w/deps"
     fi
     "$PY" -m pip install -q --no-index --find-links "$links" nvidia-dali-cuda130 >"$R/install.txt" 2>&1
@@ -84,15 +89,19 @@ fi
 bench() {
     local name=$1
     shift
+    if [ $(( LIMIT - SECONDS )) -lt 30 ]; then
+        echo "$name skipped: $(( LIMIT - SECONDS ))s left" | tee -a "$R/steps.txt"
+        return
+    fi
     PYTHONUNBUFFERED=1 timeout $(( LIMIT - SECONDS )) "$PY" benchmarks/bench_images.py --rounds "$ROUNDS" \
         --data-dir "$DATA" --out "$R" --name "$name" --stall-s 90 "$@" >"$R/$name.log" 2>&1
     step "$name" $?
     sed -n '/^## /,$p' "$R/$name.md" 2>/dev/null || tail -30 "$R/$name.log"
 }
 case " $STEPS " in *" loader "*)
-    bench images_imagenet --size-class imagenet --images 4096 --dali-sweep "$SWEEP" \
+    bench images_imagenet --size-class imagenet --images 4096 ${SWEEP:+--dali-sweep "$SWEEP"} \
         --rows imageloader_packed,imageloader_tar,imageloader_folder,dali_default,dali_best,dataloader,torchvision_gpu,decoder_alone
-    bench images_highres --size-class highres --images 1024 --dali-sweep "$SWEEP" \
+    bench images_highres --size-class highres --images 1024 ${SWEEP:+--dali-sweep "$SWEEP"} \
         --rows imageloader_packed,dali_default,dali_best,dataloader,decoder_alone
 esac
 case " $STEPS " in *" models "*)

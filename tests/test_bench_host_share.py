@@ -26,6 +26,7 @@ def test_every_way_is_timed_and_published(tmp_path):
         for way in ("decode", "decode+crop", "draft+crop"):
             assert len(cls[way]["cpu_ms"]) == 2 and min(cls[way]["cpu_ms"]) > 0
     assert "draft+crop" in (tmp_path / "hs.md").read_text()
+    assert sum(data["imagenet"]["draft_scales"].values()) == 3
 
 
 def test_the_dct_scaled_crop_is_the_training_crop_at_a_lower_resolution():
@@ -41,3 +42,18 @@ def test_the_dct_scaled_crop_is_the_training_crop_at_a_lower_resolution():
     # the same region: far closer to it than to the image's other corner
     other = ops.resample(full, np.array([0, 0, 900, 1000, 224, 224, 0, 0, 0], np.int32), (224, 224))
     assert np.abs(a - b).mean() < 0.5 * np.abs(a - other.astype(np.float64)).mean()
+
+
+@pytest.mark.parametrize("side", [(1001, 1201), (1420, 1416), (901, 1799)])
+def test_the_reduction_asked_is_the_one_libjpeg_applies_whatever_the_sides(side):
+    import io
+
+    from PIL import Image
+    hs = bench_module("host_share_cost")
+    h, w = side
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (90, 120, 150)).save(buf, format="JPEG", quality=90)
+    for box, want in [((h, w), 4), ((500, 500), 2), ((400, 900), 1), ((h // 2, w // 2), 2)]:
+        arr, k = hs.draft_decode(buf.getvalue(), box)
+        assert k == want, (side, box, k)
+        assert arr.shape[:2] == (-(-h // k), -(-w // k))

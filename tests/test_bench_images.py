@@ -139,3 +139,15 @@ def test_imageloader_is_compared_with_the_fastest_dali_row_of_each_round():
     # rounds: 100/60, 100/80, 100/50 -> median 1.67 (1.25-2.00); CPU: 1/2, 1/4, 1/2
     assert "1.67 (1.25–2.00)" in line or "1.67 (1.25-2.00)" in line, line
     assert "0.50 (0.25–0.50)" in line or "0.50 (0.25-0.50)" in line, line
+
+
+def test_rows_are_compared_round_by_round_when_a_round_failed():
+    bi = _bench_images()
+    rows = {
+        # ImageLoader lost round 1, DALI round 0: only round 2 is common to both
+        "imageloader_packed": {"ips": [100.0, 300.0], "cpu_per_1000": [1.0, 1.0], "rounds": [0, 2]},
+        "dali_default": {"ips": [10.0, 150.0], "cpu_per_1000": [2.0, 2.0], "rounds": [1, 2]},
+    }
+    text = "\n".join(bi.ratio_lines(rows))
+    line = next(x for x in text.splitlines() if x.startswith("| dali_default"))
+    assert "| 2.00 |" in line and "| 0.50 |" in line, line  # 300 / 150 and 1 / 2, round 2 alone
