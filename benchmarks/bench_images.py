@@ -6,8 +6,14 @@ when scikit-image is missing), rescaled to ImageNet-like sizes (short side 333-5
 resolution (1.2-1.5k px), given sensor noise and saved as JPEG at quality 90, then written as an
 ImageFolder tree, WebDataset tar shards and a packed dataset (``python -m pinloader pack``).
 
-Loader-bound rows (each round is one epoch of --images images, rows interleaved over --rounds
-rounds; images/s and CPU-seconds per 1,000 images, the process and its worker processes):
+Loader-bound rows (rows interleaved over --rounds rounds; in each round a row runs epochs of
+--images images back to back until it has returned at least --skip-batches + --min-batches
+batches). images/s: the batches after the first --skip-batches over the time from the return of
+the last skipped one to the end of the run, so that no row is credited with batches it decoded
+before its run began (DALI's pipeline runs its prefetch queue on into the next epoch while the next
+row is timed); after each run the bench waits --settle-s untimed, so that such work ends before the
+next row starts. CPU-seconds per 1,000 images: the process and its worker processes over the whole
+run and its wait, over every image the run returned:
 
   imageloader_packed / _tar / _folder   ImageLoader(train=True, size=224, bf16, NHWC) through
                                         pinloader.torch.prefetch
@@ -203,9 +209,13 @@ def cpu_seconds() -> float:
     return (_ticks(me) + sum(_ticks(c) for c in _children(me))) / hz
 
 
-# ---- rows: each a factory returning run(epoch) -> images seen ----
+# ---- rows: each a factory returning (run, holder); run(epoch) yields the images of each batch as
+# the batch is returned and waits for the device at the end; holder: what to close (or None) ----
 
-def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+Runner = Callable[[int], Iterator[int]]
+
+
+def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Runner, Any]:
     import pinloader
     import pinloader.torch as pt
     src = {"packed": ds["packed"], "tar": ds["tars"], "folder": ds["folder"]}[key]
@@ -213,16 +223,14 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable
                                    device=args.device, drop_last=True, on_error="raise")
     door = pt.prefetch(loader, device=args.device)
 
-    def run(epoch: int) -> int:
+    def run(epoch: int) -> Iterator[int]:
         loader.set_epoch(epoch)
-        n = 0
         last = None
         for b in door:
-            n += b["image"].shape[0]
             last = b["image"]
+            yield last.shape[0]
         if last is not None and last.is_cuda:
             torch.cuda.current_stream().synchronize()
-        return n
     return run, loader
 
 
@@ -232,24 +240,36 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Callable
 VARIANT_VARS = ("PINLOADER_JPEG_INTERPOLATE", "PINLOADER_JPEG_REGION", "PINLOADER_JPEG_DECODERS")
 
 
-def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Runner, Any]:
     """imageloader_packed with one environment variable set whenever the row is made or run (the
     loader reads its decoder switches then, some at every epoch): --variant NAME:VAR=VALUE."""
     var, _, value = spec.partition(":")[2].partition("=")
 
-    def with_var(fn: Callable[..., Any], *a: Any) -> Any:
+    @contextlib.contextmanager
+    def var_set() -> Iterator[None]:
         old = os.environ.get(var)
         os.environ[var] = value
         try:
-            return fn(*a)
+            yield
         finally:
             if old is None:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = old
 
-    run, loader = with_var(row_imageloader, ds, "packed", args, torch)
-    return (lambda r: with_var(run, r)), loader
+    with var_set():
+        run, loader = row_imageloader(ds, "packed", args, torch)
+
+    def run_with_var(epoch: int) -> Iterator[int]:
+        # set while the epoch runs, not while the caller holds a batch between two of them
+        with var_set():
+            it = run(epoch)
+            first = next(it, None)
+        while first is not None:
+            yield first
+            with var_set():
+                first = next(it, None)
+    return run_with_var, loader
 
 
 def _dali_config(text: str) -> list[tuple[float, int]]:
@@ -273,6 +293,19 @@ def dali_row_name(load: float, threads: int) -> str:
     return f"dali_{load:g}_{threads}t"
 
 
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {least}")
+        return n
+    return parse
+
+
 def _variant(text: str) -> str:
     name, sep, rest = text.partition(":")
     var, eq, _ = rest.partition("=")
@@ -289,7 +322,7 @@ def _v2_train(torch: Any) -> Any:
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
 
 
-def row_dataloader(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+def row_dataloader(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
     import torchvision
     tf = _v2_train(torch)
     data = torchvision.datasets.ImageFolder(ds["folder"], transform=tf)
@@ -299,19 +332,16 @@ def row_dataloader(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int
     dev = torch.device(args.device)
     dt = getattr(torch, args.dtype)
 
-    def run(epoch: int) -> int:
-        n = 0
-        x = None
+    def run(epoch: int) -> Iterator[int]:
         for x, _ in dl:
             x = x.to(dev, non_blocking=True).to(dt).contiguous(memory_format=torch.channels_last)
-            n += x.shape[0]
+            yield x.shape[0]
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return n
     return run, None
 
 
-def row_torchvision_gpu(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+def row_torchvision_gpu(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
     import torchvision
     from torchvision.transforms import v2
     files = sorted(str(p) for p in Path(ds["folder"]).rglob("*.jpg"))
@@ -319,17 +349,15 @@ def row_torchvision_gpu(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int]
                      v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
     dt = getattr(torch, args.dtype)
 
-    def run(epoch: int) -> int:
+    def run(epoch: int) -> Iterator[int]:
         order = np.random.default_rng(epoch).permutation(len(files))
         B = args.batch
-        n = 0
         for k in range(len(files) // B):
             datas = [torchvision.io.read_file(files[i]) for i in order[k * B:(k + 1) * B]]
             imgs = torchvision.io.decode_jpeg(datas, device=args.device)
             x = torch.stack([tf(im) for im in imgs]).to(dt).contiguous(memory_format=torch.channels_last)
-            n += x.shape[0]
+            yield x.shape[0]
         torch.cuda.synchronize()
-        return n
     return run, None
 
 
@@ -361,21 +389,21 @@ def dali_iter(ds: dict, args: Any, torch: Any, hw_load: float, threads: int | No
 
 
 def row_dali(ds: dict, args: Any, torch: Any, hw_load: float,
-             threads: int | None = None) -> tuple[Callable[[int], int], Any]:
-    # reset by hand at the start of each timed epoch: with auto_reset the iterator schedules the
-    # next epoch's first batches when one ends, and they would decode while the next row is timed
+             threads: int | None = None) -> tuple[Runner, Any]:
+    # reset by hand at the start of each epoch but the first. Either way the pipeline keeps its
+    # prefetch queue full across the end of an epoch: the next epoch's first batches decode after
+    # the run has ended (loader_bound's --settle-s and --skip-batches keep them out of other rows'
+    # time and out of this row's images/s)
     it = dali_iter(ds, args, torch, hw_load, threads, auto_reset=False)
     ended = [False]
 
-    def run(epoch: int) -> int:
+    def run(epoch: int) -> Iterator[int]:
         if ended[0]:
             it.reset()
-        n = 0
-        for b in it:
-            n += b[0]["image"].shape[0]
         ended[0] = True
+        for b in it:
+            yield b[0]["image"].shape[0]
         torch.cuda.synchronize()
-        return n
     return run, None
 
 
@@ -403,26 +431,61 @@ class PackedDecode:
         return arr
 
 
-def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Callable[[int], int], Any]:
+def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
     pd = PackedDecode(ds["packed"], args.device, args.dtype)
 
-    def run(epoch: int) -> int:
+    def run(epoch: int) -> Iterator[int]:
         order = np.random.default_rng(epoch).permutation(len(pd.offsets))
         B = args.batch
-        n = 0
         for k in range(len(order) // B):
             arr = pd.batch(order[k * B:(k + 1) * B], epoch)
-            n += B
             del arr
+            yield B
         torch.cuda.synchronize()
-        return n
     return run, pd.dec
 
 
 # ---- loader-bound table ----
 
+def epochs_per_run(images: int, batch: int, skip: int, min_batches: int) -> int:
+    """The epochs a row runs back to back in one round: enough for ``skip`` + ``min_batches``
+    batches (drop_last) of ``images`` images."""
+    per_epoch = images // batch
+    if per_epoch < 1:
+        raise SystemExit(f"--images {images} is less than one batch of {batch}")
+    return max(1, -(-(skip + min_batches) // per_epoch))
+
+
+def timed_run(run: Runner, first_epoch: int, epochs: int, skip: int, settle_s: float) -> dict[str, float]:
+    """One row's run in one round: ``epochs`` epochs back to back from ``first_epoch``.
+
+    images/s counts the batches after the first ``skip`` over the time from the return of the
+    last skipped batch to the end of the run (the device waited for), so that batches a loader
+    prepared before the run began (a prefetch queue filled while other rows ran) are not credited
+    to it, and its own start-up is left out alike for every row; epoch ends inside the run are
+    timed, as training meets them. CPU per image: over the run and ``settle_s`` of untimed wait
+    after it (work the loader goes on with is charged to it), per image returned. fill_ms: the
+    time to the last skipped batch."""
+    stamps: list[tuple[float, int]] = []
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    for e in range(epochs):
+        for n in run(first_epoch + e):
+            stamps.append((time.perf_counter(), n))
+    t1 = time.perf_counter()
+    if settle_s > 0:
+        time.sleep(settle_s)
+    c1 = cpu_seconds()
+    if len(stamps) <= skip:
+        raise RuntimeError(f"{len(stamps)} batches in {epochs} epochs: --skip-batches {skip} leaves none to time")
+    start = stamps[skip - 1][0] if skip else t0
+    timed = sum(n for _, n in stamps[skip:])
+    total = sum(n for _, n in stamps)
+    return {"ips": timed / max(t1 - start, 1e-9), "cpu_per_1000": (c1 - c0) / max(total, 1) * 1000,
+            "fill_ms": (start - t0) * 1000}
+
+
 def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, Any]:
-    factories: dict[str, Callable[[], tuple[Callable[[int], int], Any]]] = {
+    factories: dict[str, Callable[[], tuple[Runner, Any]]] = {
         "imageloader_packed": lambda: row_imageloader(ds, "packed", args, torch),
         "imageloader_tar": lambda: row_imageloader(ds, "tar", args, torch),
         "imageloader_folder": lambda: row_imageloader(ds, "folder", args, torch),
@@ -446,7 +509,8 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         factories[name] = lambda load=load, threads=threads: row_dali(ds, args, torch, load, threads)
         names.append(name)
     rows: dict[str, Any] = {}
-    runners: dict[str, Callable[[int], int]] = {}
+    runners: dict[str, Runner] = {}
+    epochs = epochs_per_run(args.images, args.batch, args.skip_batches, args.min_batches)
     holders = []
     holder_of: dict[str, Any] = {}
     for name in names:
@@ -458,26 +522,24 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         run, holder = made
         holders.append(holder)
         holder_of[name] = holder
-        _, err = C.guarded(run, 10_000)  # warm-up epoch
+        _, err = C.guarded(timed_run, run, 10_000, 1, 0, args.settle_s)  # warm-up epoch
         if err is not None:
             rows[name] = err
             C.log(f"[{size_class}] {name}: failed ({err['error']})")
             continue
         runners[name] = run
-        rows[name] = {"ips": [], "cpu_per_1000": [], "rounds": []}
+        rows[name] = {"ips": [], "cpu_per_1000": [], "fill_ms": [], "rounds": [], "epochs_per_run": epochs}
     for r in range(args.rounds):
         names = list(runners) if r % 2 == 0 else list(runners)[::-1]
         for name in names:
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            n, err = C.guarded(runners[name], r)
-            t1, c1 = time.perf_counter(), cpu_seconds()
+            got, err = C.guarded(timed_run, runners[name], r * epochs, epochs, args.skip_batches, args.settle_s)
             if err is not None:
                 rows[name].update(err)
                 continue
-            rows[name]["ips"].append(n / (t1 - t0))
-            rows[name]["cpu_per_1000"].append((c1 - c0) / max(n, 1) * 1000)
+            for k in ("ips", "cpu_per_1000", "fill_ms"):
+                rows[name][k].append(got[k])
             rows[name]["rounds"].append(r)
-            C.log(f"[{size_class}] round {r} {name}: {n / (t1 - t0):,.0f} img/s")
+            C.log(f"[{size_class}] round {r} {name}: {got['ips']:,.0f} img/s")
     for name, h in holder_of.items():  # the GPU decoders' own counts, for the record
         st, _ = C.guarded(h.stats) if hasattr(h, "stats") and name in runners else (None, None)
         gd = (st or {}).get("gpu_decoder") or {}
@@ -490,6 +552,7 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         if "ips" in v:
             v["ips_summary"] = C.summarize(v["ips"])
             v["cpu_summary"] = C.summarize(v["cpu_per_1000"])
+            v["fill_summary"] = C.summarize(v["fill_ms"])
     return rows
 
 
@@ -726,15 +789,22 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
     lines = ["# ImageLoader benchmark (bench_images.py)", ""]
     lines += C.machine_summary_lines(info) if not args.smoke else ["(smoke run on the host backend)"]
     for size_class, rows in results.items():
+        epochs = next((v["epochs_per_run"] for v in rows.values() if "epochs_per_run" in v), None)
         lines += ["", f"## Loader-bound, {size_class}: {args.images} images, batch {args.batch}, 224 px "
                   f"{args.dtype}, {args.rounds} rounds", ""]
+        if epochs is not None:
+            lines += [f"Each run: {epochs} epoch(s) back to back; images/s over the batches after the first "
+                      f"{args.skip_batches}, from the return of the last of those; then {args.settle_s:g} s untimed.",
+                      ""]
         table = []
         for name, v in rows.items():
             if "ips_summary" in v:
-                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["cpu_summary"], 3)])
+                fill = C.fmt_summary(v["fill_summary"], 0) if "fill_summary" in v else ""
+                table.append([name, C.fmt_summary(v["ips_summary"], 0), C.fmt_summary(v["cpu_summary"], 3), fill])
             else:
-                table.append([name, f"not run: {v.get('skipped') or v.get('error')}", ""])
-        lines.append(C.md_table(["row", "images/s", "CPU-s per 1,000 images"], table, "lrr"))
+                table.append([name, f"not run: {v.get('skipped') or v.get('error')}", "", ""])
+        lines.append(C.md_table(["row", "images/s", "CPU-s per 1,000 images",
+                                 f"ms to the first {args.skip_batches} batches (untimed)"], table, "lrrr"))
         for name, v in rows.items():
             if v.get("gpu_decoder"):
                 lines += ["", f"{name}'s GPU decoders at the end: " +
@@ -778,10 +848,17 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-class", type=C.choice_list(["imagenet", "highres"]), default=["imagenet", "highres"])
-    ap.add_argument("--images", type=int, default=8192, help="images per size class (one epoch per round)")
+    ap.add_argument("--images", type=int, default=8192, help="images per size class (one epoch)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", type=C.choice_list(LOADER_ROWS), default=list(LOADER_ROWS))
+    ap.add_argument("--skip-batches", type=_count(0), default=4,
+                    help="loader-bound: batches of each run not timed (ready before the run began, or "
+                         "the loader's start-up)")
+    ap.add_argument("--min-batches", type=_count(1), default=20,
+                    help="loader-bound: timed batches each run has at least (epochs run back to back)")
+    ap.add_argument("--settle-s", type=float, default=0.5,
+                    help="loader-bound: untimed wait after each run (CPU time counted to the row)")
     ap.add_argument("--variant", type=_variant, action="append", default=[],
                     help="NAME:VAR=VALUE: a row imageloader_packed_NAME made and run with VAR set, VAR one "
                          f"of {', '.join(VARIANT_VARS)} (repeatable)")
@@ -824,6 +901,7 @@ def main(argv: list[str] | None = None) -> int:
         C.smoke_out(args)
         args.device, args.images, args.batch, args.rounds, args.steps = "cpu", 48, 8, 2, 2
         args.drain, args.settle = 2, 1
+        args.skip_batches, args.min_batches, args.settle_s = 1, 6, 0.0
         args.size_class = ["imagenet"]
         args.rows = ["imageloader_packed", "imageloader_tar", "imageloader_folder"]
         args.models = [m for m in args.models if m == "tiny"] or ["tiny"]

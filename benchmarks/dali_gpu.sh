@@ -15,7 +15,7 @@
 #        loader  loader-bound rows, ImageNet-like (4,096 images) and high-res (1,024) JPEGs:
 #                ImageLoader (packed; and tar shards and a folder on ImageNet-like), DALI at its
 #                default and at hw_decoder_load 0.9 and at each configuration of SWEEP, the
-#                DataLoader, torchvision's GPU decode (ImageNet-like), the GPU decoder alone;
+#                DataLoader and torchvision's GPU decode (ImageNet-like), the GPU decoder alone;
 #        models  ResNet-50, ResNet-18 and EfficientNet-B0 on ImageNet-like, ViT-B/16 on high-res
 #                JPEGs, fed by ImageLoader, DALI (0.9) and the DataLoader against pre-decoded crops
 #                already on the GPU, rows interleaved over ROUNDS rounds.
@@ -101,8 +101,10 @@ bench() {
 case " $STEPS " in *" loader "*)
     bench images_imagenet --size-class imagenet --images 4096 ${SWEEP:+--dali-sweep "$SWEEP"} \
         --rows imageloader_packed,imageloader_tar,imageloader_folder,dali_default,dali_best,dataloader,torchvision_gpu,decoder_alone
+    # (no DataLoader row here: a run is 6 epochs of 1,024 high-res images, half a minute a round
+    # at its rate; the models step's ViT-B/16 table has it)
     bench images_highres --size-class highres --images 1024 ${SWEEP:+--dali-sweep "$SWEEP"} \
-        --rows imageloader_packed,dali_default,dali_best,dataloader,decoder_alone
+        --rows imageloader_packed,dali_default,dali_best,decoder_alone
 esac
 case " $STEPS " in *" models "*)
     bench models_imagenet --size-class imagenet --images 4096 --rows decoder_alone --steps "${MODEL_STEPS:-30}" \

@@ -25,6 +25,8 @@ def test_smoke_run(tmp_path):
     assert list(rows) == ["imageloader_packed", "imageloader_tar", "imageloader_folder"]
     for name, v in rows.items():
         assert len(v["ips"]) == 2 and min(v["ips"]) > 0, (name, v)
+        # 48 images in batches of 8: 6 a epoch, 1 skipped + 6 timed wants 2 epochs a run
+        assert v["epochs_per_run"] == 2 and len(v["fill_ms"]) == 2, (name, v)
     tiny = data["models"]["tiny"]
     assert tiny["rounds_done"] == 2 and set(tiny["rows"]) == {"bound", "imageloader_packed"}
     assert all(len(v["ratio"]) == 2 for v in tiny["rows"].values())
@@ -103,17 +105,21 @@ def test_a_variant_row_runs_every_epoch_with_its_variable_set(monkeypatch):
         seen.append(("made", os.environ.get("PINLOADER_JPEG_DECODERS")))
 
         def run(r):
-            seen.append((r, os.environ.get("PINLOADER_JPEG_DECODERS")))
-            return 1
+            for b in range(2):
+                seen.append((r, b, os.environ.get("PINLOADER_JPEG_DECODERS")))
+                yield 1
+            seen.append((r, "end", os.environ.get("PINLOADER_JPEG_DECODERS")))
         return run, object()
 
     monkeypatch.setattr(bench_images, "row_imageloader", fake_row)
     monkeypatch.setenv("PINLOADER_JPEG_DECODERS", "2")
     run, _ = bench_images.row_imageloader_variant({}, "d4:PINLOADER_JPEG_DECODERS=4", None, None)
     assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
-    run(0)
-    run(1)
-    assert seen == [("made", "4"), (0, "4"), (1, "4")]
+    for r in (0, 1):
+        for n in run(r):
+            # the caller holds a batch between two of them: its own environment
+            assert n == 1 and os.environ["PINLOADER_JPEG_DECODERS"] == "2"
+    assert seen == [("made", "4")] + [(r, b, "4") for r in (0, 1) for b in (0, 1, "end")]
     assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
 
 
@@ -151,3 +157,68 @@ def test_rows_are_compared_round_by_round_when_a_round_failed():
     text = "\n".join(bi.ratio_lines(rows))
     line = next(x for x in text.splitlines() if x.startswith("| dali_default"))
     assert "| 2.00 |" in line and "| 0.50 |" in line, line  # 300 / 150 and 1 / 2, round 2 alone
+
+
+class _Clock:
+    """perf_counter and sleep of a clock the fake rows advance themselves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept += s
+        self.now += s
+
+
+def test_a_run_is_timed_from_its_last_skipped_batch_and_charged_its_cpu(monkeypatch):
+    """A loader that had its first batches ready before the run began (DALI's prefetch queue runs on
+    into the next epoch) is not credited with them: images/s counts the batches after the skipped
+    ones over the time after the last skipped one returned."""
+    import types
+    bi = _bench_images()
+    clock = _Clock()
+    cpu = [0.0]
+    monkeypatch.setattr(bi, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep))
+    monkeypatch.setattr(bi, "cpu_seconds", lambda: cpu[0])
+    epochs_seen = []
+
+    def run(epoch):
+        epochs_seen.append(epoch)
+        for k in range(4):
+            if not (epoch == 7 and k < 2):  # two batches ready at the start, the rest 0.1 s each
+                clock.now += 0.1
+                cpu[0] += 0.2
+            yield 10
+    got = bi.timed_run(run, 7, 3, 2, 0.5)
+    assert epochs_seen == [7, 8, 9]
+    # 10 timed batches of 10 images over 10 x 0.1 s; the two ready batches took no time
+    assert got["ips"] == pytest.approx(100.0)
+    assert got["fill_ms"] == pytest.approx(0.0)
+    assert clock.slept == 0.5
+    # 10 batches' CPU (2 s) over the 120 images returned
+    assert got["cpu_per_1000"] == pytest.approx(2.0 / 120 * 1000)
+    # with nothing skipped the ready batches count, and the rate is higher
+    assert bi.timed_run(run, 7, 3, 0, 0.0)["ips"] == pytest.approx(120.0)
+    with pytest.raises(RuntimeError, match="--skip-batches 12 leaves none to time"):
+        bi.timed_run(run, 0, 3, 12, 0.0)
+
+
+def test_epochs_run_back_to_back_reach_the_batches_asked_for():
+    bi = _bench_images()
+    assert bi.epochs_per_run(4096, 256, 4, 20) == 2   # 16 a epoch
+    assert bi.epochs_per_run(1024, 256, 4, 20) == 6   # 4 a epoch
+    assert bi.epochs_per_run(1024, 256, 0, 4) == 1
+    assert bi.epochs_per_run(1023, 256, 4, 20) == 8   # 3 a epoch (drop_last)
+    with pytest.raises(SystemExit, match="less than one batch"):
+        bi.epochs_per_run(100, 256, 4, 20)
+
+
+@pytest.mark.parametrize("text", ["-1", "x", "1.5"])
+def test_a_bad_count_is_refused(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 0"):
+        _bench_images()._count(0)(text)
