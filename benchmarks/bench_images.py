@@ -6,11 +6,11 @@ when scikit-image is missing), rescaled to ImageNet-like sizes (short side 333-5
 resolution (1.2-1.5k px), given sensor noise and saved as JPEG at quality 90, then written as an
 ImageFolder tree, WebDataset tar shards and a packed dataset (``python -m pinloader pack``).
 
-Loader-bound rows (rows interleaved over --rounds rounds; in each round a row runs epochs of
---images images back to back until it has returned at least --skip-batches + --min-batches
-batches). images/s: the batches after the first --skip-batches over the time from the return of
-the last skipped one to the end of the run, so that no row is credited with batches it decoded
-before its run began (DALI's pipeline runs its prefetch queue on into the next epoch while the next
+Loader-bound rows (rows interleaved over --rounds rounds; in each round, and in its warm-up, a
+row runs epochs of --images images back to back until it has returned at least --skip-batches +
+--min-batches batches). images/s: the batches after the first --skip-batches over the time from
+the return of the last skipped one to the end of the run (the current stream waited for), so that
+no row is credited with batches it decoded before its run began (DALI's pipeline runs its prefetch queue on into the next epoch while the next
 row is timed); after each run the bench waits --settle-s untimed, so that such work ends before the
 next row starts. CPU-seconds per 1,000 images: the process and its worker processes over the whole
 run and its wait, over every image the run returned:
@@ -261,14 +261,10 @@ def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple
         run, loader = row_imageloader(ds, "packed", args, torch)
 
     def run_with_var(epoch: int) -> Iterator[int]:
-        # set while the epoch runs, not while the caller holds a batch between two of them
+        # set from the epoch's first batch asked for to its end (or the generator's closing): not
+        # changed between batches, while the loader's threads may read the environment
         with var_set():
-            it = run(epoch)
-            first = next(it, None)
-        while first is not None:
-            yield first
-            with var_set():
-                first = next(it, None)
+            yield from run(epoch)
     return run_with_var, loader
 
 
@@ -337,7 +333,7 @@ def row_dataloader(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
             x = x.to(dev, non_blocking=True).to(dt).contiguous(memory_format=torch.channels_last)
             yield x.shape[0]
         if dev.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(dev).synchronize()
     return run, None
 
 
@@ -357,7 +353,7 @@ def row_torchvision_gpu(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
             imgs = torchvision.io.decode_jpeg(datas, device=args.device)
             x = torch.stack([tf(im) for im in imgs]).to(dt).contiguous(memory_format=torch.channels_last)
             yield x.shape[0]
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
     return run, None
 
 
@@ -393,7 +389,8 @@ def row_dali(ds: dict, args: Any, torch: Any, hw_load: float,
     # reset by hand at the start of each epoch but the first. Either way the pipeline keeps its
     # prefetch queue full across the end of an epoch: the next epoch's first batches decode after
     # the run has ended (loader_bound's --settle-s and --skip-batches keep them out of other rows'
-    # time and out of this row's images/s)
+    # time and out of this row's images/s). After a failed run loader_bound runs the row no more:
+    # the iterator may be mid-epoch, and DALI ignores a reset there
     it = dali_iter(ds, args, torch, hw_load, threads, auto_reset=False)
     ended = [False]
 
@@ -403,7 +400,9 @@ def row_dali(ds: dict, args: Any, torch: Any, hw_load: float,
         ended[0] = True
         for b in it:
             yield b[0]["image"].shape[0]
-        torch.cuda.synchronize()
+        # the batches it returned are ready on the current stream (the iterator copies them there);
+        # not the whole device, which would also wait for the next epoch's batches already begun
+        torch.cuda.current_stream().synchronize()
     return run, None
 
 
@@ -448,7 +447,7 @@ def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
 # ---- loader-bound table ----
 
 def epochs_per_run(images: int, batch: int, skip: int, min_batches: int) -> int:
-    """The epochs a row runs back to back in one round: enough for ``skip`` + ``min_batches``
+    """The epochs a row runs back to back in one round (and in its warm-up): enough for ``skip`` + ``min_batches``
     batches (drop_last) of ``images`` images."""
     per_epoch = images // batch
     if per_epoch < 1:
@@ -468,12 +467,15 @@ def timed_run(run: Runner, first_epoch: int, epochs: int, skip: int, settle_s: f
     time to the last skipped batch."""
     stamps: list[tuple[float, int]] = []
     c0, t0 = cpu_seconds(), time.perf_counter()
-    for e in range(epochs):
-        for n in run(first_epoch + e):
-            stamps.append((time.perf_counter(), n))
-    t1 = time.perf_counter()
-    if settle_s > 0:
-        time.sleep(settle_s)
+    try:
+        for e in range(epochs):
+            for n in run(first_epoch + e):
+                stamps.append((time.perf_counter(), n))
+        t1 = time.perf_counter()
+    finally:
+        # after a failure too: what the loader still has in flight ends before the next row
+        if settle_s > 0:
+            time.sleep(settle_s)
     c1 = cpu_seconds()
     if len(stamps) <= skip:
         raise RuntimeError(f"{len(stamps)} batches in {epochs} epochs: --skip-batches {skip} leaves none to time")
@@ -522,19 +524,27 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         run, holder = made
         holders.append(holder)
         holder_of[name] = holder
-        _, err = C.guarded(timed_run, run, 10_000, 1, 0, args.settle_s)  # warm-up epoch
+        # warm-up: a run like the timed ones (a shorter one left the first round slower)
+        _, err = C.guarded(timed_run, run, 10_000, epochs, args.skip_batches, args.settle_s)
         if err is not None:
             rows[name] = err
             C.log(f"[{size_class}] {name}: failed ({err['error']})")
             continue
         runners[name] = run
         rows[name] = {"ips": [], "cpu_per_1000": [], "fill_ms": [], "rounds": [], "epochs_per_run": epochs}
+    stopped: set[str] = set()
     for r in range(args.rounds):
         names = list(runners) if r % 2 == 0 else list(runners)[::-1]
         for name in names:
+            if name in stopped:
+                continue
             got, err = C.guarded(timed_run, runners[name], r * epochs, epochs, args.skip_batches, args.settle_s)
             if err is not None:
+                # a loader's state after a failed run is unknown (one may be mid-epoch): its
+                # rounds so far stand, and the row runs no more
                 rows[name].update(err)
+                stopped.add(name)
+                C.log(f"[{size_class}] round {r} {name}: failed ({err['error']}); not run again")
                 continue
             for k in ("ips", "cpu_per_1000", "fill_ms"):
                 rows[name][k].append(got[k])
@@ -854,8 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=C.choice_list(LOADER_ROWS), default=list(LOADER_ROWS))
     ap.add_argument("--skip-batches", type=_count(0), default=4,
                     help="loader-bound: batches of each run not timed (ready before the run began, or "
-                         "the loader's start-up)")
-    ap.add_argument("--min-batches", type=_count(1), default=20,
+                         "the loader's start-up; 0 credits a loader with what it prepared before)")
+    ap.add_argument("--min-batches", type=_count(1), default=40,
                     help="loader-bound: timed batches each run has at least (epochs run back to back)")
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="loader-bound: untimed wait after each run (CPU time counted to the row)")

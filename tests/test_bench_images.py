@@ -95,7 +95,8 @@ def test_a_bad_variant_is_refused(spec):
 
 def test_a_variant_row_runs_every_epoch_with_its_variable_set(monkeypatch):
     """The loader reads some switches at every epoch (PINLOADER_JPEG_DECODERS), so the variable is
-    set around every call of the row, and only then."""
+    set from an epoch's first batch to its end, not changed between its batches (the loader's
+    threads may read the environment), and restored after it, also when it fails."""
     import os
 
     bench_images = _bench_images()
@@ -117,9 +118,17 @@ def test_a_variant_row_runs_every_epoch_with_its_variable_set(monkeypatch):
     assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
     for r in (0, 1):
         for n in run(r):
-            # the caller holds a batch between two of them: its own environment
-            assert n == 1 and os.environ["PINLOADER_JPEG_DECODERS"] == "2"
+            assert n == 1 and os.environ["PINLOADER_JPEG_DECODERS"] == "4"
+        assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
     assert seen == [("made", "4")] + [(r, b, "4") for r in (0, 1) for b in (0, 1, "end")]
+
+    def failing(r):
+        yield 1
+        raise RuntimeError("decode failed")
+    monkeypatch.setattr(bench_images, "row_imageloader", lambda *a: (failing, object()))
+    run, _ = bench_images.row_imageloader_variant({}, "d4:PINLOADER_JPEG_DECODERS=4", None, None)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        list(run(0))
     assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
 
 
@@ -182,29 +191,42 @@ def test_a_run_is_timed_from_its_last_skipped_batch_and_charged_its_cpu(monkeypa
     bi = _bench_images()
     clock = _Clock()
     cpu = [0.0]
-    monkeypatch.setattr(bi, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep))
     monkeypatch.setattr(bi, "cpu_seconds", lambda: cpu[0])
     epochs_seen = []
+
+    def sleep(s):
+        clock.sleep(s)
+        cpu[0] += 0.3  # the loader goes on working while the bench waits
+    monkeypatch.setattr(bi, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=sleep))
 
     def run(epoch):
         epochs_seen.append(epoch)
         for k in range(4):
-            if not (epoch == 7 and k < 2):  # two batches ready at the start, the rest 0.1 s each
-                clock.now += 0.1
-                cpu[0] += 0.2
+            # epoch 7: two batches ready at the start (0.01 s each), the rest 0.1 s each
+            clock.now += 0.01 if epoch == 7 and k < 2 else 0.1
+            cpu[0] += 0.2
             yield 10
+        clock.now += 0.05  # the wait for the device at the epoch's end
     got = bi.timed_run(run, 7, 3, 2, 0.5)
     assert epochs_seen == [7, 8, 9]
-    # 10 timed batches of 10 images over 10 x 0.1 s; the two ready batches took no time
-    assert got["ips"] == pytest.approx(100.0)
-    assert got["fill_ms"] == pytest.approx(0.0)
+    # 10 timed batches of 10 images over 10 x 0.1 s + 3 x 0.05 s of waits
+    assert got["ips"] == pytest.approx(100 / 1.15)
+    assert got["fill_ms"] == pytest.approx(20.0)
     assert clock.slept == 0.5
-    # 10 batches' CPU (2 s) over the 120 images returned
-    assert got["cpu_per_1000"] == pytest.approx(2.0 / 120 * 1000)
+    # 12 batches' CPU (2.4 s) and the wait's (0.3 s) over the 120 images returned
+    assert got["cpu_per_1000"] == pytest.approx(2.7 / 120 * 1000)
     # with nothing skipped the ready batches count, and the rate is higher
-    assert bi.timed_run(run, 7, 3, 0, 0.0)["ips"] == pytest.approx(120.0)
+    assert bi.timed_run(run, 7, 3, 0, 0.0)["ips"] == pytest.approx(120 / 1.17)
     with pytest.raises(RuntimeError, match="--skip-batches 12 leaves none to time"):
         bi.timed_run(run, 0, 3, 12, 0.0)
+
+    def failing(epoch):
+        yield 10
+        raise ValueError("bad batch")
+    clock.slept = 0.0
+    with pytest.raises(ValueError, match="bad batch"):
+        bi.timed_run(failing, 0, 2, 0, 0.5)
+    assert clock.slept == 0.5  # the wait after a failed run too
 
 
 def test_epochs_run_back_to_back_reach_the_batches_asked_for():
@@ -222,3 +244,28 @@ def test_a_bad_count_is_refused(text):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 0"):
         _bench_images()._count(0)(text)
+
+
+def test_a_row_that_failed_a_run_is_not_run_again(monkeypatch):
+    """Its loader may be left mid-epoch (DALI then ignores a reset): the rounds it measured stand,
+    the failure is recorded, and the later rounds leave it out."""
+    import argparse
+    bi = _bench_images()
+    epochs_seen = []
+
+    def fake_row(ds, key, args, torch):
+        def run(epoch):
+            epochs_seen.append(epoch)
+            if epoch == 2:
+                raise RuntimeError("lost the device")
+            for _ in range(2):
+                yield 4
+        return run, None
+    monkeypatch.setattr(bi, "row_imageloader", fake_row)
+    args = argparse.Namespace(rows=["imageloader_packed"], variant=[], dali_sweep=[], images=8, batch=4,
+                              skip_batches=1, min_batches=1, settle_s=0.0, rounds=4)
+    rows = bi.loader_bound({}, args, None, "imagenet")
+    v = rows["imageloader_packed"]
+    assert v["rounds"] == [0, 1] and len(v["ips"]) == 2
+    assert "lost the device" in v["error"]
+    assert epochs_seen == [10_000, 0, 1, 2]
