@@ -210,7 +210,9 @@ def cpu_seconds() -> float:
 
 
 # ---- rows: each a factory returning (run, holder); run(epoch) yields the images of each batch as
-# the batch is returned and waits for the device at the end; holder: what to close (or None) ----
+# the batch is returned and at the end waits for the current stream, where the loaders hand their
+# batches over (the decoder alone, with no loader, for the device); holder: what to close (or
+# None) ----
 
 Runner = Callable[[int], Iterator[int]]
 
@@ -400,8 +402,9 @@ def row_dali(ds: dict, args: Any, torch: Any, hw_load: float,
         ended[0] = True
         for b in it:
             yield b[0]["image"].shape[0]
-        # the batches it returned are ready on the current stream (the iterator copies them there);
-        # not the whole device, which would also wait for the next epoch's batches already begun
+        # the batches it returned are ready on the current stream (the iterator makes it wait for
+        # them as it hands them over); not the whole device, which would also wait for the next
+        # epoch's batches already begun
         torch.cuda.current_stream().synchronize()
     return run, None
 
@@ -459,7 +462,7 @@ def timed_run(run: Runner, first_epoch: int, epochs: int, skip: int, settle_s: f
     """One row's run in one round: ``epochs`` epochs back to back from ``first_epoch``.
 
     images/s counts the batches after the first ``skip`` over the time from the return of the
-    last skipped batch to the end of the run (the device waited for), so that batches a loader
+    last skipped batch to the end of the run (the runner's wait included), so that batches a loader
     prepared before the run began (a prefetch queue filled while other rows ran) are not credited
     to it, and its own start-up is left out alike for every row; epoch ends inside the run are
     timed, as training meets them. CPU per image: over the run and ``settle_s`` of untimed wait
@@ -543,6 +546,7 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
                 # a loader's state after a failed run is unknown (one may be mid-epoch): its
                 # rounds so far stand, and the row runs no more
                 rows[name].update(err)
+                rows[name]["stopped_in_round"] = r
                 stopped.add(name)
                 C.log(f"[{size_class}] round {r} {name}: failed ({err['error']}); not run again")
                 continue
@@ -554,7 +558,7 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         st, _ = C.guarded(h.stats) if hasattr(h, "stats") and name in runners else (None, None)
         gd = (st or {}).get("gpu_decoder") or {}
         if gd:
-            rows[name]["gpu_decoder"] = {k: gd[k] for k in ("hardware", "cuda", "chroma_interpolated", "decoders")
+            rows[name]["gpu_decoder"] = {k: gd[k] for k in ("hardware", "cuda", "roi", "chroma_interpolated", "decoders")
                                                if k in gd}
     for h in holders:
         C.close_quietly(h)
@@ -815,6 +819,10 @@ def render(results: dict[str, Any], models: dict[str, Any], info: dict, args: An
                 table.append([name, f"not run: {v.get('skipped') or v.get('error')}", "", ""])
         lines.append(C.md_table(["row", "images/s", "CPU-s per 1,000 images",
                                  f"ms to the first {args.skip_batches} batches (untimed)"], table, "lrrr"))
+        for name, v in rows.items():
+            if "stopped_in_round" in v:
+                lines += ["", f"{name} failed in round {v['stopped_in_round']} and was not run again "
+                          f"(its figures are the rounds before): {v.get('error')}"]
         for name, v in rows.items():
             if v.get("gpu_decoder"):
                 lines += ["", f"{name}'s GPU decoders at the end: " +

@@ -267,5 +267,9 @@ def test_a_row_that_failed_a_run_is_not_run_again(monkeypatch):
     rows = bi.loader_bound({}, args, None, "imagenet")
     v = rows["imageloader_packed"]
     assert v["rounds"] == [0, 1] and len(v["ips"]) == 2
-    assert "lost the device" in v["error"]
+    assert "lost the device" in v["error"] and v["stopped_in_round"] == 2
     assert epochs_seen == [10_000, 0, 1, 2]
+    # the table says the row stopped, and why
+    args.smoke, args.dtype, args.steps = True, "float32", 2
+    text = bi.render({"imagenet": rows}, {}, {}, args)
+    assert "imageloader_packed failed in round 2 and was not run again" in text and "lost the device" in text
