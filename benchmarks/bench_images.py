@@ -10,10 +10,11 @@ Loader-bound rows (rows interleaved over --rounds rounds; in each round, and in 
 row runs epochs of --images images back to back until it has returned at least --skip-batches +
 --min-batches batches). images/s: the batches after the first --skip-batches over the time from
 the return of the last skipped one to the end of the run (the current stream waited for), so that
-no row is credited with batches it decoded before its run began (DALI's pipeline runs its prefetch queue on into the next epoch while the next
-row is timed); after each run the bench waits --settle-s untimed, so that such work ends before the
-next row starts. CPU-seconds per 1,000 images: the process and its worker processes over the whole
-run and its wait, over every image the run returned:
+no row is credited with batches it decoded before its run began (DALI's pipeline runs its prefetch
+queue on into the next epoch while the next row is timed); after each run the bench waits
+--settle-s untimed, so that such work ends before the next row starts. CPU-seconds per 1,000
+images: the process and its worker processes over the whole run and its wait, over every image
+the run returned:
 
   imageloader_packed / _tar / _folder   ImageLoader(train=True, size=224, bf16, NHWC) through
                                         pinloader.torch.prefetch
@@ -394,12 +395,13 @@ def row_dali(ds: dict, args: Any, torch: Any, hw_load: float,
     # time and out of this row's images/s). After a failed run loader_bound runs the row no more:
     # the iterator may be mid-epoch, and DALI ignores a reset there
     it = dali_iter(ds, args, torch, hw_load, threads, auto_reset=False)
-    ended = [False]
+    ended = False
 
     def run(epoch: int) -> Iterator[int]:
-        if ended[0]:
+        nonlocal ended
+        if ended:
             it.reset()
-        ended[0] = True
+        ended = True
         for b in it:
             yield b[0]["image"].shape[0]
         # the batches it returned are ready on the current stream (the iterator makes it wait for
@@ -450,8 +452,8 @@ def row_decoder_alone(ds: dict, args: Any, torch: Any) -> tuple[Runner, Any]:
 # ---- loader-bound table ----
 
 def epochs_per_run(images: int, batch: int, skip: int, min_batches: int) -> int:
-    """The epochs a row runs back to back in one round (and in its warm-up): enough for ``skip`` + ``min_batches``
-    batches (drop_last) of ``images`` images."""
+    """The epochs a row runs back to back in one round (and in its warm-up): enough for ``skip``
+    + ``min_batches`` batches (drop_last) of ``images`` images."""
     per_epoch = images // batch
     if per_epoch < 1:
         raise SystemExit(f"--images {images} is less than one batch of {batch}")
@@ -558,8 +560,8 @@ def loader_bound(ds: dict, args: Any, torch: Any, size_class: str) -> dict[str, 
         st, _ = C.guarded(h.stats) if hasattr(h, "stats") and name in runners else (None, None)
         gd = (st or {}).get("gpu_decoder") or {}
         if gd:
-            rows[name]["gpu_decoder"] = {k: gd[k] for k in ("hardware", "cuda", "roi", "chroma_interpolated", "decoders")
-                                               if k in gd}
+            kept = ("hardware", "cuda", "roi", "chroma_interpolated", "decoders")
+            rows[name]["gpu_decoder"] = {k: gd[k] for k in kept if k in gd}
     for h in holders:
         C.close_quietly(h)
     for v in rows.values():
