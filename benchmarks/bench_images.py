@@ -239,8 +239,10 @@ def row_imageloader(ds: dict, key: str, args: Any, torch: Any) -> tuple[Runner, 
 
 # The decoder's measurement switches a --variant row may set (each read by the loader as it makes
 # or runs its GPU decoders: Note [interpolated chroma] in src/core/nvjpeg_load.c, Note [region
-# decode] in src/core/jpeg_cuda.c, Note [decoder threads] in pinloader/_image_epochs.py)
-VARIANT_VARS = ("PINLOADER_JPEG_INTERPOLATE", "PINLOADER_JPEG_REGION", "PINLOADER_JPEG_DECODERS")
+# decode] and Note [the engines' order] in src/core/jpeg_cuda.c, Note [decoder threads] in
+# pinloader/_image_epochs.py)
+VARIANT_VARS = ("PINLOADER_JPEG_INTERPOLATE", "PINLOADER_JPEG_REGION", "PINLOADER_JPEG_DECODERS",
+                "PINLOADER_JPEG_SORT")
 
 
 def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Runner, Any]:

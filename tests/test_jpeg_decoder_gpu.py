@@ -456,6 +456,29 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
     assert (d == 0).mean() >= 0.99
 
 
+def test_the_engines_order_changes_no_pixel(dec, torch, monkeypatch):
+    """Note [the engines' order]: a decoder made with PINLOADER_JPEG_SORT=1 hands the engines the
+    batch's images largest first; every sample comes out where it was, equal to the decoder
+    made without it (sizes in no order, some repeated, so the sort moves most of them)."""
+    shapes = [(120, 160), (480, 640), (64, 64), (333, 500), (480, 640), (200, 90), (720, 1280), (64, 64)]
+    blobs = [jpeg(photo(h, w, 60 + i)) for i, (h, w) in enumerate(shapes)]
+    size = (48, 40)
+    params = box_params(np.random.default_rng(9), shapes, size)
+    base, offsets, lengths = _pack(blobs)
+    want, st = _run(dec, torch, base, offsets, lengths, params, size)
+    assert st.tolist() == [0] * len(blobs)
+    monkeypatch.setenv("PINLOADER_JPEG_SORT", "1")
+    d2 = _C.JpegDecoder(0, libraries=_cudart.nvjpeg_candidates())
+    try:
+        got, st2 = _run(d2, torch, base, offsets, lengths, params, size)
+        if d2.info()["engines"]:  # several images on the engines, so that there was an order
+            assert d2.info()["hardware"] >= 4
+    finally:
+        d2.close()
+    assert st2.tolist() == [0] * len(blobs)
+    assert np.array_equal(got.numpy(), want.numpy())
+
+
 def _overlap_a_and_b(dec, torch):
     """Batch A's kernels held back on the decoder's stream (a stream hold), batch B of the same
     sizes (so the same workspace) decoded meanwhile, then the hold opened: (A as it came out,
