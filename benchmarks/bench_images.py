@@ -245,22 +245,29 @@ VARIANT_VARS = ("PINLOADER_JPEG_INTERPOLATE", "PINLOADER_JPEG_REGION", "PINLOADE
                 "PINLOADER_JPEG_SORT")
 
 
+def _variant_vars(spec: str) -> list[tuple[str, str]]:
+    """--variant NAME:VAR=VALUE[+VAR=VALUE...]'s (VAR, VALUE) pairs."""
+    return [(var, value) for var, _, value in (p.partition("=") for p in spec.partition(":")[2].split("+"))]
+
+
 def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Runner, Any]:
-    """imageloader_packed with one environment variable set whenever the row is made or run (the
-    loader reads its decoder switches then, some at every epoch): --variant NAME:VAR=VALUE."""
-    var, _, value = spec.partition(":")[2].partition("=")
+    """imageloader_packed with environment variables set whenever the row is made or run (the
+    loader reads its decoder switches then, some at every epoch): --variant
+    NAME:VAR=VALUE[+VAR=VALUE...]."""
+    pairs = _variant_vars(spec)
 
     @contextlib.contextmanager
     def var_set() -> Iterator[None]:
-        old = os.environ.get(var)
-        os.environ[var] = value
+        old = {var: os.environ.get(var) for var, _ in pairs}
+        os.environ.update(pairs)
         try:
             yield
         finally:
-            if old is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = old
+            for var, was in old.items():
+                if was is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = was
 
     with var_set():
         run, loader = row_imageloader(ds, "packed", args, torch)
@@ -309,10 +316,12 @@ def _count(least: int) -> Callable[[str], int]:
 
 def _variant(text: str) -> str:
     name, sep, rest = text.partition(":")
-    var, eq, _ = rest.partition("=")
-    if not sep or not eq or not name.isidentifier() or var not in VARIANT_VARS:
-        raise argparse.ArgumentTypeError(f"--variant wants NAME:VAR=VALUE with VAR one of {', '.join(VARIANT_VARS)}, "
-                                         f"got {text!r}")
+    pairs = [p.partition("=") for p in rest.split("+")]
+    names = [var for var, _, _ in pairs]
+    if (not sep or not name.isidentifier() or any(not eq or var not in VARIANT_VARS for var, eq, _ in pairs)
+            or len(set(names)) != len(names)):
+        raise argparse.ArgumentTypeError(f"--variant wants NAME:VAR=VALUE[+VAR=VALUE...] with each VAR once, one of "
+                                         f"{', '.join(VARIANT_VARS)}, got {text!r}")
     return text
 
 
@@ -882,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="loader-bound: untimed wait after each run (CPU time counted to the row)")
     ap.add_argument("--variant", type=_variant, action="append", default=[],
-                    help="NAME:VAR=VALUE: a row imageloader_packed_NAME made and run with VAR set, VAR one "
+                    help="NAME:VAR=VALUE[+VAR=VALUE...]: a row imageloader_packed_NAME made and run with each VAR "
+                         "set, VAR one "
                          f"of {', '.join(VARIANT_VARS)} (repeatable)")
     ap.add_argument("--models", type=C.choice_list(list(MODELS)), default=[],
                     help="real models against the bound (e.g. resnet50,resnet18,efficientnet_b0,vit_b_16)")

@@ -77,19 +77,23 @@ def test_the_decode_call_by_step_is_rendered():
             "(1.50–2.50); engines_wait 2.00 (1.50–2.50); engines 2.00") in text
 
 
-@pytest.mark.parametrize("spec", ["nointerp:PINLOADER_JPEG_INTERPOLATE=0", "d4:PINLOADER_JPEG_DECODERS=4"])
+@pytest.mark.parametrize("spec", ["nointerp:PINLOADER_JPEG_INTERPOLATE=0", "d4:PINLOADER_JPEG_DECODERS=4",
+                                  "s0:PINLOADER_JPEG_SORT=1+PINLOADER_JPEG_INTERPOLATE=0"])
 def test_a_variant_names_a_pinloader_variable(spec):
-    """--variant NAME:VAR=VALUE, a packed ImageLoader row made and run with that variable set."""
+    """--variant NAME:VAR=VALUE[+VAR=VALUE...], a packed ImageLoader row made and run with those
+    variables set."""
     assert _bench_images()._variant(spec) == spec
 
 
 @pytest.mark.parametrize("spec", ["nointerp", "x:PATH=1", "no interp:PINLOADER_JPEG_INTERPOLATE=0",
                                   "n:PINLOADER_JPEG_INTERPOLATE", ":PINLOADER_JPEG_INTERPOLATE=0",
-                                  "s20:PINLOADER_JPEG_CUDA_SHARE=0.2", "t:PINLOADER_JPEG_INTERPOLATEX=0"])
+                                  "s20:PINLOADER_JPEG_CUDA_SHARE=0.2", "t:PINLOADER_JPEG_INTERPOLATEX=0",
+                                  "s:PINLOADER_JPEG_SORT=1+", "s:PINLOADER_JPEG_SORT=1+PATH=1",
+                                  "s:PINLOADER_JPEG_SORT=1+PINLOADER_JPEG_SORT=0"])
 def test_a_bad_variant_is_refused(spec):
     import argparse
 
-    with pytest.raises(argparse.ArgumentTypeError, match="--variant wants NAME:VAR=VALUE with VAR one of PINLOADER_JPEG_INTERPOLATE"):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"--variant wants NAME:VAR=VALUE\[\+VAR=VALUE...\] with each VAR once, one of PINLOADER_JPEG_INTERPOLATE"):
         _bench_images()._variant(spec)
 
 
@@ -121,6 +125,14 @@ def test_a_variant_row_runs_every_epoch_with_its_variable_set(monkeypatch):
             assert n == 1 and os.environ["PINLOADER_JPEG_DECODERS"] == "4"
         assert os.environ["PINLOADER_JPEG_DECODERS"] == "2"
     assert seen == [("made", "4")] + [(r, b, "4") for r in (0, 1) for b in (0, 1, "end")]
+
+    # several variables: each set through the epoch, each restored after it
+    monkeypatch.delenv("PINLOADER_JPEG_SORT", raising=False)
+    monkeypatch.setattr(bench_images, "row_imageloader", fake_row)
+    run, _ = bench_images.row_imageloader_variant({}, "x:PINLOADER_JPEG_DECODERS=3+PINLOADER_JPEG_SORT=1", None, None)
+    for n in run(0):
+        assert (os.environ["PINLOADER_JPEG_DECODERS"], os.environ["PINLOADER_JPEG_SORT"]) == ("3", "1")
+    assert os.environ["PINLOADER_JPEG_DECODERS"] == "2" and "PINLOADER_JPEG_SORT" not in os.environ
 
     def failing(r):
         yield 1
