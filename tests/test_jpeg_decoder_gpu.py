@@ -457,9 +457,10 @@ def test_a_region_decode_equals_the_crop_of_a_whole_decode(dec, torch):
 
 
 def test_the_engines_order_changes_no_pixel(dec, torch, monkeypatch):
-    """Note [the engines' order]: a decoder made with PINLOADER_JPEG_SORT=1 hands the engines the
-    batch's images largest first; every sample comes out where it was, equal to the decoder
-    made without it (sizes in no order, some repeated, so the sort moves most of them)."""
+    """Note [the engines' order]: a decoder hands the engines the batch's images largest first;
+    every sample comes out where it was, equal to a decoder made with PINLOADER_JPEG_SORT=0,
+    which keeps the batch's order (sizes in no order, some repeated, so the sort moves most of
+    them)."""
     shapes = [(120, 160), (480, 640), (64, 64), (333, 500), (480, 640), (200, 90), (720, 1280), (64, 64)]
     blobs = [jpeg(photo(h, w, 60 + i)) for i, (h, w) in enumerate(shapes)]
     size = (48, 40)
@@ -467,7 +468,7 @@ def test_the_engines_order_changes_no_pixel(dec, torch, monkeypatch):
     base, offsets, lengths = _pack(blobs)
     want, st = _run(dec, torch, base, offsets, lengths, params, size)
     assert st.tolist() == [0] * len(blobs)
-    monkeypatch.setenv("PINLOADER_JPEG_SORT", "1")
+    monkeypatch.setenv("PINLOADER_JPEG_SORT", "0")
     d2 = _C.JpegDecoder(0, libraries=_cudart.nvjpeg_candidates())
     try:
         got, st2 = _run(d2, torch, base, offsets, lengths, params, size)

@@ -121,7 +121,7 @@ struct pl_jpeg {
     pl_nvjpegDecodeParams_t *params; /* one per hardware sample, grown to the largest batch */
     int params_cap;
     int region; /* Note [region decode] on */
-    int sorted; /* Note [the engines' order] on */
+    int sorted; /* Note [the engines' order]: largest first (PINLOADER_JPEG_SORT=0: off) */
     pl_event *ws_free;    /* recorded after a batch's kernels: Note [engines write at once] */
     int ws_free_recorded;
     int ws_sync_all;      /* the next engines' call waits for the whole stream (same Note) */
@@ -211,7 +211,7 @@ int pl_jpeg_create(const pl_backend *b, int device, const char *const *libs, int
     const char *env = getenv("PINLOADER_JPEG_REGION");
     j->region = env && strcmp(env, "1") == 0;
     env = getenv("PINLOADER_JPEG_SORT");
-    j->sorted = env && strcmp(env, "1") == 0;
+    j->sorted = !(env && strcmp(env, "0") == 0);
     j->interp = interpolate != 0;
     int prev = -1;
     if ((rc = pl_device_push(b, device, &prev)) != PL_OK) {
@@ -348,11 +348,14 @@ static void region_of(const int32_t *p, int H, int W, sample *sm)
 
 /* Note [the engines' order]
  * The engines share one batched call's images out among themselves, and the call ends when the
- * last engine does. With PINLOADER_JPEG_SORT=1 in the environment when a decoder is made, the
- * engines' images go to the call largest decoded area first (ties in the batch's order), as
- * DALI orders the images of its hardware share, so that the small ones fill the engines' tails.
- * Off by default until a run on a GPU shows it pays (benchmarks/bench_images.py's variant rows).
- * The order changes only which engine decodes an image, not its pixels or where they go. */
+ * last engine does. The decoder hands them a batch's images largest decoded area first (ties in
+ * the batch's order), as DALI orders the images of its hardware share, so that the small ones
+ * fill the engines' tails: on an H100, 1.02x the images/s on high-res JPEGs (ImageLoader as it
+ * was over this order, per round: 0.98, 0.98-0.99) and 1.03x on ImageNet-like ones (0.97,
+ * 0.94-1.03), at the same CPU per image (benchmarks/results/h100_2026-12-07c/README.md).
+ * PINLOADER_JPEG_SORT=0 in the environment when a decoder is made keeps the batch's order. The
+ * order changes only which engine decodes an image, not its pixels or where they go
+ * (tests/test_jpeg_decoder_gpu.py::test_the_engines_order_changes_no_pixel). */
 static void largest_first(int *idx, int n, const sample *sm)
 {
     for (int a = 1; a < n; a++) { /* insertion sort: stable, n <= the batch */
