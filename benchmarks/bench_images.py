@@ -245,9 +245,14 @@ VARIANT_VARS = ("PINLOADER_JPEG_INTERPOLATE", "PINLOADER_JPEG_REGION", "PINLOADE
                 "PINLOADER_JPEG_SORT")
 
 
+def _variant_parts(spec: str) -> list[tuple[str, str, str]]:
+    """--variant NAME:VAR=VALUE[+VAR=VALUE...]'s (VAR, "=", VALUE) parts ("" for a missing "=")."""
+    return [p.partition("=") for p in spec.partition(":")[2].split("+")]
+
+
 def _variant_vars(spec: str) -> list[tuple[str, str]]:
     """--variant NAME:VAR=VALUE[+VAR=VALUE...]'s (VAR, VALUE) pairs."""
-    return [(var, value) for var, _, value in (p.partition("=") for p in spec.partition(":")[2].split("+"))]
+    return [(var, value) for var, _, value in _variant_parts(spec)]
 
 
 def row_imageloader_variant(ds: dict, spec: str, args: Any, torch: Any) -> tuple[Runner, Any]:
@@ -315,8 +320,8 @@ def _count(least: int) -> Callable[[str], int]:
 
 
 def _variant(text: str) -> str:
-    name, sep, rest = text.partition(":")
-    pairs = [p.partition("=") for p in rest.split("+")]
+    name, sep, _ = text.partition(":")
+    pairs = _variant_parts(text)
     names = [var for var, _, _ in pairs]
     if (not sep or not name.isidentifier() or any(not eq or var not in VARIANT_VARS for var, eq, _ in pairs)
             or len(set(names)) != len(names)):
@@ -892,8 +897,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="loader-bound: untimed wait after each run (CPU time counted to the row)")
     ap.add_argument("--variant", type=_variant, action="append", default=[],
                     help="NAME:VAR=VALUE[+VAR=VALUE...]: a row imageloader_packed_NAME made and run with each VAR "
-                         "set, VAR one "
-                         f"of {', '.join(VARIANT_VARS)} (repeatable)")
+                         f"set, VAR one of {', '.join(VARIANT_VARS)} (repeatable)")
     ap.add_argument("--models", type=C.choice_list(list(MODELS)), default=[],
                     help="real models against the bound (e.g. resnet50,resnet18,efficientnet_b0,vit_b_16)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per row per round")
